@@ -1,0 +1,682 @@
+"""Packing samples into fixed-shape rows, and mini-batches of whole prompt groups (SPEC §2.6).
+
+A sample is ``prompt_ids ++ response_ids`` of one (merged or unmerged) step. Samples are
+placed first-fit-decreasing (FFD: longest first, each into the first row with room) into
+rows of ``seq_len`` tokens, several samples per row, and the row count is rounded up to a
+bucket from a small set (powers of two by default, or a configured list) so that the
+jitted train step compiles a bounded number of times. Every per-token stream of
+:class:`~rljax.types.PackedBatch` is written at the same ``[row, column]`` as its token;
+entry ``t`` refers to predicting ``tokens[t]`` from ``tokens[<t]`` of the same segment:
+
+==================  ===========================================  ==============
+stream              response tokens                              prompt/padding
+==================  ===========================================  ==============
+loss_mask           the step's loss_mask                         0
+advantages          caller's per-step arrays (default 0)         0
+inference_logprobs  the step's response_logprobs (0 if None)     0
+old_logprobs        = inference_logprobs (trainer may recompute) 0
+ref_logprobs        caller's per-step arrays (default 0)         0
+rl/ce/ref_kl_w      caller's per-step arrays/scalars (1/0/0)     0
+temperatures        the step's temperature on the whole sample   1.0 on padding
+positions           0, 1, ... restarting at each sample          0 on padding
+segment_ids         1..k for the k samples of a row              0 on padding
+sample_index        dense sample id 0..n-1 (input order)         0 on padding
+group_index         dense prompt-group id (by ``instance_id``)   0 on padding
+==================  ===========================================  ==============
+
+Integer streams are int32, the others float32. Attention must not cross segment
+boundaries (the model uses ``segment_ids``); a sample never spans rows.
+
+Decisions (beyond SPEC §2.6):
+
+* Over-length samples raise ``ValueError`` naming the sample. With ``truncate=True`` the
+  TAIL of the response is dropped (the prompt is the conditioning context and is kept
+  whole, so the kept tokens' logprobs stay exact); a prompt that leaves no room for a
+  response token is still an error. Metrics ``truncated_samples`` / ``truncated_tokens``.
+* ``sample_index`` and ``group_index`` are dense per packed batch (so segment reductions
+  use a small static ``num_segments``); :class:`PackLayout` maps them back to the caller's
+  step indices and :attr:`PackResult.group_keys` to ``instance_id`` strings.
+* Mini-batches: the number of prompt groups must be a multiple of ``mini_batch_prompts``
+  (else ``ValueError``; nothing is dropped silently).
+
+Reference: Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"
+(first-fit-decreasing packing with segment ids); SkyRL PR #1529 (mini-batches of prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax.types import PackedBatch, Step, StepBatch
+
+__all__ = [
+    "PackLayout",
+    "PackResult",
+    "bucket_rows",
+    "first_fit_decreasing",
+    "geometric_row_buckets",
+    "make_mini_batches",
+    "pack",
+    "unpack",
+    "unpack_responses",
+]
+
+# A per-step stream: None (default), one scalar for all steps, or one entry per step that is
+# a scalar or an array with one value per response token.
+PerStep = float | Sequence[Any] | None
+
+_RESPONSE_STREAMS = (
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+)
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, np.number)) or (isinstance(v, np.ndarray) and v.ndim == 0)
+
+
+# --------------------------------------------------------------------------------------
+# Placement
+# --------------------------------------------------------------------------------------
+
+
+def first_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
+    """Bin-packs items first-fit-decreasing into bins of ``capacity``.
+
+    Items are visited longest first (ties in input order); each goes into the
+    lowest-numbered bin with room, or a new bin. FFD uses at most ``11/9 OPT + 6/9`` bins
+    (Dósa 2007).
+
+    Returns:
+      ``(rows, starts, segments, num_rows)``: per item (input order) its bin, its offset in
+      the bin and its 1-based rank within the bin; ``num_rows`` is a 0-d int array.
+
+    >>> rows, starts, segs, n = first_fit_decreasing([3, 5, 2, 4], capacity=8)
+    >>> rows.tolist(), starts.tolist(), segs.tolist(), int(n)
+    ([0, 0, 1, 1], [5, 0, 4, 0], [2, 1, 2, 1], 2)
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    n = lengths.shape[0]
+    if n and (lengths.max() > capacity or lengths.min() < 0):
+        raise ValueError(f"lengths must be in [0, capacity={capacity}], got {lengths.min()}..{lengths.max()}")
+    order = np.argsort(-lengths, kind="stable")
+    remaining = np.full(max(n, 1), capacity, dtype=np.int64)
+    count = np.zeros(max(n, 1), dtype=np.int64)
+    rows = np.zeros(n, dtype=np.int64)
+    starts = np.zeros(n, dtype=np.int64)
+    segs = np.zeros(n, dtype=np.int64)
+    used = 0
+    length_list = lengths.tolist()
+    for k in order.tolist():
+        need = length_list[k]
+        r = int(np.argmax(remaining[:used] >= need)) if used else 0
+        if not used or remaining[r] < need:
+            r = used
+            used += 1
+        rows[k] = r
+        starts[k] = capacity - remaining[r]
+        remaining[r] -= need
+        count[r] += 1
+        segs[k] = count[r]
+    return rows, starts, segs, np.asarray(used)
+
+
+def bucket_rows(num_rows: int, *, row_buckets: Sequence[int] | None = None, data_parallel: int = 1) -> int:
+    """Smallest allowed row count ``>= num_rows`` (at least 1) that ``data_parallel`` divides.
+
+    ``row_buckets=None`` allows ``data_parallel * 2**k``; a list allows its entries.
+
+    >>> bucket_rows(5), bucket_rows(5, data_parallel=3), bucket_rows(5, row_buckets=[4, 6, 8])
+    (8, 6, 6)
+    """
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+    need = max(int(num_rows), 1)
+    if row_buckets is None:
+        b = data_parallel
+        while b < need:
+            b *= 2
+        return b
+    fits = sorted(b for b in row_buckets if b >= need and b % data_parallel == 0)
+    if not fits:
+        raise ValueError(
+            f"{num_rows} rows do not fit any row bucket in {sorted(row_buckets)} that is a multiple of "
+            f"data_parallel={data_parallel}; add a larger bucket (or row_buckets=None for powers of two), "
+            "or pack fewer samples per batch"
+        )
+    return fits[0]
+
+
+def geometric_row_buckets(max_rows: int, *, ratio: float = 1.03, data_parallel: int = 1) -> list[int]:
+    """Row buckets ``b_0 = data_parallel``, ``b_{k+1} = ceil_dp(b_k * ratio)`` (at least one step up).
+
+    Multiples of ``data_parallel`` up to the first one ``>= max_rows``. Rounding ``r`` rows up
+    to the next bucket adds fewer than ``(ratio - 1) * r + data_parallel`` padding rows, and
+    the number of buckets grows like ``log(max_rows) / log(ratio)``, so jit compiles few
+    shapes while padding stays a small fraction of large batches.
+
+    >>> geometric_row_buckets(20, ratio=1.25)
+    [1, 2, 3, 4, 5, 7, 9, 12, 15, 19, 24]
+    >>> geometric_row_buckets(10, ratio=1.5, data_parallel=4)
+    [4, 8, 12]
+    """
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1, got {ratio}")
+    if data_parallel < 1 or max_rows < 1:
+        raise ValueError(f"max_rows and data_parallel must be >= 1, got {max_rows} and {data_parallel}")
+    buckets = [data_parallel]
+    while buckets[-1] < max_rows:
+        step_up = int(np.ceil(buckets[-1] * ratio / data_parallel)) * data_parallel
+        buckets.append(max(step_up, buckets[-1] + data_parallel))
+    return buckets
+
+
+# --------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Where each packed sample sits; all arrays are int64 ``[num_samples]`` in input order.
+
+    Attributes:
+      rows, starts: row and first column of each sample.
+      prompt_lens, response_lens: packed lengths (response after truncation).
+      source_index: the sample's index in the caller's steps (the batch, for mini-batches).
+      seq_len, num_rows: the packed shape.
+    """
+
+    rows: np.ndarray
+    starts: np.ndarray
+    prompt_lens: np.ndarray
+    response_lens: np.ndarray
+    source_index: np.ndarray
+    seq_len: int
+    num_rows: int
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.prompt_lens + self.response_lens
+
+    def flat_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(dest, rel, is_response)`` for the concatenation of all samples in input order.
+
+        ``dest`` is the index into the flattened ``[num_rows * seq_len]`` arrays, ``rel`` the
+        position inside the sample and ``is_response`` marks response tokens.
+        """
+        lengths = self.lengths
+        offsets = np.cumsum(lengths) - lengths
+        rel = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths)
+        dest = rel + np.repeat(self.rows * self.seq_len + self.starts, lengths)
+        is_response = rel >= np.repeat(self.prompt_lens, lengths)
+        return dest, rel, is_response
+
+
+@dataclasses.dataclass(frozen=True)
+class PackResult:
+    """A packed batch with its layout, metrics and the ``instance_id`` of each group index."""
+
+    batch: PackedBatch
+    layout: PackLayout
+    metrics: dict[str, Any]
+    group_keys: tuple[str, ...]
+
+
+def _where(steps: Sequence[Step], source: np.ndarray, k: int) -> str:
+    return f"sample {int(source[k])} (trajectory {steps[k].trajectory_id})"
+
+
+def _response_stream(
+    name: str,
+    value: PerStep,
+    steps: Sequence[Step],
+    source: np.ndarray,
+    resp_lens: np.ndarray,
+    keep_lens: np.ndarray,
+    default: float,
+) -> np.ndarray:
+    """Concatenates a per-step stream over the (kept) response tokens of all samples."""
+    total = int(keep_lens.sum())
+    if value is None:
+        return np.full(total, default, dtype=np.float32)
+    if _is_scalar(value):
+        out = np.full(total, float(value), dtype=np.float32)
+    else:
+        if len(value) != len(steps):
+            raise ValueError(
+                f"{name} has {len(value)} entries but there are {len(steps)} samples; pass one entry "
+                "(a scalar or a per-response-token array) per sample, in order"
+            )
+        parts = []
+        for k, v in enumerate(value):
+            keep = int(keep_lens[k])
+            if v is None:
+                parts.append(np.full(keep, default, dtype=np.float32))
+            elif _is_scalar(v):
+                parts.append(np.full(keep, float(v), dtype=np.float32))
+            else:
+                a = np.asarray(v, dtype=np.float32)
+                if a.shape != (int(resp_lens[k]),):
+                    raise ValueError(
+                        f"{name} of {_where(steps, source, k)} has shape {a.shape} but the sample has "
+                        f"{int(resp_lens[k])} response tokens; pass one value per response token"
+                    )
+                parts.append(a[:keep])
+        out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    if not np.all(np.isfinite(out)):
+        bad = int(np.searchsorted(np.cumsum(keep_lens), int(np.argmin(np.isfinite(out))), side="right"))
+        raise ValueError(f"{name} of {_where(steps, source, bad)} has a non-finite value (NaN or inf)")
+    return out
+
+
+def _pack_steps(
+    steps: Sequence[Step],
+    source: np.ndarray,
+    *,
+    seq_len: int,
+    advantages: PerStep,
+    ref_logprobs: PerStep,
+    rl_weights: PerStep,
+    ce_weights: PerStep,
+    ref_kl_weights: PerStep,
+    row_buckets: Sequence[int] | None,
+    data_parallel: int,
+    truncate: bool,
+) -> PackResult:
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (a prompt token and a response token), got {seq_len}")
+    n = len(steps)
+    prompt_lens = np.fromiter((len(s.prompt_ids) for s in steps), dtype=np.int64, count=n)
+    resp_lens = np.fromiter((len(s.response_ids) for s in steps), dtype=np.int64, count=n)
+    if n and prompt_lens.min() == 0:
+        k = int(np.argmin(prompt_lens))
+        raise ValueError(
+            f"{_where(steps, source, k)} has an empty prompt: its first token could not be predicted; "
+            "every sample needs at least one prompt token (e.g. BOS)"
+        )
+    # Cheap consistency checks (a StepBatch is validated already; plain Step lists may not be).
+    mask_lens = np.fromiter((len(s.loss_mask) for s in steps), dtype=np.int64, count=n)
+    lp_lens = np.fromiter(
+        (len(r) if (r := s.response_logprobs) is not None else len(s.response_ids) for s in steps),
+        dtype=np.int64,
+        count=n,
+    )
+    for field, lens in (("loss_mask", mask_lens), ("response_logprobs", lp_lens)):
+        bad = np.flatnonzero(lens != resp_lens)
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(
+                f"{_where(steps, source, k)}: {field} has {int(lens[k])} entries but response_ids has "
+                f"{int(resp_lens[k])}; they must match (build a StepBatch to validate samples)"
+            )
+    over = np.flatnonzero(prompt_lens + resp_lens > seq_len)
+    keep_lens = resp_lens
+    if over.size:
+        k = int(over[0])
+        if not truncate:
+            raise ValueError(
+                f"{_where(steps, source, k)} has {int(prompt_lens[k] + resp_lens[k])} tokens (prompt "
+                f"{int(prompt_lens[k])} + response {int(resp_lens[k])}) > seq_len={seq_len}; raise "
+                "seq_len or pass truncate=True to drop the tail of over-long responses"
+            )
+        long_prompt = np.flatnonzero(prompt_lens[over] >= seq_len)
+        if long_prompt.size:
+            k = int(over[long_prompt[0]])
+            raise ValueError(
+                f"{_where(steps, source, k)} has a {int(prompt_lens[k])}-token prompt >= seq_len={seq_len}: "
+                "truncation keeps the prompt whole and no response token would remain; raise seq_len"
+            )
+        keep_lens = np.minimum(resp_lens, seq_len - prompt_lens)
+    lengths = prompt_lens + keep_lens
+
+    rows, starts, segs, used = first_fit_decreasing(lengths, seq_len)
+    num_rows = bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel)
+    layout = PackLayout(
+        rows=rows,
+        starts=starts,
+        prompt_lens=prompt_lens,
+        response_lens=keep_lens,
+        source_index=np.asarray(source, dtype=np.int64),
+        seq_len=seq_len,
+        num_rows=num_rows,
+    )
+    dest, rel, is_response = layout.flat_index()
+    resp_dest = dest[is_response]
+
+    # Host sequences -> flat arrays: one C-level pass per stream (no per-token Python code).
+    token_parts: list[Any] = []
+    mask_parts: list[Any] = []
+    logprob_parts: list[Any] = []
+    without_logprobs = 0
+    for k, s in enumerate(steps):
+        keep = int(keep_lens[k])
+        cut = keep < resp_lens[k]
+        token_parts.append(s.prompt_ids)
+        token_parts.append(s.response_ids[:keep] if cut else s.response_ids)
+        mask_parts.append(s.loss_mask[:keep] if cut else s.loss_mask)
+        if s.response_logprobs is None:
+            without_logprobs += 1
+            logprob_parts.append(itertools.repeat(0.0, keep))
+        else:
+            logprob_parts.append(s.response_logprobs[:keep] if cut else s.response_logprobs)
+    total = int(lengths.sum())
+    n_resp = int(keep_lens.sum())
+    flat_tokens = np.fromiter(itertools.chain.from_iterable(token_parts), dtype=np.int32, count=total)
+    loss_mask = np.fromiter(itertools.chain.from_iterable(mask_parts), dtype=np.float32, count=n_resp)
+    inference_lp = np.fromiter(itertools.chain.from_iterable(logprob_parts), dtype=np.float32, count=n_resp)
+
+    group_keys: dict[str, int] = {}
+    group = np.fromiter(
+        (group_keys.setdefault(s.trajectory_id.instance_id, len(group_keys)) for s in steps),
+        np.int64,
+        count=n,
+    )
+    temps = np.fromiter((s.temperature for s in steps), dtype=np.float32, count=n)
+
+    size = num_rows * seq_len
+
+    def scatter(values: np.ndarray, where: np.ndarray, dtype: Any, fill: float = 0) -> np.ndarray:
+        out = np.full(size, fill, dtype=dtype) if fill else np.zeros(size, dtype=dtype)
+        out[where] = values
+        return out.reshape(num_rows, seq_len)
+
+    streams = dict(
+        advantages=_response_stream("advantages", advantages, steps, source, resp_lens, keep_lens, 0.0),
+        ref_logprobs=_response_stream("ref_logprobs", ref_logprobs, steps, source, resp_lens, keep_lens, 0.0),
+        rl_weights=_response_stream("rl_weights", rl_weights, steps, source, resp_lens, keep_lens, 1.0),
+        ce_weights=_response_stream("ce_weights", ce_weights, steps, source, resp_lens, keep_lens, 0.0),
+        ref_kl_weights=_response_stream(
+            "ref_kl_weights", ref_kl_weights, steps, source, resp_lens, keep_lens, 0.0
+        ),
+    )
+    batch = PackedBatch(
+        tokens=scatter(flat_tokens, dest, np.int32),
+        positions=scatter(rel, dest, np.int32),
+        segment_ids=scatter(np.repeat(segs, lengths), dest, np.int32),
+        sample_index=scatter(np.repeat(np.arange(n), lengths), dest, np.int32),
+        group_index=scatter(np.repeat(group, lengths), dest, np.int32),
+        loss_mask=scatter(loss_mask, resp_dest, np.float32),
+        inference_logprobs=scatter(inference_lp, resp_dest, np.float32),
+        old_logprobs=scatter(inference_lp, resp_dest, np.float32),
+        temperatures=scatter(np.repeat(temps, lengths), dest, np.float32, fill=1.0),
+        **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
+    )
+    metrics = {
+        "num_samples": n,
+        "num_groups": len(group_keys),
+        "num_rows": num_rows,
+        "used_rows": int(used),
+        "padding_rows": num_rows - int(used),
+        "seq_len": seq_len,
+        "real_tokens": total,
+        "capacity_tokens": size,
+        "packing_efficiency": total / size,
+        "trainable_tokens": int(loss_mask.sum()),
+        "truncated_samples": int(over.size) if truncate else 0,
+        "truncated_tokens": int((resp_lens - keep_lens).sum()),
+        "samples_without_logprobs": without_logprobs,
+    }
+    return PackResult(batch=batch, layout=layout, metrics=metrics, group_keys=tuple(group_keys))
+
+
+def pack(
+    samples: StepBatch | Sequence[Step],
+    *,
+    seq_len: int,
+    advantages: PerStep = None,
+    ref_logprobs: PerStep = None,
+    rl_weights: PerStep = None,
+    ce_weights: PerStep = None,
+    ref_kl_weights: PerStep = None,
+    row_buckets: Sequence[int] | None = None,
+    data_parallel: int = 1,
+    truncate: bool = False,
+) -> PackResult:
+    """Packs samples FFD into a :class:`~rljax.types.PackedBatch` of shape ``[rows, seq_len]``.
+
+    Args:
+      samples: steps (merged or not); sample ``k`` is ``prompt_ids ++ response_ids`` of step k.
+      seq_len: row length.
+      advantages, ref_logprobs, rl_weights, ce_weights, ref_kl_weights: per-step streams aligned
+        to each step's response tokens: None (defaults 0, 0, 1, 0, 0), a scalar for all steps, or
+        one entry per step, each a scalar or an array of ``len(response_ids)`` values.
+      row_buckets: allowed row counts (default powers of two times ``data_parallel``).
+      data_parallel: the row count is a multiple of it; padding rows are fully masked.
+      truncate: drop the tail of over-long responses instead of raising ``ValueError``.
+
+    Returns:
+      A :class:`PackResult` (``batch``, ``layout`` for :func:`unpack`, ``metrics``: rows,
+      ``packing_efficiency`` = real tokens / (rows * seq_len), truncation counts, ...).
+
+    >>> from rljax.types import Step
+    >>> r = pack([Step([1, 2], [3, 4], ("q", 0)), Step([5], [6], ("q", 1))], seq_len=8,
+    ...          advantages=[[0.5, 0.5], [-1.0]])
+    >>> r.batch.shape, r.batch.tokens.tolist(), r.batch.segment_ids.tolist()
+    ((1, 8), [[1, 2, 3, 4, 5, 6, 0, 0]], [[1, 1, 1, 1, 2, 2, 0, 0]])
+    >>> r.batch.positions.tolist(), r.batch.advantages.tolist()
+    ([[0, 1, 2, 3, 0, 1, 0, 0]], [[0.0, 0.0, 0.5, 0.5, 0.0, -1.0, 0.0, 0.0]])
+    """
+    steps = samples.steps if isinstance(samples, StepBatch) else tuple(samples)
+    return _pack_steps(
+        steps,
+        np.arange(len(steps)),
+        seq_len=seq_len,
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        rl_weights=rl_weights,
+        ce_weights=ce_weights,
+        ref_kl_weights=ref_kl_weights,
+        row_buckets=row_buckets,
+        data_parallel=data_parallel,
+        truncate=truncate,
+    )
+
+
+def unpack_responses(array: Any, layout: PackLayout) -> list[np.ndarray]:
+    """Cuts a ``[rows, seq_len]`` per-token array back into per-sample response arrays.
+
+    Use it to bring values computed on a packed batch (e.g. recomputed logprobs) back to the
+    samples, aligned with each sample's (kept) response tokens, in input order.
+
+    >>> from rljax.types import Step
+    >>> r = pack([Step([1, 2], [3, 4], ("q", 0)), Step([5], [6], ("q", 1))], seq_len=8)
+    >>> [a.tolist() for a in unpack_responses(r.batch.tokens, r.layout)]
+    [[3, 4], [6]]
+    """
+    flat = np.asarray(array).reshape(-1)
+    if flat.shape[0] != layout.num_rows * layout.seq_len:
+        raise ValueError(
+            f"array has shape {np.shape(array)} but the layout is [{layout.num_rows}, {layout.seq_len}]"
+        )
+    dest, _, is_response = layout.flat_index()
+    values = flat[dest[is_response]]
+    return np.split(values, np.cumsum(layout.response_lens)[:-1]) if layout.num_samples else []
+
+
+def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
+    """Restores every sample (tokens and every stream) from a packed batch, in input order.
+
+    Each dict has ``prompt_ids``, ``response_ids``, ``positions`` (whole sample), the response
+    part of every response stream (``loss_mask``, ``advantages``, ``inference_logprobs``,
+    ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``),
+    and the per-sample scalars ``temperature``, ``segment_id``, ``sample_index``,
+    ``group_index``, ``row`` and ``source_index``.
+
+    >>> from rljax.types import Step
+    >>> r = pack([Step([1, 2], [3, 4], ("q", 0), loss_mask=[1, 0])], seq_len=4)
+    >>> s = unpack(r.batch, r.layout)[0]
+    >>> s["prompt_ids"].tolist(), s["response_ids"].tolist(), s["loss_mask"].tolist()
+    ([1, 2], [3, 4], [1.0, 0.0])
+    """
+    dest, _, _ = layout.flat_index()
+    gathered = {
+        name: np.asarray(getattr(packed, name)).reshape(-1)[dest]
+        for name in ("tokens", "positions", "segment_ids", "sample_index", "group_index", "temperatures")
+        + _RESPONSE_STREAMS
+    }
+    lengths = layout.lengths
+    offsets = np.cumsum(lengths) - lengths
+    out = []
+    for k in range(layout.num_samples):
+        lo, mid, hi = int(offsets[k]), int(offsets[k] + layout.prompt_lens[k]), int(offsets[k] + lengths[k])
+        sample: dict[str, Any] = {
+            "prompt_ids": gathered["tokens"][lo:mid],
+            "response_ids": gathered["tokens"][mid:hi],
+            "positions": gathered["positions"][lo:hi],
+            "temperature": float(gathered["temperatures"][lo]),
+            "segment_id": int(gathered["segment_ids"][lo]),
+            "sample_index": int(gathered["sample_index"][lo]),
+            "group_index": int(gathered["group_index"][lo]),
+            "row": int(layout.rows[k]),
+            "source_index": int(layout.source_index[k]),
+        }
+        for name in _RESPONSE_STREAMS:
+            sample[name] = gathered[name][mid:hi]
+        out.append(sample)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Mini-batches
+# --------------------------------------------------------------------------------------
+
+
+def _select(name: str, value: PerStep, idx: np.ndarray, n: int) -> PerStep:
+    if value is None or _is_scalar(value):
+        return value
+    if len(value) != n:
+        raise ValueError(
+            f"{name} has {len(value)} entries but the batch has {n} steps; pass one entry per step, in order"
+        )
+    return [value[i] for i in idx.tolist()]
+
+
+def _balanced_assignment(group_tokens: np.ndarray, num_batches: int, per_batch: int) -> list[list[int]]:
+    """Greedy balanced partition: groups (largest first) go to the lightest non-full mini-batch."""
+    load = np.zeros(num_batches, dtype=np.int64)
+    size = np.zeros(num_batches, dtype=np.int64)
+    out: list[list[int]] = [[] for _ in range(num_batches)]
+    for g in np.argsort(-group_tokens, kind="stable").tolist():
+        open_ = np.flatnonzero(size < per_batch)
+        b = int(open_[np.argmin(load[open_])])
+        out[b].append(g)
+        load[b] += group_tokens[g]
+        size[b] += 1
+    return [sorted(o) for o in out]
+
+
+def make_mini_batches(
+    batch: StepBatch | Sequence[Step],
+    *,
+    mini_batch_prompts: int,
+    seq_len: int,
+    advantages: PerStep = None,
+    ref_logprobs: PerStep = None,
+    rl_weights: PerStep = None,
+    ce_weights: PerStep = None,
+    ref_kl_weights: PerStep = None,
+    row_buckets: Sequence[int] | None = None,
+    data_parallel: int = 1,
+    truncate: bool = False,
+    shuffle_seed: int | None = None,
+    balance_tokens: bool = False,
+) -> Iterator[PackResult]:
+    """Splits a batch into packed mini-batches of exactly ``mini_batch_prompts`` prompt groups.
+
+    A prompt group is every step sharing ``trajectory_id.instance_id``; a mini-batch holds
+    whole groups however many steps they produced, so the number of optimizer steps per batch
+    is ``num_prompts / mini_batch_prompts`` (SkyRL PR #1529). Groups are taken in order of
+    first appearance, or shuffled with ``shuffle_seed``; ``balance_tokens=True`` instead
+    assigns groups (largest first) to the mini-batch with the fewest tokens so far, which
+    evens out row counts (fewer shapes, less padding). Streams and packing options are those
+    of :func:`pack` (per-step streams index the whole batch). Each result's
+    ``layout.source_index`` holds batch step indices; metrics add ``num_prompts``,
+    ``mini_batch`` and ``num_mini_batches``. Raises ``ValueError`` (eagerly) when the number of
+    prompts is not a multiple of ``mini_batch_prompts``.
+
+    >>> from rljax.types import Step
+    >>> steps = [Step([1], [2], (q, r)) for q in "abcd" for r in range(2)]
+    >>> mbs = list(make_mini_batches(steps, mini_batch_prompts=2, seq_len=8))
+    >>> [m.group_keys for m in mbs], [m.batch.shape for m in mbs]
+    ([('a', 'b'), ('c', 'd')], [(1, 8), (1, 8)])
+    """
+    steps = batch.steps if isinstance(batch, StepBatch) else tuple(batch)
+    n = len(steps)
+    if mini_batch_prompts < 1:
+        raise ValueError(f"mini_batch_prompts must be >= 1, got {mini_batch_prompts}")
+    group_of: dict[str, int] = {}
+    group = np.fromiter(
+        (group_of.setdefault(s.trajectory_id.instance_id, len(group_of)) for s in steps), np.int64, count=n
+    )
+    num_groups = len(group_of)
+    if num_groups % mini_batch_prompts:
+        raise ValueError(
+            f"the batch has {num_groups} prompt groups, not a multiple of mini_batch_prompts="
+            f"{mini_batch_prompts}; choose mini_batch_prompts dividing the number of prompts per batch"
+        )
+    num_batches = num_groups // mini_batch_prompts
+    streams = dict(
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        rl_weights=rl_weights,
+        ce_weights=ce_weights,
+        ref_kl_weights=ref_kl_weights,
+    )
+    for name, value in streams.items():
+        _select(name, value, np.arange(0), n)  # length check up front
+    if balance_tokens:
+        tokens = np.fromiter((len(s.prompt_ids) + len(s.response_ids) for s in steps), np.int64, count=n)
+        assignment = _balanced_assignment(
+            np.bincount(group, weights=tokens, minlength=num_groups).astype(np.int64),
+            num_batches,
+            mini_batch_prompts,
+        )
+        if shuffle_seed is not None:
+            assignment = [assignment[b] for b in np.random.default_rng(shuffle_seed).permutation(num_batches)]
+    else:
+        order = np.arange(num_groups)
+        if shuffle_seed is not None:
+            order = np.random.default_rng(shuffle_seed).permutation(num_groups)
+        assignment = [
+            order[b * mini_batch_prompts : (b + 1) * mini_batch_prompts].tolist() for b in range(num_batches)
+        ]
+
+    def generate() -> Iterator[PackResult]:
+        in_batch = np.empty(num_groups, dtype=np.int64)
+        for b, groups in enumerate(assignment):
+            in_batch[:] = -1
+            in_batch[groups] = b
+            idx = np.flatnonzero(in_batch[group] == b)
+            result = _pack_steps(
+                [steps[i] for i in idx.tolist()],
+                idx,
+                seq_len=seq_len,
+                row_buckets=row_buckets,
+                data_parallel=data_parallel,
+                truncate=truncate,
+                **{name: _select(name, value, idx, n) for name, value in streams.items()},
+            )
+            result.metrics.update(num_prompts=len(groups), mini_batch=b, num_mini_batches=num_batches)
+            yield result
+
+    return generate()
