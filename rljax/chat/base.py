@@ -1,0 +1,462 @@
+"""Renderer interface: chat templates as token streams (SPEC §4).
+
+A renderer turns OpenAI-style messages (dicts with ``role``, ``content`` and optionally
+``reasoning_content``, ``tool_calls``, ``tool_call_id``, ``name``) into token ids for one chat
+format, and reads completions back. The agent loop never re-tokenizes generated text: the
+next prompt is the previous prompt + the sampled completion ids + the ids :meth:`bridge` adds
+for the new environment messages, so a trainer sees exactly the ids the sampler produced.
+
+Interface (every renderer):
+
+* ``render_ids(messages, *, add_generation_prompt, tools=None) -> list[int]`` -- the full
+  conversation, token for token equal to ``tokenizer.apply_chat_template(messages,
+  tools=tools, add_generation_prompt=..., tokenize=True, return_dict=False)`` of the
+  format's reference template.
+* ``render_with_roles(...) -> Rendered`` -- the same ids plus, per token, the role and index
+  of the message it came from and whether it is message *body* (text written by that
+  message's author) or template scaffolding. ``Rendered.mask(roles={"tool"})`` gives e.g. the
+  tool-response body tokens the "echo" algorithm trains with cross-entropy.
+* ``parse_response(completion_ids) -> ParsedResponse`` -- content, reasoning, tool calls
+  (unpacks as ``content, reasoning, tool_calls = ...``); malformed tool calls are listed in
+  ``.errors``, never raised.
+* ``stop_token_ids() -> list[int]`` -- ids that end an assistant turn (pass to the sampler).
+* ``bridge(prev_prompt_ids, prev_completion_ids, new_messages, *, tools=None)`` -- ids that
+  start with ``prev_prompt_ids + prev_completion_ids`` exactly, then the new messages and the
+  next assistant opener; ``None`` when the renderer cannot show that this is what the
+  format's template appends (e.g. the completion did not end with the end-of-turn token, or
+  the template would rewrite earlier turns). The caller then falls back to ``render_ids``.
+  ``bridge_with_roles`` returns only the appended part, with roles (message indices refer to
+  ``new_messages``).
+
+Renderers that spell out a format (ChatML, Qwen3, Llama 3) build ids from *pieces*: single
+special tokens (one id each) and text between them, each text run tokenized as a whole. A
+Hugging Face tokenizer splits its input at added tokens before normalizing and
+pre-tokenizing, so this is exactly how the whole rendered string is tokenized, whatever the
+message text contains; the constructor checks that the tokenizer behaves that way.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from rljax.chat.tool_calls import ToolCallError
+
+__all__ = [
+    "Message",
+    "ParsedResponse",
+    "Piece",
+    "Rendered",
+    "Renderer",
+    "TemplateRenderer",
+    "check_messages",
+    "encode_pieces",
+    "normalize_tools",
+]
+
+Message = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """Token ids with per-token provenance.
+
+    Attributes:
+      ids: token ids.
+      roles: role of the message each token belongs to (``None`` for tokens of no message,
+        e.g. ``<|begin_of_text|>``); the generation prompt has role ``"assistant"``.
+      message_indices: index of that message in the rendered list (``None`` for scaffolding
+        that belongs to no message: BOS, default system prompt, generation prompt).
+      is_body: True for tokens of message text (content, reasoning, tool-call name and
+        arguments), False for template scaffolding.
+
+    >>> r = Rendered([5, 6, 7], ["user", "user", "tool"], [0, 0, 1], [False, True, True])
+    >>> r.mask(roles={"tool"}), r.mask()
+    ([0, 0, 1], [0, 1, 1])
+    """
+
+    ids: list[int]
+    roles: list[str | None]
+    message_indices: list[int | None]
+    is_body: list[bool]
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        if not len(self.roles) == len(self.message_indices) == len(self.is_body) == n:
+            raise ValueError(
+                f"Rendered fields must have one entry per id: ids={n}, roles={len(self.roles)}, "
+                f"message_indices={len(self.message_indices)}, is_body={len(self.is_body)}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def mask(self, *, roles: Iterable[str] | None = None, body_only: bool = True) -> list[int]:
+        """1 for tokens of the given roles (all roles if None), body tokens only by default."""
+        wanted = None if roles is None else set(roles)
+        return [
+            int((wanted is None or r in wanted) and (b or not body_only) and r is not None)
+            for r, b in zip(self.roles, self.is_body, strict=True)
+        ]
+
+    def shifted(self, offset: int) -> Rendered:
+        """Message indices minus ``offset``; indices that become negative turn into None."""
+        idx = [None if i is None or i - offset < 0 else i - offset for i in self.message_indices]
+        return dataclasses.replace(self, message_indices=idx)
+
+    def __getitem__(self, s: slice) -> Rendered:
+        if not isinstance(s, slice):
+            raise TypeError("Rendered supports slicing only; index .ids for a single id")
+        return Rendered(self.ids[s], self.roles[s], self.message_indices[s], self.is_body[s])
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedResponse:
+    """What a completion says. Unpacks as ``content, reasoning, tool_calls``.
+
+    Attributes:
+      content: the answer text (reasoning block and tool-call blocks removed).
+      reasoning: text of the ``<think>`` block, or None when there is none.
+      tool_calls: OpenAI-style calls ``{"id", "type", "function": {"name", "arguments": dict}}``.
+      errors: tool calls that could not be parsed (never raised).
+      stopped: True when the completion ended with a stop token (else it was truncated).
+
+    >>> p = ParsedResponse("hi", None, [], [], True)
+    >>> content, reasoning, calls = p
+    >>> p.to_message()
+    {'role': 'assistant', 'content': 'hi'}
+    """
+
+    content: str
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    errors: list[ToolCallError]
+    stopped: bool
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.content, self.reasoning, self.tool_calls))
+
+    def to_message(self) -> dict[str, Any]:
+        """The assistant message to append to the history (for full re-renders)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [dict(c) for c in self.tool_calls]
+        return message
+
+
+def check_messages(messages: Sequence[Message], *, allow_empty: bool = False) -> list[Message]:
+    """Validates the message list shape; returns it as a list.
+
+    >>> check_messages([{"role": "user", "content": "hi"}])
+    [{'role': 'user', 'content': 'hi'}]
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages and not allow_empty:
+        raise ValueError("messages is empty: a conversation needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
+    return list(messages)
+
+
+def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]] | None:
+    """Tool specs as JSON-schema dicts (callables converted like ``apply_chat_template`` does)."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, Mapping):
+            out.append(dict(tool))
+        elif callable(tool):
+            from transformers.utils import get_json_schema
+
+            out.append(get_json_schema(tool))
+        else:
+            raise ValueError(
+                f"tools[{i}] must be a JSON-schema dict or a function, got {type(tool).__name__}"
+            )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One piece of a rendered conversation.
+
+    ``special`` pieces are a single special token (one id); other pieces are text, and
+    consecutive text pieces are tokenized together as one string.
+    """
+
+    text: str
+    role: str | None = None
+    message_index: int | None = None
+    is_body: bool = False
+    special: bool = False
+
+
+def _text_runs(pieces: Sequence[Piece]) -> list[list[Piece] | Piece]:
+    """Groups consecutive non-empty text pieces into runs; special pieces stand alone."""
+    out: list[list[Piece] | Piece] = []
+    for p in pieces:
+        if p.special:
+            out.append(p)
+        elif p.text:
+            if out and isinstance(out[-1], list):
+                out[-1].append(p)
+            else:
+                out.append([p])
+    return out
+
+
+def _attribute(run: list[Piece], offsets: Sequence[tuple[int, int]]) -> Iterator[tuple[Piece, bool]]:
+    """For each token (by char offsets) its first piece and whether it overlaps a body piece."""
+    starts = []
+    pos = 0
+    for p in run:
+        starts.append(pos)
+        pos += len(p.text)
+    for start, end in offsets:
+        first = max(0, bisect.bisect_right(starts, start) - 1)
+        last = max(first, bisect.bisect_left(starts, max(end, start + 1)) - 1)
+        yield run[first], any(run[k].is_body for k in range(first, last + 1))
+
+
+def encode_pieces(tokenizer: Any, pieces: Sequence[Piece], special_ids: Mapping[str, int]) -> Rendered:
+    """Tokenizes pieces: special pieces map to their id, each text run is encoded whole.
+
+    Tokens are attributed to the piece holding their first character and count as body when
+    they overlap a body piece (a BPE token may straddle a boundary, e.g. ``"\\n\\n"``).
+    """
+    runs = _text_runs(pieces)
+    texts = ["".join(p.text for p in r) for r in runs if isinstance(r, list)]
+    encoded = (
+        tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        if texts
+        else {"input_ids": [], "offset_mapping": []}
+    )
+    ids: list[int] = []
+    roles: list[str | None] = []
+    indices: list[int | None] = []
+    body: list[bool] = []
+    k = 0
+    for r in runs:
+        if isinstance(r, Piece):
+            ids.append(special_ids[r.text])
+            roles.append(r.role)
+            indices.append(r.message_index)
+            body.append(r.is_body)
+            continue
+        run_ids, offsets = encoded["input_ids"][k], encoded["offset_mapping"][k]
+        k += 1
+        for tok, (piece, is_body) in zip(run_ids, _attribute(r, offsets), strict=True):
+            ids.append(int(tok))
+            roles.append(piece.role)
+            indices.append(piece.message_index)
+            body.append(is_body)
+    return Rendered(ids, roles, indices, body)
+
+
+class Renderer(abc.ABC):
+    """A chat format as token streams. See the module docstring for the contract."""
+
+    tokenizer: Any
+
+    @abc.abstractmethod
+    def render_with_roles(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
+    ) -> Rendered:
+        """Full conversation ids with per-token role/message/body attribution."""
+
+    def render_ids(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
+    ) -> list[int]:
+        """Full conversation ids (== ``apply_chat_template(..., tokenize=True)``)."""
+        return self.render_with_roles(messages, add_generation_prompt=add_generation_prompt, tools=tools).ids
+
+    @abc.abstractmethod
+    def parse_response(self, ids: Sequence[int]) -> ParsedResponse:
+        """Content, reasoning and tool calls of one completion, from its token ids."""
+
+    @abc.abstractmethod
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end an assistant turn."""
+
+    @abc.abstractmethod
+    def bridge_with_roles(
+        self,
+        prev_prompt_ids: Sequence[int],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Any] | None = None,
+    ) -> Rendered | None:
+        """The ids :meth:`bridge` appends after prompt + completion (with roles), or None."""
+
+    def bridge(
+        self,
+        prev_prompt_ids: Sequence[int],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Any] | None = None,
+    ) -> list[int] | None:
+        """``prev_prompt + prev_completion + new messages + assistant opener``, or None."""
+        suffix = self.bridge_with_roles(prev_prompt_ids, prev_completion_ids, new_messages, tools=tools)
+        if suffix is None:
+            return None
+        return [*map(int, prev_prompt_ids), *map(int, prev_completion_ids), *suffix.ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ids, special tokens kept, no clean-up (for environments and parsing)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _added_token(tokenizer: Any, text: str) -> Any | None:
+    for token in tokenizer.added_tokens_decoder.values():
+        if token.content == text:
+            return token
+    return None
+
+
+def require_special_tokens(tokenizer: Any, tokens: Iterable[str], *, fmt: str) -> dict[str, int]:
+    """Ids of the format's special tokens; clear errors when the tokenizer does not fit."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"the {fmt} renderer needs a fast (Rust) Hugging Face tokenizer for offsets; got "
+            f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
+        )
+    ids = {}
+    for text in tokens:
+        token = _added_token(tokenizer, text)
+        if token is None:
+            raise ValueError(
+                f"the tokenizer has no added token {text!r}, which the {fmt} format needs; "
+                "use a tokenizer of that model family or GenericRenderer"
+            )
+        if token.lstrip or token.rstrip:
+            raise ValueError(
+                f"added token {text!r} strips adjacent whitespace (lstrip/rstrip), so piecewise "
+                f"tokenization would differ from the template's; use GenericRenderer for this tokenizer"
+            )
+        ids[text] = int(tokenizer.convert_tokens_to_ids(text))
+    return ids
+
+
+def check_piecewise_tokenization(tokenizer: Any, special: str, *, fmt: str) -> None:
+    """Checks that text after a special token tokenizes as it does alone (no prefix-space tricks)."""
+    probe = "\nuser says: hello  world\n\n{}"
+    alone = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    joined = tokenizer(special + probe, add_special_tokens=False)["input_ids"]
+    if list(joined[1:]) != list(alone):
+        raise ValueError(
+            f"this tokenizer does not tokenize text after {special!r} independently (e.g. it prepends a "
+            f"space to each segment), so the {fmt} renderer cannot build ids piecewise; use GenericRenderer"
+        )
+
+
+_BRIDGE_BASE: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": "y"},
+)
+
+
+class TemplateRenderer(Renderer):
+    """A renderer that spells its format out as :class:`Piece` lists.
+
+    Subclasses define ``_pieces`` (the template logic), ``END_OF_TURN`` (the special token
+    that closes an assistant turn), ``_parse_text`` and the set of special tokens. Bridging
+    renders a fixed base conversation ``[user, assistant]`` followed by the new messages and
+    keeps the pieces after the base assistant's end-of-turn token: the template logic that
+    produces them is the same code as for full renders, so the two cannot disagree.
+    """
+
+    END_OF_TURN: str = ""
+    FORMAT: str = ""
+
+    def __init__(
+        self, tokenizer: Any, *, special_tokens: Sequence[str], extra_stop_tokens: Sequence[str] = ()
+    ):
+        self.tokenizer = tokenizer
+        self._special_ids = require_special_tokens(tokenizer, special_tokens, fmt=self.FORMAT)
+        check_piecewise_tokenization(tokenizer, self.END_OF_TURN, fmt=self.FORMAT)
+        self._end_of_turn_id = self._special_ids[self.END_OF_TURN]
+        stops = [self._end_of_turn_id]
+        for text in extra_stop_tokens:
+            token = _added_token(tokenizer, text)
+            if token is not None:
+                stops.append(int(tokenizer.convert_tokens_to_ids(text)))
+        self._stop_ids = list(dict.fromkeys(stops))
+
+    # -- template ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def _pieces(
+        self, messages: list[Message], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+    ) -> list[Piece]:
+        """The format's template as pieces (mirrors the reference Jinja template)."""
+
+    @abc.abstractmethod
+    def _parse_text(self, text: str) -> tuple[str, str | None, list[dict[str, Any]], list[ToolCallError]]:
+        """``(content, reasoning, tool_calls, errors)`` of a completion's text."""
+
+    def _bridge_allowed(
+        self, prev_prompt_ids: Sequence[int], prev_completion_ids: Sequence[int], new_messages: list[Message]
+    ) -> bool:
+        """Format-specific reasons the template would re-render history (default: none)."""
+        return True
+
+    # -- interface --------------------------------------------------------------------
+    def render_with_roles(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
+    ) -> Rendered:
+        pieces = self._pieces(
+            check_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=normalize_tools(tools),
+        )
+        return encode_pieces(self.tokenizer, pieces, self._special_ids)
+
+    def stop_token_ids(self) -> list[int]:
+        return list(self._stop_ids)
+
+    def parse_response(self, ids: Sequence[int]) -> ParsedResponse:
+        ids = [int(i) for i in ids]
+        stopped = bool(ids) and ids[-1] in self._stop_ids
+        text = self.decode(ids[:-1] if stopped else ids)
+        content, reasoning, calls, errors = self._parse_text(text)
+        return ParsedResponse(content, reasoning, calls, errors, stopped)
+
+    def bridge_with_roles(
+        self,
+        prev_prompt_ids: Sequence[int],
+        prev_completion_ids: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Any] | None = None,
+    ) -> Rendered | None:
+        new_messages = check_messages(new_messages, allow_empty=True)
+        if not prev_completion_ids or int(prev_completion_ids[-1]) != self._end_of_turn_id:
+            return None
+        if not self._bridge_allowed(prev_prompt_ids, prev_completion_ids, new_messages):
+            return None
+        base = len(_BRIDGE_BASE)
+        pieces = self._pieces(
+            [*_BRIDGE_BASE, *new_messages], add_generation_prompt=True, tools=normalize_tools(tools)
+        )
+        cut = _last_index(
+            pieces, lambda p: p.special and p.text == self.END_OF_TURN and p.message_index == base - 1
+        )
+        if cut is None:  # pragma: no cover - every format closes the assistant turn
+            return None
+        return encode_pieces(self.tokenizer, pieces[cut + 1 :], self._special_ids).shifted(base)
+
+
+def _last_index(items: Sequence[Any], pred: Callable[[Any], bool]) -> int | None:
+    for i in range(len(items) - 1, -1, -1):
+        if pred(items[i]):
+            return i
+    return None

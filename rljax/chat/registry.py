@@ -1,0 +1,33 @@
+"""Renderers by name, for configs (``config.renderer = "qwen3"``).
+
+>>> from rljax.chat.toy import toy_tokenizer
+>>> type(make_renderer("chatml", toy_tokenizer("chatml"))).__name__
+'ChatMLRenderer'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljax.chat.base import Renderer
+from rljax.chat.chatml import ChatMLRenderer, Qwen25Renderer
+from rljax.chat.generic import GenericRenderer
+from rljax.chat.llama3 import Llama3Renderer
+from rljax.chat.qwen3 import Qwen3Renderer
+
+__all__ = ["RENDERERS", "make_renderer"]
+
+RENDERERS: dict[str, type[Renderer]] = {
+    "generic": GenericRenderer,
+    "chatml": ChatMLRenderer,
+    "qwen2.5": Qwen25Renderer,
+    "qwen3": Qwen3Renderer,
+    "llama3": Llama3Renderer,
+}
+
+
+def make_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
+    """Builds the renderer ``name`` (a key of :data:`RENDERERS`) for ``tokenizer``."""
+    if name not in RENDERERS:
+        raise ValueError(f"unknown renderer {name!r}; choose one of {sorted(RENDERERS)}")
+    return RENDERERS[name](tokenizer, **kwargs)

@@ -1,0 +1,257 @@
+"""bridge(): exact prefix, equality with a full template render, and every None case."""
+
+import json
+import random
+
+import chat_fixtures as cf
+import pytest
+
+from rljax.chat import ChatMLRenderer, GenericRenderer, Llama3Renderer, Qwen3Renderer, Qwen25Renderer
+
+# name -> (tokenizer key, factory, template kwargs, end-of-turn token, conversation kwargs, policy)
+# policy: "always" = bridged whenever the completion ends with end-of-turn; "no_query" = and no new
+# user query arrives; "never".
+Q = dict(max_calls=2)
+L = dict(max_calls=1, dict_tool_content=True)
+P = dict(tools_ok=False)
+BRIDGE_CONFIGS = {
+    "chatml": ("chatml", ChatMLRenderer, {}, "<|im_end|>", Q, "always"),
+    "qwen2.5": ("qwen2.5", Qwen25Renderer, {}, "<|im_end|>", Q, "always"),
+    "qwen3": ("qwen3", Qwen3Renderer, {}, "<|im_end|>", Q, "no_query"),
+    "qwen3-template": (
+        "qwen3",
+        lambda t: Qwen3Renderer(t, retention="template"),
+        {},
+        "<|im_end|>",
+        Q,
+        "no_query",
+    ),
+    "llama3.1": ("llama3.1", Llama3Renderer, {}, "<|eot_id|>", L, "always"),
+    "llama3": ("llama3", lambda t: Llama3Renderer(t, system_preamble=False), {}, "<|eot_id|>", P, "always"),
+    "generic-chatml": ("chatml", GenericRenderer, {}, "<|im_end|>", Q, "always"),
+    "generic-qwen2.5": ("qwen2.5", GenericRenderer, {}, "<|im_end|>", Q, "always"),
+    "generic-qwen3": ("qwen3", GenericRenderer, {}, "<|im_end|>", Q, "no_query"),
+    "generic-llama3.1": (
+        "llama3.1",
+        lambda t: GenericRenderer(t, tool_parser="llama3_json"),
+        {},
+        "<|eot_id|>",
+        L,
+        "always",
+    ),
+    "generic-llama3": ("llama3", GenericRenderer, {}, "<|eot_id|>", P, "always"),
+    "generic-gemma": ("gemma", GenericRenderer, {}, "<end_of_turn>", P, "always"),
+}
+
+
+def make(toks, name):
+    key, factory, kwargs, eot, conv, policy = BRIDGE_CONFIGS[name]
+    return toks[key], factory(toks[key]), kwargs, eot, conv, policy
+
+
+def history_for(rng, name, conv):
+    messages, tools = cf.random_conversation(rng, end_with_assistant=False, reasoning="always", **conv)
+    if name == "generic-gemma":
+        messages = [m for m in messages if m["role"] != "system"] or [{"role": "user", "content": "q"}]
+    return messages, tools
+
+
+@pytest.mark.parametrize("name", sorted(BRIDGE_CONFIGS))
+def test_bridge_extends_exactly_and_equals_full_render(toks, name):
+    tok, renderer, kwargs, eot, conv, policy = make(toks, name)
+    rng = random.Random(sum(map(ord, name)))
+    n_bridged = 0
+    for _ in range(16):
+        history, tools = history_for(rng, name, conv)
+        calls = rng.randint(1, conv.get("max_calls", 1)) if tools and rng.random() < 0.75 else 0
+        assistant = cf.random_assistant(rng, calls=calls, reasoning="always")
+        completion = cf.canonical_completion(tok, history, assistant, end_of_turn=eot, tools=tools, **kwargs)
+        prompt = renderer.render_ids(history, add_generation_prompt=True, tools=tools)
+        parsed = renderer.parse_response(completion)
+        new = cf.env_messages(rng, parsed, dict_tool_content=conv.get("dict_tool_content", False))
+        bridged = renderer.bridge(prompt, completion, new, tools=tools)
+        has_query = any(cf.is_query(m) for m in new)
+        expect = policy == "always" or (policy == "no_query" and not has_query)
+        assert (bridged is not None) == expect, (new, policy)
+        if bridged is None:
+            continue
+        n_bridged += 1
+        assert bridged[: len(prompt) + len(completion)] == prompt + completion
+        conversation = [*history, parsed.to_message(), *new]
+        cf.assert_bridge_matches_template(
+            tok, bridged, len(prompt) + len(completion), conversation, tools=tools, **kwargs
+        )
+        suffix = renderer.bridge_with_roles(prompt, completion, new, tools=tools)
+        assert bridged == prompt + completion + suffix.ids
+    assert n_bridged >= 4
+
+
+@pytest.mark.parametrize("name", sorted(BRIDGE_CONFIGS))
+def test_bridge_needs_the_end_of_turn_token(toks, name):
+    tok, renderer, _, eot, _, _ = make(toks, name)
+    prompt = renderer.render_ids([{"role": "user", "content": "q"}], add_generation_prompt=True)
+    text = tok.encode("an answer", add_special_tokens=False)
+    new = [{"role": "user", "content": "next"}]
+    assert renderer.bridge(prompt, text, new) is None  # truncated (length stop)
+    assert renderer.bridge(prompt, [], new) is None
+    eot_id = tok.convert_tokens_to_ids(eot)
+    others = [s for s in renderer.stop_token_ids() if s != eot_id]
+    for other in others:  # e.g. <|endoftext|>, <|eom_id|>, <eos>: the template closes turns differently
+        assert renderer.bridge(prompt, [*text, other], new) is None
+    assert renderer.stop_token_ids()[0] == eot_id
+    if name.startswith("qwen3") or name == "generic-qwen3":
+        new = [{"role": "tool", "content": "r"}]
+    assert renderer.bridge(prompt, [*text, eot_id], new) is not None
+
+
+def qwen3_prompt_and_completion(tok, renderer, completion_text):
+    history = [{"role": "user", "content": "q"}]
+    prompt = renderer.render_ids(history, add_generation_prompt=True)
+    completion = tok.encode(completion_text, add_special_tokens=False) + [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ]
+    return history, prompt, completion
+
+
+def test_qwen3_retention_policies(toks):
+    tok = toks["qwen3"]
+    tool = [{"role": "tool", "content": "r"}]
+    user = [{"role": "user", "content": "next question"}]
+    wrapped = [{"role": "user", "content": "<tool_response>\nr\n</tool_response>"}]  # not a query
+    think = "<think>\nplan\n</think>\n\nanswer"
+    empty = "<think>\n\n</think>\n\nanswer"
+    cases = {
+        # retention: {(completion, new): bridged?}
+        "all": {
+            (think, "tool"): True,
+            (think, "user"): True,
+            (empty, "tool"): True,
+            ("answer", "user"): True,
+        },
+        "tool_cycle": {
+            (think, "tool"): True,
+            (think, "user"): False,
+            (think, "wrapped"): True,
+            (empty, "tool"): True,
+            ("answer", "user"): True,
+        },
+        "template": {
+            (think, "tool"): True,
+            (think, "user"): False,
+            (think, "wrapped"): True,
+            (empty, "tool"): False,
+            ("answer", "user"): True,
+            ("answer", "tool"): True,
+        },
+    }
+    news = {"tool": tool, "user": user, "wrapped": wrapped}
+    for retention, table in cases.items():
+        renderer = Qwen3Renderer(tok, retention=retention)
+        for (text, kind), expected in table.items():
+            history, prompt, completion = qwen3_prompt_and_completion(tok, renderer, text)
+            bridged = renderer.bridge(prompt, completion, news[kind])
+            assert (bridged is not None) == expected, (retention, text, kind)
+            if bridged is None:
+                continue
+            assert bridged[: len(prompt) + len(completion)] == prompt + completion
+            full = [*history, renderer.parse_response(completion).to_message(), *news[kind]]
+            reference = cf.hf_ids(tok, full, add_generation_prompt=True)
+            # where the template re-renders history differently, only "all"/"tool_cycle" bridge
+            if retention == "template" or (text == think and kind != "user"):
+                assert bridged == reference
+            else:
+                assert bridged != reference or text == "answer"
+
+
+def test_qwen3_template_retention_refuses_unprovable_histories(toks):
+    tok = toks["qwen3"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    tool = [{"role": "tool", "content": "r"}]
+    completion = tok.encode("<think>\nplan\n</think>\n\nok", add_special_tokens=False) + [eot]
+    strict, loose = Qwen3Renderer(tok, retention="template"), Qwen3Renderer(tok)
+    # no user query in the history: the template would drop the reasoning
+    no_query = [{"role": "system", "content": "s"}]
+    prompt = strict.render_ids(no_query, add_generation_prompt=True)
+    assert strict.bridge(prompt, completion, tool) is None
+    assert loose.bridge(prompt, completion, tool) is not None
+    # an assistant turn right before the generation prompt (it stops being the last message)
+    ends_with_assistant = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    prompt = strict.render_ids(ends_with_assistant, add_generation_prompt=True)
+    assert strict.bridge(prompt, completion, tool) is None
+    # enable_thinking=False puts an empty think block in the generation prompt
+    nothink = Qwen3Renderer(tok, retention="template", enable_thinking=False)
+    prompt = nothink.render_ids([{"role": "user", "content": "q"}], add_generation_prompt=True)
+    assert nothink.bridge(prompt, tok.encode("ok", add_special_tokens=False) + [eot], tool) is None
+    loose_nothink = Qwen3Renderer(tok, enable_thinking=False)
+    assert loose_nothink.bridge(prompt, tok.encode("ok", add_special_tokens=False) + [eot], tool) is not None
+
+
+def test_generic_refuses_templates_that_rewrite_history(toks):
+    tok = toks["counting"]
+    renderer = GenericRenderer(tok)
+    history = [{"role": "user", "content": "q"}]
+    prompt = renderer.render_ids(history, add_generation_prompt=True)
+    assert prompt == cf.hf_ids(tok, history, add_generation_prompt=True)
+    completion = tok.encode("a", add_special_tokens=False) + renderer.stop_token_ids()[:1]
+    assert renderer.bridge(prompt, completion, [{"role": "user", "content": "n"}]) is None
+
+
+def test_generic_gemma_uses_the_base_without_system(toks):
+    tok = toks["gemma"]
+    renderer = GenericRenderer(tok)
+    assert renderer.stop_token_ids() == [
+        tok.convert_tokens_to_ids("<end_of_turn>"),
+        tok.convert_tokens_to_ids("<eos>"),
+    ]
+    history = [{"role": "user", "content": "q"}]
+    prompt = renderer.render_ids(history, add_generation_prompt=True)
+    completion = tok.encode("hi there", add_special_tokens=False) + renderer.stop_token_ids()[:1]
+    new = [{"role": "user", "content": "more"}]
+    bridged = renderer.bridge(prompt, completion, new)
+    full = [*history, {"role": "assistant", "content": "hi there"}, *new]
+    assert bridged == cf.hf_ids(tok, full, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name", ["chatml", "qwen3", "llama3.1", "generic-chatml", "generic-llama3.1"])
+def test_bridge_roles_of_the_appended_ids(toks, name):
+    tok, renderer, kwargs, eot, conv, _ = make(toks, name)
+    rng = random.Random(7)
+    for _ in range(8):
+        history, tools = history_for(rng, name, conv)
+        assistant = cf.random_assistant(rng, reasoning="always")
+        completion = cf.canonical_completion(tok, history, assistant, end_of_turn=eot, tools=tools, **kwargs)
+        prompt = renderer.render_ids(history, add_generation_prompt=True, tools=tools)
+        new = [{"role": "tool", "content": cf.clean_text(rng) + " end"} for _ in range(rng.randint(1, 2))]
+        new.append({"role": "user", "content": cf.clean_text(rng) + " end"})
+        if name.startswith("qwen3"):
+            new = new[:-1]
+        suffix = renderer.bridge_with_roles(prompt, completion, new, tools=tools)
+        for i, m in enumerate(new):
+            assert {suffix.roles[t] for t in range(len(suffix)) if suffix.message_indices[t] == i} == {
+                m["role"]
+            }
+            body = tok.decode(
+                [
+                    t
+                    for t, b, k in zip(suffix.ids, suffix.is_body, suffix.message_indices, strict=True)
+                    if b and k == i
+                ]
+            )
+            expected = m["content"]
+            if "llama3.1" in name and m["role"] == "tool":
+                expected = json.dumps(expected, ensure_ascii=False)
+            assert body == expected
+        # the generation prompt closes the suffix and belongs to no message
+        assert suffix.message_indices[-1] is None and suffix.roles[-1] == "assistant"
+        # tokens before the first new message continue the previous (assistant) turn
+        first = suffix.message_indices.index(0)
+        assert all(k is None for k in suffix.message_indices[:first])
+
+
+def test_bridge_with_no_new_messages(toks):
+    tok = toks["chatml"]
+    renderer = ChatMLRenderer(tok)
+    prompt = renderer.render_ids([{"role": "user", "content": "q"}], add_generation_prompt=True)
+    completion = tok.encode("a", add_special_tokens=False) + renderer.stop_token_ids()[:1]
+    bridged = renderer.bridge(prompt, completion, [])
+    assert tok.decode(bridged[len(prompt) + len(completion) :]) == "\n<|im_start|>assistant\n"
