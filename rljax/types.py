@@ -10,7 +10,7 @@ pytree of per-token arrays the jitted train step consumes (see SPEC §2.6).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -227,7 +227,9 @@ class StepBatch(Sequence[Step]):
         }
 
     # Advantages --------------------------------------------------------------------
-    def step_advantages(self, estimator: str = "grpo", **estimator_kwargs: Any) -> list[np.ndarray]:
+    def step_advantages(
+        self, estimator: str | Callable[..., Any] = "grpo", **estimator_kwargs: Any
+    ) -> list[np.ndarray]:
         """Per-token advantages of every step, in batch order (SPEC §2.3 / §2.4).
 
         Thin host wrapper around :func:`rljax.data.step_advantages.compute_step_advantages`.

@@ -1,0 +1,477 @@
+"""Advantage estimators, length shaping and the step-wise broadcast (pure jax).
+
+Group-relative estimators (:func:`grpo`, :func:`rloo`, :func:`max_rl`) map one scalar
+reward per trajectory to one scalar advantage, grouped by a dense prompt-group id with a
+static ``num_groups`` (SPEC §3.1). They share the signature
+``fn(rewards, group_ids, num_groups, **kwargs) -> [N]`` and are listed in
+:data:`ESTIMATORS`; any user function with that signature plugs into the host code.
+
+Shared conventions:
+
+* **Group of one -> 0** (Decision; SkyRL returns the raw reward) and **all-equal group -> 0**
+  (exactly, not ``~0/eps``).
+* **Padding**: entries whose group id is outside ``[0, num_groups)`` get advantage 0 and do
+  not influence any real group; alternatively give padding a group id that no real entry
+  uses (it is then its own group and real results are unchanged).
+
+Token-level estimators (:func:`reinforce_pp`, :func:`gae`) run a reverse :func:`jax.lax.scan`
+along the last axis of ``[B, L]`` rows; each row is one sequence (the recursion restarts at
+the row end). Positions with ``mask == 0`` (prompt, observation, padding) are **not time
+steps**: the recursion carries straight through them (so observation tokens of a merged
+multi-turn sample do not cut credit assignment, unlike verl's reset-on-mask), rewards
+placed on them are ignored, and their outputs are 0.
+
+References are given per function; the formulas are SPEC §2.3, §2.4 and §3.1.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rljax.core import segments
+
+__all__ = [
+    "ESTIMATORS",
+    "broadcast_to_steps",
+    "gae",
+    "grpo",
+    "length_penalty",
+    "length_shaped_rewards",
+    "masked_whiten",
+    "max_rl",
+    "reinforce_pp",
+    "rloo",
+    "token_returns",
+    "turn_returns",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _static_int(value: int, name: str) -> int:
+    try:
+        n = operator.index(value)
+    except TypeError as e:
+        raise ValueError(
+            f"{name} must be a static Python int, got {value!r}; mark it static under jit "
+            f"(functools.partial or static_argnames=('{name}',))."
+        ) from e
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}; pad it to a bucket of at least one group.")
+    return n
+
+
+def _check_group_inputs(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> int:
+    chex.assert_rank([rewards, group_ids], 1)
+    chex.assert_equal_shape([rewards, group_ids])
+    chex.assert_type(rewards, float)
+    chex.assert_type(group_ids, int)
+    return _static_int(num_groups, "num_groups")
+
+
+def _group_stats(rewards: chex.Array, group_ids: chex.Array, num_groups: int):
+    """Per-entry (mean, count, degenerate) of its group; degenerate = n <= 1 or all equal."""
+    mean = segments.segment_gather(segments.segment_mean(rewards, group_ids, num_groups), group_ids)
+    count = segments.segment_gather(segments.segment_count(rewards, group_ids, num_groups), group_ids)
+    hi = segments.segment_gather(segments.segment_max(rewards, group_ids, num_groups), group_ids)
+    lo = segments.segment_gather(segments.segment_min(rewards, group_ids, num_groups), group_ids)
+    degenerate = (count <= 1) | (hi == lo)  # out-of-range ids: count 0 -> degenerate
+    return mean, count, degenerate
+
+
+def _safe_div(num: chex.Array, den: chex.Array, ok: chex.Array) -> chex.Array:
+    """``num / den`` where ``ok`` else 0, with no NaN/inf in either branch (grad-safe)."""
+    return jnp.where(ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(num))
+
+
+# --------------------------------------------------------------------------------------------
+# group-relative estimators
+# --------------------------------------------------------------------------------------------
+def grpo(
+    rewards: chex.Array,
+    group_ids: chex.Array,
+    num_groups: int,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> chex.Array:
+    """GRPO group-normalized advantage.
+
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased (N-1) group std; with
+    ``norm_by_std=False`` (Dr. GRPO) ``A_i = r_i - mean_g``. Groups of one and groups whose
+    rewards are all equal get exactly 0.
+
+    References: Shao et al. 2024, DeepSeekMath (arXiv:2402.03300); Liu et al. 2025,
+    Understanding R1-Zero-Like Training (Dr. GRPO, arXiv:2503.20783).
+
+    Args:
+      rewards: float ``[N]`` one scalar reward per trajectory.
+      group_ids: int ``[N]`` dense group (prompt) id in ``[0, num_groups)``.
+      num_groups: static number of groups (may be a padded bucket).
+      norm_by_std: divide by the group std.
+      eps: added to the std.
+
+    Returns:
+      float ``[N]`` advantages.
+
+    >>> import jax.numpy as jnp
+    >>> grpo(jnp.array([1.0, 0.0, 5.0]), jnp.array([0, 0, 1]), 2, norm_by_std=False).tolist()
+    [0.5, -0.5, 0.0]
+    """
+    num_groups = _check_group_inputs(rewards, group_ids, num_groups)
+    mean, _, degenerate = _group_stats(rewards, group_ids, num_groups)
+    centered = rewards - mean
+    if norm_by_std:
+        std = segments.segment_gather(segments.segment_std(rewards, group_ids, num_groups), group_ids)
+        centered = centered / (std + eps)
+    return jnp.where(degenerate, jnp.zeros_like(centered), centered)
+
+
+def rloo(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.Array:
+    """REINFORCE leave-one-out advantage.
+
+    ``A_i = r_i - mean_{j != i, j in g} r_j = (r_i - mean_g) * n_g / (n_g - 1)``; groups of
+    one (no other sample to form a baseline) and all-equal groups get 0.
+
+    References: Kool et al. 2019, Buy 4 REINFORCE Samples, Get a Baseline for Free!;
+    Ahmadian et al. 2024, Back to Basics (arXiv:2402.14740).
+
+    >>> import jax.numpy as jnp
+    >>> rloo(jnp.array([1.0, 0.0, 0.0, 0.0]), jnp.array([0, 0, 0, 0]), 1).tolist()
+    [1.0, -0.3333333432674408, -0.3333333432674408, -0.3333333432674408]
+    """
+    num_groups = _check_group_inputs(rewards, group_ids, num_groups)
+    mean, count, degenerate = _group_stats(rewards, group_ids, num_groups)
+    n = count.astype(rewards.dtype)
+    adv = (rewards - mean) * _safe_div(n, n - 1, ~degenerate)
+    return jnp.where(degenerate, jnp.zeros_like(adv), adv)
+
+
+def max_rl(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.Array:
+    """MaxRL (maximum-likelihood) advantage: normalize by the group mean reward.
+
+    ``A_i = (r_i - mean_g) / mean_g`` if ``mean_g > 0`` else 0. For binary rewards ``mean_g``
+    is the empirical pass rate ``p``, and ``grad log p = grad p / p``: the REINFORCE estimate
+    of ``grad p`` (baseline ``mean_g``) divided by ``p`` ascends the log-likelihood of success
+    instead of the success rate. Groups of one and all-equal groups get 0 (SPEC §3.1).
+
+    >>> import jax.numpy as jnp
+    >>> max_rl(jnp.array([1.0, 0.0, 0.0, 0.0]), jnp.array([0, 0, 0, 0]), 1).tolist()
+    [3.0, -1.0, -1.0, -1.0]
+    """
+    num_groups = _check_group_inputs(rewards, group_ids, num_groups)
+    mean, _, degenerate = _group_stats(rewards, group_ids, num_groups)
+    adv = _safe_div(rewards - mean, mean, (mean > 0) & ~degenerate)
+    return adv
+
+
+ESTIMATORS: dict[str, Callable[..., chex.Array]] = {"grpo": grpo, "rloo": rloo, "max_rl": max_rl}
+"""Group estimators by name; each is ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``."""
+
+
+# --------------------------------------------------------------------------------------------
+# length shaping (prime-rl "linear")
+# --------------------------------------------------------------------------------------------
+def length_shaped_rewards(
+    rewards: chex.Array,
+    output_lengths: chex.Array,
+    input_lengths: chex.Array,
+    num_turns: chex.Array,
+    group_ids: chex.Array,
+    num_groups: int,
+    *,
+    w_out: float = 0.25,
+    w_in: float = 0.1,
+    w_turn: float = 0.1,
+) -> chex.Array:
+    """Group-relative linear length shaping of the rewards (prime-rl "linear").
+
+    Within each group ``g``::
+
+        frac_i   = w_out * out_i / max_g(out) + w_in * in_i / max_g(in) + w_turn * turns_i / max_g(turns)
+        shaped_i = r_i - mean_g(r) * frac_i
+
+    where every ``max_g`` is floored at 1. ``out`` is the number of generated (response)
+    tokens, ``in`` the number of NON-generated tokens of the trajectory (prompt plus
+    observations, i.e. ``total - out``), ``turns`` the number of LLM turns. Longer / more
+    expensive trajectories lose a fraction of the group's mean reward.
+
+    >>> import jax.numpy as jnp
+    >>> ones = jnp.ones(2)
+    >>> shaped = length_shaped_rewards(jnp.array([1.0, 0.0]), jnp.array([10.0, 5.0]), ones, ones,
+    ...                                jnp.array([0, 0]), 1)
+    >>> [round(float(x), 6) for x in shaped]
+    [0.775, -0.1625]
+    """
+    num_groups = _check_group_inputs(rewards, group_ids, num_groups)
+    chex.assert_equal_shape([rewards, output_lengths, input_lengths, num_turns])
+
+    def relative(v: chex.Array) -> chex.Array:
+        v = v.astype(rewards.dtype)
+        vmax = segments.segment_max(v, group_ids, num_groups)
+        return v / segments.segment_gather(jnp.maximum(vmax, 1.0), group_ids, fill_value=1.0)
+
+    frac = w_out * relative(output_lengths) + w_in * relative(input_lengths) + w_turn * relative(num_turns)
+    mean = segments.segment_gather(segments.segment_mean(rewards, group_ids, num_groups), group_ids)
+    return rewards - mean * frac
+
+
+def length_penalty(
+    rewards: chex.Array,
+    output_lengths: chex.Array,
+    input_lengths: chex.Array,
+    num_turns: chex.Array,
+    group_ids: chex.Array,
+    num_groups: int,
+    *,
+    w_out: float = 0.25,
+    w_in: float = 0.1,
+    w_turn: float = 0.1,
+) -> chex.Array:
+    """Length-penalized group advantage: ``A_i = shaped_i - mean_g(shaped)``.
+
+    ``shaped`` is :func:`length_shaped_rewards`; equivalently ``grpo(shaped,
+    norm_by_std=False)`` up to the all-equal rule. SPEC §3.1 check (one group, ``in =
+    total - out``)::
+
+        r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
+        -> A=[0.5165625, -0.4521875, 0.4040625, -0.4684375]
+
+    >>> import jax.numpy as jnp
+    >>> out = jnp.array([100.0, 50.0, 200.0, 100.0])
+    >>> total = jnp.array([150.0, 100.0, 300.0, 120.0])
+    >>> a = length_penalty(jnp.array([1.0, 0.0, 1.0, 0.0]), out, total - out,
+    ...                    jnp.array([1.0, 1.0, 2.0, 1.0]), jnp.zeros(4, jnp.int32), 1)
+    >>> [round(float(x), 7) for x in a]
+    [0.5165625, -0.4521875, 0.4040625, -0.4684375]
+    """
+    shaped = length_shaped_rewards(
+        rewards,
+        output_lengths,
+        input_lengths,
+        num_turns,
+        group_ids,
+        num_groups,
+        w_out=w_out,
+        w_in=w_in,
+        w_turn=w_turn,
+    )
+    mean = segments.segment_gather(segments.segment_mean(shaped, group_ids, num_groups), group_ids)
+    valid = (group_ids >= 0) & (group_ids < num_groups)
+    return jnp.where(valid, shaped - mean, jnp.zeros_like(shaped))
+
+
+# --------------------------------------------------------------------------------------------
+# token-level estimators
+# --------------------------------------------------------------------------------------------
+def masked_whiten(x: chex.Array, mask: chex.Array, *, eps: float = 1e-8) -> chex.Array:
+    """Whitens ``x`` over all positions where ``mask`` is 1 (batch-level, any shape).
+
+    ``mu = sum(x m) / sum(m)``, ``var = sum((x - mu)^2 m) / (sum(m) - 1)`` (unbiased),
+    ``y = (x - mu) * rsqrt(var + eps) * m``; ``mask`` is read as boolean (nonzero = keep).
+    **Convention:** with ``sum(m) <= 1`` the variance
+    is taken as 0 (verl raises); the output is then 0 everywhere.
+
+    >>> import jax.numpy as jnp
+    >>> [round(float(v), 5) for v in masked_whiten(jnp.array([1.0, 3.0, 100.0]), jnp.array([1, 1, 0]))]
+    [-0.70711, 0.70711, 0.0]
+    """
+    chex.assert_equal_shape([x, mask])
+    chex.assert_type(x, float)
+    keep = mask != 0
+    n = jnp.sum(keep).astype(x.dtype)
+    mean = jnp.sum(jnp.where(keep, x, 0.0)) / jnp.maximum(n, 1.0)
+    centered = jnp.where(keep, x - mean, jnp.zeros_like(x))
+    var = jnp.where(n > 1, jnp.sum(centered * centered) / jnp.maximum(n - 1.0, 1.0), 0.0)
+    return centered * jax.lax.rsqrt(var + eps)
+
+
+def _reverse_scan_rows(step_fn, init, *row_arrays: chex.Array) -> chex.Array:
+    """Runs ``step_fn(carry, columns) -> (carry, out_column)`` from the last column to the first."""
+    columns = tuple(jnp.swapaxes(a, 0, 1) for a in row_arrays)  # [L, B]
+    _, out = jax.lax.scan(step_fn, init, columns, reverse=True)
+    return jnp.swapaxes(out, 0, 1)
+
+
+def token_returns(token_rewards: chex.Array, mask: chex.Array, *, gamma: float = 1.0) -> chex.Array:
+    """Discounted reward-to-go along each row, over trainable positions only.
+
+    ``ret_t = r_t + gamma * ret_{t'}`` where ``t'`` is the next position with ``mask = 1``
+    in the same row (0 past the row end). Masked positions are not time steps: their
+    rewards are ignored and their output is 0.
+
+    >>> import jax.numpy as jnp
+    >>> token_returns(jnp.array([[0.0, 0.0, 9.0, 1.0]]), jnp.array([[1, 0, 1, 1]]), gamma=0.5).tolist()
+    [[4.75, 0.0, 9.5, 1.0]]
+    """
+    chex.assert_rank([token_rewards, mask], 2)
+    chex.assert_equal_shape([token_rewards, mask])
+    chex.assert_type(token_rewards, float)
+    m = mask.astype(bool)
+
+    def step(carry, col):
+        r, keep = col
+        ret = jnp.where(keep, r + gamma * carry, carry)
+        return ret, jnp.where(keep, ret, jnp.zeros_like(ret))
+
+    init = jnp.zeros(token_rewards.shape[:1], token_rewards.dtype)
+    return _reverse_scan_rows(step, init, token_rewards, m)
+
+
+def reinforce_pp(token_rewards: chex.Array, mask: chex.Array, *, gamma: float = 1.0) -> chex.Array:
+    """REINFORCE++ advantages: token returns, then masked whitening over the whole batch.
+
+    ``A = masked_whiten(token_returns(r, m, gamma), m)``; each row is one sequence (returns
+    restart at the row end). Masked positions carry the return through (Decision, see the
+    module docstring) and get advantage 0.
+
+    Reference: Hu 2025, REINFORCE++ (arXiv:2501.03262).
+
+    >>> import jax.numpy as jnp
+    >>> adv = reinforce_pp(jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[1, 1], [1, 0]]))
+    >>> [[round(float(x), 5) for x in row] for row in adv]
+    [[0.57735, 0.57735], [-1.1547, 0.0]]
+    """
+    returns = token_returns(token_rewards, mask, gamma=gamma)
+    return masked_whiten(returns, mask)
+
+
+def gae(
+    token_rewards: chex.Array,
+    values: chex.Array,
+    mask: chex.Array,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[chex.Array, chex.Array]:
+    """Generalized advantage estimation over trainable positions of each row.
+
+    With ``t'`` the next position with ``mask = 1`` in the row (``V_{t'} = A_{t'} = 0`` past
+    the row end)::
+
+        delta_t = r_t + gamma * V_{t'} - V_t
+        A_t     = delta_t + gamma * lam * A_{t'}
+        returns = A + V            (before whitening)
+        adv     = masked_whiten(A, mask)
+
+    Masked positions are skipped: their values never enter a ``delta`` (no leakage from
+    observation tokens or padding), and both outputs are 0 there.
+
+    Reference: Schulman et al. 2016, High-Dimensional Continuous Control Using GAE
+    (arXiv:1506.02438).
+
+    Returns:
+      ``(advantages, returns)``, both ``[B, L]``.
+
+    >>> import jax.numpy as jnp
+    >>> adv, ret = gae(jnp.array([[0.0, 1.0]]), jnp.array([[0.5, 0.25]]), jnp.array([[1, 1]]))
+    >>> ret.tolist()
+    [[1.0, 1.0]]
+    """
+    chex.assert_rank([token_rewards, values, mask], 2)
+    chex.assert_equal_shape([token_rewards, values, mask])
+    chex.assert_type([token_rewards, values], float)
+    m = mask.astype(bool)
+
+    def step(carry, col):
+        next_value, next_adv = carry
+        r, v, keep = col
+        adv = r + gamma * next_value - v + gamma * lam * next_adv
+        carry = (jnp.where(keep, v, next_value), jnp.where(keep, adv, next_adv))
+        return carry, jnp.where(keep, adv, jnp.zeros_like(adv))
+
+    zeros = jnp.zeros(token_rewards.shape[:1], token_rewards.dtype)
+    raw_adv = _reverse_scan_rows(step, (zeros, zeros), token_rewards, values.astype(token_rewards.dtype), m)
+    returns = (raw_adv + values) * m.astype(values.dtype)
+    return masked_whiten(raw_adv, mask), returns
+
+
+# --------------------------------------------------------------------------------------------
+# step-wise helpers
+# --------------------------------------------------------------------------------------------
+def broadcast_to_steps(
+    traj_advantages: chex.Array, step_traj_ids: chex.Array, loss_mask: chex.Array
+) -> chex.Array:
+    """Per-token advantages of steps from per-trajectory scalars (SPEC §2.3.3).
+
+    ``adv[s, t] = A[traj(s)] * loss_mask[s, t]``: every step gets its trajectory's advantage
+    on each of ITS OWN trainable tokens (regression against SkyRL issue #1492, where earlier
+    steps received the last step's masked row). Steps with an out-of-range trajectory id
+    (padding) get 0. Order-free: steps of trajectories may be interleaved.
+
+    Args:
+      traj_advantages: float ``[T]``.
+      step_traj_ids: int ``[B]`` trajectory of each step row.
+      loss_mask: ``[B, L]`` (0/1) padded per-step masks.
+
+    Returns:
+      float ``[B, L]``.
+
+    >>> import jax.numpy as jnp
+    >>> broadcast_to_steps(jnp.array([2.0, -1.0]), jnp.array([1, 0]), jnp.array([[1, 0], [1, 1]])).tolist()
+    [[-1.0, 0.0], [2.0, 2.0]]
+    """
+    chex.assert_rank([traj_advantages, step_traj_ids, loss_mask], [1, 1, 2])
+    chex.assert_equal_shape_prefix([step_traj_ids, loss_mask], 1)
+    chex.assert_type([traj_advantages, step_traj_ids], [float, int])
+    per_step = segments.segment_gather(traj_advantages, step_traj_ids)
+    m = loss_mask.astype(traj_advantages.dtype)
+    return jnp.where(m != 0, per_step[:, None] * m, jnp.zeros_like(m))
+
+
+def turn_returns(
+    step_rewards: chex.Array,
+    traj_ids: chex.Array,
+    turn_ids: chex.Array,
+    num_trajectories: int,
+    max_turns: int,
+    *,
+    gamma_turn: float = 1.0,
+) -> chex.Array:
+    """Turn-level discounted returns for per-step rewards (SPEC §2.4).
+
+    ``G_jk = sum_{i >= k} gamma_turn^(i - k) r_ji`` for step ``k`` of trajectory ``j``.
+    Steps may come in any order: they are scattered into a dense ``[num_trajectories,
+    max_turns]`` grid by ``(traj_ids, turn_ids)``, a reverse scan over turns accumulates the
+    discounted sum, and the result is gathered back. ``(traj, turn)`` pairs must be unique;
+    a missing turn counts as reward 0. Entries with an out-of-range trajectory or turn id
+    (padding) contribute nothing and get 0.
+
+    Args:
+      step_rewards: float ``[N]`` scalar reward of each step.
+      traj_ids: int ``[N]`` dense trajectory id in ``[0, num_trajectories)``.
+      turn_ids: int ``[N]`` turn index of the step within its trajectory, in ``[0, max_turns)``.
+      num_trajectories: static (bucketed) number of trajectories.
+      max_turns: static (bucketed) number of turns.
+      gamma_turn: per-turn discount.
+
+    Returns:
+      float ``[N]`` returns.
+
+    >>> import jax.numpy as jnp
+    >>> turn_returns(jnp.array([1.0, 2.0, 4.0]), jnp.array([0, 0, 0]), jnp.array([2, 0, 1]), 1, 3,
+    ...              gamma_turn=0.5).tolist()
+    [1.0, 4.25, 4.5]
+    """
+    chex.assert_rank([step_rewards, traj_ids, turn_ids], 1)
+    chex.assert_equal_shape([step_rewards, traj_ids, turn_ids])
+    chex.assert_type([step_rewards, traj_ids, turn_ids], [float, int, int])
+    num_trajectories = _static_int(num_trajectories, "num_trajectories")
+    max_turns = _static_int(max_turns, "max_turns")
+    valid = (traj_ids >= 0) & (traj_ids < num_trajectories) & (turn_ids >= 0) & (turn_ids < max_turns)
+    flat = jnp.where(valid, traj_ids * max_turns + turn_ids, num_trajectories * max_turns)
+    grid = segments.segment_sum(step_rewards, flat, num_trajectories * max_turns, where=valid)
+    grid = grid.reshape(num_trajectories, max_turns)
+
+    def step(carry, r):
+        g = r + gamma_turn * carry
+        return g, g
+
+    _, returns_t = jax.lax.scan(step, jnp.zeros(num_trajectories, grid.dtype), grid.T, reverse=True)
+    return segments.segment_gather(returns_t.T.reshape(-1), flat)

@@ -1,0 +1,221 @@
+"""Trajectory / group indices and segment reductions (pure jax).
+
+A *segment* is a set of entries that share an integer id in ``[0, num_segments)``: the
+steps of one trajectory, the trajectories of one prompt group, the tokens of one packed
+sample. All reductions here take a **static** ``num_segments`` (so they compile once per
+bucket size) and are built on :func:`jax.ops.segment_sum` / :func:`jax.ops.segment_max`,
+never on Python loops or ``reshape(-1, G)``: segments may have different sizes.
+
+Conventions shared by every function of this module:
+
+* Entries whose id lies outside ``[0, num_segments)`` (negative or too large) are
+  *dropped*: they contribute to no segment. Callers use this (or ``where``) for padding.
+* ``where`` (optional boolean array shaped like ``x``) masks entries out of the reduction,
+  exactly as if their id were out of range.
+* Empty segments have sum 0, count 0, mean 0 and std 0.
+
+Reference: SPEC §2.2-§2.3; SkyRL's step-wise broadcast (``cumsum`` of the shifted
+``is_last_step``) for :func:`trajectory_index`.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "segment_count",
+    "segment_gather",
+    "segment_max",
+    "segment_mean",
+    "segment_min",
+    "segment_std",
+    "segment_sum",
+    "trajectory_index",
+]
+
+
+def trajectory_index(is_last_step: chex.Array) -> chex.Array:
+    """Dense trajectory index of CONTIGUOUS steps (SkyRL's cumsum form).
+
+    ``index[i] = #{j < i : is_last_step[j]}``: the number of trajectory ends strictly before
+    step ``i``. Correct only when all steps of a trajectory are adjacent and each trajectory
+    ends with its ``is_last_step=True`` step; for arbitrarily ordered steps derive the index
+    from the trajectory ids instead (``rljax.data.step_advantages.dense_ids``).
+
+    Args:
+      is_last_step: bool (or 0/1 integer) array ``[B]``.
+
+    Returns:
+      int32 array ``[B]``.
+
+    >>> import jax.numpy as jnp
+    >>> trajectory_index(jnp.array([False, True, True, False, False, True])).tolist()
+    [0, 0, 1, 2, 2, 2]
+    """
+    chex.assert_rank(is_last_step, 1)
+    ends = jnp.asarray(is_last_step).astype(jnp.int32)
+    return (jnp.cumsum(ends) - ends).astype(jnp.int32)
+
+
+def _valid(segment_ids: chex.Array, num_segments: int, where: chex.Array | None) -> chex.Array:
+    """Boolean array: entry is inside ``[0, num_segments)`` and not masked out by ``where``."""
+    ok = (segment_ids >= 0) & (segment_ids < num_segments)
+    if where is not None:
+        chex.assert_equal_shape([segment_ids, where])
+        ok = ok & jnp.asarray(where).astype(bool)
+    return ok
+
+
+def _check(x: chex.Array, segment_ids: chex.Array, num_segments: int) -> None:
+    chex.assert_rank(x, 1)
+    chex.assert_equal_shape([x, segment_ids])
+    chex.assert_type(segment_ids, int)
+    if not isinstance(num_segments, int) or num_segments < 1:
+        raise ValueError(
+            f"num_segments must be a static Python int >= 1, got {num_segments!r}; pass the (bucketed) "
+            "number of segments as a static argument (e.g. functools.partial or static_argnames)."
+        )
+
+
+def segment_sum(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment sum ``S_g = sum_{i : id_i = g, where_i} x_i``.
+
+    Args:
+      x: ``[N]`` values.
+      segment_ids: int ``[N]`` segment of each entry (out of range -> dropped).
+      num_segments: static number of segments ``G``.
+      where: optional bool ``[N]``; False entries are dropped.
+
+    Returns:
+      ``[G]`` sums (dtype of ``x``).
+
+    >>> import jax.numpy as jnp
+    >>> segment_sum(jnp.array([1.0, 2.0, 3.0]), jnp.array([0, 1, 0]), 2).tolist()
+    [4.0, 2.0]
+    """
+    _check(x, segment_ids, num_segments)
+    ok = _valid(segment_ids, num_segments, where)
+    ids = jnp.where(ok, segment_ids, num_segments)  # num_segments is out of range: dropped
+    return jax.ops.segment_sum(jnp.where(ok, x, jnp.zeros_like(x)), ids, num_segments)
+
+
+def segment_count(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment number of (unmasked) entries ``n_g = #{i : id_i = g, where_i}``.
+
+    ``x`` only fixes the shape (kept so every reduction has the same signature).
+
+    Returns:
+      int32 ``[G]`` counts.
+
+    >>> import jax.numpy as jnp
+    >>> segment_count(jnp.zeros(4), jnp.array([0, 1, 0, 1]), 3, where=jnp.array([1, 1, 1, 0])).tolist()
+    [2, 1, 0]
+    """
+    _check(x, segment_ids, num_segments)
+    ones = jnp.ones(x.shape, jnp.int32)
+    return segment_sum(ones, segment_ids, num_segments, where=where)
+
+
+def segment_gather(
+    segment_values: chex.Array, segment_ids: chex.Array, *, fill_value: float = 0.0
+) -> chex.Array:
+    """Broadcasts per-segment values back to entries: ``y_i = v[id_i]``.
+
+    Entries whose id is out of range (e.g. padding) get ``fill_value`` (negative ids do
+    NOT wrap around, unlike numpy indexing).
+
+    Args:
+      segment_values: ``[G, ...]`` one row per segment.
+      segment_ids: int array of any shape ``S``.
+      fill_value: value for out-of-range ids.
+
+    Returns:
+      ``S + segment_values.shape[1:]``.
+
+    >>> import jax.numpy as jnp
+    >>> segment_gather(jnp.array([10.0, 20.0]), jnp.array([1, 0, -1, 2])).tolist()
+    [20.0, 10.0, 0.0, 0.0]
+    """
+    chex.assert_rank(segment_values, {1, 2, 3})
+    chex.assert_type(segment_ids, int)
+    num_segments = segment_values.shape[0]
+    ok = (segment_ids >= 0) & (segment_ids < num_segments)
+    gathered = segment_values[jnp.clip(segment_ids, 0, num_segments - 1)]
+    ok = ok.reshape(ok.shape + (1,) * (segment_values.ndim - 1))
+    return jnp.where(ok, gathered, jnp.asarray(fill_value, segment_values.dtype))
+
+
+def segment_mean(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment mean ``mu_g = S_g / n_g`` (0 for an empty segment).
+
+    >>> import jax.numpy as jnp
+    >>> segment_mean(jnp.array([1.0, 2.0, 3.0]), jnp.array([0, 1, 0]), 3).tolist()
+    [2.0, 2.0, 0.0]
+    """
+    _check(x, segment_ids, num_segments)
+    total = segment_sum(x, segment_ids, num_segments, where=where)
+    count = segment_count(x, segment_ids, num_segments, where=where).astype(total.dtype)
+    return total / jnp.maximum(count, 1)
+
+
+def segment_std(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment UNBIASED standard deviation (Bessel, ``N - 1``).
+
+    ``sigma_g = sqrt( sum_{i in g} (x_i - mu_g)^2 / (n_g - 1) )``, computed in two passes
+    (the mean is subtracted first) for numerical stability. **Convention:** a segment with
+    ``n_g <= 1`` has std 0 (torch would return NaN); this is what makes the group-of-one
+    rule of the estimators well defined.
+
+    >>> import jax.numpy as jnp
+    >>> segment_std(jnp.array([1.0, 3.0, 5.0]), jnp.array([0, 0, 1]), 2).tolist()
+    [1.4142135381698608, 0.0]
+    """
+    _check(x, segment_ids, num_segments)
+    mean = segment_mean(x, segment_ids, num_segments, where=where)
+    centered = x - segment_gather(mean, segment_ids)
+    sq = segment_sum(centered * centered, segment_ids, num_segments, where=where)
+    count = segment_count(x, segment_ids, num_segments, where=where)
+    var = sq / jnp.maximum(count - 1, 1).astype(sq.dtype)
+    positive = (count > 1) & (var > 0)
+    # sqrt only of positive values, so gradients stay finite for constant segments
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), jnp.zeros_like(var))
+
+
+def segment_max(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment maximum; an empty segment gets the identity of max (``-inf`` / dtype min).
+
+    >>> import jax.numpy as jnp
+    >>> segment_max(jnp.array([1.0, 7.0, 3.0]), jnp.array([0, 0, 1]), 2).tolist()
+    [7.0, 3.0]
+    """
+    _check(x, segment_ids, num_segments)
+    ok = _valid(segment_ids, num_segments, where)
+    ids = jnp.where(ok, segment_ids, num_segments)
+    return jax.ops.segment_max(x, ids, num_segments)
+
+
+def segment_min(
+    x: chex.Array, segment_ids: chex.Array, num_segments: int, *, where: chex.Array | None = None
+) -> chex.Array:
+    """Per-segment minimum; an empty segment gets the identity of min (``+inf`` / dtype max).
+
+    >>> import jax.numpy as jnp
+    >>> segment_min(jnp.array([1.0, 7.0, 3.0]), jnp.array([0, 0, 1]), 2).tolist()
+    [1.0, 3.0]
+    """
+    _check(x, segment_ids, num_segments)
+    ok = _valid(segment_ids, num_segments, where)
+    ids = jnp.where(ok, segment_ids, num_segments)
+    return jax.ops.segment_min(x, ids, num_segments)
