@@ -1,0 +1,422 @@
+"""The exact per-mini-batch training objective (SPEC §3.5).
+
+For components ``c`` in ``(rl, ce, ref_kl)`` with raw per-token weights ``v_c`` and
+per-token losses ``l_c``::
+
+    loss = sum_c sum_t w_{c,t} l_{c,t},     w_{c,t} = v_{c,t} / D_{c,t}
+
+* ``v_rl = rl_weights * loss_mask`` (times the off-policy mask when configured),
+  ``l_rl`` = the configured policy loss (times the off-policy TIS weight);
+* ``v_ce = ce_weights * loss_mask``, ``l_ce = -logp``;
+* ``v_ref_kl = ref_kl_weights * loss_mask``, ``l_ref_kl`` = :func:`rljax.core.losses.ref_kl`.
+
+The normalizer ``D`` (the reduction) uses GLOBAL counts over the whole mini-batch (all
+micro-batches, all devices), computed once by :func:`global_counts` and passed in. With
+``n`` = tokens with ``v != 0``, ``S`` = samples with at least one such token, ``len_j`` =
+such tokens in sample ``j``, ``P`` = prompt groups with at least one, ``n_g`` = such tokens
+in group ``g``:
+
+* ``token_mean`` (default): ``D = n``;
+* ``sequence_mean``: ``D = S * len_j`` (each sample weighs equally);
+* ``seq_mean_token_sum_norm``: ``D = S * max_len`` (Dr. GRPO, Liu et al. 2025);
+* ``prompt_mean``: ``D = P * n_g`` (each prompt group weighs equally, tokens equally
+  within a group; needs ``num_groups``).
+
+Every count is a sum over samples or tokens, and a sample never spans rows, so summing the
+objective (and its gradient) over any split of the rows into micro-batches gives exactly
+the objective of the whole mini-batch. A component with no weighted token contributes 0.
+
+Samples are identified by ``(row, segment_ids)``: ``segment_ids`` are 1..k per sample in a
+row (0 = padding), so no static bound on the number of samples is needed.
+
+Temperature: ``logp`` must already be temperature-scaled (the model divides logits by
+``batch.temperatures`` before the log-softmax, as the sampler did); ``batch.temperatures``
+is not read here.
+
+The batch is any object with the attribute names of ``rljax.types.PackedBatch`` (this
+module does not import it); all arrays are ``[R, L]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rljax.core import losses, off_policy
+
+COMPONENTS: tuple[str, ...] = ("rl", "ce", "ref_kl")
+REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
+
+
+def _as_pairs(value: Any, what: str) -> tuple[tuple[str, Any], ...]:
+    """Mapping / ConfigDict / pairs -> sorted tuple of pairs (hashable)."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    items = dict(value.items() if isinstance(value, Mapping) else value)
+    pairs = tuple(sorted(items.items()))
+    try:
+        hash(pairs)
+    except TypeError as e:
+        raise ValueError(f"{what} values must be hashable (numbers, strings, None); got {items}") from e
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """Static configuration of :func:`objective` (hashable: usable as a jit static argument).
+
+    Attributes:
+      policy_loss: name in :data:`rljax.core.losses.POLICY_LOSSES` (default ``"dppo"``).
+      policy_loss_kwargs: hyperparameters of the policy loss, a mapping or ``(key, value)``
+        pairs (stored as sorted pairs); ``cispo`` also takes ``behavior``.
+      reduction: one of :data:`REDUCTIONS`.
+      max_len: the constant of ``seq_mean_token_sum_norm`` (required for it).
+      off_policy: off-policy correction config (mapping, ConfigDict or pairs; see
+        :func:`rljax.core.off_policy.resolve_config`) or None.
+      entropy_coef: entropy bonus ``-coef * sum_t w_rl,t H_t``; needs ``entropy=``.
+      num_groups: static bound on ``group_index`` (required for ``prompt_mean``).
+
+    >>> ObjectiveConfig(policy_loss_kwargs={"kl_tau": 0.0}).policy_loss_kwargs
+    (('kl_tau', 0.0),)
+    """
+
+    policy_loss: str = "dppo"
+    policy_loss_kwargs: Any = ()
+    reduction: str = "token_mean"
+    max_len: int | None = None
+    off_policy: Any = None
+    entropy_coef: float = 0.0
+    num_groups: int | None = None
+
+    def __post_init__(self) -> None:
+        kwargs = _as_pairs(self.policy_loss_kwargs, "policy_loss_kwargs")
+        object.__setattr__(self, "policy_loss_kwargs", kwargs)
+        losses.validate_policy_loss(self.policy_loss, dict(kwargs))
+        if self.off_policy is not None:
+            pairs = _as_pairs(self.off_policy, "off_policy")
+            off_policy.resolve_config(pairs)
+            object.__setattr__(self, "off_policy", pairs if off_policy.is_enabled(pairs) else None)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}; got {self.reduction!r}")
+        if self.reduction == "seq_mean_token_sum_norm" and not (
+            isinstance(self.max_len, int) and self.max_len > 0
+        ):
+            raise ValueError(f"reduction 'seq_mean_token_sum_norm' needs max_len, a positive int (the "
+                             f"normalizing length); got {self.max_len!r}")
+        if self.num_groups is not None and not (isinstance(self.num_groups, int) and self.num_groups > 0):
+            raise ValueError(f"num_groups must be a positive int or None; got {self.num_groups!r}")
+        if self.reduction == "prompt_mean" and self.num_groups is None:
+            raise ValueError(
+                "reduction 'prompt_mean' needs num_groups, a static bound on batch.group_index + 1"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """Global normalizing counts of one mini-batch (float32; a pytree). All fields are sums
+    over tokens or samples, so ``Counts`` of disjoint row sets add up (``a + b``).
+
+    Attributes:
+      tokens: ``[3]`` tokens with nonzero weight per component (:data:`COMPONENTS` order);
+        rl after the off-policy masks.
+      sequences: ``[3]`` samples with at least one such token.
+      group_tokens: ``[3, num_groups]`` such tokens per prompt group (``[3, 0]`` without
+        ``num_groups``).
+      rl_candidate_tokens: rl tokens before the off-policy masks.
+      loss_tokens: tokens with ``loss_mask != 0``.
+
+    >>> import numpy as np
+    >>> c = Counts(np.array([2., 0, 1]), np.array([1., 0, 1]), np.zeros((3, 0)), np.float32(2), np.float32(3))
+    >>> (c + c).tokens.tolist(), float((c + c).loss_tokens)
+    ([4.0, 0.0, 2.0], 6.0)
+    """
+
+    tokens: jax.Array
+    sequences: jax.Array
+    group_tokens: jax.Array
+    rl_candidate_tokens: jax.Array
+    loss_tokens: jax.Array
+
+    def __add__(self, other: Counts) -> Counts:
+        return jax.tree.map(jnp.add, self, other)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch access
+# ------------------------------------------------------------------------------------------------
+
+
+def _f32(x: Any) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def _sample_keys(segment_ids: chex.Array) -> tuple[jax.Array, int]:
+    """Dense sample key ``row * (L + 1) + segment_id`` and its static bound."""
+    seg = jnp.asarray(segment_ids).astype(jnp.int32)
+    rows, length = seg.shape
+    return jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg, rows * (length + 1)
+
+
+def _segment_sum(x: jax.Array, ids: jax.Array, num: int) -> jax.Array:
+    return jax.ops.segment_sum(x.reshape(-1), ids.reshape(-1), num_segments=num)
+
+
+def _gather(values: jax.Array, ids: jax.Array) -> jax.Array:
+    return values[ids.reshape(-1)].reshape(ids.shape)
+
+
+def _required(batch: Any, name: str, why: str) -> jax.Array:
+    value = getattr(batch, name, None)
+    if value is None:
+        raise ValueError(f"batch.{name} is None but {why}")
+    return jnp.asarray(value)
+
+
+def _raw_weights(batch: Any) -> dict[str, jax.Array]:
+    """``v_c = weights_c * loss_mask`` (rl before off-policy masks; absent rl weights = 1)."""
+    mask = _f32(_required(batch, "loss_mask", "the objective needs the loss mask"))
+    chex.assert_rank(mask, 2)
+    out = {}
+    for c, default in (("rl", 1.0), ("ce", 0.0), ("ref_kl", 0.0)):
+        w = getattr(batch, f"{c}_weights", None)
+        out[c] = mask * (default if w is None else _f32(w))
+        chex.assert_equal_shape([out[c], mask])
+    return out
+
+
+def _logprob_streams(batch: Any) -> tuple[jax.Array, jax.Array]:
+    """(old_logprobs, inference_logprobs); missing old logprobs fall back to inference ones."""
+    inference = _required(batch, "inference_logprobs", "policy losses, ref_kl and metrics need it")
+    old = getattr(batch, "old_logprobs", None)
+    return (inference if old is None else jnp.asarray(old)), inference
+
+
+def _rl_correction(
+    loss: jax.Array, batch: Any, candidates: jax.Array, config: ObjectiveConfig, normalizer: Any
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Off-policy correction of the rl loss (identity when not configured)."""
+    if config.off_policy is None:
+        return loss, candidates, {}
+    old, inference = _logprob_streams(batch)
+    keys, num = _sample_keys(batch.segment_ids)
+    return off_policy.correct(
+        loss, old, inference, candidates, keys, num, config.off_policy, normalizer=normalizer
+    )
+
+
+def _check_group_index(group_index: jax.Array, weighted: jax.Array, num_groups: int) -> None:
+    """Host-side range check of ``group_index`` (skipped under tracing)."""
+    if isinstance(group_index, jax.core.Tracer) or isinstance(weighted, jax.core.Tracer):
+        return
+    used = group_index[weighted]
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= num_groups):
+        raise ValueError(
+            f"batch.group_index must lie in [0, num_groups={num_groups}) on weighted tokens; got range "
+            f"[{int(used.min())}, {int(used.max())}]; raise ObjectiveConfig.num_groups"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Counts and weights
+# ------------------------------------------------------------------------------------------------
+
+
+def global_counts(batch: Any, config: ObjectiveConfig) -> Counts:
+    """Normalizing counts of ``batch`` for ``config`` (see :class:`Counts`).
+
+    Call it on the whole mini-batch (host or jit, any device layout), or on each
+    micro-batch and add the results: both give the same :class:`Counts`.
+
+    >>> import numpy as np
+    >>> from types import SimpleNamespace
+    >>> one = np.ones((1, 4), np.float32)
+    >>> b = SimpleNamespace(loss_mask=np.array([[0, 1, 1, 1]]), segment_ids=np.array([[1, 1, 2, 2]]),
+    ...                     rl_weights=one, ce_weights=None, ref_kl_weights=None, group_index=0 * one,
+    ...                     inference_logprobs=-one, old_logprobs=-one)
+    >>> c = global_counts(b, ObjectiveConfig())
+    >>> c.tokens.tolist(), c.sequences.tolist()
+    ([3.0, 0.0, 0.0], [2.0, 0.0, 0.0])
+    """
+    raw = _raw_weights(batch)
+    keys, num = _sample_keys(_required(batch, "segment_ids", "samples are identified by segment ids"))
+    candidates = raw["rl"] != 0
+    _, rl_mask, _ = _rl_correction(jnp.zeros(raw["rl"].shape, jnp.float32), batch, candidates, config, None)
+    nonzero = {"rl": candidates & (rl_mask != 0), "ce": raw["ce"] != 0, "ref_kl": raw["ref_kl"] != 0}
+    stacked = jnp.stack([nonzero[c].astype(jnp.float32) for c in COMPONENTS])  # [3, R, L]
+    per_sample = jax.vmap(lambda x: _segment_sum(x, keys, num))(stacked)
+    if config.num_groups is None:
+        group_tokens = jnp.zeros((len(COMPONENTS), 0), jnp.float32)
+    else:
+        group_index = _required(batch, "group_index", "num_groups is set").astype(jnp.int32)
+        _check_group_index(group_index, jnp.any(stacked != 0, axis=0), config.num_groups)
+        group_tokens = jax.vmap(lambda x: _segment_sum(x, group_index, config.num_groups))(stacked)
+    return Counts(
+        tokens=jnp.sum(stacked, axis=(1, 2)),
+        sequences=jnp.sum((per_sample > 0).astype(jnp.float32), axis=1),
+        group_tokens=group_tokens,
+        rl_candidate_tokens=jnp.sum(candidates.astype(jnp.float32)),
+        loss_tokens=jnp.sum((jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)),
+    )
+
+
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+    """``num / den`` where ``den > 0`` else 0 (no NaN in values or gradients)."""
+    ok = den > 0
+    return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+
+
+def normalized_weights(
+    raw: jax.Array, component: str, batch: Any, counts: Counts, config: ObjectiveConfig
+) -> jax.Array:
+    """Per-token weights ``w = v / D`` of one component for ``config.reduction``.
+
+    ``raw`` is the component's raw weight ``v`` (``[R, L]``); see the module docstring for
+    ``D``. Tokens whose ``D`` is 0 (no weighted token anywhere) get weight 0.
+
+    >>> import numpy as np
+    >>> from types import SimpleNamespace
+    >>> b = SimpleNamespace(segment_ids=np.array([[1, 1, 1, 2]]))
+    >>> c = Counts(tokens=np.array([4., 0, 0]), sequences=np.array([2., 0, 0]),
+    ...            group_tokens=np.zeros((3, 0)), rl_candidate_tokens=4., loss_tokens=4.)
+    >>> w = normalized_weights(np.ones((1, 4)), "rl", b, c, ObjectiveConfig(reduction="sequence_mean"))
+    >>> [round(float(x), 4) for x in w[0]]
+    [0.1667, 0.1667, 0.1667, 0.5]
+    """
+    chex.assert_rank(raw, 2)
+    i = COMPONENTS.index(component)
+    v = _f32(raw)
+    nonzero = (v != 0).astype(jnp.float32)
+    if config.reduction == "token_mean":
+        den = jnp.broadcast_to(_f32(counts.tokens)[i], v.shape)
+    elif config.reduction == "prompt_mean":
+        group_tokens = _f32(counts.group_tokens)[i]
+        n_prompts = jnp.sum((group_tokens > 0).astype(jnp.float32))
+        den = n_prompts * _gather(group_tokens, jnp.asarray(batch.group_index).astype(jnp.int32))
+    else:
+        n_seq = _f32(counts.sequences)[i]
+        if config.reduction == "seq_mean_token_sum_norm":
+            den = jnp.broadcast_to(n_seq * float(config.max_len), v.shape)
+        else:  # sequence_mean
+            keys, num = _sample_keys(batch.segment_ids)
+            den = n_seq * _gather(_segment_sum(nonzero, keys, num), keys)
+    return _safe_div(v, den) * nonzero
+
+
+# ------------------------------------------------------------------------------------------------
+# Objective
+# ------------------------------------------------------------------------------------------------
+
+
+def _weighted_sum(w: jax.Array, loss: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(w != 0, w * loss, 0.0))
+
+
+def objective(
+    logp: chex.Array,
+    batch: Any,
+    counts: Counts,
+    config: ObjectiveConfig,
+    *,
+    entropy: chex.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Scalar loss of one micro-batch and its metrics (module docstring has the math).
+
+    Args:
+      logp: ``[R, L]`` temperature-scaled train logprobs of ``batch.tokens``.
+      batch: PackedBatch-like object (``[R, L]`` arrays).
+      counts: :func:`global_counts` of the whole mini-batch.
+      config: static :class:`ObjectiveConfig`.
+      entropy: optional ``[R, L]`` per-token entropy (needed when ``entropy_coef != 0``).
+
+    Returns:
+      ``(loss, metrics)``. Every metric is normalized by a global count, so each one is
+      ADDITIVE: summing a metric over the micro-batches of a mini-batch gives its value on
+      the whole mini-batch. Keys: ``loss``, ``loss/rl``, ``loss/ce``, ``loss/ref_kl``,
+      ``loss/entropy`` (the bonus term), ``rl/clip_frac`` (policy-loss clip/mask rule active,
+      over rl tokens), ``rl/mismatch_kl`` (k3 estimate of KL(pi_inference || pi_train) on rl
+      candidate tokens, which were sampled from pi_inference), ``rl/adv_mean``,
+      ``rl/adv_sq_mean``, ``ref_kl/k3`` (k3 of KL(pi_train || pi_ref) on ref_kl tokens),
+      ``tokens/<component>`` (weighted tokens in this micro-batch, a plain count),
+      ``off_policy/<name>`` (when configured; fractions of rl candidate tokens) and
+      ``entropy`` (mean over loss-mask tokens, when given).
+
+    >>> import numpy as np
+    >>> from types import SimpleNamespace
+    >>> lp = np.log(np.array([[.5, .5, .9, .1]], np.float32))
+    >>> one = np.ones((1, 4), np.float32)
+    >>> b = SimpleNamespace(loss_mask=one, segment_ids=one.astype(int), group_index=0 * one,
+    ...                     advantages=np.array([[1., 1, -1, -1]]), rl_weights=one, ce_weights=None,
+    ...                     ref_kl_weights=None, ref_logprobs=None, old_logprobs=None,
+    ...                     inference_logprobs=np.log(np.array([[.5, .2, .6, .4]], np.float32)))
+    >>> cfg = ObjectiveConfig()
+    >>> loss, metrics = objective(lp, b, global_counts(b, cfg), cfg)
+    >>> round(float(loss), 6), float(metrics["rl/clip_frac"])   # dppo reference sum / 4 tokens
+    (0.125731, 0.5)
+    """
+    lp = _f32(logp)
+    chex.assert_rank(lp, 2)
+    chex.assert_type(logp, float)
+    raw = _raw_weights(batch)
+    chex.assert_equal_shape([lp, raw["rl"]])
+    old, inference = _logprob_streams(batch)
+    adv = _f32(_required(batch, "advantages", "the rl component needs advantages (pass zeros if unused)"))
+    keys, num = _sample_keys(_required(batch, "segment_ids", "samples are identified by segment ids"))
+    if config.entropy_coef != 0.0 and entropy is None:
+        raise ValueError(
+            f"entropy_coef={config.entropy_coef} needs objective(..., entropy=<per-token entropy>)"
+        )
+
+    # rl: policy loss, then the off-policy correction.
+    candidates = raw["rl"] != 0
+    args = (lp, _f32(old), _f32(inference), adv, candidates, keys, num)
+    kwargs = dict(config.policy_loss_kwargs)
+    rl_loss = losses.policy_loss(config.policy_loss, *args, **kwargs)
+    clipped = losses.clipped_tokens(config.policy_loss, *args, **kwargs)
+    rl_loss, rl_mask, off_metrics = _rl_correction(
+        rl_loss, batch, candidates, config, counts.rl_candidate_tokens
+    )
+    raw["rl"] = raw["rl"] * rl_mask
+
+    per_token = {"rl": rl_loss, "ce": losses.cross_entropy(lp)}
+    if getattr(batch, "ref_kl_weights", None) is not None:
+        ref = _f32(_required(batch, "ref_logprobs", "ref_kl_weights is set (the ref_kl component needs it)"))
+        per_token["ref_kl"] = losses.ref_kl(lp, _f32(inference), ref, raw["ref_kl"] != 0)
+    else:
+        per_token["ref_kl"] = jnp.zeros_like(lp)
+
+    weights = {c: normalized_weights(raw[c], c, batch, counts, config) for c in COMPONENTS}
+    metrics = {f"loss/{c}": _weighted_sum(weights[c], per_token[c]) for c in COMPONENTS}
+    total = sum(metrics[f"loss/{c}"] for c in COMPONENTS)
+    if entropy is not None:
+        ent = _f32(entropy)
+        chex.assert_equal_shape([ent, lp])
+        metrics["loss/entropy"] = -config.entropy_coef * _weighted_sum(weights["rl"], ent)
+        total = total + metrics["loss/entropy"]
+        loss_tokens = (jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)
+        metrics["entropy"] = _safe_div(jnp.sum(ent * loss_tokens), _f32(counts.loss_tokens))
+    else:
+        metrics["loss/entropy"] = jnp.zeros((), jnp.float32)
+    metrics["loss"] = total
+
+    rl_tokens = (raw["rl"] != 0).astype(jnp.float32)
+    cand = candidates.astype(jnp.float32)
+    n_rl, n_cand = _f32(counts.tokens)[0], _f32(counts.rl_candidate_tokens)
+    metrics["rl/clip_frac"] = _safe_div(jnp.sum(clipped * rl_tokens), n_rl)
+    mismatch = losses.kl(_f32(inference), lp, kind="k3")
+    metrics["rl/mismatch_kl"] = _safe_div(jnp.sum(mismatch * cand), n_cand)
+    metrics["rl/adv_mean"] = _safe_div(jnp.sum(adv * cand), n_cand)
+    metrics["rl/adv_sq_mean"] = _safe_div(jnp.sum(jnp.square(adv) * cand), n_cand)
+    if getattr(batch, "ref_kl_weights", None) is not None:
+        ref_tokens = (raw["ref_kl"] != 0).astype(jnp.float32)
+        ref_k3 = losses.kl(lp, _f32(batch.ref_logprobs), kind="k3")
+        metrics["ref_kl/k3"] = _safe_div(jnp.sum(ref_k3 * ref_tokens), _f32(counts.tokens)[2])
+    for c in COMPONENTS:
+        metrics[f"tokens/{c}"] = jnp.sum((raw[c] != 0).astype(jnp.float32))
+    metrics.update({f"off_policy/{k}": v for k, v in off_metrics.items()})
+    return total, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}

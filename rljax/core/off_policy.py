@@ -1,0 +1,250 @@
+"""Off-policy correction between the trainer's old policy and the rollout engine (SPEC §3.4).
+
+With ``rho_t = exp(clip(old_logp_t - rollout_logp_t, -20, 20))`` (per token) and the
+sequences given by ``segment_ids`` (the sample each token belongs to), :func:`correct`
+applies, in this order, each stage only if configured:
+
+1. outlier sequence reject: a sequence with ANY trainable token ``rho > hi`` or
+   ``rho < lo`` is masked entirely (``outlier_token_is_threshold_low/high``);
+2. token mask: keep a token only if ``lo <= rho <= hi`` (``token_mask_is_threshold_low/high``);
+3. truncated importance sampling (TIS), the loss is multiplied by
+   ``sg(min(rho, C))`` (``tis_ratio_type="token"``, C = ``token_tis_ratio_clip_high``) or by
+   the sequence weight ``sg(min(exp(sum_masked(old - rollout)), C))``
+   (``"sequence"``, C = ``sequence_tis_ratio_clip_high``);
+4. sequence mask: keep a sequence only if ``exp(mean_masked(old - rollout))`` is in
+   ``[geo_mask_low, geo_mask_high]`` (``sequence_mask_metric="geometric"``) or
+   ``exp(sum_masked(old - rollout))`` is in ``[product_mask_low, product_mask_high]``
+   (``"product"``).
+
+Stages 3-4 use the mask left by the earlier stages. Field names and defaults follow SkyRL's
+``off_policy_correction`` config; a threshold set to ``None`` disables that side.
+
+References: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training" (TIS); Liu, Li et al. 2025, "When Speed Kills Stability" (masked / geometric IS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+
+_LOG_RATIO_CLIP = 20.0
+
+DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(
+    {
+        "tis_ratio_type": None,
+        "token_tis_ratio_clip_high": 2.0,
+        "sequence_tis_ratio_clip_high": 5.0,
+        "sequence_mask_metric": None,
+        "geo_mask_low": 0.99,
+        "geo_mask_high": 1.01,
+        "product_mask_low": 0.5,
+        "product_mask_high": 2.0,
+        "outlier_token_is_threshold_low": None,
+        "outlier_token_is_threshold_high": None,
+        "token_mask_is_threshold_low": None,
+        "token_mask_is_threshold_high": None,
+    }
+)
+"""Every accepted key with its default (SkyRL's names and defaults)."""
+
+METRIC_NAMES: tuple[str, ...] = (
+    "is_ratio_mean",
+    "outlier_masked_frac",
+    "token_masked_frac",
+    "tis_clipped_frac",
+    "sequence_masked_frac",
+    "masked_frac",
+)
+"""Keys of the metrics dict :func:`correct` returns (always all of them; 0 for stages that are off)."""
+
+_TIS_TYPES = (None, "token", "sequence")
+_SEQUENCE_METRICS = (None, "geometric", "product")
+_OPTIONAL_THRESHOLDS = (
+    "outlier_token_is_threshold_low",
+    "outlier_token_is_threshold_high",
+    "token_mask_is_threshold_low",
+    "token_mask_is_threshold_high",
+)
+
+
+def resolve_config(config: Any) -> dict[str, Any]:
+    """Returns the full off-policy config: ``DEFAULT_CONFIG`` updated with ``config``.
+
+    ``config`` is ``None``, a mapping, an ``ml_collections.ConfigDict`` (anything with
+    ``to_dict``) or a sequence of ``(key, value)`` pairs. Unknown keys and invalid values
+    raise ``ValueError``.
+
+    >>> resolve_config({"tis_ratio_type": "token"})["token_tis_ratio_clip_high"]
+    2.0
+    """
+    if config is None:
+        items: dict[str, Any] = {}
+    elif hasattr(config, "to_dict"):
+        items = dict(config.to_dict())
+    else:
+        items = dict(config.items() if isinstance(config, Mapping) else config)
+    unknown = sorted(set(items) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise ValueError(
+            f"unknown off-policy correction keys {unknown}; valid keys are {sorted(DEFAULT_CONFIG)}"
+        )
+    cfg = {**DEFAULT_CONFIG, **items}
+    if cfg["tis_ratio_type"] not in _TIS_TYPES:
+        raise ValueError(f"tis_ratio_type must be one of {_TIS_TYPES}; got {cfg['tis_ratio_type']!r}")
+    if cfg["sequence_mask_metric"] not in _SEQUENCE_METRICS:
+        raise ValueError(
+            f"sequence_mask_metric must be one of {_SEQUENCE_METRICS}; got {cfg['sequence_mask_metric']!r}"
+        )
+    for key, value in cfg.items():
+        if key in ("tis_ratio_type", "sequence_mask_metric"):
+            continue
+        if value is None and key in _OPTIONAL_THRESHOLDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"off-policy correction {key} must be a positive number"
+                             f"{' or None' if key in _OPTIONAL_THRESHOLDS else ''}; got {value!r}")
+    for low, high in (("geo_mask_low", "geo_mask_high"), ("product_mask_low", "product_mask_high"),
+                      _OPTIONAL_THRESHOLDS[:2], _OPTIONAL_THRESHOLDS[2:]):
+        if cfg[low] is not None and cfg[high] is not None and cfg[low] > cfg[high]:
+            raise ValueError(f"off-policy correction needs {low} <= {high}; got {cfg[low]} > {cfg[high]}")
+    return cfg
+
+
+def is_enabled(config: Any) -> bool:
+    """True when any stage of :func:`correct` is configured.
+
+    >>> is_enabled({}), is_enabled({"sequence_mask_metric": "geometric"})
+    (False, True)
+    """
+    cfg = resolve_config(config)
+    return (
+        cfg["tis_ratio_type"] is not None
+        or cfg["sequence_mask_metric"] is not None
+        or any(cfg[k] is not None for k in _OPTIONAL_THRESHOLDS)
+    )
+
+
+def _segment_sum(x: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    return jax.ops.segment_sum(x.reshape(-1), segment_ids.reshape(-1), num_segments=num_segments)
+
+
+def _per_token(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    return values[segment_ids.reshape(-1)].reshape(segment_ids.shape)
+
+
+def _outside(x: jax.Array, low: float | None, high: float | None) -> jax.Array:
+    """Boolean ``x < low or x > high``; a ``None`` bound is open."""
+    out = jnp.zeros(x.shape, bool)
+    if low is not None:
+        out = out | (x < low)
+    if high is not None:
+        out = out | (x > high)
+    return out
+
+
+def correct(
+    loss: chex.Array,
+    old_logp: chex.Array,
+    rollout_logp: chex.Array,
+    mask: chex.Array,
+    segment_ids: chex.Array,
+    num_segments: int,
+    config: Any,
+    *,
+    normalizer: chex.Numeric | None = None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Applies the configured off-policy correction (module docstring) to a per-token loss.
+
+    Args:
+      loss: per-token loss, any shape.
+      old_logp: trainer logprobs before the update (same shape).
+      rollout_logp: logprobs reported by the rollout engine (same shape).
+      mask: trainable tokens (nonzero = trainable).
+      segment_ids: int sequence id of each token, in ``[0, num_segments)``.
+      num_segments: static bound on the number of sequences.
+      config: static off-policy config (see :func:`resolve_config`).
+      normalizer: denominator of the metrics; default the number of tokens in ``mask``.
+        Passing a global token count makes the metrics additive over micro-batches.
+
+    Returns:
+      ``(loss * tis_weight, new_mask, metrics)``: the new mask is float32 0/1 and a subset
+      of ``mask``; metrics (:data:`METRIC_NAMES`) are token counts divided by the normalizer:
+      ``is_ratio_mean`` sums ``rho`` over ``mask``; ``*_masked_frac`` count tokens each stage
+      removed; ``tis_clipped_frac`` counts surviving tokens whose TIS weight hit its cap.
+
+    >>> import jax.numpy as jnp
+    >>> old, roll = jnp.log(jnp.array([.5, .5, .5])), jnp.log(jnp.array([.5, .1, .5]))
+    >>> loss, m, met = correct(jnp.ones(3), old, roll, jnp.ones(3), jnp.array([0, 0, 1]), 2,
+    ...                        {"outlier_token_is_threshold_high": 3.0})
+    >>> [float(x) for x in m], round(float(met["outlier_masked_frac"]), 4)
+    ([0.0, 0.0, 1.0], 0.6667)
+    """
+    cfg = resolve_config(config)
+    chex.assert_type([loss, old_logp, rollout_logp], float)
+    chex.assert_equal_shape([loss, old_logp, rollout_logp, mask, segment_ids])
+    ids = jnp.asarray(segment_ids)
+    m0 = (jnp.asarray(mask) != 0).astype(jnp.float32)
+    log_rho = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(rollout_logp, jnp.float32)
+    log_rho = jnp.clip(log_rho, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)
+    rho = jnp.exp(log_rho)
+    zero = jnp.zeros((), jnp.float32)
+
+    # (1) outlier sequence reject.
+    m1, removed_outlier = m0, zero
+    low, high = cfg["outlier_token_is_threshold_low"], cfg["outlier_token_is_threshold_high"]
+    if low is not None or high is not None:
+        bad = _segment_sum(m0 * _outside(rho, low, high), ids, num_segments) > 0
+        m1 = m0 * (1.0 - _per_token(bad, ids).astype(jnp.float32))
+        removed_outlier = jnp.sum(m0 - m1)
+
+    # (2) token mask.
+    m2, removed_token = m1, zero
+    low, high = cfg["token_mask_is_threshold_low"], cfg["token_mask_is_threshold_high"]
+    if low is not None or high is not None:
+        m2 = m1 * (1.0 - _outside(rho, low, high).astype(jnp.float32))
+        removed_token = jnp.sum(m1 - m2)
+
+    seq_log_rho = _segment_sum(log_rho * m2, ids, num_segments)
+
+    # (3) truncated importance sampling weight.
+    weight, clipped = jnp.ones_like(rho), zero
+    if cfg["tis_ratio_type"] == "token":
+        cap = cfg["token_tis_ratio_clip_high"]
+        weight, clipped = jnp.minimum(rho, cap), jnp.sum(m2 * (rho > cap))
+    elif cfg["tis_ratio_type"] == "sequence":
+        cap = cfg["sequence_tis_ratio_clip_high"]
+        seq_rho = _per_token(jnp.exp(jnp.clip(seq_log_rho, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)), ids)
+        weight, clipped = jnp.minimum(seq_rho, cap), jnp.sum(m2 * (seq_rho > cap))
+    out_loss = jnp.asarray(loss, jnp.float32) * jax.lax.stop_gradient(weight)
+
+    # (4) sequence mask.
+    m3, removed_seq = m2, zero
+    metric = cfg["sequence_mask_metric"]
+    if metric is not None:
+        if metric == "geometric":
+            count = _segment_sum(m2, ids, num_segments)
+            stat, low, high = seq_log_rho / jnp.maximum(count, 1.0), cfg["geo_mask_low"], cfg["geo_mask_high"]
+        else:
+            stat, low, high = seq_log_rho, cfg["product_mask_low"], cfg["product_mask_high"]
+        seq_ratio = jnp.exp(jnp.clip(stat, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP))
+        m3 = m2 * (1.0 - _per_token(_outside(seq_ratio, low, high), ids).astype(jnp.float32))
+        removed_seq = jnp.sum(m2 - m3)
+
+    denom = jnp.sum(m0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    counts = {
+        "is_ratio_mean": jnp.sum(rho * m0),
+        "outlier_masked_frac": removed_outlier,
+        "token_masked_frac": removed_token,
+        "tis_clipped_frac": clipped,
+        "sequence_masked_frac": removed_seq,
+        "masked_frac": jnp.sum(m0 - m3),
+    }
+    metrics = {k: jax.lax.stop_gradient(jnp.where(denom > 0, v / safe, 0.0)) for k, v in counts.items()}
+    return out_loss, m3, metrics

@@ -1,0 +1,467 @@
+"""Tests of rljax.core.losses against the spec's reference values and float64 numpy references."""
+
+import doctest
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rljax.core import losses
+
+# ------------------------------------------------------------------------------------------------
+# float64 numpy references (written from SPEC §3.2-§3.3, independent of the code under test)
+# ------------------------------------------------------------------------------------------------
+
+
+def np_ratio(lp, ref):
+    return np.exp(np.clip(lp - ref, -20.0, 20.0))
+
+
+def np_inside(lp, ref):
+    """d clip(lp - ref, -20, 20) / d lp."""
+    return ((lp - ref > -20) & (lp - ref < 20)).astype(np.float64)
+
+
+def np_ppo(lp, old, a, eps_low=0.2, eps_high=0.2):
+    r = np_ratio(lp, old)
+    unclipped, clipped = r * a, np.clip(r, 1 - eps_low, 1 + eps_high) * a
+    value = -np.minimum(unclipped, clipped)
+    grad = np.where(unclipped <= clipped, -a * r * np_inside(lp, old), 0.0)
+    return value, grad
+
+
+def np_dual_clip(lp, old, a, eps_low=0.2, eps_high=0.2, c=3.0):
+    value, grad = np_ppo(lp, old, a, eps_low, eps_high)
+    dual = (a < 0) & (-a * c < value)
+    return np.where(dual, -a * c, value), np.where(dual, 0.0, grad)
+
+
+def np_gspo(lp, old, a, mask, seg, eps_low=0.2, eps_high=0.2):
+    value, grad = np.zeros_like(lp), np.zeros_like(lp)
+    flat = [x.reshape(-1) for x in (lp, old, a, mask, seg)]
+    out_v, out_g = value.reshape(-1), grad.reshape(-1)
+    for j in np.unique(flat[4]):
+        idx = np.nonzero(flat[4] == j)[0]
+        m = flat[3][idx] != 0
+        d = np.clip(flat[0][idx] - flat[1][idx], -20, 20)
+        s = d[m].mean() if m.any() else 0.0
+        w = np.exp(min(s, 10.0))
+        aa = flat[2][idx]
+        unclipped, clipped = w * aa, np.clip(w, 1 - eps_low, 1 + eps_high) * aa
+        out_v[idx] = -np.minimum(unclipped, clipped)
+        out_g[idx] = np.where((unclipped <= clipped) & (s < 10.0), -aa * w, 0.0)
+    return value, grad
+
+
+def np_cispo(lp, beh, a, eps_low=1.0, eps_high=4.0):
+    c = np.clip(np_ratio(lp, beh), 1 - eps_low, 1 + eps_high)
+    return -a * c * lp, -a * c
+
+
+def np_dppo(lp, inf, a, mask, mask_low=0.2, mask_high=0.2, adv_tau=1.0, kl_tau=1e-3):
+    dp = np.exp(lp) - np.exp(inf)
+    m = (mask != 0).astype(np.float64)
+    dropped = ((a > 0) & (dp > mask_high)) | ((a <= 0) & (dp < -mask_low))
+    keep = m * ~dropped
+    log_r = np.clip(lp - inf, -20, 20)
+    r = np.exp(log_r)
+    return -keep * adv_tau * a * r + kl_tau * m * log_r**2, -keep * adv_tau * a * r + 2 * kl_tau * m * log_r
+
+
+def np_sapo(lp, old, a, tau_pos=1.0, tau_neg=1.05):
+    r = np_ratio(lp, old)
+    tau = np.where(a > 0, tau_pos, tau_neg)
+    sig = 1.0 / (1.0 + np.exp(-tau * (r - 1)))
+    return -sig * 4 / tau * a, -a * 4 * sig * (1 - sig) * r * np_inside(lp, old)
+
+
+def np_rollout_is(lp, roll, a, eps_low=0.2, eps_high=0.2):
+    r = np_ratio(lp, roll)
+    c = np.where((r > 1 - eps_low) & (r < 1 + eps_high), r, 0.0)
+    return -c * a * lp, -c * a
+
+
+def np_is(lp, old, a):
+    r = np_ratio(lp, old)
+    return -r * a, -r * a * np_inside(lp, old)
+
+
+def np_ref_kl(lp, inf, ref, mask, mask_low=0.2, kl_tau=1e-3):
+    m = (mask != 0).astype(np.float64)
+    keep = m * ~(np.exp(lp) - np.exp(inf) < -mask_low)
+    log_r = np.clip(lp - inf, -20, 20)
+    r = np.exp(log_r)
+    return -keep * (ref - lp) * r + kl_tau * m * log_r**2, -keep * (ref - lp) * r + 2 * kl_tau * m * log_r
+
+
+def np_kl(lp, ref, kind):
+    d = lp - ref
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return np.abs(d)
+    if kind == "k2":
+        return d**2 / 2
+    x = np.clip(-d, -20, 20)
+    return np.clip(np.exp(x) - x - 1, -10, 10)
+
+
+def np_entropy(logits, temperature):
+    z = logits / temperature
+    z = z - z.max(-1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    logp = np.log(np.where(p > 0, p, 1.0))
+    return -(p * logp).sum(-1)
+
+
+def random_inputs(seed, shape=(3, 9), extreme=True):
+    """float64 arrays: logp, old, inference, ref logprobs, adv, mask, segment ids."""
+    rng = np.random.default_rng(seed)
+    lp = np.log(rng.uniform(0.02, 1.0, shape))
+    old = np.minimum(lp + rng.normal(0, 0.4, shape), 0.0)
+    inf = np.log(np.clip(np.exp(lp) + rng.normal(0, 0.25, shape), 0.01, 1.0))
+    ref = np.log(rng.uniform(0.02, 1.0, shape))
+    adv = rng.normal(0, 1, shape)
+    adv[0, 0] = 0.0
+    mask = (rng.uniform(size=shape) < 0.75).astype(np.float64)
+    seg = np.sort(rng.integers(0, 4, shape).reshape(-1)).reshape(shape)
+    if extreme:  # log-ratios beyond the +-20 clip
+        old[0, 1], old[1, 2] = lp[0, 1] - 30.0, lp[1, 2] + 30.0
+    return lp, old, inf, ref, adv, mask, seg
+
+
+def f32(*xs):
+    return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+def grad_of(fn, lp, *args):
+    return jax.grad(lambda x: jnp.sum(fn(x, *args)))(lp)
+
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+# ------------------------------------------------------------------------------------------------
+# Spec reference values
+# ------------------------------------------------------------------------------------------------
+
+P_TRAIN = np.array([0.5, 0.5, 0.9, 0.1])
+P_INF = np.array([0.5, 0.2, 0.6, 0.4])
+ADV = np.array([1.0, 1.0, -1.0, -1.0])
+P_REF = np.array([0.6, 0.3, 0.8, 0.3])
+
+
+class SpecValuesTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dppo_reference(self):
+        lp, inf, a = f32(np.log(P_TRAIN), np.log(P_INF), ADV)
+        loss = self.variant(losses.dppo)(lp, inf, a, jnp.ones(4))
+        np.testing.assert_allclose(loss, [-1.0, 8.39589e-4, 1.5001644, 1.92181e-3], rtol=1e-5)
+        np.testing.assert_allclose(jnp.sum(loss), 0.5029258, rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_ref_kl_reference(self):
+        lp, inf, ref = f32(np.log(P_TRAIN), np.log(P_INF), np.log(P_REF))
+        loss = self.variant(losses.ref_kl)(lp, inf, ref, jnp.ones(4))
+        np.testing.assert_allclose(jnp.sum(loss), 1.2743429, rtol=1e-6)
+
+    def test_dppo_reference_matches_numpy(self):
+        value, _ = np_dppo(np.log(P_TRAIN), np.log(P_INF), ADV, np.ones(4))
+        np.testing.assert_allclose(value.sum(), 0.5029258, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Values and gradients against numpy on random inputs
+# ------------------------------------------------------------------------------------------------
+
+# name -> (jax fn taking float32 arrays, numpy reference, which inputs: indices into random_inputs)
+ELEMENTWISE = {
+    "ppo_clip": (losses.ppo_clip, np_ppo, (0, 1, 4)),
+    "ppo_clip_asym": (functools.partial(losses.ppo_clip, eps_low=0.1, eps_high=0.28),
+                      functools.partial(np_ppo, eps_low=0.1, eps_high=0.28), (0, 1, 4)),
+    "dual_clip": (losses.dual_clip, np_dual_clip, (0, 1, 4)),
+    "cispo": (losses.cispo, np_cispo, (0, 1, 4)),
+    "cispo_tight": (functools.partial(losses.cispo, eps_low=0.2, eps_high=0.3),
+                    functools.partial(np_cispo, eps_low=0.2, eps_high=0.3), (0, 1, 4)),
+    "dppo": (losses.dppo, np_dppo, (0, 2, 4, 5)),
+    "dppo_kwargs": (functools.partial(losses.dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
+                    functools.partial(np_dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
+                    (0, 2, 4, 5)),
+    "sapo": (losses.sapo, np_sapo, (0, 1, 4)),
+    "rollout_is": (losses.rollout_is, np_rollout_is, (0, 2, 4)),
+    "importance_sampling": (losses.importance_sampling, np_is, (0, 1, 4)),
+    "ref_kl": (losses.ref_kl, np_ref_kl, (0, 2, 3, 5)),
+}
+
+
+class ElementwiseLossTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*[(n, n) for n in ELEMENTWISE])
+    def test_values_and_grads(self, name):
+        fn, ref_fn, which = ELEMENTWISE[name]
+        for seed in range(2):
+            inputs = random_inputs(seed)
+            args = [inputs[i] for i in which]
+            want_value, want_grad = ref_fn(*args)
+            jargs = f32(*args)
+            got = self.variant(fn)(*jargs)
+            self.assertEqual(got.dtype, jnp.float32)
+            chex.assert_shape(got, args[0].shape)
+            np.testing.assert_allclose(got, want_value, **TOL)
+            np.testing.assert_allclose(self.variant(functools.partial(grad_of, fn))(*jargs), want_grad, **TOL)
+
+    @parameterized.named_parameters(*[(n, n) for n in ELEMENTWISE])
+    def test_vmap_over_rows(self, name):
+        fn, _, which = ELEMENTWISE[name]
+        inputs = random_inputs(7)
+        jargs = f32(*[inputs[i] for i in which])
+        np.testing.assert_allclose(jax.vmap(fn)(*jargs), fn(*jargs), rtol=1e-6, atol=1e-7)
+
+    def test_bf16_inputs_give_float32(self):
+        lp, old, _, _, adv, _, _ = random_inputs(0)
+        out = losses.ppo_clip(*[jnp.asarray(x, jnp.bfloat16) for x in (lp, old, adv)])
+        self.assertEqual(out.dtype, jnp.float32)
+
+    def test_extreme_log_ratios_stay_finite(self):
+        lp = jnp.array([0.0, -200.0, 0.0])
+        old = jnp.array([-200.0, 0.0, 0.0])
+        adv = jnp.array([1.0, -1.0, 1.0])
+        for fn in (losses.ppo_clip, losses.sapo, losses.importance_sampling, losses.cispo, losses.rollout_is):
+            out = fn(lp, old, adv)
+            self.assertTrue(bool(jnp.all(jnp.isfinite(out))), fn.__name__)
+            self.assertTrue(bool(jnp.all(jnp.isfinite(grad_of(fn, lp, old, adv)))), fn.__name__)
+        want = -np.exp(np.float32(20.0))
+        np.testing.assert_allclose(losses.importance_sampling(lp, old, adv)[0], want, rtol=1e-6)
+
+    def test_shape_mismatch_raises(self):
+        with self.assertRaises(AssertionError):
+            losses.ppo_clip(jnp.zeros(3), jnp.zeros(4), jnp.zeros(3))
+
+    def test_dual_clip_rejects_c_at_most_one(self):
+        with self.assertRaisesRegex(ValueError, "clip_ratio_c > 1"):
+            losses.dual_clip(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), clip_ratio_c=1.0)
+
+
+class GspoTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_values_and_grads(self):
+        for seed, kw in ((0, {}), (1, {"eps_low": 0.05, "eps_high": 0.05}), (2, {"eps_high": 0.5})):
+            lp, old, _, _, adv, mask, seg = random_inputs(seed)
+            want_value, want_grad = np_gspo(lp, old, adv, mask, seg, **kw)
+            fn = functools.partial(losses.gspo, num_segments=4, **kw)
+            jl, jo, ja = f32(lp, old, adv)
+            got = self.variant(fn)(jl, jo, ja, mask, seg)
+            np.testing.assert_allclose(got, want_value, **TOL)
+            grad_fn = jax.grad(lambda x, o, a, m, s, f=fn: jnp.sum(f(x, o, a, m, s)))
+            grad = self.variant(grad_fn)(jl, jo, ja, mask, seg)
+            np.testing.assert_allclose(grad, want_grad, **TOL)
+
+    def test_masked_tokens_do_not_change_sequence_weight(self):
+        lp, old, _, _, adv, mask, seg = [jnp.asarray(x) for x in random_inputs(3)]
+        lp, old, adv = f32(lp, old, adv)
+        base = losses.gspo(lp, old, adv, mask, seg, 4)
+        moved = losses.gspo(lp, jnp.where(mask > 0, old, old - 5.0), adv, mask, seg, 4)
+        np.testing.assert_allclose(base, moved, rtol=1e-6)
+
+    def test_log_weight_clamped_at_ten(self):
+        lp = jnp.zeros(2)
+        out = losses.gspo(lp, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1)
+        np.testing.assert_allclose(out, np.exp(10.0) * np.ones(2), rtol=1e-6)
+        grad = grad_of(lambda x: losses.gspo(x, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2),
+                                             jnp.zeros(2, jnp.int32), 1), lp)
+        np.testing.assert_array_equal(grad, 0.0)
+
+    def test_vmap_over_rows(self):
+        lp, old, _, _, adv, mask, seg = random_inputs(4)
+        jl, jo, ja = f32(lp, old, adv)
+        fn = functools.partial(losses.gspo, num_segments=4)
+        # Row-wise, a segment id shared by two rows denotes two different sequences.
+        rows = [np_gspo(*(x[i:i + 1] for x in (lp, old, adv, mask, seg)))[0] for i in range(3)]
+        want = np.concatenate(rows)
+        np.testing.assert_allclose(jax.vmap(fn)(jl, jo, ja, mask, seg), want, **TOL)
+
+
+class OtherComponentsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_cross_entropy(self):
+        lp = random_inputs(0)[0]
+        jl = jnp.asarray(lp, jnp.float32)
+        np.testing.assert_allclose(self.variant(losses.cross_entropy)(jl), -lp, **TOL)
+        np.testing.assert_allclose(grad_of(losses.cross_entropy, jl), -np.ones_like(lp))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("k1", "abs", "k2", "k3")
+    def test_kl(self, kind):
+        lp, _, _, ref, *_ = random_inputs(1)
+        ref[0, 0] = lp[0, 0] + 40.0  # k3 exp() term clipped at 20 and result at 10
+        got = self.variant(functools.partial(losses.kl, kind=kind))(*f32(lp, ref))
+        np.testing.assert_allclose(got, np_kl(lp, ref, kind), **TOL)
+
+    def test_kl_k3_hand_values(self):
+        # logp=log .5, ref=log .25: x=-log 2 -> .5 + log 2 - 1
+        np.testing.assert_allclose(losses.kl(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])))[0],
+                                   0.5 + np.log(2) - 1, rtol=1e-6)
+        self.assertEqual(float(losses.kl(jnp.array([-3.0]), jnp.array([-60.0]))[0]), 10.0)
+
+    def test_kl_rejects_unknown_kind(self):
+        with self.assertRaisesRegex(ValueError, "k3"):
+            losses.kl(jnp.zeros(2), jnp.zeros(2), kind="k4")
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_entropy_from_logits(self):
+        rng = np.random.default_rng(0)
+        logits = rng.normal(0, 3, (2, 5, 11))
+        temps = rng.uniform(0.3, 2.0, (2, 5))
+        got = self.variant(losses.entropy_from_logits)(jnp.asarray(logits, jnp.float32), jnp.asarray(temps))
+        np.testing.assert_allclose(got, np_entropy(logits, temps[..., None]), rtol=1e-5, atol=1e-6)
+        scalar = self.variant(losses.entropy_from_logits)(jnp.asarray(logits, jnp.float32), 0.7)
+        np.testing.assert_allclose(scalar, np_entropy(logits, 0.7), rtol=1e-5, atol=1e-6)
+
+    def test_entropy_with_masked_vocab_is_finite(self):
+        logits = jnp.array([[0.0, 0.0, -jnp.inf, -jnp.inf]])
+        np.testing.assert_allclose(losses.entropy_from_logits(logits), [np.log(2)], rtol=1e-6)
+        grad_fn = jax.jit(jax.grad(lambda x: jnp.sum(losses.entropy_from_logits(x))))
+        grad = grad_fn(jnp.array([[0.3, -0.2, -1e9]]))
+        self.assertTrue(bool(jnp.all(jnp.isfinite(grad))))
+
+
+# ------------------------------------------------------------------------------------------------
+# Registry, adapter, clip indicators
+# ------------------------------------------------------------------------------------------------
+
+
+class AdapterTest(chex.TestCase):
+    def setUp(self):
+        super().setUp()
+        lp, old, inf, _, adv, mask, seg = random_inputs(5)
+        self.np = (lp, old, inf, adv, mask, seg)
+        self.j = (*f32(lp, old, inf, adv), jnp.asarray(mask), jnp.asarray(seg))
+
+    def call(self, name, **kw):
+        lp, old, inf, adv, mask, seg = self.j
+        return losses.policy_loss(name, lp, old, inf, adv, mask, seg, 4, **kw)
+
+    def test_routes_each_registered_loss(self):
+        lp, old, inf, adv, mask, seg = self.np
+        want = {
+            "ppo_clip": np_ppo(lp, old, adv)[0],
+            "dual_clip": np_dual_clip(lp, old, adv)[0],
+            "gspo": np_gspo(lp, old, adv, mask, seg)[0],
+            "cispo": np_cispo(lp, old, adv)[0],
+            "dppo": np_dppo(lp, inf, adv, mask)[0],
+            "sapo": np_sapo(lp, old, adv)[0],
+            "rollout_is": np_rollout_is(lp, inf, adv)[0],
+            "importance_sampling": np_is(lp, old, adv)[0],
+        }
+        self.assertEqual(set(want), set(losses.POLICY_LOSSES))
+        for name, value in want.items():
+            np.testing.assert_allclose(self.call(name), value, err_msg=name, **TOL)
+
+    def test_cispo_behavior_and_kwargs(self):
+        lp, _, inf, adv, _, _ = self.np
+        got = self.call("cispo", behavior="inference", eps_high=0.5)
+        np.testing.assert_allclose(got, np_cispo(lp, inf, adv, eps_high=0.5)[0], **TOL)
+
+    def test_jit_with_static_name(self):
+        fn = jax.jit(losses.policy_loss, static_argnums=(0, 7), static_argnames=("eps_high",))
+        lp, old, inf, adv, mask, seg = self.j
+        np.testing.assert_allclose(fn("gspo", lp, old, inf, adv, mask, seg, 4, eps_high=0.3),
+                                   self.call("gspo", eps_high=0.3), rtol=1e-6)
+
+    def test_errors(self):
+        with self.assertRaisesRegex(ValueError, "unknown policy loss 'ppo'"):
+            self.call("ppo")
+        with self.assertRaisesRegex(ValueError, r"unknown hyperparameters \['eps'\]"):
+            self.call("ppo_clip", eps=0.1)
+        with self.assertRaisesRegex(ValueError, "behavior"):
+            self.call("cispo", behavior="ref")
+        with self.assertRaisesRegex(ValueError, "behavior"):
+            self.call("ppo_clip", behavior="old")
+        lp, old, inf, adv, mask, _ = self.j
+        with self.assertRaisesRegex(ValueError, "sequence-level"):
+            losses.policy_loss("gspo", lp, old, inf, adv, mask)
+        with self.assertRaisesRegex(ValueError, "unknown policy loss"):
+            losses.validate_policy_loss("nope")
+
+    def test_user_registered_loss(self):
+        def reinforce(logp, adv, mask, *, scale=1.0):
+            return -scale * adv * logp * mask
+
+        losses.POLICY_LOSSES["reinforce_test"] = reinforce
+        try:
+            lp, _, _, adv, mask, _ = self.np
+            np.testing.assert_allclose(self.call("reinforce_test", scale=2.0), -2 * adv * lp * mask, **TOL)
+            np.testing.assert_array_equal(losses.clipped_tokens("reinforce_test", *self.j, 4), 0.0)
+            losses.POLICY_LOSSES["bad_test"] = lambda logp, weird: logp
+            with self.assertRaisesRegex(ValueError, "weird"):
+                self.call("bad_test")
+        finally:
+            losses.POLICY_LOSSES.pop("reinforce_test")
+            losses.POLICY_LOSSES.pop("bad_test", None)
+
+    def test_clip_indicators(self):
+        lp, old, inf, adv, mask, seg = self.np
+        r_old, r_inf = np_ratio(lp, old), np_ratio(lp, inf)
+
+        def ppo_hit(r, a, lo=0.2, hi=0.2):
+            return ((a > 0) & (r > 1 + hi)) | ((a < 0) & (r < 1 - lo))
+
+        dp = np.exp(lp) - np.exp(inf)
+        ppo_value = np_ppo(lp, old, adv)[0]
+        w = np.zeros_like(lp)
+        for j in np.unique(seg):
+            sel = seg == j
+            m = sel & (mask != 0)
+            w[sel] = np.exp(np.clip(lp[m] - old[m], -20, 20).mean()) if m.any() else 1.0
+        want = {
+            "ppo_clip": ppo_hit(r_old, adv),
+            "dual_clip": ppo_hit(r_old, adv) | ((adv < 0) & (-3 * adv < ppo_value)),
+            "gspo": ppo_hit(w, adv),
+            "cispo": (r_old < 0.0) | (r_old > 5.0),
+            "dppo": ((adv > 0) & (dp > 0.2)) | ((adv <= 0) & (dp < -0.2)),
+            "sapo": np.zeros_like(lp, bool),
+            "rollout_is": ~((r_inf > 0.8) & (r_inf < 1.2)),
+            "importance_sampling": np.zeros_like(lp, bool),
+        }
+        for name, expected in want.items():
+            got = losses.clipped_tokens(name, *self.j, 4)
+            self.assertEqual(got.dtype, jnp.float32)
+            np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=name)
+        self.assertGreater(sum(float(losses.clipped_tokens(n, *self.j, 4).sum()) for n in want), 5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), eps_low=st.floats(0.05, 0.5), eps_high=st.floats(0.05, 0.5))
+def test_ppo_clipped_tokens_have_zero_gradient(seed, eps_low, eps_high):
+    """Property: where ppo_clip reports a token as clipped its gradient vanishes, and elsewhere it is -A r."""
+    lp, old, _, _, adv, mask, seg = random_inputs(seed, extreme=False)
+    jl, jo, ja = f32(lp, old, adv)
+    kw = dict(eps_low=eps_low, eps_high=eps_high)
+    clipped = np.asarray(losses.clipped_tokens("ppo_clip", jl, jo, jo, ja, mask, **kw))
+    grad = np.asarray(grad_of(functools.partial(losses.ppo_clip, **kw), jl, jo, ja))
+    np.testing.assert_array_equal(grad[clipped == 1], 0.0)
+    want = -adv * np_ratio(lp, old)
+    np.testing.assert_allclose(grad[clipped == 0], want[clipped == 0], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_k3_nonnegative_and_zero_on_policy(seed):
+    lp, _, _, ref, *_ = random_inputs(seed, extreme=False)
+    k3 = np.asarray(losses.kl(*f32(lp, ref)))
+    assert (k3 >= 0).all()
+    np.testing.assert_array_equal(losses.kl(*f32(lp, lp)), 0.0)
+
+
+def test_doctests():
+    result = doctest.testmod(losses, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 10 and result.failed == 0
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
