@@ -1,0 +1,133 @@
+"""The inference-engine protocol: token ids in, token ids and logprobs out (SPEC §4, §5).
+
+Every engine (a pool of vLLM servers, the embedded JAX sampler, a test fake) implements
+:class:`Engine`: ``await engine.generate(prompt_ids, sampling, session_id=...)`` returns a
+:class:`Completion` holding the EXACT token ids the engine sampled, the logprob of each one under the
+sampling distribution (logits divided by the temperature, i.e. vLLM's ``processed_logprobs``), why it
+stopped, and the policy (weight) version that produced it. Text never crosses this boundary, so the
+trainer trains on exactly the tokens the sampler produced.
+
+>>> import asyncio
+>>> class Echo:
+...     weight_version = 0
+...     async def generate(self, prompt_ids, sampling, *, session_id=None):
+...         ids = list(prompt_ids)[-1:] * sampling.max_tokens
+...         return Completion(ids=ids, logprobs=[0.0] * len(ids), finish_reason="length",
+...                           weight_version=self.weight_version)
+...     async def update_weights(self, model, *, version=None):
+...         self.weight_version = self.weight_version + 1 if version is None else version
+...         return self.weight_version
+>>> isinstance(Echo(), Engine)
+True
+>>> asyncio.run(Echo().generate([5, 7], SamplingParams(max_tokens=2)))
+Completion(ids=(7, 7), logprobs=(0.0, 0.0), finish_reason='length', weight_version=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+# Reasons a completion ends. "abort": the engine gave up on the request (server died, request
+# cancelled); the tokens returned so far are exact but the turn is incomplete.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    Attributes:
+      temperature: logits are divided by it before sampling; 0 means greedy. The returned logprobs
+        are of the temperature-scaled distribution, which is what the trainer recomputes.
+      top_p: nucleus mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; None disables it.
+      max_tokens: most tokens to generate (>= 1).
+      stop_token_ids: generation stops after emitting one of these (it is included in the ids).
+      seed: per-request seed for reproducible sampling; None lets the engine choose.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or int(self.top_k) < 1):
+            raise ValueError(f"SamplingParams.top_k must be None (disabled) or an int >= 1, got {self.top_k}")
+        if isinstance(self.max_tokens, bool) or int(self.max_tokens) < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens}")
+        stop = tuple(int(t) for t in self.stop_token_ids)
+        if any(t < 0 for t in stop):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative token ids, got {stop}")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One generated turn, exactly as the engine produced it.
+
+    Attributes:
+      ids: the sampled token ids (stop token included when generation stopped on one).
+      logprobs: ``logprobs[i] = log p(ids[i] | prompt, ids[:i])`` under the temperature-scaled
+        distribution; one per id, each finite and <= 0.
+      finish_reason: one of :data:`FINISH_REASONS`.
+      weight_version: the policy version that produced every token of this completion.
+    """
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    weight_version: int
+
+    def __post_init__(self) -> None:
+        ids = tuple(int(t) for t in self.ids)
+        logprobs = tuple(float(x) for x in self.logprobs)
+        if len(ids) != len(logprobs):
+            raise ValueError(
+                f"Completion has {len(ids)} token ids but {len(logprobs)} logprobs; the engine must "
+                "return exactly one logprob per generated token"
+            )
+        bad = [i for i, x in enumerate(logprobs) if not (math.isfinite(x) and x <= 1e-6)]
+        if bad:
+            raise ValueError(
+                f"Completion logprobs must be finite and <= 0; entry {bad[0]} is {logprobs[bad[0]]}"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
+            )
+        object.__setattr__(self, "ids", ids)
+        object.__setattr__(self, "logprobs", logprobs)
+        object.__setattr__(self, "weight_version", int(self.weight_version))
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout loop needs from an inference engine.
+
+    ``weight_version`` is the version new requests are served with; ``update_weights`` makes the
+    engine serve ``model``'s current parameters (a Flax decoder from :mod:`rljax.models`) and returns
+    the new version (``version`` if given, else the old one plus one). Completions already in flight
+    when an update starts finish with the old weights and report the old version.
+    """
+
+    weight_version: int
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Completion:
+        """Samples one completion of ``prompt_ids``; ``session_id`` keeps a trajectory on one replica."""
+        ...
+
+    async def update_weights(self, model: Any, *, version: int | None = None) -> int:
+        """Serves ``model``'s parameters from now on; returns the new weight version."""
+        ...

@@ -1,0 +1,550 @@
+"""Async token-in / token-out client for one or more OpenAI-compatible vLLM servers (SPEC §5, vLLM).
+
+``generate`` posts ``/v1/completions`` with the prompt as token ids, ``"return_token_ids": true`` and
+``"logprobs": 0``, and returns the EXACT sampled ids with one logprob each (under the
+temperature-scaled distribution when the server runs ``--logprobs-mode processed_logprobs``).
+``score`` posts ``"prompt_logprobs": 0, "max_tokens": 1`` and returns
+``out[t] = log p(ids[t] | ids[:t])`` (``out[0] = 0``), the convention of
+``rljax.models.sequence_logprobs``.
+
+Routing over several servers:
+
+- load balancing: a request goes to the healthy server with the fewest outstanding requests;
+- sticky sessions: requests with the same ``session_id`` (a trajectory) stay on one server while it is
+  healthy, so its KV prefix cache is reused turn after turn;
+- bounded concurrency: at most ``max_concurrency`` requests in flight over all servers;
+- retries: a transport failure, timeout or 5xx marks the server unhealthy for ``cooldown_s`` and the
+  request is retried on another server after an exponential backoff
+  ``min(backoff_s * 2**attempt, backoff_max_s)``; after ``max_retries`` retries it raises
+  :class:`ServerUnavailableError`;
+- a malformed answer (bad JSON, missing fields, ids/logprobs length mismatch, echoed prompt different
+  from the one sent) raises :class:`MalformedResponseError` at once: it is never retried into data
+  and never returned partly;
+- a 4xx (bad request) raises :class:`RequestRejectedError` with the server's message.
+
+Weight versions: while :meth:`VLLMClient.update_weights` runs, new requests wait; each completion
+records the version its request was dispatched under (requests in flight when a sync starts finish
+on the old weights, see :mod:`rljax.inference.vllm.weight_sync`).
+
+>>> completion_payload([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=4), model="m")["prompt"]
+[1, 2, 3]
+>>> parse_completion({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]},
+...                                "finish_reason": "stop"}]}, prompt_ids=[1, 2], weight_version=3)
+Completion(ids=(5,), logprobs=(-0.5,), finish_reason='stop', weight_version=3)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from rljax.inference.engine import Completion, SamplingParams
+from rljax.inference.vllm import weight_sync
+
+
+class VLLMClientError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class MalformedResponseError(VLLMClientError):
+    """The server answered 200 but the body is not a complete, consistent completion (never retried)."""
+
+
+class RequestRejectedError(VLLMClientError):
+    """The server rejected the request (HTTP 4xx): retrying elsewhere would not help."""
+
+
+class ServerUnavailableError(VLLMClientError):
+    """Every attempt failed with a transport error, timeout or 5xx; the message lists them."""
+
+
+# vLLM's finish reasons -> ours. Anything else is a malformed response.
+_FINISH_REASONS: Mapping[str | None, str] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def completion_payload(prompt_ids: Sequence[int], sampling: SamplingParams, *, model: str) -> dict[str, Any]:
+    """The JSON body of a token-in / token-out ``POST /v1/completions``."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": int(sampling.max_tokens),
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": -1 if sampling.top_k is None else int(sampling.top_k),
+        "logprobs": 0,
+        "return_token_ids": True,
+        # Logprob entries named "token_id:<id>": needs no tokenizer (--skip-tokenizer-init) and lets
+        # the parser check that logprobs and ids are aligned.
+        "return_tokens_as_token_ids": True,
+        "stream": False,
+    }
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        body["seed"] = int(sampling.seed)
+    return body
+
+
+def score_payload(ids: Sequence[int], *, model: str) -> dict[str, Any]:
+    """The JSON body that scores ``ids`` (prompt logprobs at temperature 1, one throw-away token)."""
+    return {
+        "model": model,
+        "prompt": [int(t) for t in ids],
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": 0,
+        "return_token_ids": True,
+        "stream": False,
+    }
+
+
+def _first_choice(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise MalformedResponseError(f"completion response is not a JSON object: {str(body)[:200]!r}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], Mapping):
+        raise MalformedResponseError(
+            f"completion response must have exactly one choice, got choices={str(choices)[:200]!r}"
+        )
+    return choices[0]
+
+
+def _check_prompt_echo(choice: Mapping[str, Any], prompt_ids: Sequence[int]) -> None:
+    echoed = choice.get("prompt_token_ids")
+    if echoed is not None and [int(t) for t in echoed] != [int(t) for t in prompt_ids]:
+        raise MalformedResponseError(
+            f"server echoed prompt_token_ids of length {len(echoed)} that differ from the {len(prompt_ids)} "
+            "ids sent; the completion would not belong to this prompt"
+        )
+
+
+def parse_completion(body: Any, *, prompt_ids: Sequence[int], weight_version: int) -> Completion:
+    """Validates a ``/v1/completions`` answer and returns its :class:`Completion`.
+
+    Raises :class:`MalformedResponseError` when ids or logprobs are missing, of different lengths,
+    not finite, or when the echoed prompt differs from ``prompt_ids``.
+    """
+    choice = _first_choice(body)
+    _check_prompt_echo(choice, prompt_ids)
+    ids = choice.get("token_ids")
+    logprobs = choice.get("logprobs")
+    token_logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, Mapping) else None
+    if not isinstance(ids, list) or not isinstance(token_logprobs, list):
+        raise MalformedResponseError(
+            "completion choice lacks 'token_ids' or 'logprobs.token_logprobs' (send return_token_ids=true "
+            f"and logprobs=0; a vLLM new enough for token ids is required); got keys {sorted(choice)}"
+        )
+    if len(ids) != len(token_logprobs):
+        raise MalformedResponseError(
+            f"completion has {len(ids)} token ids but {len(token_logprobs)} logprobs (truncated response?)"
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise MalformedResponseError(f"completion token_ids must be non-negative ints, got {ids[:20]}")
+    for i, x in enumerate(token_logprobs):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x <= 1e-6):
+            raise MalformedResponseError(
+                f"completion logprobs must be finite numbers <= 0, got {x!r} at position {i}"
+            )
+    tokens = logprobs.get("tokens")
+    if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        named = [t[len("token_id:") :] for t in tokens]
+        if named != [str(t) for t in ids]:
+            raise MalformedResponseError(
+                f"completion logprobs are for tokens {named[:10]}... but token_ids are {ids[:10]}...: "
+                "ids and logprobs are not aligned"
+            )
+    reason = choice.get("finish_reason")
+    if reason not in _FINISH_REASONS:
+        raise MalformedResponseError(
+            f"unknown finish_reason {reason!r}; expected one of {sorted(r for r in _FINISH_REASONS if r)}"
+        )
+    return Completion(
+        ids=tuple(ids),
+        logprobs=tuple(float(x) for x in token_logprobs),
+        finish_reason=_FINISH_REASONS[reason],
+        weight_version=weight_version,
+    )
+
+
+def parse_prompt_logprobs(body: Any, *, ids: Sequence[int]) -> np.ndarray:
+    """``out[t] = log p(ids[t] | ids[:t])`` from a ``prompt_logprobs`` answer; ``out[0] = 0``, float64.
+
+    Entry t of vLLM's ``prompt_logprobs`` is None for t = 0, else a dict keyed by token id strings
+    whose values carry ``"logprob"``; the entry for ``ids[t]`` must be there.
+    """
+    choice = _first_choice(body)
+    _check_prompt_echo(choice, ids)
+    entries = choice.get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        n = len(entries) if isinstance(entries, list) else None
+        raise MalformedResponseError(
+            f"prompt_logprobs must be a list with one entry per prompt token ({len(ids)}), got {n} "
+            "(send prompt_logprobs=0)"
+        )
+    out = np.zeros(len(ids), np.float64)
+    for t in range(1, len(ids)):
+        entry = entries[t]
+        value = entry.get(str(int(ids[t]))) if isinstance(entry, Mapping) else None
+        value = value.get("logprob") if isinstance(value, Mapping) else value
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise MalformedResponseError(
+                f"prompt_logprobs[{t}] has no finite logprob for token {ids[t]}: {str(entry)[:200]!r}"
+            )
+        out[t] = float(value)
+    return out
+
+
+@dataclasses.dataclass
+class ServerState:
+    """Book-keeping for one server: outstanding requests and health."""
+
+    url: str
+    outstanding: int = 0
+    unhealthy_until: float = 0.0
+    failures: int = 0
+    requests: int = 0
+
+    def healthy(self, now: float) -> bool:
+        """True unless a recent failure put it in its cool-down."""
+        return now >= self.unhealthy_until
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code in (408, 429)
+    return isinstance(exc, (httpx.TransportError, asyncio.TimeoutError))
+
+
+class VLLMClient:
+    """An :class:`rljax.inference.engine.Engine` over one or more vLLM servers.
+
+    Use it inside the event loop that will run the requests (``async with VLLMClient(urls) as c``).
+
+    >>> client = VLLMClient(["http://127.0.0.1:8000", "http://127.0.0.1:8001/"], max_concurrency=4)
+    >>> client.urls, client.weight_version
+    (['http://127.0.0.1:8000', 'http://127.0.0.1:8001'], 0)
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str = "rljax",
+        max_concurrency: int = 64,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+        cooldown_s: float = 10.0,
+        max_sessions: int = 100_000,
+        weight_version: int = 0,
+        sync: weight_sync.SyncConfig | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(urls, str):
+            raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
+        urls = [u.rstrip("/") for u in urls]
+        if not urls:
+            raise ValueError("VLLMClient needs at least one server URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"VLLMClient got duplicate server URLs: {urls}")
+        for name, value, low in (("max_concurrency", max_concurrency, 1), ("max_retries", max_retries, 0),
+                                 ("max_sessions", max_sessions, 1)):  # fmt: skip
+            if int(value) < low:
+                raise ValueError(f"VLLMClient {name} must be >= {low}, got {value}")
+        if min(timeout_s, connect_timeout_s) <= 0 or min(backoff_s, backoff_max_s, cooldown_s) < 0:
+            raise ValueError("VLLMClient timeouts must be > 0 and backoff/cooldown times >= 0")
+        self.model = model
+        self.servers = [ServerState(u) for u in urls]
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.cooldown_s = float(cooldown_s)
+        self.max_sessions = int(max_sessions)
+        self.weight_version = int(weight_version)
+        self.sync_config = sync or weight_sync.SyncConfig()
+        self.last_sync: weight_sync.SyncReport | None = None
+        self._clock = clock
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._max_concurrency = int(max_concurrency)
+        self._semaphore: asyncio.Semaphore | None = None
+        self._open: asyncio.Event | None = None  # cleared while weights are being synced
+        self._sync_lock: asyncio.Lock | None = None
+        self._sync_dir: str | None = None
+        self._sync_error: weight_sync.WeightSyncError | None = None
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._picks = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # plumbing
+
+    @property
+    def urls(self) -> list[str]:
+        """Server base URLs, in order."""
+        return [s.url for s in self.servers]
+
+    def _ensure_loop_state(self) -> None:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self._timeout, transport=self._transport)
+            self._semaphore = asyncio.Semaphore(self._max_concurrency)
+            self._open = asyncio.Event()
+            self._open.set()
+            self._sync_lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        """Closes the HTTP connections (the client can be used again afterwards)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> VLLMClient:
+        self._ensure_loop_state()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered, over all servers."""
+        return sum(s.outstanding for s in self.servers)
+
+    # ----------------------------------------------------------------------------------------------
+    # routing
+
+    def pick_server(self, session_id: str | None = None, *, exclude: frozenset[int] = frozenset()) -> int:
+        """Index of the server for the next request.
+
+        The session's server if it has one that is healthy and not excluded; else the healthy server
+        with the fewest outstanding requests (ties: least recently picked order); if none is healthy,
+        the one whose cool-down ends first. The choice becomes the session's server.
+        """
+        now = self._clock()
+        candidates = [i for i in range(len(self.servers)) if i not in exclude] or list(
+            range(len(self.servers))
+        )
+        if session_id is not None:
+            i = self._sessions.get(session_id)
+            if i is not None and i in candidates and self.servers[i].healthy(now):
+                self._sessions.move_to_end(session_id)
+                return i
+        healthy = [i for i in candidates if self.servers[i].healthy(now)]
+        if healthy:
+            n = len(self.servers)
+            i = min(healthy, key=lambda j: (self.servers[j].outstanding, (j - self._picks) % n))
+        else:
+            i = min(candidates, key=lambda j: self.servers[j].unhealthy_until)
+        self._picks += 1
+        if session_id is not None:
+            self._sessions[session_id] = i
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return i
+
+    def end_session(self, session_id: str) -> None:
+        """Forgets a session's server (call when its trajectory ends)."""
+        self._sessions.pop(session_id, None)
+
+    def session_server(self, session_id: str) -> str | None:
+        """URL of the server a session is pinned to, if any."""
+        i = self._sessions.get(session_id)
+        return None if i is None else self.servers[i].url
+
+    def _mark_failed(self, i: int) -> None:
+        s = self.servers[i]
+        s.failures += 1
+        s.unhealthy_until = self._clock() + self.cooldown_s
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based): ``min(b * 2**attempt, max)``."""
+        return min(self.backoff_s * 2.0**attempt, self.backoff_max_s)
+
+    # ----------------------------------------------------------------------------------------------
+    # requests
+
+    async def _post_json(self, url: str, path: str, body: Mapping[str, Any] | None) -> Any:
+        self._ensure_loop_state()
+        response = await self._http.post(url + path, json=body)
+        if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+            raise RequestRejectedError(
+                f"{url}{path} rejected the request with HTTP {response.status_code}: {response.text[:500]}"
+            )
+        response.raise_for_status()
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MalformedResponseError(
+                f"{url}{path} answered HTTP {response.status_code} with a body that is not JSON "
+                f"(truncated?): {response.text[:200]!r}"
+            ) from e
+
+    async def request(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        session_id: str | None = None,
+        parse: Callable[[Any, int], Any],
+        server: int | None = None,
+        gated: bool = True,
+    ) -> Any:
+        """POSTs ``body`` to ``path`` with routing, concurrency bound, retries and failover.
+
+        ``parse(json_body, weight_version)`` turns the answer into the result; its
+        :class:`MalformedResponseError` propagates at once. ``server`` pins one server (no failover).
+        ``gated=False`` does not wait for a weight sync in progress (the sync's own verification).
+        """
+        self._ensure_loop_state()
+        errors: list[str] = []
+        tried: set[int] = set()
+        async with self._semaphore:
+            for attempt in range(self.max_retries + 1):
+                if gated:
+                    await self._open.wait()
+                    if self._sync_error is not None:
+                        raise weight_sync.WeightSyncError(
+                            "the last weight sync failed, so the servers may not serve the trainer's "
+                            f"weights; sync again before sampling. Cause: {self._sync_error}"
+                        )
+                if server is not None:
+                    i = server
+                else:
+                    # Prefer a server not tried yet for this request; all tried -> any.
+                    exclude = frozenset(tried) if len(tried) < len(self.servers) else frozenset()
+                    i = self.pick_server(session_id, exclude=exclude)
+                tried.add(i)
+                state = self.servers[i]
+                version = self.weight_version
+                state.outstanding += 1
+                state.requests += 1
+                try:
+                    answer = await self._post_json(state.url, path, body)
+                except Exception as e:
+                    if not _retryable(e):
+                        raise
+                    self._mark_failed(i)
+                    errors.append(f"attempt {attempt + 1} on {state.url}: {type(e).__name__}: {e}")
+                    if attempt < self.max_retries:
+                        await asyncio.sleep(self.backoff(attempt))
+                    continue
+                finally:
+                    state.outstanding -= 1
+                return parse(answer, version)
+        raise ServerUnavailableError(
+            f"{path} failed after {self.max_retries + 1} attempts:\n  " + "\n  ".join(errors)
+        )
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Completion:
+        """Samples one completion of ``prompt_ids`` (token ids in, token ids + logprobs out)."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("generate() needs a non-empty prompt_ids")
+        return await self.request(
+            "/v1/completions",
+            completion_payload(prompt, sampling, model=self.model),
+            session_id=session_id,
+            parse=lambda body, version: parse_completion(body, prompt_ids=prompt, weight_version=version),
+        )
+
+    async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
+        """``out[t] = log p(ids[t] | ids[:t])`` (float64, ``out[0] = 0``) at temperature 1.
+
+        ``server`` scores on that server index (no failover), e.g. to check each one after a sync;
+        ``gated=False`` runs even while a weight sync holds new requests back.
+        """
+        ids = [int(t) for t in ids]
+        if len(ids) < 2:
+            raise ValueError(f"score() needs at least 2 token ids, got {len(ids)}")
+        return await self.request(
+            "/v1/completions",
+            score_payload(ids, model=self.model),
+            server=server,
+            gated=gated,
+            parse=lambda body, version: parse_prompt_logprobs(body, ids=ids),
+        )
+
+    async def post_all(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
+        """POSTs to every server at once (admin routes: ``/pause``, ``/collective_rpc``, ...); no retries."""
+        return list(await asyncio.gather(*(self._post_json(s.url, path, body) for s in self.servers)))
+
+    async def check_health(self) -> list[bool]:
+        """``GET /health`` on every server; a failing one is put in its cool-down, a passing one out of it."""
+        self._ensure_loop_state()
+
+        async def one(i: int) -> bool:
+            try:
+                ok = (await self._http.get(self.servers[i].url + "/health")).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            if ok:
+                self.servers[i].unhealthy_until = 0.0
+            else:
+                self._mark_failed(i)
+            return ok
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.servers)))))
+
+    # ----------------------------------------------------------------------------------------------
+    # weights
+
+    async def update_weights(
+        self,
+        model: Any,
+        *,
+        version: int | None = None,
+        reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> int:
+        """Syncs ``model``'s weights to every server and verifies them (see :mod:`.weight_sync`).
+
+        New requests wait until the sync is done; the new version is returned and recorded on every
+        completion dispatched afterwards. When the sync or its verification fails this raises
+        :class:`weight_sync.WeightSyncError`, and every later request raises it too until a sync
+        succeeds: nothing is sampled from weights that are not the trainer's.
+        """
+        self._ensure_loop_state()
+        async with self._sync_lock:
+            self._open.clear()
+            try:
+                new_version = self.weight_version + 1 if version is None else int(version)
+                if self.sync_config.directory is None and self._sync_dir is None:
+                    self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+                try:
+                    self.last_sync = await weight_sync.sync_weights(
+                        self,
+                        model,
+                        config=self.sync_config,
+                        directory=self.sync_config.directory or self._sync_dir,
+                        reference_logprobs=reference_logprobs,
+                    )
+                except weight_sync.WeightSyncError as e:
+                    self._sync_error = e
+                    raise
+                except Exception as e:
+                    self._sync_error = weight_sync.WeightSyncError(
+                        f"weight sync failed: {type(e).__name__}: {e}"
+                    )
+                    raise self._sync_error from e
+                self._sync_error = None
+                self.weight_version = new_version
+            finally:
+                self._open.set()
+        return self.weight_version

@@ -1,0 +1,221 @@
+"""A tiny fake of vLLM's OpenAI-compatible server for client/launcher tests (no torch, no model).
+
+``/v1/completions`` answers from closed-form rules the tests recompute independently:
+
+- generation: ``ids[k] = (sum(prompt) + k) % vocab``, ``logprobs[k] = -0.1 * (k + 1)``,
+  finish_reason "length" (all ``max_tokens`` ids);
+- scoring (``prompt_logprobs`` in the body): ``entry[t] = {str(ids[t]): {"logprob": -0.01 * t}}``.
+
+``mode`` breaks the answer in one way ("mismatch", "missing", "badjson", "nonfinite", "wrong_prompt",
+"bad_finish", "two_choices", "missing_prompt_token", "offset_scores", "http500", "http400", "close",
+"unhealthy").
+Dev-mode routes (/pause, /resume, /reset_prefix_cache, /collective_rpc) answer 200 and are logged.
+
+Run in-process (:class:`FakeVLLM`, a thread) or as a process: :func:`write_vllm_shim` writes a fake
+``vllm.entrypoints.openai.api_server`` module so :class:`rljax.inference.vllm.VLLMServer` can launch
+it with the test's own python (settings via ``FAKE_VLLM_*`` environment variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+VOCAB = 100
+
+
+def expected_generation(
+    prompt: list[int], max_tokens: int, vocab: int = VOCAB
+) -> tuple[list[int], list[float]]:
+    """What the fake returns for a healthy generation (the tests' independent reference)."""
+    ids = [(sum(prompt) + k) % vocab for k in range(max_tokens)]
+    return ids, [-0.1 * (k + 1) for k in range(max_tokens)]
+
+
+def expected_scores(ids: list[int]) -> list[float]:
+    """What the fake returns when scoring ``ids`` (entry 0 = 0)."""
+    return [0.0] + [-0.01 * t for t in range(1, len(ids))]
+
+
+class FakeVLLM:
+    """A fake vLLM server on a background thread. Attributes may be changed while it runs."""
+
+    def __init__(
+        self, *, mode: str = "ok", delay_s: float = 0.0, admin_delay_s: float = 0.0, port: int = 0
+    ) -> None:
+        self.mode = mode
+        self.delay_s = delay_s
+        self.admin_delay_s = admin_delay_s
+        self.fail_paths: set[str] = set()  # admin paths that answer HTTP 500
+        self.calls: list[tuple[float, str, dict | None]] = []  # (time, path, body)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self))
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def paths(self) -> list[str]:
+        """Paths of the requests received, in order."""
+        return [p for _, p, _ in self.calls]
+
+    def count(self, path: str = "/v1/completions") -> int:
+        return sum(p == path for p in self.paths())
+
+    def start(self) -> FakeVLLM:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> FakeVLLM:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def completion_body(request: dict, mode: str) -> tuple[int, bytes]:
+    """(status, body bytes) the fake answers to a ``/v1/completions`` request in ``mode``."""
+    prompt = [int(t) for t in request["prompt"]]
+    if mode == "http500":
+        return 500, b'{"error": "engine dead"}'
+    if mode == "http400":
+        return 400, json.dumps({"error": {"message": f"prompt too long ({len(prompt)} tokens)"}}).encode()
+    if "prompt_logprobs" in request:
+        key = (lambda t: str(prompt[t] + 1)) if mode == "missing_prompt_token" else (lambda t: str(prompt[t]))
+        off = 1e-3 if mode == "offset_scores" else 0.0  # a server whose weights are slightly off
+        entries = [None] + [{key(t): {"logprob": -0.01 * t - off, "rank": 1}} for t in range(1, len(prompt))]
+        choice = {"index": 0, "token_ids": [0], "prompt_token_ids": prompt, "prompt_logprobs": entries,
+                  "logprobs": None, "finish_reason": "length"}  # fmt: skip
+        return 200, json.dumps({"choices": [choice]}).encode()
+    ids, logprobs = expected_generation(prompt, int(request["max_tokens"]))
+    choice = {"index": 0, "text": "", "token_ids": ids, "prompt_token_ids": prompt,
+              "logprobs": {"token_logprobs": logprobs, "tokens": [f"token_id:{i}" for i in ids]},
+              "finish_reason": "length"}  # fmt: skip
+    if mode == "mismatch":
+        choice["logprobs"]["token_logprobs"] = logprobs[:-1]
+    elif mode == "missing":
+        del choice["token_ids"]
+    elif mode == "nonfinite":
+        choice["logprobs"]["token_logprobs"] = [float("nan")] + logprobs[1:]
+    elif mode == "wrong_prompt":
+        choice["prompt_token_ids"] = prompt[:-1]
+    elif mode == "bad_finish":
+        choice["finish_reason"] = "exploded"
+    body = {"id": "cmpl-fake", "choices": [choice, choice] if mode == "two_choices" else [choice]}
+    raw = json.dumps(body).encode()
+    if mode == "badjson":
+        raw = raw[: len(raw) // 2]  # a body cut in the middle
+    return 200, raw
+
+
+def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # keep test output clean
+            pass
+
+        def _send(self, status: int, raw: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:
+            server.calls.append((time.monotonic(), self.path, None))
+            if self.path == "/health":
+                self._send(503 if server.mode == "unhealthy" else 200, b"")
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            path = self.path
+            server.calls.append((time.monotonic(), path, body))
+            if path != "/v1/completions":
+                time.sleep(server.admin_delay_s)
+                if path.split("?")[0] in server.fail_paths:
+                    self._send(500, json.dumps({"error": f"{path} failed in the worker"}).encode())
+                else:
+                    self._send(200, json.dumps({"status": "ok"}).encode())
+                return
+            with server._lock:
+                server.in_flight += 1
+                server.max_in_flight = max(server.max_in_flight, server.in_flight)
+            try:
+                time.sleep(server.delay_s)
+                if server.mode == "close":
+                    self.close_connection = True
+                    self.connection.shutdown(2)  # drop the connection without an answer
+                    return
+                self._send(*completion_body(body, server.mode))
+            finally:
+                with server._lock:
+                    server.in_flight -= 1
+
+    return Handler
+
+
+# ------------------------------------------------------------------------------------------------
+# the same fake as a process started by the real launcher
+
+
+def write_vllm_shim(directory: str) -> str:
+    """Writes a package ``vllm.entrypoints.openai.api_server`` under ``directory`` that runs this fake.
+
+    Returns ``directory`` (put it on PYTHONPATH of the launched process).
+    """
+    pkg = os.path.join(directory, "vllm", "entrypoints", "openai")
+    os.makedirs(pkg, exist_ok=True)
+    for d in (os.path.join(directory, "vllm"), os.path.join(directory, "vllm", "entrypoints"), pkg):
+        open(os.path.join(d, "__init__.py"), "w").close()
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(pkg, "api_server.py"), "w") as f:
+        f.write(f"import sys\nsys.path.insert(0, {here!r})\nimport inference_fakes\ninference_fakes.main()\n")
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the shim: parses vLLM's flags we use and serves until killed."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args(argv)
+    print(f"fake vllm starting on {args.host}:{args.port}", flush=True)
+    if os.environ.get("FAKE_VLLM_CRASH"):
+        print("RuntimeError: boom (fake engine failed to start)", flush=True)
+        sys.exit(3)
+    if os.environ.get("FAKE_VLLM_IGNORE_TERM"):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.environ.get("FAKE_VLLM_CHILD_PIDFILE"):
+        # Like vLLM's engine-core process: a child that must die with the server.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.environ["FAKE_VLLM_CHILD_PIDFILE"], "w") as f:
+            f.write(str(child.pid))
+    time.sleep(float(os.environ.get("FAKE_VLLM_START_DELAY", "0")))
+    server = FakeVLLM(
+        mode=os.environ.get("FAKE_VLLM_MODE", "ok"),
+        delay_s=float(os.environ.get("FAKE_VLLM_DELAY", "0")),
+        port=args.port,
+    )
+    print("fake vllm ready", flush=True)
+    server._httpd.serve_forever()

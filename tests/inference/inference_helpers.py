@@ -1,0 +1,70 @@
+"""Helpers shared by the inference tests: the tiny Qwen3, rljax reference logprobs, finding vLLM."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rljax import models
+from rljax.inference.vllm import find_vllm_python
+
+# The tiny Qwen3 of the brief: head_dim 64 (vLLM's CPU attention rejects small heads), GQA 2:1, tied.
+TINY_QWEN3 = dict(
+    model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+    num_kv_heads=1, head_dim=64, qk_norm=True, tie_word_embeddings=True, max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
+MAX_MODEL_LEN = 512
+
+
+def make_tiny_qwen3(seed: int, **overrides: object) -> models.Decoder:
+    """A tiny random Qwen3 whose weights are re-drawn at scales that make its distributions peaked.
+
+    (The default init gives nearly uniform next-token distributions, where a wrong output head or a
+    missed norm changes logprobs too little to notice.)
+    """
+    cfg = models.ModelConfig(**{**TINY_QWEN3, **overrides})
+    model = models.Decoder(cfg, rngs=nnx.Rngs(seed))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.key(1000 + seed), len(flat))
+    new = []
+    for key, (path, var) in zip(keys, flat, strict=True):
+        value = var.get_value()
+        noise = jax.random.normal(key, value.shape, jnp.float32)
+        name = ".".join(str(p) for p in path)
+        if "norm" in name:
+            value = 1.0 + 0.2 * noise
+        elif name == "embed_tokens":
+            value = 0.5 * noise
+        else:
+            value = 0.15 * noise
+        new.append((path, var.replace(value.astype(jnp.float32))))
+    nnx.update(model, nnx.from_flat_state(new))
+    return model
+
+
+def rljax_logprobs(model: models.Decoder, ids, *, temperature: float = 1.0) -> np.ndarray:
+    """rljax's ``log p(ids[t] | ids[:t])`` as float64 (entry 0 = 0)."""
+    out = models.sequence_logprobs(model, jnp.asarray([list(ids)], jnp.int32), temperature=temperature)
+    return np.asarray(out[0], np.float64)
+
+
+def require_vllm_python(environ: dict[str, str] | None = None) -> str:
+    """vLLM's python, or ``pytest.fail`` when ``CI`` is true and there is none, else ``pytest.skip``."""
+    environ = os.environ if environ is None else environ
+    try:
+        python = find_vllm_python()
+    except FileNotFoundError as e:
+        python, reason = None, str(e)
+    else:
+        reason = "no vLLM venv: run .ci/install_vllm.sh (creates .vllm-venv) or set RLJAX_VLLM_PYTHON"
+    if python is None:
+        if environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI=true but {reason}")
+        pytest.skip(reason)
+    return python

@@ -1,0 +1,194 @@
+"""Weight sync against fake servers: checkpoint files, the admin call sequence, verification, versions.
+
+(The real-server behaviour, including the tied-embedding trap, is in test_inference_vllm_server.py.)
+"""
+
+import asyncio
+import os
+
+import inference_fakes as fk
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from rljax import models
+from rljax.inference.engine import SamplingParams
+from rljax.inference.vllm import SyncConfig, VLLMClient, WeightSyncError, probe_sequence, write_checkpoint
+from rljax.inference.vllm.weight_sync import LM_HEAD_FILE
+
+SYNC_PATHS = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+
+
+def small_model(*, tied: bool = True, seed: int = 0) -> models.Decoder:
+    cfg = models.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=16, intermediate_size=32,
+                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True,
+                             tie_word_embeddings=tied)  # fmt: skip
+    return models.Decoder(cfg, rngs=nnx.Rngs(seed))
+
+
+def fake_reference(ids: np.ndarray) -> np.ndarray:
+    """The trainer logprobs that make the fake server's scores an exact match."""
+    return np.asarray(fk.expected_scores(list(ids)))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def two_fakes():
+    with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
+        yield a, b
+
+
+def test_probe_sequence_is_deterministic_and_in_range():
+    p = probe_sequence(vocab_size=7, length=50, seed=3)
+    assert p.shape == (50,) and p.min() >= 0 and p.max() < 7
+    np.testing.assert_array_equal(p, probe_sequence(vocab_size=7, length=50, seed=3))
+    assert not np.array_equal(p, probe_sequence(vocab_size=7, length=50, seed=4))
+
+
+@pytest.mark.parametrize("tied, explicit, has_head", [(True, True, True), (True, False, False),
+                                                      (False, True, False)])  # fmt: skip
+def test_write_checkpoint(tmp_path, tied, explicit, has_head):
+    model = small_model(tied=tied)
+    write_checkpoint(model, tmp_path, explicit_lm_head=explicit)
+    files = sorted(os.listdir(tmp_path))
+    assert ("model-lm_head.safetensors" in files) == has_head
+    main = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    if has_head:
+        head = safetensors.numpy.load_file(tmp_path / LM_HEAD_FILE)
+        assert list(head) == ["lm_head.weight"]
+        np.testing.assert_array_equal(head["lm_head.weight"], main["model.embed_tokens.weight"])
+        np.testing.assert_array_equal(head["lm_head.weight"], np.asarray(model.embed_tokens.get_value()))
+    # Still a valid checkpoint for rljax: same logprobs after loading it back.
+    back = models.from_pretrained(tmp_path)
+    tokens = jnp.array([[1, 5, 9, 2, 33]])
+    np.testing.assert_array_equal(
+        models.sequence_logprobs(back, tokens), models.sequence_logprobs(model, tokens)
+    )
+    # A later untied/naive write removes the stale head file (save_pretrained clears model*.safetensors).
+    write_checkpoint(model, tmp_path, explicit_lm_head=False)
+    assert LM_HEAD_FILE not in os.listdir(tmp_path)
+
+
+def test_sync_sequence_verification_and_version(two_fakes, tmp_path):
+    a, b = two_fakes
+
+    async def main():
+        cfg = SyncConfig(directory=str(tmp_path / "w"), probe_length=12)
+        async with VLLMClient([a.url, b.url], sync=cfg) as client:
+            v = await client.update_weights(small_model(), reference_logprobs=fake_reference)
+            c = await client.generate([1, 2], SamplingParams(max_tokens=2))
+            v2 = await client.update_weights(
+                small_model(seed=1), version=10, reference_logprobs=fake_reference
+            )
+            c2 = await client.generate([1, 2], SamplingParams(max_tokens=2))
+            return v, c, v2, c2, client.last_sync
+
+    v, c, v2, c2, report = run(main())
+    assert (v, c.weight_version, v2, c2.weight_version) == (1, 1, 10, 10)
+    for fake in (a, b):
+        admin = [(p, body) for _, p, body in fake.calls if p != "/v1/completions" and p != "/health"]
+        assert [p for p, _ in admin] == SYNC_PATHS * 2
+        rpc = admin[1][1]
+        assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "w")}}
+        # Verification scored the probe on EVERY server, after the resume.
+        scores = [body for _, p, body in fake.calls if p == "/v1/completions" and "prompt_logprobs" in body]
+        assert (
+            len(scores) == 2
+            and scores[0]["prompt"] == probe_sequence(vocab_size=64, length=12, seed=0).tolist()
+        )
+    assert report.max_abs_diff == (0.0, 0.0) and report.directory == str(tmp_path / "w")
+    assert os.path.exists(tmp_path / "w" / LM_HEAD_FILE)
+
+
+def test_mismatch_raises_and_blocks_sampling_until_a_good_sync(two_fakes):
+    a, b = two_fakes
+
+    async def main():
+        async with VLLMClient([a.url, b.url], sync=SyncConfig(probe_length=8)) as client:
+            # Default reference = rljax logprobs of the model; the fake serves something else.
+            with pytest.raises(
+                WeightSyncError, match=r"differ from the trainer's by more than 0.0001"
+            ) as info:
+                await client.update_weights(small_model())
+            assert a.url in str(info.value) and b.url in str(info.value)
+            assert client.weight_version == 0  # not bumped
+            with pytest.raises(WeightSyncError, match="last weight sync failed"):
+                await client.generate([1], SamplingParams(max_tokens=1))
+            assert await client.update_weights(small_model(), reference_logprobs=fake_reference) == 1
+            return await client.generate([1], SamplingParams(max_tokens=1))
+
+    assert run(main()).weight_version == 1
+    assert a.paths().count("/resume") == 2  # resumed after the failed verification too
+
+
+@pytest.mark.parametrize("mode, match", [("offset_scores", "by more than 0.0001"),
+                                         ("missing_prompt_token", "no finite logprob")])  # fmt: skip
+def test_one_bad_server_is_caught(two_fakes, mode, match):
+    a, b = two_fakes
+    b.mode = mode
+
+    async def main():
+        async with VLLMClient([a.url, b.url], sync=SyncConfig(probe_length=8)) as client:
+            with pytest.raises(WeightSyncError, match=match) as info:
+                await client.update_weights(small_model(), reference_logprobs=fake_reference)
+            return str(info.value)
+
+    msg = run(main())
+    assert b.url in msg and (a.url not in msg or mode != "offset_scores")
+    if mode == "offset_scores":
+        assert "0.001" in msg  # the measured difference is reported
+
+
+def test_failed_reload_resumes_and_raises(two_fakes):
+    a, b = two_fakes
+    b.fail_paths = {"/collective_rpc"}
+
+    async def main():
+        async with VLLMClient([a.url, b.url]) as client:
+            with pytest.raises(WeightSyncError, match="reloading weights .* failed: .*500"):
+                await client.update_weights(small_model(), reference_logprobs=fake_reference)
+
+    run(main())
+    for fake in (a, b):
+        assert fake.paths()[-1] == "/resume"
+
+
+def test_requests_wait_during_a_sync_and_in_flight_ones_keep_the_old_version(two_fakes):
+    a, b = two_fakes
+    a.admin_delay_s = b.admin_delay_s = 0.2  # each admin call takes 0.2 s: the sync takes ~0.8 s
+
+    async def main():
+        async with VLLMClient([a.url, b.url]) as client:
+            a.delay_s = b.delay_s = 0.4
+            in_flight = asyncio.create_task(client.generate([1], SamplingParams(max_tokens=1)))
+            await asyncio.sleep(0.05)
+            a.delay_s = b.delay_s = 0.0
+            sync = asyncio.create_task(
+                client.update_weights(small_model(), reference_logprobs=fake_reference)
+            )
+            await asyncio.sleep(0.05)
+            later = await client.generate([2], SamplingParams(max_tokens=1))
+            await sync
+            return await in_flight, later
+
+    old, new = run(main())
+    assert old.weight_version == 0 and new.weight_version == 1
+    # The later request reached a server only after that server had resumed.
+    for fake in (a, b):
+        resumed = max(t for t, p, _ in fake.calls if p == "/resume")
+        gens = [t for t, p, body in fake.calls if p == "/v1/completions" and body["prompt"] == [2]]
+        assert all(t > resumed for t in gens)
+
+
+def test_sync_config_validation():
+    with pytest.raises(ValueError, match="pause_mode"):
+        SyncConfig(pause_mode="later")
+    with pytest.raises(ValueError, match="probe_ids"):
+        SyncConfig(probe_ids=(1,))
+    with pytest.raises(ValueError, match="atol"):
+        SyncConfig(atol=0)
