@@ -1,0 +1,69 @@
+"""Flax NNX decoder (Qwen2 / Qwen3 / Llama), HF safetensors I/O, chunked logprobs and KV cache (SPEC §5).
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> from rljax import models
+>>> cfg = models.ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+...                          num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+>>> models.sequence_logprobs(models.Decoder(cfg, rngs=nnx.Rngs(0)), jnp.array([[1, 2, 3]])).shape
+(1, 3)
+"""
+
+from rljax.models.attention import segment_positions
+from rljax.models.config import ModelConfig, rope_inverse_frequencies
+from rljax.models.decoder import Decoder, num_params
+from rljax.models.hf_io import (
+    HF_NAME_MAP,
+    from_hf_state_dict,
+    from_pretrained,
+    hf_name_map,
+    load_config,
+    load_hf_tensors,
+    save_pretrained,
+    to_hf_state_dict,
+)
+from rljax.models.kv_cache import KVCache, decode_step, init_cache, prefill
+from rljax.models.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+    token_logprobs_and_entropy,
+)
+from rljax.models.sharding import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    logical_to_spec,
+    param_shardings,
+    param_specs,
+    shard_model,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_RULES",
+    "HF_NAME_MAP",
+    "KVCache",
+    "MESH_AXES",
+    "Decoder",
+    "ModelConfig",
+    "decode_step",
+    "from_hf_state_dict",
+    "from_pretrained",
+    "hf_name_map",
+    "init_cache",
+    "load_config",
+    "load_hf_tensors",
+    "logical_to_spec",
+    "num_params",
+    "param_shardings",
+    "param_specs",
+    "prefill",
+    "rope_inverse_frequencies",
+    "save_pretrained",
+    "segment_positions",
+    "sequence_logprobs",
+    "sequence_logprobs_and_entropy",
+    "shard_model",
+    "to_hf_state_dict",
+    "token_logprobs_and_entropy",
+]

@@ -1,0 +1,334 @@
+"""Architecture configuration of the rljax decoder, read from and written to HF ``config.json``.
+
+:class:`ModelConfig` holds exactly what the forward pass needs for the Qwen2, Qwen3 and Llama
+families (GQA, RoPE with optional scaling, RMSNorm, q/k-norm, biases, tied embeddings). It is built
+from a Hugging Face ``config.json`` dict with :meth:`ModelConfig.from_hf_dict` and written back with
+:meth:`ModelConfig.to_hf_dict`, so a checkpoint saved by rljax loads in transformers and vLLM.
+
+Both RoPE spellings are read: the transformers<5 ``rope_theta`` + ``rope_scaling`` fields and the
+transformers>=5 ``rope_parameters`` dict; both are written. Features the decoder does not implement
+(sliding-window layers, yarn/dynamic RoPE, partial rotary, activations other than SiLU) raise a
+``ValueError`` instead of silently computing something else.
+
+The config is a frozen, hashable dataclass so it can live as static metadata of an NNX module
+(jit caches on it). Fields of the original ``config.json`` that the forward pass does not use
+(token ids, ``architectures``, ...) are kept verbatim in ``extra_json`` and written back on save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+# Keys that ModelConfig owns: they are re-derived on save and never copied from ``extra_json``.
+_OWNED_KEYS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "torch_dtype",
+        "dtype",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families).
+
+    ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` pairs holding
+    ``rope_type`` ("linear" or "llama3") and that type's parameters, so the config stays hashable.
+
+    >>> cfg = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64,
+    ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2, "head_dim": 32})
+    >>> (cfg.head_dim, cfg.qk_norm, cfg.qkv_bias, cfg.num_kv_groups)
+    (32, True, False, 2)
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 32768
+    extra_json: str = dataclasses.field(default="{}", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) "
+                "for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a positive finite float, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(dict(self.rope_scaling))
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_type(self) -> str:
+        """``"default"``, ``"linear"`` or ``"llama3"``."""
+        return "default" if self.rope_scaling is None else dict(self.rope_scaling)["rope_type"]
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict (qwen2 / qwen3 / llama).
+
+        Raises ``ValueError`` naming the offending field for anything the decoder cannot run exactly.
+        """
+        hf = dict(hf)
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; rljax runs {SUPPORTED_MODEL_TYPES}"
+            )
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if k not in hf
+        ]
+        if missing:
+            raise ValueError(f"config.json is missing required field(s) {missing}")
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; the decoder implements SwiGLU ('silu') only"
+            )
+        _check_no_sliding_window(hf)
+        if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+            raise ValueError(
+                "partial_rotary_factor != 1 is not supported; remove it or use a full-rotary model"
+            )
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope_theta, rope_scaling = _read_rope(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        if model_type == "qwen2":
+            # Qwen2 hard-codes bias on q/k/v and none on o_proj (transformers ignores attention_bias).
+            qkv_bias, o_bias, qk_norm = True, False, False
+        elif model_type == "qwen3":
+            qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
+        else:
+            qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, False
+        mlp_bias = bool(hf.get("mlp_bias", False)) if model_type == "llama" else False
+        extra = {k: v for k, v in hf.items() if k not in _OWNED_KEYS}
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            extra_json=json.dumps(extra, sort_keys=True),
+        )
+
+    def to_hf_dict(self, *, dtype: str = "float32") -> dict[str, Any]:
+        """The ``config.json`` dict transformers and vLLM read for this architecture.
+
+        ``dtype`` is the name of the dtype the weights are stored in ("float32", "bfloat16", ...).
+        """
+        out: dict[str, Any] = json.loads(self.extra_json)
+        out.setdefault("architectures", [_ARCHITECTURES[self.model_type]])
+        out.update(
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            rope_theta=self.rope_theta,
+            rope_scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
+            rope_parameters={"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+            | ({} if self.rope_scaling is None else dict(self.rope_scaling)),
+            torch_dtype=dtype,
+        )
+        if self.model_type == "qwen2":
+            out.update(use_sliding_window=False)
+            if not (self.qkv_bias and not self.o_bias):
+                raise ValueError(
+                    "a qwen2 config must have qkv_bias=True and o_bias=False (transformers fixes them)"
+                )
+        else:
+            if self.qkv_bias != self.o_bias:
+                raise ValueError(
+                    f"{self.model_type} has one attention_bias flag for q/k/v/o; got qkv_bias={self.qkv_bias}"
+                    f", o_bias={self.o_bias}"
+                )
+            out.update(attention_bias=self.qkv_bias)
+        if self.model_type == "llama":
+            out.update(mlp_bias=self.mlp_bias)
+        return out
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``[head_dim // 2]`` (float64 numpy; a static constant of the model).
+
+    Default (Su et al. 2021, RoFormer): ``inv_freq_i = theta^(-2i/d)``.
+    ``linear`` (position interpolation, Chen et al. 2023): ``inv_freq / factor``.
+    ``llama3`` (Llama 3.1 report): wavelength ``w = 2 pi / inv_freq``; with ``L`` the original
+    context, ``lo = L / low_freq_factor``, ``hi = L / high_freq_factor``: keep ``inv_freq`` where
+    ``w < hi``, divide by ``factor`` where ``w > lo``, otherwise interpolate with
+    ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``:
+    ``(1 - s) inv_freq / factor + s inv_freq``.
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, rope_theta=100.0)
+    >>> rope_inverse_frequencies(cfg).tolist()
+    [1.0, 0.1]
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if config.rope_scaling is None:
+        return inv_freq
+    params = dict(config.rope_scaling)
+    factor = float(params["factor"])
+    if params["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params.get("original_max_position_embeddings", config.max_position_embeddings))
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def _read_rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """Reads (rope_theta, rope_scaling) from either the legacy or the transformers>=5 fields."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters / rope_scaling must be a dict or null, got {params!r}")
+    params = dict(params)
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported (all layers must share one RoPE)")
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise ValueError("partial_rotary_factor != 1 is not supported; remove it or use a full-rotary model")
+    if rope_type == "default":
+        return theta, None
+    scaling = {"rope_type": rope_type, **params}
+    _check_rope_scaling(scaling)
+    return theta, tuple(sorted(scaling.items()))
+
+
+def _check_rope_scaling(scaling: Mapping[str, Any]) -> None:
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES[1:]:
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES} "
+            "(or remove rope_scaling for plain RoPE)"
+        )
+    required = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ValueError(f"rope scaling type {rope_type!r} needs field(s) {missing}")
+    if float(scaling["factor"]) <= 0:
+        raise ValueError(f"rope scaling factor must be > 0, got {scaling['factor']!r}")
+    if rope_type == "llama3" and float(scaling["high_freq_factor"]) <= float(scaling["low_freq_factor"]):
+        raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+    if "attention_factor" in scaling and float(scaling["attention_factor"]) != 1.0:
+        raise ValueError("rope attention_factor != 1 is not supported")
+
+
+def _check_no_sliding_window(hf: Mapping[str, Any]) -> None:
+    if hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=true is not supported; rljax runs full attention in every layer")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"layer_types must all be 'full_attention'; got {sorted(set(layer_types))}")

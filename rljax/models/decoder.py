@@ -1,0 +1,438 @@
+"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama families.
+
+Pre-norm transformer (Llama architecture, Touvron et al. 2023)::
+
+    h = embed(tokens)
+    for each block:  h = h + o_proj(attn(rope(q(n1(h))), rope(k(n1(h))), v(n1(h))))   # n1 = RMSNorm
+                     h = h + down(silu(gate(n2(h))) * up(n2(h)))                      # SwiGLU MLP
+    logits = norm(h) @ W_out          (W_out = embed^T when tie_word_embeddings)
+
+Qwen2 adds biases on q/k/v; Qwen3 adds a per-head RMSNorm on q and k before RoPE.
+Packed rows: attention is causal and never crosses ``segment_ids`` (0 = padding); ``positions``
+restart per sample (default: derived from ``segment_ids``). Parameters are stored in
+``param_dtype`` and computed in ``dtype`` (float32 default; bfloat16 option); norms, softmax and
+logits are float32. Every parameter carries ``logical_axes`` metadata that
+:mod:`rljax.models.sharding` maps onto a ``(data, fsdp, tensor)`` mesh.
+
+Parameter names follow the HF checkpoint layout (``layers.{i}.self_attn.q_proj.kernel`` <->
+``model.layers.{i}.self_attn.q_proj.weight``, see :mod:`rljax.models.hf_io`), with kernels stored
+``[in, out]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.models.attention import apply_rope, packed_attention, segment_positions
+from rljax.models.config import ModelConfig, rope_inverse_frequencies
+from rljax.models.kv_cache import KVCache
+
+_INIT_STD = 0.02
+DEFAULT_ATTENTION_CHUNK_SIZE = 1024
+
+
+class RMSNorm(nnx.Module):
+    """``y = w * x / sqrt(mean(x^2) + eps)`` over the last axis (Zhang & Sennrich 2019), in float32.
+
+    >>> y = RMSNorm(2, eps=0.0, dtype=jnp.float32, param_dtype=jnp.float32)(jnp.array([3.0, 4.0]))
+    >>> [round(float(v), 4) for v in y]
+    [0.8485, 1.1314]
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)`` with ``kernel`` stored ``[in, out]`` (HF stores ``[out, in]``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool,
+        logical_axes: tuple[str, str],
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        precision: jax.lax.PrecisionLike,
+        rngs: nnx.Rngs,
+    ) -> None:
+        init = jax.nn.initializers.normal(_INIT_STD)
+        self.kernel = nnx.Param(
+            init(rngs.params(), (in_features, out_features), param_dtype), logical_axes=logical_axes
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), param_dtype), logical_axes=(logical_axes[1],))
+            if use_bias
+            else None
+        )
+        self.dtype = dtype
+        self.precision = precision
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), precision=self.precision)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE (optionally q/k bias, per-head q/k RMSNorm)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        precision: jax.lax.PrecisionLike,
+        rngs: nnx.Rngs,
+    ) -> None:
+        c = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.q_proj = Linear(
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            use_bias=c.qkv_bias,
+            logical_axes=("embed", "heads"),
+            **kw,
+        )
+        self.k_proj = Linear(
+            c.hidden_size,
+            c.num_kv_heads * c.head_dim,
+            use_bias=c.qkv_bias,
+            logical_axes=("embed", "kv_heads"),
+            **kw,
+        )
+        self.v_proj = Linear(
+            c.hidden_size,
+            c.num_kv_heads * c.head_dim,
+            use_bias=c.qkv_bias,
+            logical_axes=("embed", "kv_heads"),
+            **kw,
+        )
+        self.o_proj = Linear(
+            c.num_heads * c.head_dim, c.hidden_size, use_bias=c.o_bias, logical_axes=("heads", "embed"), **kw
+        )
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.precision = precision
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        inv_freq: jax.Array,
+        layer_cache: tuple[jax.Array, jax.Array] | None = None,
+        cache_segment_ids: jax.Array | None = None,
+        cache_index: jax.Array | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if layer_cache is None:
+            kv_segment_ids, q_slots = segment_ids, jnp.arange(t, dtype=jnp.int32)
+            kv_slots = q_slots
+            new_cache = None
+        else:
+            k_cache, v_cache = layer_cache
+            k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
+            kv_segment_ids = cache_segment_ids
+            q_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
+            kv_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+            new_cache = (k, v)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        out = packed_attention(
+            q,
+            k,
+            v,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_slots=q_slots,
+            kv_slots=kv_slots,
+            chunk_size=chunk_size,
+            precision=self.precision,
+        )
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        precision: jax.lax.PrecisionLike,
+        rngs: nnx.Rngs,
+    ) -> None:
+        c = config
+        kw = dict(use_bias=c.mlp_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, logical_axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, logical_axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, logical_axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        precision: jax.lax.PrecisionLike,
+        rngs: nnx.Rngs,
+    ) -> None:
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
+        self.self_attn = Attention(config, precision=precision, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
+        self.mlp = MLP(config, precision=precision, rngs=rngs, **kw)
+
+    def __call__(self, x: jax.Array, **attn_kwargs) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        attn_out, new_cache = self.self_attn(self.input_layernorm(x), **attn_kwargs)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+class Decoder(nnx.Module):
+    """Causal LM for the Qwen2 / Qwen3 / Llama families.
+
+    Args:
+      config: the architecture.
+      dtype: compute dtype of activations and matmuls (float32 default, or bfloat16).
+      param_dtype: storage dtype of parameters; default ``dtype``.
+      remat: recompute each block in the backward pass (``nnx.remat``) to save activation memory.
+      precision: matmul precision passed to every dot (e.g. ``"highest"`` for float32 parity on GPU/TPU).
+      attention_chunk_size: queries per attention block for rows longer than this (bounds attention
+        memory to ``O(chunk * L)``, see :func:`rljax.models.attention.packed_attention`); None = one block.
+      rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
+
+    >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
+    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.array([[1, 2, 3]])).shape
+    (1, 3, 32)
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype | None = None,
+        remat: bool = False,
+        precision: jax.lax.PrecisionLike = None,
+        attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if attention_chunk_size is not None and attention_chunk_size <= 0:
+            raise ValueError(
+                f"attention_chunk_size must be a positive int or None, got {attention_chunk_size}"
+            )
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.remat = remat
+        self.precision = precision
+        self.attention_chunk_size = attention_chunk_size
+        init = jax.nn.initializers.normal(_INIT_STD)
+        self.embed_tokens = nnx.Param(
+            init(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype),
+            logical_axes=("vocab", "embed"),
+        )
+        kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision)
+        self.layers = nnx.List([Block(config, rngs=rngs, **kw) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(
+                config.hidden_size,
+                config.vocab_size,
+                use_bias=False,
+                logical_axes=("embed", "vocab"),
+                rngs=rngs,
+                **kw,
+            )
+        )
+
+    def _inv_freq(self) -> jax.Array:
+        return jnp.asarray(rope_inverse_frequencies(self.config), jnp.float32)
+
+    def _embed(self, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Embedding rows; an id outside ``[0, vocab)`` on a real token gives NaN (loud, never a clamp
+        or a negative wrap-around); padding positions (segment 0) are zeros whatever their ids."""
+        ids = jnp.where(tokens < 0, self.config.vocab_size, tokens)
+        x = jnp.take(self.embed_tokens[...], ids, axis=0, mode="fill", fill_value=jnp.nan)
+        return jnp.where((segment_ids != 0)[..., None], x, 0).astype(self.dtype)
+
+    def hidden_states(
+        self,
+        tokens: chex.Array,
+        *,
+        positions: chex.Array | None = None,
+        segment_ids: chex.Array | None = None,
+    ) -> jax.Array:
+        """Final-normed hidden states ``[B, L, hidden]`` (compute dtype) of a packed batch.
+
+        ``segment_ids`` default: all ones (one sample per row); ``positions`` default: restart at 0
+        in every segment (:func:`rljax.models.attention.segment_positions`).
+        """
+        chex.assert_rank(tokens, 2)
+        segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
+        inv_freq = self._inv_freq()
+
+        def run_block(block: Block, x: jax.Array) -> jax.Array:
+            return block(
+                x,
+                positions=positions,
+                segment_ids=segment_ids,
+                inv_freq=inv_freq,
+                chunk_size=self.attention_chunk_size,
+            )[0]
+
+        if self.remat:
+            run_block = nnx.remat(run_block)
+        x = self._embed(tokens, segment_ids)
+        for block in self.layers:
+            x = run_block(block, x)
+        return self.norm(x)
+
+    def decode(
+        self,
+        tokens: chex.Array,
+        cache: KVCache,
+        *,
+        positions: chex.Array | None = None,
+        segment_ids: chex.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Writes ``tokens [B, T]`` into ``cache`` slots ``[index, index+T)``; returns their hidden states.
+
+        ``segment_ids`` default all ones (0 marks padding, which is stored but masked);
+        ``positions`` default ``cache.lengths + (number of earlier valid new tokens in the row)``.
+        """
+        chex.assert_rank(tokens, 2)
+        cache.check_capacity(tokens.shape[1])
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+        segment_ids = segment_ids.astype(jnp.int32)
+        valid = (segment_ids != 0).astype(jnp.int32)
+        if positions is None:
+            positions = jnp.maximum(cache.lengths[:, None] + jnp.cumsum(valid, axis=1) - 1, 0)
+        chex.assert_equal_shape([tokens, segment_ids, positions])
+        cache_segment_ids = jax.lax.dynamic_update_slice_in_dim(
+            cache.segment_ids, segment_ids, cache.index, axis=1
+        )
+        inv_freq = self._inv_freq()
+        x = self._embed(tokens, segment_ids)
+        keys, values = [], []
+        for i, block in enumerate(self.layers):
+            x, (k, v) = block(
+                x,
+                positions=positions,
+                segment_ids=segment_ids,
+                inv_freq=inv_freq,
+                layer_cache=(cache.keys[i], cache.values[i]),
+                cache_segment_ids=cache_segment_ids,
+                cache_index=cache.index,
+                chunk_size=self.attention_chunk_size,
+            )
+            keys.append(k)
+            values.append(v)
+        new_cache = KVCache(
+            keys=tuple(keys),
+            values=tuple(values),
+            segment_ids=cache_segment_ids,
+            lengths=cache.lengths + jnp.sum(valid, axis=1),
+            index=cache.index + tokens.shape[1],
+        )
+        return self.norm(x), new_cache
+
+    def unembedding(self) -> jax.Array:
+        """The output projection ``[hidden, vocab]`` in compute dtype (``embed^T`` when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens[...].T.astype(self.dtype)
+        return self.lm_head.kernel[...].astype(self.dtype)
+
+    def logits(self, hidden: chex.Array) -> jax.Array:
+        """float32 logits ``hidden @ unembedding()`` for hidden states of any leading shape."""
+        return jnp.dot(
+            hidden.astype(self.dtype),
+            self.unembedding(),
+            precision=self.precision,
+            preferred_element_type=jnp.float32,
+        )
+
+    def __call__(
+        self,
+        tokens: chex.Array,
+        *,
+        positions: chex.Array | None = None,
+        segment_ids: chex.Array | None = None,
+    ) -> jax.Array:
+        """Full float32 logits ``[B, L, vocab]`` (for small inputs; use sequence_logprobs for training)."""
+        return self.logits(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids))
+
+
+def _packing_defaults(
+    tokens: chex.Array, segment_ids: chex.Array | None, positions: chex.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    if segment_ids is None:
+        segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+    segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    if positions is None:
+        positions = segment_positions(segment_ids)
+    positions = jnp.asarray(positions)
+    chex.assert_equal_shape([tokens, segment_ids, positions])
+    return segment_ids, positions
+
+
+def num_params(model: nnx.Module, *, exclude: Sequence[str] = ()) -> int:
+    """Number of parameter scalars in ``model`` (paths containing a name in ``exclude`` skipped).
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, tie_word_embeddings=True)
+    >>> num_params(Decoder(cfg, rngs=nnx.Rngs(0)))
+    196
+    """
+    total = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if not any(str(p) in exclude for p in path):
+            total += int(leaf.get_value().size)
+    return total

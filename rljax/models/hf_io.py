@@ -1,0 +1,313 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + safetensors (single file or sharded with an index).
+
+The mapping between HF tensor names and rljax parameter paths is the table :data:`HF_NAME_MAP`
+(``{i}`` = layer index). HF ``nn.Linear`` weights are ``[out, in]`` and rljax kernels ``[in, out]``,
+so those entries are transposed on the way in and out. What :func:`save_pretrained` writes loads
+in transformers and vLLM: tied embeddings are saved once (no ``lm_head.weight``) with
+``tie_word_embeddings: true`` in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from rljax.models.config import ModelConfig
+from rljax.models.decoder import DEFAULT_ATTENTION_CHUNK_SIZE, Decoder
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# (HF checkpoint name, rljax parameter path, transpose). Rows whose parameter the model does not
+# have (biases, q/k norms, untied lm_head) are skipped for that model.
+HF_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens", False),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj.kernel", True),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.q_proj.bias", False),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj.kernel", True),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.k_proj.bias", False),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj.kernel", True),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers.{i}.self_attn.v_proj.bias", False),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True),
+    ("model.layers.{i}.self_attn.o_proj.bias", "layers.{i}.self_attn.o_proj.bias", False),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.q_norm.weight", False),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.self_attn.k_norm.weight", False),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight", False),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.kernel", True),
+    ("model.layers.{i}.mlp.gate_proj.bias", "layers.{i}.mlp.gate_proj.bias", False),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.kernel", True),
+    ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_proj.bias", False),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True),
+    ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_proj.bias", False),
+    ("model.norm.weight", "norm.weight", False),
+    ("lm_head.weight", "lm_head.kernel", True),
+)
+
+# Checkpoint entries that carry no parameters of their own and are skipped on load.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def hf_name_map(model: Decoder) -> dict[str, tuple[str, bool]]:
+    """``{hf_name: (rljax_path, transpose)}`` for every parameter of ``model`` (table expanded per layer).
+
+    >>> cfg = ModelConfig(model_type="qwen2", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, qkv_bias=True)
+    >>> m = hf_name_map(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    >>> m["model.layers.0.self_attn.k_proj.weight"], "lm_head.weight" in m
+    (('layers.0.self_attn.k_proj.kernel', True), True)
+    """
+    have = {_path_str(p) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out: dict[str, tuple[str, bool]] = {}
+    for hf_name, path, transpose in HF_NAME_MAP:
+        layers = range(model.config.num_layers) if "{i}" in hf_name else [None]
+        for i in layers:
+            hf_i, path_i = hf_name.format(i=i), path.format(i=i)
+            if path_i in have:
+                out[hf_i] = (path_i, transpose)
+    unmapped = have - {p for p, _ in out.values()}
+    if unmapped:
+        raise ValueError(f"parameters with no HF name in HF_NAME_MAP: {sorted(unmapped)}")
+    return out
+
+
+def to_hf_state_dict(model: Decoder, *, dtype: jnp.dtype | None = None) -> dict[str, np.ndarray]:
+    """The model's parameters as ``{hf_name: numpy array}`` in HF layout (``dtype`` default: param dtype).
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, tie_word_embeddings=True)
+    >>> sd = to_hf_state_dict(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> sd["model.layers.0.mlp.down_proj.weight"].shape, "lm_head.weight" in sd
+    ((4, 8), False)
+    """
+    dtype = jnp.dtype(model.param_dtype if dtype is None else dtype)
+    values = {_path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out = {}
+    for hf_name, (path, transpose) in hf_name_map(model).items():
+        arr = np.asarray(jax.device_get(values[path].astype(dtype)))
+        out[hf_name] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def from_hf_state_dict(
+    config: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype | None = None,
+    remat: bool = False,
+    precision: jax.lax.PrecisionLike = None,
+    attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+) -> Decoder:
+    """Builds a :class:`Decoder` from HF-named tensors without random initialization.
+
+    Keyword arguments after ``dtype`` are those of :class:`rljax.models.Decoder`.
+
+    Raises ``ValueError`` listing missing tensors, unexpected tensors and shape mismatches.
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2)
+    >>> sd = to_hf_state_dict(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> model = from_hf_state_dict(cfg, sd)
+    >>> bool(np.array_equal(model.lm_head.kernel[...], sd["lm_head.weight"].T))
+    True
+    """
+    param_dtype = dtype if param_dtype is None else param_dtype
+    abstract = nnx.eval_shape(
+        lambda: Decoder(
+            config,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+            precision=precision,
+            attention_chunk_size=attention_chunk_size,
+            rngs=nnx.Rngs(0),
+        )
+    )
+    names = hf_name_map(abstract)
+    ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        ignored.add("lm_head.weight")  # transformers ties it to the embedding and ignores the stored copy
+    missing = sorted(set(names) - set(tensors))
+    unexpected = sorted(set(tensors) - set(names) - ignored)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the {config.model_type} config: missing tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
+    graphdef, state = nnx.split(abstract)
+    by_path = {path: (hf_name, transpose) for hf_name, (path, transpose) in names.items()}
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        key = _path_str(path)
+        if key not in by_path:
+            flat.append((path, var))
+            continue
+        hf_name, transpose = by_path[key]
+        arr = np.asarray(tensors[hf_name])
+        arr = arr.T if transpose else arr
+        if arr.shape != var.get_value().shape:
+            raise ValueError(
+                f"tensor {hf_name} has shape {tuple(tensors[hf_name].shape)}, but the config needs "
+                f"{var.get_value().shape[::-1] if transpose else var.get_value().shape}"
+            )
+        flat.append((path, var.replace(jnp.asarray(arr, dtype=param_dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); safetensors.numpy.save_file({"a": np.ones(2)}, f"{d}/{WEIGHTS_FILE}")
+    >>> load_hf_tensors(d)["a"].tolist()
+    [1.0, 1.0]
+    """
+    path = os.fspath(path)
+    index_path = os.path.join(path, WEIGHTS_INDEX_FILE)
+    single_path = os.path.join(path, WEIGHTS_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            loaded = safetensors.numpy.load_file(os.path.join(path, shard))
+            tensors.update({k: v for k, v in loaded.items() if weight_map.get(k) == shard})
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise ValueError(f"{WEIGHTS_INDEX_FILE} lists tensors that are not in their shard: {absent[:8]}")
+        return tensors
+    if os.path.exists(single_path):
+        return safetensors.numpy.load_file(single_path)
+    raise ValueError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path!r}")
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Reads ``config.json`` of a checkpoint directory into a :class:`ModelConfig`.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, CONFIG_FILE), "w") as f:
+    ...     json.dump({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8,
+    ...                "num_hidden_layers": 1, "num_attention_heads": 2}, f)
+    >>> cfg = load_config(d)
+    >>> (cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias)
+    (2, 2, True)
+    """
+    config_path = os.path.join(os.fspath(path), CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise ValueError(f"no {CONFIG_FILE} in {os.fspath(path)!r}; pass a HF checkpoint directory")
+    with open(config_path) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype | None = None,
+    remat: bool = False,
+    precision: jax.lax.PrecisionLike = None,
+    attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+) -> Decoder:
+    """Loads a HF checkpoint directory (``config.json`` + safetensors, sharded or not) as a Decoder.
+
+    ``dtype`` is the compute dtype; parameters are stored in ``param_dtype`` (default ``dtype``);
+    the other keyword arguments are those of :class:`rljax.models.Decoder`.
+
+    >>> import tempfile
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2)
+    >>> d = tempfile.mkdtemp(); save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), d)
+    >>> from_pretrained(d).config == cfg
+    True
+    """
+    return from_hf_state_dict(
+        load_config(path),
+        load_hf_tensors(path),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=remat,
+        precision=precision,
+        attention_chunk_size=attention_chunk_size,
+    )
+
+
+def save_pretrained(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    dtype: jnp.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` (or shards + index) that transformers/vLLM load.
+
+    Args:
+      model: the decoder.
+      path: output directory (created if needed; existing weight files there are replaced).
+      dtype: storage dtype (default: the model's param dtype).
+      max_shard_bytes: split into ``model-0000k-of-0000n.safetensors`` files of at most this many
+        bytes (a single larger tensor gets its own shard) plus ``model.safetensors.index.json``.
+
+    >>> import tempfile
+    >>> cfg = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, qk_norm=True,
+    ...                   tie_word_embeddings=True)
+    >>> d = tempfile.mkdtemp(); save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), d)
+    >>> sorted(os.listdir(d))
+    ['config.json', 'model.safetensors']
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive or None, got {max_shard_bytes}")
+    dtype = jnp.dtype(model.param_dtype if dtype is None else dtype)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = to_hf_state_dict(model, dtype=dtype)
+    shards = _split_shards(tensors, max_shard_bytes)
+    for name in os.listdir(path):
+        if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors")):
+            os.remove(os.path.join(path, name))
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        safetensors.numpy.save_file(shards[0], os.path.join(path, WEIGHTS_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            safetensors.numpy.save_file(shard, os.path.join(path, file), metadata=metadata)
+            weight_map.update({name: file for name in shard})
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        with open(os.path.join(path, WEIGHTS_INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(model.config.to_hf_dict(dtype=dtype.name), f, indent=2, sort_keys=True)
+
+
+def _split_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    if max_shard_bytes is None:
+        return [tensors]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    return shards

@@ -1,0 +1,131 @@
+"""KV-cache decoding (prefill + step-by-step) gives the logprobs of one full forward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import models
+
+VOCAB = 53
+PROMPT_LENS = [5, 9, 3]
+NUM_NEW = 6
+PAD = max(PROMPT_LENS)
+
+
+@pytest.fixture(scope="module")
+def model(helpers):
+    # llama3 RoPE scaling + GQA 4:1 + tied embeddings: positions must be exact for the logprobs to agree.
+    cfg = models.ModelConfig.from_hf_dict(
+        dict(
+            model_type="llama",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        )
+    )
+    return helpers.random_decoder(cfg, seed=1)
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, size=n) for n in PROMPT_LENS]
+    continuations = rng.integers(0, VOCAB, size=(len(PROMPT_LENS), NUM_NEW))
+    return prompts, continuations
+
+
+@pytest.fixture(scope="module")
+def reference(model, sequences):
+    """Full-forward logprobs of each continuation token (prompt + continuation as one right-padded row)."""
+    prompts, cont = sequences
+    length = PAD + NUM_NEW
+    tokens = np.zeros((len(prompts), length), np.int64)
+    seg = np.zeros((len(prompts), length), np.int32)
+    for b, p in enumerate(prompts):
+        n = len(p)
+        tokens[b, : n + NUM_NEW] = np.concatenate([p, cont[b]])
+        seg[b, : n + NUM_NEW] = 1
+    logp = np.asarray(models.sequence_logprobs(model, jnp.asarray(tokens), segment_ids=jnp.asarray(seg)))
+    return np.stack([logp[b, len(p) : len(p) + NUM_NEW] for b, p in enumerate(prompts)])
+
+
+_prefill = models.prefill
+_step = models.decode_step
+
+
+def _padded_prompts(prompts, *, left: bool):
+    tokens = np.zeros((len(prompts), PAD), np.int64)
+    seg = np.zeros((len(prompts), PAD), np.int32)
+    for b, p in enumerate(prompts):
+        sl = slice(PAD - len(p), PAD) if left else slice(0, len(p))
+        tokens[b, sl] = p
+        seg[b, sl] = 1
+    return jnp.asarray(tokens), jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_prefill_then_decode_steps_match_full_forward(model, sequences, reference, left):
+    prompts, cont = sequences
+    tokens, seg = _padded_prompts(prompts, left=left)
+    logits, cache = _prefill(model, tokens, segment_ids=seg, max_length=PAD + NUM_NEW)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), PROMPT_LENS)
+    got = []
+    for j in range(NUM_NEW):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        got.append(np.asarray(logp)[np.arange(len(prompts)), cont[:, j]])
+        logits, cache = _step(model, jnp.asarray(cont[:, j]), cache)
+    assert int(cache.index) == PAD + NUM_NEW
+    np.testing.assert_allclose(np.stack(got, axis=1), reference, atol=1e-5)
+
+
+def test_multi_token_decode_chunks_match_full_forward(model, sequences, reference):
+    prompts, cont = sequences
+    tokens, seg = _padded_prompts(prompts, left=False)
+    cache = models.init_cache(model.config, batch_size=len(prompts), max_length=PAD + NUM_NEW + 2)
+    decode = jax.jit(lambda m, t, c, s: m.decode(t, c, segment_ids=s))
+    to_logits = jax.jit(lambda m, h: m.logits(h))
+    hidden, cache = decode(model, tokens, cache, seg)
+    last = models.kv_cache.last_valid_index(seg)
+    first_logits = to_logits(model, hidden[np.arange(len(prompts)), np.asarray(last)])
+    # Feed the continuation in two chunks of 3 tokens, positions from cache.lengths.
+    ones = jnp.ones((len(prompts), 3), jnp.int32)
+    hidden_a, cache = decode(model, jnp.asarray(cont[:, :3]), cache, ones)
+    hidden_b, cache = decode(model, jnp.asarray(cont[:, 3:]), cache, ones)
+    logits = jnp.concatenate(
+        [first_logits[:, None], to_logits(model, hidden_a), to_logits(model, hidden_b)[:, :-1]], axis=1
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    got = np.take_along_axis(logp, cont[:, :, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(got, reference, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.array(PROMPT_LENS) + NUM_NEW)
+
+
+def test_cache_capacity_errors(model):
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="exceeds the cache max_length 3"):
+        models.prefill(model, tokens, max_length=3)
+    _, cache = models.prefill(model, tokens, max_length=5)
+    _, cache = models.decode_step(model, jnp.zeros((1,), jnp.int32), cache)
+    with pytest.raises(ValueError, match="KV cache is full: 5 slots used"):
+        models.decode_step(model, jnp.zeros((1,), jnp.int32), cache)
+
+
+def test_init_cache_layout(model):
+    cache = models.init_cache(model.config, batch_size=2, max_length=7, dtype=jnp.bfloat16)
+    assert len(cache.keys) == len(cache.values) == model.config.num_layers
+    assert cache.keys[0].shape == (2, 7, 1, 8) and cache.keys[0].dtype == jnp.bfloat16
+    assert np.all(np.asarray(cache.segment_ids) == models.kv_cache.EMPTY_SLOT) and cache.max_length == 7
