@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax.core import advantages, objective
@@ -127,7 +127,8 @@ def main() -> None:
 
     run_adv, adv_bytes, num_steps = advantage_workload(num_traj, 8, resp_len)
     t_adv = best_time(run_adv, args.repeats)
-    print(f"step-wise advantages: {num_traj} trajectories, {num_steps} steps x {resp_len} tokens, groups of 8")
+    print(f"step-wise advantages: {num_traj} trajectories, {num_steps} steps x {resp_len} tokens, "
+          "groups of 8")
     report("  grpo + broadcast", t_adv, adv_bytes, bandwidth)
 
     run_obj, obj_bytes = objective_workload(rows, seq_len)
