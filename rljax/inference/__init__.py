@@ -1,5 +1,6 @@
 """Generation engines: the Engine protocol, vLLM servers (rljax.inference.vllm), the embedded sampler."""
 
 from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.inference.sampler import EmbeddedSampler
 
-__all__ = ["Completion", "Engine", "SamplingParams"]
+__all__ = ["Completion", "EmbeddedSampler", "Engine", "SamplingParams"]

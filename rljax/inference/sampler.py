@@ -1,0 +1,571 @@
+"""Embedded JAX sampler: batched in-process generation with the trainer's own parameters (SPEC §5).
+
+The default engine on a single machine. It implements :class:`rljax.inference.engine.Engine`
+(``await sampler.generate(prompt_ids, sampling, session_id=...)``) on top of the model's KV cache
+(:func:`rljax.models.prefill` / :func:`rljax.models.decode_step`), and needs no weight sync:
+:meth:`EmbeddedSampler.update_weights` just swaps the parameter reference and bumps the version.
+
+Batching. Concurrent ``generate`` calls are queued for ``batch_wait_ms`` and run together as one
+jitted program: prompts are left-padded (segment id 0 marks padding, positions count only real
+tokens, so padding never changes a row's logits), then one ``lax.while_loop`` samples a token for
+every row, feeds it back through the cache and stops when every row is done. Each row carries its
+own temperature, top-k, top-p, token budget, stop ids and seed. Shapes are bucketed to powers of
+two (prompt length, new tokens, batch rows, stop ids), so ``jit`` compiles a bounded number of
+programs. A row's random stream depends only on its seed and the step index
+(``fold_in(key(seed), t)``), so a request gives the same completion alone or inside any batch.
+
+Logprobs (vLLM ``logprobs_mode="processed_logprobs"``, SPEC §5): each returned logprob is
+``log p~(token)`` under the *processed* distribution the token was drawn from::
+
+    z = logits / T                                   (T = 1 for greedy rows, T < 1e-5)
+    z = z  where z >= (k-th largest z) else -inf     (top-k, when enabled)
+    z = z  where z >= tau_p else -inf                (top-p: tau_p = smallest z of the shortest
+                                                      prefix of the sorted distribution whose
+                                                      mass before it is < p)
+    log p~ = log_softmax(z)
+
+With top-k and top-p off this is exactly what :func:`rljax.models.sequence_logprobs` computes with
+``temperature=T`` on the same tokens, which the tests check. Sampling is Gumbel-max
+(``argmax(log p~ + g)``, ``g ~ Gumbel(0, 1)``), i.e. an exact draw from ``p~``; greedy rows take
+``argmax(log p~)``. References: Holtzman et al. 2020 (nucleus sampling); vLLM
+``v1/sample/ops/topk_topp_sampler.py`` (top-k then top-p on temperature-scaled logits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rljax.inference.engine import Completion, SamplingParams
+from rljax.models.kv_cache import decode_step, prefill
+
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "GREEDY_EPS",
+    "EmbeddedSampler",
+    "bucket_size",
+    "generate_tokens",
+    "processed_logprobs",
+    "sample_from_logprobs",
+]
+
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
+FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+_FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+_NEG_INF = -jnp.inf
+
+
+def bucket_size(n: int, *, minimum: int = 1) -> int:
+    """Smallest power of two ``>= max(n, minimum)`` (bounds the number of jit compilations).
+
+    >>> bucket_size(5), bucket_size(16), bucket_size(3, minimum=8)
+    (8, 16, 8)
+    """
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def processed_logprobs(
+    logits: chex.Array,
+    temperature: chex.Array,
+    top_k: chex.Array,
+    top_p: chex.Array,
+) -> jax.Array:
+    """Log-probabilities of the processed sampling distribution (temperature, top-k, top-p).
+
+    Per row: ``z = logits / T``; top-k keeps ``z >= z_(k)`` (the k-th largest, ties kept);
+    top-p then keeps, in descending order, every token whose preceding mass (under the top-k
+    renormalized distribution) is ``< p`` (ties with the last kept value kept too); the result is
+    ``log_softmax`` over the kept tokens (``-inf`` elsewhere). ``top_k <= 0`` or ``>= V`` and
+    ``top_p >= 1`` disable the filters. Holtzman et al. 2020; the vLLM processed-logprobs order.
+
+    Args:
+      logits: float ``[B, V]``.
+      temperature: float ``[B]``, > 0 (pass 1.0 for greedy rows).
+      top_k: int ``[B]``; 0 disables.
+      top_p: float ``[B]`` in (0, 1]; 1 disables.
+
+    Returns:
+      float32 ``[B, V]`` log-probabilities (``-inf`` on filtered tokens).
+
+    >>> lp = processed_logprobs(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), jnp.ones(1),
+    ...                         jnp.array([2]), jnp.ones(1))
+    >>> [round(float(x), 4) for x in jnp.exp(lp[0])]
+    [0.625, 0.375, 0.0]
+    """
+    chex.assert_rank([logits, temperature, top_k, top_p], [2, 1, 1, 1])
+    chex.assert_equal_shape_prefix([logits, temperature, top_k, top_p], 1)
+    z = logits.astype(jnp.float32) / temperature.astype(jnp.float32)[:, None]
+    vocab = z.shape[-1]
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab).astype(jnp.int32)
+    p = top_p.astype(jnp.float32)
+    needs_filter = jnp.any(k < vocab) | jnp.any(p < 1.0)
+
+    def filtered(z: jax.Array) -> jax.Array:
+        desc = -jnp.sort(-z, axis=-1)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        desc = jnp.where(desc >= kth, desc, _NEG_INF)
+        probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = (mass_before < p[:, None]) | (p[:, None] >= 1.0)
+        num_kept = jnp.maximum(jnp.sum(keep & (desc > _NEG_INF), axis=-1), 1)
+        threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)
+        return jnp.where(z >= threshold, z, _NEG_INF)
+
+    z = jax.lax.cond(needs_filter, filtered, lambda z: z, z)
+    return jax.nn.log_softmax(z, axis=-1)
+
+
+def sample_from_logprobs(
+    logprobs: chex.Array, keys: chex.Array, greedy: chex.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row: Gumbel-max ``argmax(logp + g)``, or ``argmax(logp)`` for greedy rows.
+
+    ``argmax_v(log p_v + g_v)`` with i.i.d. standard Gumbel ``g`` is an exact sample from ``p``
+    (Gumbel 1954; Maddison et al. 2014, "A* sampling").
+
+    Args:
+      logprobs: float ``[B, V]`` (``-inf`` allowed on excluded tokens).
+      keys: ``[B]`` typed PRNG keys, one per row.
+      greedy: bool ``[B]``.
+
+    Returns:
+      ``(tokens int32 [B], their logprobs float32 [B])``.
+
+    >>> lp = jnp.log(jnp.array([[0.0, 1.0, 0.0], [0.2, 0.5, 0.3]]))
+    >>> keys = jax.random.split(jax.random.key(0), 2)
+    >>> tok, tok_lp = sample_from_logprobs(lp, keys, jnp.array([False, True]))
+    >>> tok.tolist(), [round(float(x), 4) for x in tok_lp]
+    ([1, 1], [0.0, -0.6931])
+    """
+    chex.assert_rank([logprobs, greedy], [2, 1])
+    chex.assert_equal_shape_prefix([logprobs, keys, greedy], 1)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, logprobs.shape[-1:], jnp.float32))(keys)
+    noisy = jnp.where(greedy[:, None], logprobs, logprobs + noise)
+    tokens = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+    step: jax.Array
+    logits: jax.Array
+    cache: Any
+    ids: jax.Array
+    logprobs: jax.Array
+    num_tokens: jax.Array
+    finish: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    _Carry,
+    data_fields=["step", "logits", "cache", "ids", "logprobs", "num_tokens", "finish"],
+    meta_fields=[],
+)
+
+
+def generate_tokens(
+    model: Any,
+    prompt: chex.Array,
+    prompt_segment_ids: chex.Array,
+    *,
+    temperature: chex.Array,
+    top_k: chex.Array,
+    top_p: chex.Array,
+    max_new: chex.Array,
+    stop_ids: chex.Array,
+    seeds: chex.Array,
+    max_new_tokens: int,
+    pad_id: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Samples up to ``max_new_tokens`` tokens per row in one ``lax.while_loop`` (jit-safe).
+
+    Prefills the left-padded prompts into a cache of ``P + max_new_tokens`` slots, then each step
+    draws ``x_t ~ p~(. | prompt, x_<t)`` (:func:`processed_logprobs`, :func:`sample_from_logprobs`,
+    key ``fold_in(key(seed), t)``) for rows still running and feeds it back with one
+    :func:`rljax.models.decode_step`. A row finishes after emitting a stop id (kept in the output)
+    or ``max_new`` tokens; the loop ends when all rows are done.
+
+    Args:
+      model: a :class:`rljax.models.Decoder`.
+      prompt: int32 ``[B, P]``, left-padded; ``prompt_segment_ids`` int32 ``[B, P]`` (0 = padding).
+      temperature: float ``[B]``; values < :data:`GREEDY_EPS` mean greedy (logprobs at T = 1).
+      top_k: int32 ``[B]`` (0 = off); top_p: float ``[B]`` (1 = off).
+      max_new: int32 ``[B]`` token budget per row (0 = an idle padding row).
+      stop_ids: int32 ``[B, S]`` stop ids per row, padded with -1.
+      seeds: uint32 ``[B]``.
+      max_new_tokens: static loop bound (``>= max(max_new)``).
+      pad_id: id written after a row finishes.
+
+    Returns:
+      ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B])`` with
+      ``finish`` in {:data:`FINISH_STOP`, :data:`FINISH_LENGTH`} (0 for idle rows).
+    """
+    chex.assert_rank([prompt, prompt_segment_ids, stop_ids], 2)
+    chex.assert_rank([temperature, top_k, top_p, max_new, seeds], 1)
+    chex.assert_equal_shape([prompt, prompt_segment_ids])
+    batch, prompt_len = prompt.shape
+    greedy = temperature < GREEDY_EPS
+    temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    keys = jax.vmap(jax.random.key)(seeds)
+    logits, cache = prefill(
+        model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids
+    )
+    idle = max_new <= 0
+    init = _Carry(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        ids=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
+        num_tokens=jnp.zeros((batch,), jnp.int32),
+        finish=jnp.where(idle, FINISH_LENGTH, FINISH_RUNNING).astype(jnp.int32),
+    )
+
+    def cond(c: _Carry) -> jax.Array:
+        return (c.step < max_new_tokens) & jnp.any(c.finish == FINISH_RUNNING)
+
+    def body(c: _Carry) -> _Carry:
+        logp = processed_logprobs(c.logits, temp, top_k, top_p)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, c.step)
+        token, token_logp = sample_from_logprobs(logp, step_keys, greedy)
+        active = c.finish == FINISH_RUNNING
+        token = jnp.where(active, token, pad_id)
+        ids = jax.lax.dynamic_update_slice_in_dim(c.ids, token[:, None], c.step, axis=1)
+        logprobs = jax.lax.dynamic_update_slice_in_dim(
+            c.logprobs, jnp.where(active, token_logp, 0.0)[:, None], c.step, axis=1
+        )
+        num_tokens = c.num_tokens + active.astype(jnp.int32)
+        hit_stop = jnp.any(token[:, None] == stop_ids, axis=1)
+        finish = jnp.where(
+            active & hit_stop,
+            FINISH_STOP,
+            jnp.where(active & (num_tokens >= max_new), FINISH_LENGTH, c.finish),
+        )
+        next_logits, cache = decode_step(model, token, c.cache)
+        return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish.astype(jnp.int32))
+
+    out = jax.lax.while_loop(cond, body, init)
+    return out.ids, out.logprobs, out.num_tokens, out.finish
+
+
+def _generate_program(
+    graphdef: Any,
+    state: Any,
+    prompt: jax.Array,
+    prompt_segment_ids: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    max_new: jax.Array,
+    stop_ids: jax.Array,
+    seeds: jax.Array,
+    max_new_tokens: int,
+    pad_id: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    model = nnx.merge(graphdef, state)
+    return generate_tokens(
+        model,
+        prompt,
+        prompt_segment_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new=max_new,
+        stop_ids=stop_ids,
+        seeds=seeds,
+        max_new_tokens=max_new_tokens,
+        pad_id=pad_id,
+    )
+
+
+def _snapshot(state: Any) -> Any:
+    """New Variable wrappers around the same arrays: later in-place updates of the model stay invisible."""
+    return jax.tree.map(lambda x: x, state)
+
+
+_JITTED_GENERATE = jax.jit(_generate_program, static_argnums=(0, 10, 11))
+
+
+class EmbeddedSampler:
+    """In-process batched JAX generation with the trainer's parameters (an :class:`Engine`).
+
+    Args:
+      model: a :class:`rljax.models.Decoder` (its current parameters are used; see
+        :meth:`set_weights`).
+      max_batch_size: most requests per jitted call (rounded up to a power of two).
+      min_batch_bucket: smallest number of rows of a jitted call (fewer distinct shapes to compile).
+      batch_wait_ms: how long the first queued request waits for others to join its batch.
+      min_prompt_bucket: smallest padded prompt length (buckets are powers of two above it).
+      min_new_tokens_bucket: smallest loop bound for new tokens.
+      max_model_len: longest prompt + completion; ``max_tokens`` is clipped to fit (the
+        completion then ends with "length"); default the model's ``max_position_embeddings``.
+      seed: seeds the draws for requests that give no ``SamplingParams.seed``.
+      weight_version: the version reported for the initial parameters.
+      pad_id: id used for padding (any valid id; padding is masked).
+
+    >>> import asyncio
+    >>> from flax import nnx
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> from rljax.inference.engine import SamplingParams
+    >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
+    >>> sampler = EmbeddedSampler(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> out = asyncio.run(sampler.generate([1, 2, 3], SamplingParams(max_tokens=4, seed=7)))
+    >>> len(out.ids), out.finish_reason, out.weight_version
+    (4, 'length', 0)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch_size: int = 64,
+        min_batch_bucket: int = 1,
+        batch_wait_ms: float = 2.0,
+        min_prompt_bucket: int = 32,
+        min_new_tokens_bucket: int = 16,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        weight_version: int = 0,
+        pad_id: int = 0,
+    ) -> None:
+        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
+            raise ValueError(
+                f"EmbeddedSampler needs an rljax.models.Decoder, got {type(model).__name__}; "
+                "build one with rljax.models.Decoder(...) or rljax.models.from_pretrained(...)"
+            )
+        sizes = dict(
+            max_batch_size=max_batch_size,
+            min_batch_bucket=min_batch_bucket,
+            min_prompt_bucket=min_prompt_bucket,
+            min_new_tokens_bucket=min_new_tokens_bucket,
+        )
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EmbeddedSampler {name} must be an int >= 1, got {value!r}")
+        if batch_wait_ms < 0:
+            raise ValueError(f"EmbeddedSampler batch_wait_ms must be >= 0, got {batch_wait_ms}")
+        graphdef, state = nnx.split(model)
+        state = _snapshot(state)
+        self.config = model.config
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_batch_size = bucket_size(max_batch_size)
+        self.min_batch_bucket = min(bucket_size(min_batch_bucket), self.max_batch_size)
+        self.batch_wait_s = float(batch_wait_ms) / 1000.0
+        self.min_prompt_bucket = int(min_prompt_bucket)
+        self.min_new_tokens_bucket = int(min_new_tokens_bucket)
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        if not 0 <= pad_id < self.vocab_size:
+            raise ValueError(f"pad_id must be a token id in [0, {self.vocab_size}), got {pad_id}")
+        self.pad_id = int(pad_id)
+        # (graphdef, state, version), swapped as one reference so a batch never mixes them.
+        self._weights: tuple[Any, Any, int] = (graphdef, state, int(weight_version))
+        self._rng = np.random.default_rng(seed)
+        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.num_batches = 0
+        self.num_requests = 0
+
+    # -- weights --------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The version new requests are served with."""
+        return self._weights[2]
+
+    def set_weights(self, model_or_state: Any, *, version: int | None = None) -> int:
+        """Serves new parameters (a Decoder or its ``nnx.State``); returns the new version.
+
+        No copy and no sync: the references to the (immutable) parameter arrays are swapped.
+        Batches already running keep the parameters (and version) they started with, and later
+        in-place changes to ``model_or_state`` are not seen until the next ``set_weights``, so the
+        reported version always names the parameters that produced a completion.
+        """
+        if isinstance(model_or_state, nnx.Module):
+            graphdef, state = nnx.split(model_or_state)
+        elif isinstance(model_or_state, nnx.State):
+            graphdef, state = self._weights[0], model_or_state
+        else:
+            raise ValueError(
+                f"set_weights takes an rljax Decoder or its nnx.State, got {type(model_or_state).__name__}"
+            )
+        _, old_state, old_version = self._weights
+        old = jax.tree_util.tree_structure(old_state)
+        if jax.tree_util.tree_structure(state) != old:
+            raise ValueError(
+                "the new parameters do not have the structure of the sampler's model; "
+                "pass a model of the same architecture (or nnx.state(model))"
+            )
+        new_version = old_version + 1 if version is None else int(version)
+        self._weights = (graphdef, _snapshot(state), new_version)
+        return new_version
+
+    async def update_weights(self, model: Any, *, version: int | None = None) -> int:
+        """:class:`Engine` method: same as :meth:`set_weights`."""
+        return self.set_weights(model, version=version)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty; the sampler needs at least one prompt token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the model vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, which leaves no room under max_model_len "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        bad_stop = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return prompt
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Synchronously samples one completion per prompt (in chunks of ``max_batch_size``)."""
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling)} SamplingParams")
+        checked = [self._check_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+        out: list[Completion] = []
+        for i in range(0, len(checked), self.max_batch_size):
+            chunk = slice(i, i + self.max_batch_size)
+            out += self._run_batch(checked[chunk], list(sampling[chunk]))
+        return out
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Completion:
+        """:class:`Engine` method: queues the request; it runs with whatever else arrives meanwhile.
+
+        ``session_id`` is accepted for the protocol (there is one replica, so it changes nothing).
+        """
+        prompt = self._check_request(prompt_ids, sampling)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._queue.append((prompt, sampling, future))
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._worker = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            if self.batch_wait_s:
+                await asyncio.sleep(self.batch_wait_s)
+            loop = asyncio.get_running_loop()
+            batch = [
+                r for r in self._queue[: self.max_batch_size] if not r[2].done() and r[2].get_loop() is loop
+            ]
+            del self._queue[: self.max_batch_size]
+            if not batch:
+                continue
+            try:
+                results = await asyncio.to_thread(
+                    self._run_batch, [r[0] for r in batch], [r[1] for r in batch]
+                )
+            except Exception as e:  # surfaced to every caller of this batch
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+            else:
+                for (_, _, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+
+    # -- the jitted call ------------------------------------------------------------------
+    def _seed(self, sampling: SamplingParams) -> int:
+        if sampling.seed is None:
+            return int(self._rng.integers(0, 2**32))
+        return int(sampling.seed) % 2**32
+
+    def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        graphdef, state, version = self._weights
+        n = len(prompts)
+        rows = bucket_size(n, minimum=self.min_batch_bucket)
+        prompt_len = bucket_size(max(map(len, prompts)), minimum=self.min_prompt_bucket)
+        budgets = [
+            min(s.max_tokens, self.max_model_len - len(p)) for p, s in zip(prompts, params, strict=True)
+        ]
+        new_len = bucket_size(max(budgets), minimum=self.min_new_tokens_bucket)
+        num_stop = bucket_size(max(len(s.stop_token_ids) for s in params), minimum=4)
+
+        tokens = np.full((rows, prompt_len), self.pad_id, np.int32)
+        segments = np.zeros((rows, prompt_len), np.int32)
+        temperature = np.ones((rows,), np.float32)
+        top_k = np.zeros((rows,), np.int32)
+        top_p = np.ones((rows,), np.float32)
+        max_new = np.zeros((rows,), np.int32)
+        stop_ids = np.full((rows, num_stop), -1, np.int32)
+        seeds = np.zeros((rows,), np.uint32)
+        for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
+            tokens[i, prompt_len - len(p) :] = p
+            segments[i, prompt_len - len(p) :] = 1
+            temperature[i] = s.temperature
+            top_k[i] = 0 if s.top_k is None else min(int(s.top_k), self.vocab_size)
+            top_p[i] = s.top_p
+            max_new[i] = budgets[i]
+            stop_ids[i, : len(s.stop_token_ids)] = s.stop_token_ids
+            seeds[i] = self._seed(s)
+        ids, logprobs, num_tokens, finish = _JITTED_GENERATE(
+            graphdef,
+            state,
+            tokens,
+            segments,
+            temperature,
+            top_k,
+            top_p,
+            max_new,
+            stop_ids,
+            seeds,
+            new_len,
+            self.pad_id,
+        )
+        ids, logprobs, num_tokens, finish = jax.device_get((ids, logprobs, num_tokens, finish))
+        self.num_batches += 1
+        self.num_requests += n
+        out = []
+        for i in range(n):
+            k = int(num_tokens[i])
+            lp = np.minimum(logprobs[i, :k].astype(np.float64), 0.0)
+            if not np.all(np.isfinite(lp)):
+                raise FloatingPointError(
+                    "the sampler produced a non-finite logprob (NaN parameters or logits?); "
+                    "check the model weights"
+                )
+            out.append(
+                Completion(
+                    ids=tuple(int(t) for t in ids[i, :k]),
+                    logprobs=tuple(float(x) for x in lp),
+                    finish_reason=_FINISH_NAMES[int(finish[i])],
+                    weight_version=version,
+                )
+            )
+        return out
+
+    @staticmethod
+    def num_compilations() -> int:
+        """How many generation programs ``jit`` has compiled in this process (all samplers)."""
+        return int(_JITTED_GENERATE._cache_size())
+
+    def __repr__(self) -> str:
+        return (
+            f"EmbeddedSampler(vocab={self.vocab_size}, max_batch_size={self.max_batch_size}, "
+            f"weight_version={self.weight_version})"
+        )

@@ -1,0 +1,426 @@
+"""The agent loop: environments <-> inference engine, token-in / token-out (SPEC §4).
+
+For every task and each of ``group_size`` repetitions, one trajectory runs::
+
+    env = make_env(); messages = env.reset(task)
+    session = ChatSession(renderer, messages, tools=env.tools)       # full render of the prompt
+    loop over turns:
+        c = await engine.generate(session.prompt_ids, sampling, session_id="<task id>#<rep>")
+        parsed = session.add_completion(c.ids)                         # parsed FROM THE IDS
+        messages, reward, done, info = env.step(Action(decoded text, parsed))
+        -> one Step(prompt_ids, c.ids, c.logprobs, reward, stop_reason=c.finish_reason, ...)
+        session.add_messages(messages)        # bridge: next prompt = prompt + c.ids + new ids,
+                                              # or a full render when the renderer cannot prove it
+
+Generated text is decoded only for the environment; the trainer sees exactly ``c.ids`` and
+``c.logprobs``. Trajectories run concurrently (``asyncio``, at most ``max_concurrency`` at a time)
+and the result is returned in a deterministic order (task order, then repetition, then turn).
+
+Decisions (the spec leaves them open):
+
+* **Rewards** are placed where the environment gives them: each step gets the reward ``env.step``
+  returned for it (outcome environments return 0 until the last step). A trajectory's reward in
+  the metrics is its last step's reward (SPEC §2.3).
+* **stop_reason** is the engine's finish reason ("stop" / "length"); tool-calling turns that ended
+  on the end-of-turn token are "stop". A trajectory cut by the context limit ends with "length" on
+  its last step.
+* **Truncated turns** (finish "length": ``max_tokens`` or the context budget ran out) are still
+  shown to the environment (``action.stopped`` is False), then the trajectory ends with that
+  step's reward. Their loss mask stays 1: the ids and logprobs are exact, and SPEC §3.7's overlong
+  filter is the configurable place to mask them (DAPO-style overlong handling).
+* **Errors**: an exception from the environment (reset, step, malformed messages) or the engine,
+  or an engine "abort", marks the trajectory errored: all its steps get loss mask 0 and reward 0,
+  the last one gets stop_reason "error" (environment) or "abort" (engine); nothing partial is
+  ever trained on. With ``on_error="drop"`` its steps are left out instead. Errored trajectories
+  are counted in the metrics and listed in ``RolloutResult.trajectories``; the run never crashes.
+* **Greedy** requests (``temperature`` 0) record ``temperature=1.0`` on their steps, matching the
+  logprobs the engines return for greedy rows.
+* ``max_turns`` reached without ``done``: the trajectory ends; its last step keeps its reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from rljax.chat.base import Renderer
+from rljax.chat.session import ChatSession
+from rljax.envs.base import Action, Task, as_step_result, maybe_await
+from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.types import Step, StepBatch, TrajectoryID
+
+__all__ = ["RolloutConfig", "RolloutResult", "TrajectoryRecord", "rollout", "run_rollout"]
+
+logger = logging.getLogger(__name__)
+
+GREEDY_EPS = 1e-5
+ERROR_KINDS = ("env", "engine", "prompt_too_long")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout settings.
+
+    Attributes:
+      group_size: repetitions per task (one GRPO group per task id).
+      max_turns: most assistant turns per trajectory.
+      max_tokens: most tokens per assistant turn.
+      max_context_len: most tokens of prompt + completion in any turn; the turn budget is
+        ``min(max_tokens, max_context_len - len(prompt))`` and a prompt that fills the context ends
+        the trajectory with stop_reason "length".
+      temperature, top_p, top_k: sampling (``top_k`` None = off).
+      max_concurrency: most trajectories in flight at once.
+      seed: when set, request ``k`` of trajectory ``(task, rep)`` uses a seed derived from
+        ``(seed, task id, rep, turn)``, so engines with per-request seeds reproduce the rollout
+        whatever the scheduling; None lets the engine choose.
+      algorithm: algorithm name recorded on the steps; ``env_algorithms`` overrides it per env name.
+      bridge: extend the previous prompt + completion when the renderer can (else full renders).
+      on_error: "mask" (keep errored trajectories with loss mask 0) or "drop".
+
+    >>> RolloutConfig(group_size=2).max_turns
+    8
+    """
+
+    group_size: int = 4
+    max_turns: int = 8
+    max_tokens: int = 256
+    max_context_len: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_concurrency: int = 64
+    seed: int | None = None
+    algorithm: str = "grpo"
+    env_algorithms: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    bridge: bool = True
+    on_error: str = "mask"
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_turns", "max_tokens", "max_context_len", "max_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
+        if self.on_error not in ("mask", "drop"):
+            raise ValueError(f"RolloutConfig.on_error must be 'mask' or 'drop', got {self.on_error!r}")
+        # Validates temperature / top_p / top_k once, with the engine's own rules.
+        self.sampling(max_tokens=1, seed=None)
+
+    def sampling(
+        self, *, max_tokens: int, seed: int | None, stop_token_ids: Sequence[int] = ()
+    ) -> SamplingParams:
+        """The SamplingParams of one request."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
+        )
+
+
+@dataclasses.dataclass
+class TrajectoryRecord:
+    """What happened in one trajectory (besides its steps).
+
+    Attributes:
+      trajectory_id: the trajectory.
+      env: environment name.
+      reward: the last step's reward (0 for errored trajectories).
+      num_turns: steps emitted.
+      end: "done", "length", "max_turns", "error" or "abort".
+      error_kind: None, or one of "env", "engine", "prompt_too_long".
+      error: the exception text, when errored.
+      bridged: per transition between turns, whether the next prompt extended the previous one.
+      infos: the ``info`` dicts ``env.step`` returned.
+    """
+
+    trajectory_id: TrajectoryID
+    env: str = ""
+    reward: float = 0.0
+    num_turns: int = 0
+    end: str = "done"
+    error_kind: str | None = None
+    error: str | None = None
+    bridged: list[bool] = dataclasses.field(default_factory=list)
+    infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def errored(self) -> bool:
+        return self.error_kind is not None
+
+    def fail(self, kind: str, error: BaseException | str) -> None:
+        self.error_kind = kind
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.end = "abort" if kind == "engine" else "error"
+
+
+class RolloutResult(NamedTuple):
+    """``batch``: the validated steps; ``metrics``: floats; ``trajectories``: one record each."""
+
+    batch: StepBatch
+    metrics: dict[str, float]
+    trajectories: list[TrajectoryRecord]
+
+
+def request_seed(seed: int, task_id: str, repetition: int, turn: int) -> int:
+    """A 31-bit seed derived from ``(seed, task id, repetition, turn)`` (stable across processes).
+
+    >>> request_seed(0, "q", 0, 0) == request_seed(0, "q", 0, 0) != request_seed(0, "q", 1, 0)
+    True
+    """
+    digest = hashlib.sha256(f"{seed}\x00{task_id}\x00{repetition}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
+EnvFactory = Callable[[], Any]
+
+
+def _factory_for(make_env: EnvFactory | Mapping[str, EnvFactory], task: Task) -> EnvFactory:
+    if isinstance(make_env, Mapping):
+        if task.env not in make_env:
+            raise ValueError(
+                f"task {task.id!r} names env {task.env!r}, which make_env does not have "
+                f"(it has {sorted(make_env)})"
+            )
+        return make_env[task.env]
+    return make_env
+
+
+async def _run_trajectory(
+    task: Task,
+    repetition: int,
+    *,
+    engine: Engine,
+    renderer: Renderer,
+    make_env: EnvFactory | Mapping[str, EnvFactory],
+    config: RolloutConfig,
+    stop_ids: tuple[int, ...],
+    vocab_size: int | None,
+) -> TrajectoryRecord:
+    tid = TrajectoryID(task.id, repetition)
+    rec = TrajectoryRecord(tid)
+    try:
+        env = _factory_for(make_env, task)()
+        rec.env = str(getattr(env, "name", None) or type(env).__name__)
+        messages = await maybe_await(env.reset(task))
+        tools = getattr(env, "tools", None)
+        session = ChatSession(renderer, messages, tools=tools)
+    except Exception as e:  # a broken env (or its messages) must not crash the run
+        rec.fail("env", e)
+        return rec
+    if len(session.prompt_ids) >= config.max_context_len:
+        rec.fail("prompt_too_long", f"initial prompt has {len(session.prompt_ids)} tokens >= max_context_len")
+        return rec
+    for turn in range(config.max_turns):
+        prompt = list(session.prompt_ids)
+        budget = min(config.max_tokens, config.max_context_len - len(prompt))
+        seed = None if config.seed is None else request_seed(config.seed, task.id, repetition, turn)
+        try:
+            completion = await engine.generate(
+                prompt,
+                config.sampling(max_tokens=budget, seed=seed, stop_token_ids=stop_ids),
+                session_id=str(tid),
+            )
+            if not isinstance(completion, Completion):
+                raise TypeError(f"engine.generate returned {type(completion).__name__}, not a Completion")
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in completion.ids):
+                raise ValueError(f"engine returned a token id outside the vocabulary [0, {vocab_size})")
+        except Exception as e:
+            rec.fail("engine", e)
+            break
+        ids = list(completion.ids)
+        if ids:
+            rec.steps.append(
+                {
+                    "prompt_ids": prompt,
+                    "response_ids": ids,
+                    "response_logprobs": list(completion.logprobs),
+                    "stop_reason": completion.finish_reason,
+                    "policy_version": completion.weight_version,
+                    "reward": 0.0,
+                }
+            )
+        if completion.finish_reason == "abort" or not ids:
+            rec.fail(
+                "engine", f"engine returned finish_reason={completion.finish_reason!r} with {len(ids)} ids"
+            )
+            break
+        try:
+            parsed = session.add_completion(ids)
+            text = renderer.decode(ids[:-1] if parsed.stopped else ids)
+            result = as_step_result(await maybe_await(env.step(Action.from_parsed(text, parsed))))
+        except Exception as e:
+            rec.fail("env", e)
+            break
+        rec.steps[-1]["reward"] = result.reward
+        rec.infos.append(result.info)
+        if result.done:
+            rec.end = "done"
+            break
+        if completion.finish_reason == "length":
+            rec.end = "length"
+            break
+        if turn + 1 == config.max_turns:
+            rec.end = "max_turns"
+            break
+        try:
+            if config.bridge:
+                session.add_messages(result.messages)
+            else:  # a full render of the whole history (the parsed assistant turns included)
+                session = ChatSession(renderer, [*session.messages, *result.messages], tools=session.tools)
+        except Exception as e:
+            rec.fail("env", e)
+            break
+        rec.bridged.append(bool(session.bridged))
+        if len(session.prompt_ids) >= config.max_context_len:
+            rec.steps[-1]["stop_reason"] = "length"
+            rec.end = "length"
+            break
+    rec.num_turns = len(rec.steps)
+    rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1]["reward"])
+    return rec
+
+
+def _steps_of(rec: TrajectoryRecord, config: RolloutConfig) -> list[Step]:
+    if rec.errored and config.on_error == "drop":
+        return []
+    algorithm = config.env_algorithms.get(rec.env, config.algorithm)
+    temperature = config.temperature if config.temperature >= GREEDY_EPS else 1.0
+    out = []
+    for i, s in enumerate(rec.steps):
+        last = i == len(rec.steps) - 1
+        stop_reason = s["stop_reason"]
+        if rec.errored and last:
+            stop_reason = "abort" if rec.error_kind == "engine" else "error"
+        out.append(
+            Step(
+                prompt_ids=s["prompt_ids"],
+                response_ids=s["response_ids"],
+                trajectory_id=rec.trajectory_id,
+                loss_mask=[0 if rec.errored else 1] * len(s["response_ids"]),
+                response_logprobs=s["response_logprobs"],
+                reward=0.0 if rec.errored else s["reward"],
+                is_last_step=last,
+                stop_reason=stop_reason,
+                env=rec.env or "default",
+                algorithm=algorithm,
+                temperature=temperature,
+                policy_version=s["policy_version"],
+            )
+        )
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
+
+
+def rollout_metrics(records: Sequence[TrajectoryRecord], wall_time_s: float) -> dict[str, float]:
+    """Counts and means over trajectories (errored ones counted, not averaged into rewards)."""
+    ok = [r for r in records if not r.errored]
+    rewards = [r.reward for r in ok]
+    turns = [r.num_turns for r in ok]
+    response_tokens = sum(len(s["response_ids"]) for r in records for s in r.steps)
+    prompt_tokens = [len(s["prompt_ids"]) for r in records for s in r.steps]
+    bridged = [b for r in records for b in r.bridged]
+    versions = [s["policy_version"] for r in records for s in r.steps]
+    metrics: dict[str, float] = {
+        "num_trajectories": float(len(records)),
+        "num_completed": float(len(ok)),
+        "num_errored": float(len(records) - len(ok)),
+        "reward_mean": _mean(rewards),
+        "reward_std": float(np.std(rewards)) if rewards else 0.0,
+        "reward_max": float(max(rewards)) if rewards else 0.0,
+        "turns_mean": _mean(turns),
+        "turns_max": float(max(turns)) if turns else 0.0,
+        "num_steps": float(sum(r.num_turns for r in records)),
+        "response_tokens": float(response_tokens),
+        "response_tokens_per_turn": response_tokens / max(1, len(prompt_tokens)),
+        "prompt_tokens_mean": _mean(prompt_tokens),
+        "bridged_fraction": _mean([float(b) for b in bridged]),
+        "end_length_fraction": _mean([float(r.end == "length") for r in records]),
+        "end_max_turns_fraction": _mean([float(r.end == "max_turns") for r in records]),
+        "policy_version_min": float(min(versions)) if versions else math.nan,
+        "policy_version_max": float(max(versions)) if versions else math.nan,
+        "wall_time_s": float(wall_time_s),
+        "response_tokens_per_s": response_tokens / wall_time_s if wall_time_s > 0 else 0.0,
+    }
+    for kind in ERROR_KINDS:
+        metrics[f"errored_{kind}"] = float(sum(r.error_kind == kind for r in records))
+    for env in sorted({r.env for r in ok}):
+        metrics[f"reward_mean/{env}"] = _mean([r.reward for r in ok if r.env == env])
+    return metrics
+
+
+async def rollout(
+    tasks: Sequence[Task],
+    *,
+    engine: Engine,
+    renderer: Renderer,
+    make_env: EnvFactory | Mapping[str, EnvFactory],
+    config: RolloutConfig = RolloutConfig(),
+    vocab_size: int | None = None,
+) -> RolloutResult:
+    """Runs ``group_size`` trajectories per task concurrently; returns steps, metrics and records.
+
+    Args:
+      tasks: the tasks (``Task.id`` is the group key; ids must be unique).
+      engine: an :class:`rljax.inference.engine.Engine` (embedded sampler, vLLM pool, fake).
+      renderer: the chat format (:mod:`rljax.chat`); its ``stop_token_ids()`` end each turn.
+      make_env: zero-argument factory of a fresh environment per trajectory, or a mapping from
+        ``Task.env`` to such factories (one rollout may mix environments).
+      config: :class:`RolloutConfig`.
+      vocab_size: enables the token-id range check of the returned :class:`StepBatch`.
+
+    Returns:
+      :class:`RolloutResult` ``(batch, metrics, trajectories)``.
+    """
+    tasks = list(tasks)
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"task ids must be unique (they are the group keys); {dup!r} appears twice")
+    for t in tasks:
+        _factory_for(make_env, t)  # fail fast on a missing env factory
+    stop_ids = tuple(int(i) for i in renderer.stop_token_ids())
+    semaphore = asyncio.Semaphore(config.max_concurrency)
+
+    async def bounded(task: Task, rep: int) -> TrajectoryRecord:
+        async with semaphore:
+            return await _run_trajectory(
+                task,
+                rep,
+                engine=engine,
+                renderer=renderer,
+                make_env=make_env,
+                config=config,
+                stop_ids=stop_ids,
+                vocab_size=vocab_size,
+            )
+
+    start = time.perf_counter()
+    records = await asyncio.gather(*(bounded(t, r) for t in tasks for r in range(config.group_size)))
+    wall = time.perf_counter() - start
+    for rec in records:
+        if rec.errored:
+            logger.warning("trajectory %s errored (%s): %s", rec.trajectory_id, rec.error_kind, rec.error)
+    steps = [s for rec in records for s in _steps_of(rec, config)]
+    metrics = rollout_metrics(records, wall)
+    return RolloutResult(
+        StepBatch(steps, vocab_size=vocab_size, metadata={"rollout": metrics}), metrics, records
+    )
+
+
+def run_rollout(tasks: Sequence[Task], **kwargs: Any) -> RolloutResult:
+    """Synchronous :func:`rollout` (``asyncio.run``); same arguments."""
+    return asyncio.run(rollout(tasks, **kwargs))

@@ -1,0 +1,435 @@
+"""Tests of the embedded JAX sampler (rljax.inference.sampler).
+
+References are independent of the code under test: float64 numpy versions of temperature / top-k /
+top-p processing written from their definitions, hand-computed distributions, and the model's own
+full forward pass (``rljax.models.sequence_logprobs`` and full logits), never the KV-cache path.
+"""
+
+import asyncio
+import dataclasses
+import doctest
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rljax.inference import sampler as sampler_lib
+from rljax.inference.engine import Engine, SamplingParams
+from rljax.inference.sampler import EmbeddedSampler, bucket_size, processed_logprobs, sample_from_logprobs
+from rljax.models import Decoder, ModelConfig, sequence_logprobs
+
+VOCAB = 96
+BUCKETS = dict(min_prompt_bucket=16, min_new_tokens_bucket=16, min_batch_bucket=8)
+
+
+def tiny_model(seed: int = 0) -> Decoder:
+    """A tiny Qwen3-shaped decoder with weights scaled up so its distributions are far from uniform."""
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+    )
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model)
+    state = jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, state)
+    nnx.update(model, state)
+    return model
+
+
+_GRAPHDEF = nnx.split(tiny_model(0))[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    return EmbeddedSampler(model, batch_wait_ms=5.0, **BUCKETS)
+
+
+REF_LEN = 32  # references run at one padded length (right padding cannot change a causal prefix)
+
+
+@jax.jit
+def _ref_forward(state, tokens, temperature):
+    model = nnx.merge(_GRAPHDEF, state)
+    segments = (jnp.arange(REF_LEN) < tokens[1])[None].astype(jnp.int32)
+    ids = tokens[0][None]
+    logits = model(ids, segment_ids=segments)[0]
+    logprobs = sequence_logprobs(model, ids, segment_ids=segments, temperature=temperature)[0]
+    return logits, logprobs
+
+
+def _reference(model, ids, temperature=1.0):
+    assert len(ids) <= REF_LEN
+    padded = jnp.asarray([list(ids) + [0] * (REF_LEN - len(ids)), [len(ids)] * REF_LEN], jnp.int32)
+    logits, logprobs = _ref_forward(nnx.state(model), padded, jnp.float32(temperature))
+    return np.asarray(logits, np.float64)[: len(ids)], np.asarray(logprobs)[: len(ids)]
+
+
+def full_logits(model, ids):
+    """float64 [L, V] logits of a whole sequence from one full forward pass (no cache)."""
+    return _reference(model, ids)[0]
+
+
+def full_logprobs(model, ids, temperature):
+    """rljax.models.sequence_logprobs of the whole sequence (entry t = log p(ids[t] | ids[<t]))."""
+    return _reference(model, ids, temperature)[1]
+
+
+def prompts_of(rng, lengths):
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------
+# float64 numpy reference of the processed distribution
+# ------------------------------------------------------------------------------------------------
+
+
+def np_processed_logprobs(logits, temperature, top_k, top_p):
+    """Row by row: z = logits / T; keep the k largest; then the smallest sorted prefix of mass >= p."""
+    logits = np.asarray(logits, np.float64)
+    out = np.full_like(logits, -np.inf)
+    for b in range(logits.shape[0]):
+        z = logits[b] / float(temperature[b])
+        keep = np.ones(z.shape, bool)
+        k = int(top_k[b])
+        if 0 < k < z.size:
+            order = np.argsort(-z)
+            keep[:] = False
+            keep[order[:k]] = True
+        if top_p[b] < 1.0:
+            idx = np.flatnonzero(keep)
+            zk = z[idx]
+            p = np.exp(zk - zk.max())
+            p /= p.sum()
+            order = np.argsort(-p)
+            mass = 0.0
+            kept = []
+            for j in order:
+                if mass >= top_p[b]:
+                    break
+                kept.append(idx[j])
+                mass += p[j]
+            keep[:] = False
+            keep[kept] = True
+        zk = z[keep]
+        lse = zk.max() + np.log(np.sum(np.exp(zk - zk.max())))
+        out[b, keep] = z[keep] - lse
+    return out
+
+
+class ProcessedLogprobsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_values(self):
+        fn = self.variant(processed_logprobs)
+        logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]] * 4))
+        out = np.exp(
+            np.asarray(
+                fn(
+                    logits,
+                    jnp.array([1.0, 2.0, 1.0, 1.0]),
+                    jnp.array([0, 0, 0, 2]),
+                    jnp.array([1.0, 1.0, 0.6, 1.0]),
+                )
+            )
+        )
+        np.testing.assert_allclose(out[0], [0.5, 0.3, 0.2], atol=1e-6)
+        # T = 2: p ~ sqrt(p): [0.7071, 0.5477, 0.4472] / 1.7020
+        np.testing.assert_allclose(out[1], [0.41545, 0.32181, 0.26275], atol=1e-5)
+        # top-p 0.6: mass before = [0, 0.5, 0.8] -> keep two, renormalize: [0.625, 0.375, 0]
+        np.testing.assert_allclose(out[2], [0.625, 0.375, 0.0], atol=1e-6)
+        # top-k 2: the same two tokens
+        np.testing.assert_allclose(out[3], [0.625, 0.375, 0.0], atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_p_boundary_keeps_only_the_first_token(self):
+        # mass before token 2 is exactly 0.5, not < 0.5 -> only token 1 survives
+        out = self.variant(processed_logprobs)(
+            jnp.log(jnp.array([[0.5, 0.3, 0.2]])), jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.array([0.5])
+        )
+        np.testing.assert_allclose(np.exp(np.asarray(out[0])), [1.0, 0.0, 0.0], atol=1e-6)
+
+    def test_vmap_over_rows(self):
+        logits = jax.random.normal(jax.random.key(0), (5, 1, 30)) * 3
+        t, k, p = jnp.full((5, 1), 0.8), jnp.full((5, 1), 7, jnp.int32), jnp.full((5, 1), 0.9)
+        batched = jax.jit(jax.vmap(processed_logprobs))(logits, t, k, p)[:, 0]
+        direct = processed_logprobs(logits[:, 0], t[:, 0], k[:, 0], p[:, 0])
+        np.testing.assert_allclose(np.asarray(batched), np.asarray(direct), rtol=1e-6)
+
+
+_jit_processed = jax.jit(processed_logprobs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.sampled_from([2, 7, 40]),
+    temperature=st.lists(st.sampled_from([0.3, 0.7, 1.0, 2.5]), min_size=3, max_size=3),
+    top_k=st.lists(st.sampled_from([0, 1, 3, 10]), min_size=3, max_size=3),
+    top_p=st.lists(st.sampled_from([0.3, 0.75, 0.95, 1.0]), min_size=3, max_size=3),
+)
+def test_processed_logprobs_match_numpy(seed, vocab, temperature, top_k, top_p):
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=(3, vocab)) * 3).astype(np.float32)
+    t = np.asarray(temperature, np.float32)
+    k = np.asarray(top_k, np.int32)
+    p = np.asarray(top_p, np.float32)
+    got = np.asarray(_jit_processed(logits, t, k, p), np.float64)
+    want = np_processed_logprobs(logits, t, k, p)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-5)
+
+
+def test_gumbel_sampling_frequencies_and_greedy():
+    probs = np.array([0.1, 0.6, 0.05, 0.25])
+    n = 10000
+    logp = jnp.log(jnp.tile(jnp.asarray(probs, jnp.float32), (n, 1)))
+    keys = jax.random.split(jax.random.key(3), n)
+    sample = jax.jit(sample_from_logprobs)
+    tokens, token_lp = sample(logp, keys, jnp.zeros(n, bool))
+    freq = np.bincount(np.asarray(tokens), minlength=4) / n
+    np.testing.assert_allclose(freq, probs, atol=0.02)
+    np.testing.assert_allclose(np.asarray(token_lp), np.log(probs)[np.asarray(tokens)], rtol=1e-6)
+    greedy, _ = sample(logp[:3], keys[:3], jnp.ones(3, bool))
+    assert np.asarray(greedy).tolist() == [1, 1, 1]
+    # excluded tokens (-inf) are never drawn
+    masked = logp[:1000].at[:, 1].set(-jnp.inf)
+    drawn, _ = sample(masked, keys[:1000], jnp.zeros(1000, bool))
+    assert 1 not in np.asarray(drawn).tolist()
+
+
+def test_bucket_size():
+    assert [bucket_size(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
+    assert bucket_size(3, minimum=16) == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# generation against the model's full forward
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_logprobs_equal_sequence_logprobs(model, sampler, temperature):
+    rng = np.random.default_rng(1)
+    prompts = prompts_of(rng, [3, 11, 7])
+    params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i) for i in range(3)]
+    outs = sampler.generate_batch(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.finish_reason == "length" and len(out.ids) == 12
+        ref = full_logprobs(model, prompt + list(out.ids), temperature)
+        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], atol=1e-5)
+    assert len({o.ids for o in outs}) == 3
+
+
+def test_greedy_matches_argmax_of_full_forward(model, sampler):
+    rng = np.random.default_rng(2)
+    prompts = prompts_of(rng, [4, 9])
+    outs = sampler.generate_batch(prompts, SamplingParams(temperature=0.0, max_tokens=10, seed=5))
+    top1 = sampler.generate_batch(prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, seed=9))
+    for prompt, out, o1 in zip(prompts, outs, top1, strict=True):
+        seq = prompt + list(out.ids)
+        logits = full_logits(model, seq)
+        for t, token in enumerate(out.ids):
+            assert token == int(np.argmax(logits[len(prompt) - 1 + t]))
+        # greedy logprobs are those of the T = 1 distribution (vLLM convention)
+        ref = full_logprobs(model, seq, 1.0)
+        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], atol=1e-5)
+        assert o1.ids == out.ids
+        np.testing.assert_allclose(o1.logprobs, 0.0, atol=1e-6)  # top-1 leaves one token: p = 1
+
+
+def test_stop_ids_stop_and_are_included(model, sampler):
+    rng = np.random.default_rng(3)
+    prompts = prompts_of(rng, [5, 8, 6, 3])
+    params = [
+        SamplingParams(temperature=t, max_tokens=16, seed=s) for s, t in enumerate([1.0, 0.0, 1.3, 0.8])
+    ]
+    free = sampler.generate_batch(prompts, params)
+    assert all(o.finish_reason == "length" and len(o.ids) == 16 for o in free)
+    # a row's random stream depends only on its seed, so with one of its tokens as a stop id the
+    # same prefix is sampled again and generation ends right after that token's first occurrence
+    stops = [(o.ids[4], o.ids[9], VOCAB - 1) for o in free]
+    stopped = sampler.generate_batch(
+        prompts, [dataclasses.replace(p, stop_token_ids=stop) for p, stop in zip(params, stops, strict=True)]
+    )
+    for o, stop, out in zip(free, stops, stopped, strict=True):
+        end = min(o.ids.index(t) for t in stop if t in o.ids) + 1
+        assert out.finish_reason == "stop" and out.ids == o.ids[:end] and out.ids[-1] in stop
+        np.testing.assert_allclose(out.logprobs, o.logprobs[:end], atol=1e-6)
+    # a stop id sampled as the last budgeted token reports "stop", not "length"
+    last_token = free[0].ids[8]
+    last = sampler.generate_batch(
+        prompts[:1], dataclasses.replace(params[0], max_tokens=9, stop_token_ids=(last_token,))
+    )[0]
+    assert last.ids == free[0].ids[: free[0].ids.index(last_token) + 1] and last.finish_reason == "stop"
+
+
+def test_top_k_never_samples_outside_the_top_k(model, sampler):
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, [6, 2, 10, 5])
+    temperature, k = 3.0, 3
+    outs = sampler.generate_batch(
+        prompts, [SamplingParams(temperature=temperature, top_k=k, max_tokens=16, seed=s) for s in range(4)]
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        logits = full_logits(model, prompt + list(out.ids))[len(prompt) - 1 : -1]
+        ref = np_processed_logprobs(
+            logits, [temperature] * len(logits), [k] * len(logits), [1.0] * len(logits)
+        )
+        for t, token in enumerate(out.ids):
+            assert token in np.argsort(-logits[t])[:k]
+            np.testing.assert_allclose(out.logprobs[t], ref[t, token], atol=1e-5)
+
+
+def test_top_p_samples_inside_the_nucleus_with_renormalized_logprobs(model, sampler):
+    rng = np.random.default_rng(5)
+    prompts = prompts_of(rng, [6, 4, 9])
+    temperature, p = 1.5, 0.7
+    outs = sampler.generate_batch(
+        prompts, [SamplingParams(temperature=temperature, top_p=p, max_tokens=16, seed=s) for s in range(3)]
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        logits = full_logits(model, prompt + list(out.ids))[len(prompt) - 1 : -1]
+        n = len(logits)
+        ref = np_processed_logprobs(logits, [temperature] * n, [0] * n, [p] * n)
+        for t, token in enumerate(out.ids):
+            assert np.isfinite(ref[t, token])
+            np.testing.assert_allclose(out.logprobs[t], ref[t, token], atol=1e-5)
+
+
+def test_batched_requests_equal_one_at_a_time(sampler):
+    rng = np.random.default_rng(6)
+    prompts = prompts_of(rng, [2, 13, 5, 8, 1])
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=10, seed=11),
+        SamplingParams(temperature=0.5, max_tokens=4, seed=12),
+        SamplingParams(temperature=2.0, top_k=5, max_tokens=16, seed=13),
+        SamplingParams(temperature=0.0, max_tokens=7, seed=14, stop_token_ids=(1, 2, 3)),
+        SamplingParams(temperature=1.2, top_p=0.8, max_tokens=12, seed=15),
+    ]
+
+    async def concurrently():
+        before = sampler.num_batches
+        outs = await asyncio.gather(
+            *(
+                sampler.generate(p, s, session_id=f"s{i}")
+                for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+        return outs, sampler.num_batches - before
+
+    together, num_batches = asyncio.run(concurrently())
+    assert num_batches == 1  # all five waited for each other and ran as one batch
+    for prompt, s, out in zip(prompts, params, together, strict=True):
+        alone = sampler.generate_batch([prompt], s)[0]
+        assert alone.ids == out.ids
+        assert alone.finish_reason == out.finish_reason
+        np.testing.assert_allclose(alone.logprobs, out.logprobs, atol=1e-5)
+
+
+def test_seeds_reproduce_and_differ(sampler):
+    prompt = [5, 6, 7]
+    a = sampler.generate_batch([prompt], SamplingParams(max_tokens=12, seed=42))[0]
+    b = sampler.generate_batch([prompt, [1, 2]], SamplingParams(max_tokens=12, seed=42))[0]
+    c = sampler.generate_batch([prompt], SamplingParams(max_tokens=12, seed=43))[0]
+    assert a.ids == b.ids and a.ids != c.ids
+    # seedless requests draw from the sampler's own generator: reproducible per sampler seed
+    d1 = EmbeddedSampler(sampler_model := tiny_model(0), seed=1, **BUCKETS)
+    d2 = EmbeddedSampler(sampler_model, seed=1, **BUCKETS)
+    assert d1.generate_batch([prompt], SamplingParams(max_tokens=8))[0].ids == (
+        d2.generate_batch([prompt], SamplingParams(max_tokens=8))[0].ids
+    )
+
+
+def test_compilations_are_bounded_by_buckets(sampler):
+    rng = np.random.default_rng(7)
+    sampler.generate_batch(prompts_of(rng, [3, 4]), SamplingParams(max_tokens=5, seed=0))
+    before = EmbeddedSampler.num_compilations()
+    for lengths, max_tokens in [([2, 9], 3), ([16, 1, 4], 16), ([5], 11)]:  # same buckets: 16 x 16, 8 rows
+        sampler.generate_batch(prompts_of(rng, lengths), SamplingParams(max_tokens=max_tokens, seed=1))
+    assert EmbeddedSampler.num_compilations() == before
+
+
+def test_update_weights_swaps_parameters_and_bumps_version(model):
+    s = EmbeddedSampler(model, weight_version=3, **BUCKETS)
+    assert isinstance(s, Engine)
+    prompt, params = [4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8)
+    before = s.generate_batch([prompt], params)[0]
+    assert before.weight_version == 3
+    other = tiny_model(1)
+    assert asyncio.run(s.update_weights(other)) == 4
+    after = s.generate_batch([prompt], params)[0]
+    assert after.weight_version == 4
+    logits = full_logits(other, prompt + list(after.ids))
+    assert list(after.ids) == [int(np.argmax(logits[len(prompt) - 1 + t])) for t in range(8)]
+    assert s.set_weights(nnx.state(model), version=10) == 10
+    assert s.generate_batch([prompt], params)[0].ids == before.ids
+    # in-place changes to the model are invisible until the next set_weights (versions stay honest)
+    mutable = tiny_model(0)
+    s.set_weights(mutable, version=11)
+    nnx.update(mutable, nnx.state(other))
+    assert s.generate_batch([prompt], params)[0].ids == before.ids
+    s.set_weights(mutable)
+    assert s.generate_batch([prompt], params)[0] == after.__class__(
+        after.ids, after.logprobs, after.finish_reason, 12
+    )
+
+
+def test_max_model_len_clips_max_tokens(model):
+    s = EmbeddedSampler(model, max_model_len=12, **BUCKETS)
+    out = s.generate_batch([[1] * 9], SamplingParams(max_tokens=50, seed=0))[0]
+    assert len(out.ids) == 3 and out.finish_reason == "length"
+
+
+def test_bad_requests_raise_clear_errors(model, sampler):
+    with pytest.raises(ValueError, match="empty"):
+        sampler.generate_batch([[]], SamplingParams())
+    with pytest.raises(ValueError, match="outside the model vocabulary"):
+        sampler.generate_batch([[VOCAB]], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        EmbeddedSampler(model, max_model_len=4).generate_batch([[1, 2, 3, 4]], SamplingParams())
+    with pytest.raises(ValueError, match="stop token id"):
+        sampler.generate_batch([[1]], SamplingParams(stop_token_ids=(VOCAB + 5,)))
+    with pytest.raises(ValueError, match="SamplingParams"):
+        sampler.generate_batch([[1], [2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="Decoder"):
+        EmbeddedSampler(object())
+    with pytest.raises(ValueError, match="structure"):
+        sampler.set_weights(nnx.State({}))
+
+
+def test_engine_errors_reach_every_caller(sampler, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    s = EmbeddedSampler(tiny_model(0), **BUCKETS)
+    monkeypatch.setattr(s, "_run_batch", boom)
+
+    async def two():
+        return await asyncio.gather(
+            s.generate([1, 2], SamplingParams(max_tokens=2)),
+            s.generate([3], SamplingParams(max_tokens=2)),
+            return_exceptions=True,
+        )
+
+    results = asyncio.run(two())
+    assert all(isinstance(r, RuntimeError) for r in results)
+
+
+def test_doctests():
+    result = doctest.testmod(sampler_lib, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
