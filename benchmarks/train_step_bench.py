@@ -1,0 +1,277 @@
+"""Train-step throughput and MFU: forward + backward + AdamW update of a random Qwen3-shaped model.
+
+One run prints the model's parameter count, the step time and tokens/s of the jitted
+:data:`rljax.train.step.train_step` (dppo objective on packed rows, per-token temperatures, chunked
+logprobs), this machine's measured matmul peak, and the model FLOPs utilization with its ratio to
+the goal (MFU >= 40 %).
+
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B)::
+
+    6 * N_matmul + 12 * n_layers * n_heads * head_dim * T
+
+``N_matmul`` = parameters of every matmul, i.e. non-embedding parameters of the blocks (q, k, v, o,
+gate, up, down; norms are negligible and excluded) PLUS the lm head ``hidden * vocab`` (counted
+even when tied to the embedding: its matmul runs); ``T`` = the row length (the attention span the
+implementation computes, as in PaLM; the strict figure counting only causal in-sample attention is
+printed too). Recomputation (remat, the rematerialized logits chunks) is NOT model FLOPs; XLA's own
+count of the compiled step (hardware FLOPs) is printed for comparison.
+
+Peak: best of several ``jnp.dot`` of two ``n x n`` matrices (n = 2048 on CPU, 8192 on GPU) in the
+compute dtype, measured in the same run before and after the timed steps: ``2 n^3 / t``. The MFU
+verdict uses the best step time against that best peak (both best-case; on a shared machine the
+median is also printed).
+
+Usage::
+
+    python benchmarks/train_step_bench.py [--quick]                 # ~30M model, rows of 1024 tokens
+    python benchmarks/train_step_bench.py --config qwen3-0.6b --seq-len 16384   # on a GPU
+
+Defaults: compute dtype float32 on CPU and bfloat16 (float32 master weights) on GPU/TPU; remat off
+for the small model and on for qwen3-0.6b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rljax.core.objective import ObjectiveConfig
+from rljax.models import Decoder, ModelConfig, num_params
+from rljax.train.optim import OptimizerConfig
+from rljax.train.sharding import make_mesh, shard_batch
+from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.types import PackedBatch
+
+MFU_GOAL = 0.40
+
+CONFIGS: dict[str, ModelConfig] = {
+    # ~29M parameters (25M non-embedding), Qwen3 layout (q/k norm, GQA 2:1, tied embeddings).
+    "small": ModelConfig(
+        model_type="qwen3",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    # Qwen/Qwen3-0.6B config.json shapes (random weights).
+    "qwen3-0.6b": ModelConfig(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopCount:
+    matmul_params: int
+    per_token: float
+    per_token_strict: float
+
+
+def model_flops(cfg: ModelConfig, seq_len: int, mean_causal_span: float) -> FlopCount:
+    """Model FLOPs per trained token (formula in the module docstring)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    matmul = cfg.num_layers * per_layer + h * cfg.vocab_size
+    attention = 12 * cfg.num_layers * q
+    return FlopCount(matmul, 6 * matmul + attention * seq_len, 6 * matmul + attention * mean_causal_span)
+
+
+def random_packed_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab: int) -> PackedBatch:
+    """Rows filled completely by 1-4 samples each (prompt ~1/4 of a sample, masked; the rest trained)."""
+    arrays: dict[str, np.ndarray] = {
+        k: np.zeros((rows, seq_len), np.int32)
+        for k in ("tokens", "positions", "segment_ids", "sample_index", "group_index")
+    }
+    for k in ("loss_mask", "advantages", "inference_logprobs", "temperatures", "rl_weights"):
+        arrays[k] = np.zeros((rows, seq_len), np.float32)
+    arrays["tokens"] = rng.integers(0, vocab, (rows, seq_len)).astype(np.int32)
+    sample = 0
+    for r in range(rows):
+        cuts = np.sort(rng.choice(np.arange(seq_len // 8, seq_len), rng.integers(0, 4), replace=False))
+        bounds = [0, *cuts.tolist(), seq_len]
+        for seg, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+            prompt = max(1, (b - a) // 4)
+            arrays["positions"][r, a:b] = np.arange(b - a)
+            arrays["segment_ids"][r, a:b] = seg
+            arrays["sample_index"][r, a:b] = sample
+            arrays["group_index"][r, a:b] = sample // 4
+            arrays["loss_mask"][r, a + prompt : b] = 1.0
+            arrays["advantages"][r, a + prompt : b] = rng.normal()
+            arrays["temperatures"][r, a:b] = rng.choice([0.7, 1.0])
+            sample += 1
+    arrays["inference_logprobs"] = np.where(
+        arrays["loss_mask"] > 0, np.log(rng.uniform(1e-5, 1e-3, (rows, seq_len))), 0.0
+    ).astype(np.float32)
+    arrays["rl_weights"] = arrays["loss_mask"].copy()
+    return PackedBatch(
+        old_logprobs=None, ref_logprobs=None, ce_weights=None, ref_kl_weights=None, **arrays
+    )
+
+
+def mean_causal_span(batch: PackedBatch) -> float:
+    """Mean over tokens of (position + 1): the in-sample causal attention span actually needed."""
+    return float(np.mean(np.asarray(batch.positions) + 1))
+
+
+def matmul_peak(n: int, dtype: Any, repeats: int = 5) -> float:
+    """Best-of-``repeats`` FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on the default device."""
+    keys = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(keys[0], (n, n), dtype)
+    b = jax.random.normal(keys[1], (n, n), dtype)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=dtype))
+    f(a, b).block_until_ready()
+    best = min(_timed(lambda: f(a, b).block_until_ready()) for _ in range(repeats))
+    return 2.0 * n**3 / best
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    p.add_argument("--seq-len", type=int, default=None, help="row length (default 1024; --quick 512)")
+    p.add_argument("--rows", type=int, default=None, help="rows per step (default: 2 CPU, 8 GPU, 1 quick)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 3; --quick 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chunk-size", type=int, default=None, help="logits chunk in tokens (default: tokens/4)")
+    p.add_argument("--attention-chunk", type=int, default=None, help="queries per attention block "
+                   "(Decoder attention_chunk_size; default: the model's default)")
+    p.add_argument("--mesh", default=None, help="data,fsdp,tensor sizes over all devices, e.g. 1,8,1")
+    p.add_argument("--quick", action="store_true", help="smaller rows and fewer steps (CI smoke run)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    platform = jax.default_backend()
+    on_accelerator = platform != "cpu"
+    cfg = CONFIGS[args.config]
+    seq_len = args.seq_len or (512 if args.quick else 1024)
+    rows = args.rows or (1 if args.quick else (8 if on_accelerator and args.config == "small" else 2))
+    if args.config == "qwen3-0.6b" and args.rows is None:
+        rows = 1
+    steps = args.steps or (2 if args.quick else 3)
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if on_accelerator else "float32"))
+    remat = args.remat if args.remat is not None else args.config != "small"
+    chunk = args.chunk_size or max(256, min(8192, rows * seq_len // 4))
+    mesh = None
+    if args.mesh:
+        data, fsdp, tensor = (int(x) for x in args.mesh.split(","))
+        mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+
+    device = jax.devices()[0].device_kind
+    print(f"device: {device} x {jax.device_count()} ({platform}); jax {jax.__version__}")
+    extra = {} if args.attention_chunk is None else {"attention_chunk_size": args.attention_chunk}
+    model = Decoder(cfg, dtype=dtype, param_dtype=jnp.float32, remat=remat, rngs=nnx.Rngs(0), **extra)
+    total = num_params(model)
+    embed = cfg.vocab_size * cfg.hidden_size
+    flops = model_flops(cfg, seq_len, 0.0)
+    print(
+        f"model: {args.config} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
+        f"{cfg.num_kv_heads}x{cfg.head_dim}, mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}); params "
+        f"{total / 1e6:.2f}M total, {(total - embed) / 1e6:.2f}M non-embedding, "
+        f"matmul {flops.matmul_params / 1e6:.2f}M"
+    )
+    print(f"step: {rows} rows x {seq_len} tokens, compute {dtype.name}, params float32, remat {remat}, "
+          f"logits chunk {chunk}, attention chunk {getattr(model, 'attention_chunk_size', None)}, "
+          f"mesh {dict(mesh.shape) if mesh else 'single device'}")  # fmt: skip
+
+    config = TrainConfig(
+        objective=ObjectiveConfig(),  # dppo, token_mean
+        optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, max_grad_norm=1.0),
+        chunk_size=chunk,
+    )
+    state = TrainState.create(model, config, mesh=mesh)
+    del model
+    rng = np.random.default_rng(0)
+    batches = [random_packed_batch(rng, rows, seq_len, cfg.vocab_size) for _ in range(2)]
+    if mesh is not None:
+        batches = [shard_batch(b, mesh) for b in batches]
+    counts = [mini_batch_counts(b, config.objective) for b in batches]
+    flops = model_flops(cfg, seq_len, mean_causal_span(batches[0]))
+
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, batches[0], counts[0]).compile()
+    compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_flops = float((cost or {}).get("flops", float("nan")))
+    print(f"compile: {compile_s:.1f} s")
+
+    peak_n = 8192 if on_accelerator else 2048
+    scale = jax.device_count() if mesh is not None else 1
+    peaks = [matmul_peak(peak_n, dtype) * scale]
+    state, metrics = train_step(state, batches[0], counts[0])  # warm-up (runs the compiled step)
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, batches[i % 2], counts[i % 2])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+        loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        print(f"  step {i}: {times[-1]:.3f} s  loss {loss:+.4f}  grad_norm {norm:.3f}  "
+              f"skipped {int(metrics['skipped_updates'])}")  # fmt: skip
+    peaks.append(matmul_peak(peak_n, dtype) * scale)
+    peak = max(peaks)  # best case of the machine, measured before and after the steps
+    tokens = rows * seq_len
+    best_s, median_s = min(times), float(np.median(times))
+    span = mean_causal_span(batches[0])
+    print(f"throughput: {tokens / best_s:,.0f} tokens/s best step ({best_s:.3f} s); "
+          f"{tokens / median_s:,.0f} tokens/s median ({median_s:.3f} s)")  # fmt: skip
+    print(f"model FLOPs/token: {_si(flops.per_token, 'FLOP')} = 6 x {flops.matmul_params / 1e6:.2f}M + "
+          f"12 x {cfg.num_layers} x {cfg.num_heads} x {cfg.head_dim} x {seq_len}; "
+          f"strict (in-sample causal span {span:.0f}): {_si(flops.per_token_strict, 'FLOP')}")  # fmt: skip
+    hw = xla_flops / tokens
+    print(f"XLA cost-analysis FLOPs/token of the compiled step: {_si(hw, 'FLOP')} "
+          f"(x{hw / flops.per_token:.2f} model FLOPs; loop bodies counted once)")  # fmt: skip
+    print(f"peak ({peak_n}^3 {dtype.name} matmul x {scale} device(s), best of 2 x 5): {_si(peak, 'FLOP/s')} "
+          f"(before {_si(peaks[0], 'FLOP/s')}, after {_si(peaks[1], 'FLOP/s')})")  # fmt: skip
+    mfu = flops.per_token * tokens / best_s / peak
+    mfu_median = flops.per_token * tokens / median_s / peak
+    strict = flops.per_token_strict * tokens / best_s / peak
+    print(f"achieved: {_si(flops.per_token * tokens / best_s, 'FLOP/s')} (best step)")
+    verdict = "PASS" if mfu >= MFU_GOAL else "FAIL"
+    print(f"MFU: {100 * mfu:.1f} % best step (median {100 * mfu_median:.1f} %, strict {100 * strict:.1f} %)"
+          f"  goal >= {100 * MFU_GOAL:.0f} %, ratio MFU/goal {mfu / MFU_GOAL:.3f}  {verdict}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

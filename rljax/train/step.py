@@ -1,0 +1,429 @@
+"""The jitted train step: packed batch -> logprobs -> objective -> gradients -> AdamW (SPEC §5).
+
+One optimizer step on a mini-batch ``B`` split into micro-batches ``B_1..B_k`` (rows)::
+
+    counts = global_counts(B)                                  (once per mini-batch)
+    logp_i, H_i = sequence_logprobs_and_entropy(model, B_i.tokens, positions, segment_ids,
+                                                temperature = B_i.temperatures)   (chunked, packed)
+    g = sum_i grad_theta objective(logp_i, B_i, counts)        (= grad of the whole mini-batch,
+                                                                because every normalizer is global)
+    theta, opt <- AdamW(clip(g))       if loss and ||g|| are finite
+    theta, opt <- theta, opt           otherwise (skipped; ``skipped`` += 1)
+
+Everything device-side is pure: :class:`TrainState` is a pytree whose data are the parameters,
+the optax state and two counters, and whose static metadata are the NNX graph definition, the
+:class:`TrainConfig`, and the mesh + sharding rules. :data:`train_step` and
+:data:`train_mini_batch` are ``jax.jit`` functions of ``(state, batch, counts)`` that DONATE
+``state`` (use the returned one). With a mesh, parameters and optimizer moments are constrained
+to the rule shardings of :mod:`rljax.models.sharding` and batches are sharded by rows
+(:func:`rljax.train.sharding.shard_batch`); XLA inserts the collectives, so sharded results equal
+single-device results up to float reassociation.
+
+Memory / speed options live on the model: ``Decoder(..., remat=True)`` recomputes each block in
+the backward pass; ``Decoder(..., dtype=jnp.bfloat16, param_dtype=jnp.float32)`` computes in
+bfloat16 with float32 master weights, gradients and optimizer state (logits, softmax, norms
+and the objective stay float32).
+
+Reference: the loop follows SkyRL / prime-rl trainers (global token-count normalization across
+micro-batches; skip non-finite updates as in ``optax.apply_if_finite``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
+from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs_and_entropy
+from rljax.models.sharding import DEFAULT_RULES, Rules
+from rljax.train import sharding as train_sharding
+from rljax.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from rljax.types import PackedBatch
+
+__all__ = [
+    "TrainConfig",
+    "TrainState",
+    "apply_gradients",
+    "loss_and_grads",
+    "mini_batch_counts",
+    "split_micro_batches",
+    "stack_micro_batches",
+    "train_mini_batch",
+    "train_step",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Static configuration of the train step (hashable).
+
+    Attributes:
+      objective: the loss (:class:`rljax.core.objective.ObjectiveConfig`).
+      optimizer: AdamW / schedule / clipping (:class:`rljax.train.optim.OptimizerConfig`).
+      chunk_size: tokens per logits chunk of the chunked logprobs (memory ``O(chunk * vocab)``).
+
+    >>> TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5)).optimizer.learning_rate
+    1e-05
+    """
+
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.objective, ObjectiveConfig):
+            raise ValueError(f"objective must be an ObjectiveConfig, got {type(self.objective).__name__}")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ValueError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
+        if not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+
+
+def _zero() -> jax.Array:
+    return jnp.zeros((), jnp.int32)  # a fresh buffer each call (donated buffers must be distinct)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Parameters, optimizer state and counters of a run (a pytree; metadata is static).
+
+    Attributes:
+      params: ``nnx.State`` of the model's ``nnx.Param`` variables.
+      opt_state: optax state of :func:`rljax.train.optim.make_optimizer`.
+      step: int32, optimizer updates applied so far (the schedule's step).
+      skipped: int32, updates skipped because the loss or a gradient was not finite.
+      graphdef: the model's NNX graph definition (static).
+      config: :class:`TrainConfig` (static).
+      mesh: the device mesh, or None for unsharded single-device training (static).
+      rules: logical-axis sharding rules of the parameters (static).
+    """
+
+    params: nnx.State
+    opt_state: Any
+    step: jax.Array
+    skipped: jax.Array
+    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
+    config: TrainConfig = dataclasses.field(metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    rules: Rules = dataclasses.field(default=DEFAULT_RULES, metadata=dict(static=True))
+
+    @classmethod
+    def create(
+        cls,
+        model: nnx.Module,
+        config: TrainConfig | None = None,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ) -> TrainState:
+        """Splits ``model`` into graph + params, places params (and fresh Adam moments) on ``mesh``.
+
+        ``model`` must hold only ``nnx.Param`` state (raises ``ValueError`` otherwise).
+
+        >>> from rljax.models import Decoder, ModelConfig
+        >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+        >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+        >>> int(state.step), int(state.skipped)
+        (0, 0)
+        """
+        config = TrainConfig() if config is None else config
+        rules = tuple((name, target) for name, target in rules)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError(
+                "TrainState needs a model whose state is all nnx.Param; found other variables: "
+                f"{sorted('.'.join(map(str, p)) for p, _ in nnx.to_flat_state(rest))}"
+            )
+        tx = make_optimizer(config.optimizer)
+        if mesh is None:
+            return cls(params, tx.init(params), _zero(), _zero(), graphdef, config, None, rules)
+        shardings = train_sharding.params_shardings(graphdef, params, mesh, rules=rules)
+        if jax.process_count() > 1:  # every process holds the same full copy: place it from host memory
+            params = jax.tree.map(np.asarray, params)
+        params = jax.device_put(params, shardings)
+        opt_shapes = jax.eval_shape(tx.init, params)
+        opt_shardings = train_sharding.like_params_shardings(opt_shapes, params, shardings, mesh)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+        step, skipped = jax.device_put((_zero(), _zero()), train_sharding.replicated(mesh))
+        return cls(params, opt_state, step, skipped, graphdef, config, mesh, rules)
+
+    @property
+    def model(self) -> nnx.Module:
+        """A fresh NNX model holding the current parameters."""
+        return nnx.merge(self.graphdef, self.params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure pieces (traceable; the jitted entry points below compose them)
+# ------------------------------------------------------------------------------------------------
+
+
+def _constrain(state: TrainState, tree: Any, *, like: str) -> Any:
+    """Pins ``tree`` (params-shaped or opt-state-shaped) to the state's rule shardings on its mesh."""
+    if state.mesh is None:
+        return tree
+    shardings = train_sharding.params_shardings(state.graphdef, state.params, state.mesh, rules=state.rules)
+    if like == "opt_state":
+        shardings = train_sharding.like_params_shardings(tree, state.params, shardings, state.mesh)
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def _loss(
+    params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch, counts: Counts, config: TrainConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    model = nnx.merge(graphdef, params)
+    tokens = jnp.asarray(batch.tokens)
+    chex.assert_rank(tokens, 2)
+    temperature = 1.0 if batch.temperatures is None else batch.temperatures
+    logp, entropy = sequence_logprobs_and_entropy(
+        model,
+        tokens,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        temperature=temperature,
+        chunk_size=config.chunk_size,
+    )
+    if config.objective.entropy_coef == 0.0:
+        entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
+    return objective(logp, batch, counts, config.objective, entropy=entropy)
+
+
+def loss_and_grads(
+    state: TrainState, batch: PackedBatch, counts: Counts
+) -> tuple[nnx.State, dict[str, jax.Array]]:
+    """Gradient of the objective of one (micro-)batch w.r.t. ``state.params``, and its metrics.
+
+    ``counts`` are the :func:`mini_batch_counts` of the whole mini-batch, so gradients and metrics
+    of the micro-batches of a mini-batch ADD UP to those of the whole mini-batch.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> from rljax.types import Step
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8, ce_weights=1.0, rl_weights=0.0).batch
+    >>> grads, metrics = loss_and_grads(state, batch, mini_batch_counts(batch, ObjectiveConfig()))
+    >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
+    ((16, 8), 2.0)
+    """
+    grads, metrics = jax.grad(_loss, has_aux=True)(
+        state.params, state.graphdef, batch, counts, state.config
+    )
+    return _constrain(state, grads, like="params"), metrics
+
+
+def _select(ok: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def apply_gradients(
+    state: TrainState, grads: nnx.State, metrics: dict[str, jax.Array]
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One AdamW update of ``state`` with ``grads``, or none when ``metrics["loss"]`` or a gradient is
+    not finite (then params / opt_state are returned unchanged and ``skipped`` grows by one).
+
+    Adds metrics ``grad_norm`` (before clipping), ``lr`` (of this update), ``param_norm`` (after),
+    ``update_skipped`` (0/1), ``skipped_updates`` (running total) and ``step`` (updates applied).
+
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> nan_grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), state.params)
+    >>> new, metrics = apply_gradients(state, nan_grads, {"loss": jnp.float32(1.0)})
+    >>> same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), new.params, state.params)
+    >>> int(new.step), int(new.skipped), all(jax.tree.leaves(same))
+    (0, 1, True)
+    """
+    tx = make_optimizer(state.config.optimizer)
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    params = _constrain(state, _select(ok, new_params, state.params), like="params")
+    opt_state = _constrain(state, _select(ok, new_opt_state, state.opt_state), like="opt_state")
+    skipped_now = jnp.logical_not(ok).astype(jnp.int32)
+    new_state = dataclasses.replace(
+        state,
+        params=params,
+        opt_state=opt_state,
+        step=state.step + (1 - skipped_now),
+        skipped=state.skipped + skipped_now,
+    )
+    out = dict(metrics)
+    out.update(
+        grad_norm=grad_norm,
+        lr=learning_rate_schedule(state.config.optimizer)(state.step),
+        param_norm=optax.global_norm(params),
+        update_skipped=skipped_now.astype(jnp.float32),
+        skipped_updates=new_state.skipped,
+        step=new_state.step,
+    )
+    return new_state, out
+
+
+def train_step(
+    state: TrainState, batch: PackedBatch, counts: Counts
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """``train_step(state, batch, counts) -> (state, metrics)``: one jitted optimizer step.
+
+    ``batch`` is a :class:`rljax.types.PackedBatch` of ``[R, L]`` arrays (numpy, or sharded with
+    :func:`rljax.train.sharding.shard_batch`); ``counts`` = :func:`mini_batch_counts` of it. ``state``
+    is donated. Metrics: the objective's (``loss``, ``loss/rl``, ``loss/ce``, ``loss/ref_kl``,
+    ``rl/clip_frac``, ``entropy``, ...) plus ``grad_norm``, ``lr``, ``param_norm``,
+    ``update_skipped``, ``skipped_updates``, ``step``.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> from rljax.types import Step
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8, ce_weights=1.0, rl_weights=0.0).batch
+    >>> config = TrainConfig(objective=ObjectiveConfig(), optimizer=OptimizerConfig(learning_rate=1e-2))
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)), config)
+    >>> state, metrics = train_step(state, batch, mini_batch_counts(batch, config.objective))
+    >>> int(state.step), bool(metrics["loss"] > 0), round(float(metrics["lr"]), 6)
+    (1, True, 0.01)
+    """
+    grads, metrics = loss_and_grads(state, batch, counts)
+    return apply_gradients(state, grads, metrics)
+
+
+def train_mini_batch(
+    state: TrainState, micro_batches: PackedBatch, counts: Counts
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """``train_mini_batch(state, micro_batches, counts) -> (state, metrics)``.
+
+    One optimizer step on a mini-batch given as ``k`` stacked micro-batches (a PackedBatch of
+    ``[k, R, L]`` arrays, see :func:`split_micro_batches` / :func:`stack_micro_batches`): gradients
+    of the micro-batches are summed in float32 (``lax.scan``, one micro-batch of activations alive at
+    a time), then applied once. ``counts`` are the :func:`mini_batch_counts` of the whole mini-batch;
+    the result equals :data:`train_step` on the unsplit batch. Metrics are summed over micro-batches
+    (the objective's metrics are additive). ``state`` is donated.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> from rljax.types import Step
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> steps = [Step([1, 2], [3, 4, 5, 6], ("q", i)) for i in range(4)]
+    >>> batch = pack(steps, seq_len=8, ce_weights=1.0, rl_weights=0.0).batch
+    >>> micro = split_micro_batches(batch, 2)
+    >>> micro.tokens.shape
+    (2, 2, 8)
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> state, metrics = train_mini_batch(state, micro, mini_batch_counts(micro, state.config.objective))
+    >>> int(state.step), float(metrics["tokens/ce"])
+    (1, 16.0)
+    """
+    chex.assert_rank(micro_batches.tokens, 3)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zeros = _constrain(state, zeros, like="params")
+
+    def accumulate(total: nnx.State, micro: PackedBatch) -> tuple[nnx.State, dict[str, jax.Array]]:
+        grads, metrics = loss_and_grads(state, micro, counts)
+        total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
+        return _constrain(state, total, like="params"), metrics
+
+    total, stacked = jax.lax.scan(accumulate, zeros, micro_batches)
+    grads = jax.tree.map(lambda t, p: t.astype(p.dtype), total, state.params)
+    metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), stacked)  # objective metrics are additive
+    return apply_gradients(state, grads, metrics)
+
+
+train_step = jax.jit(train_step, donate_argnums=0)
+train_mini_batch = jax.jit(train_mini_batch, donate_argnums=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Counts and micro-batches
+# ------------------------------------------------------------------------------------------------
+
+
+def _flatten_rows(batch: PackedBatch) -> PackedBatch:
+    """``[k, R, L]`` -> ``[k * R, L]`` (rows stay rows, so sample identities are kept)."""
+    return jax.tree.map(lambda x: jnp.reshape(x, (-1, x.shape[-1])), batch)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _counts(batch: PackedBatch, config: ObjectiveConfig) -> Counts:
+    return global_counts(batch, config)
+
+
+def mini_batch_counts(batch: PackedBatch, config: ObjectiveConfig) -> Counts:
+    """:func:`rljax.core.objective.global_counts` of a whole mini-batch (jitted), given as ``[R, L]``
+    arrays or ``[k, R, L]`` stacked micro-batches; works on sharded arrays.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8).batch
+    >>> mini_batch_counts(batch, ObjectiveConfig()).tokens.tolist()
+    [2.0, 0.0, 0.0]
+    """
+    if np.ndim(batch.tokens) == 3:
+        batch = _flatten_rows(batch)
+    elif np.ndim(batch.tokens) != 2:
+        raise ValueError(f"batch.tokens must be [R, L] or [k, R, L]; got shape {np.shape(batch.tokens)}")
+    addressable = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(batch))
+    if config.num_groups is not None and addressable:  # host-side group_index range check (concrete)
+        global_counts(jax.tree.map(np.asarray, batch), config)
+    return _counts(batch, config)
+
+
+def split_micro_batches(batch: PackedBatch, num_micro_batches: int) -> PackedBatch:
+    """Host: ``[R, L]`` -> ``[k, R / k, L]`` (consecutive rows per micro-batch) as numpy arrays.
+
+    Raises ``ValueError`` unless ``k`` divides ``R``.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1], [2], ("q", i)) for i in range(4)], seq_len=2).batch
+    >>> split_micro_batches(batch, 2).tokens.tolist()
+    [[[1, 2], [1, 2]], [[1, 2], [1, 2]]]
+    """
+    rows = int(np.shape(batch.tokens)[0])
+    if not (isinstance(num_micro_batches, int) and num_micro_batches >= 1) or rows % num_micro_batches:
+        raise ValueError(
+            f"num_micro_batches={num_micro_batches!r} must be a positive int dividing the {rows} rows; "
+            "pack with row_buckets / data_parallel that make rows a multiple of it"
+        )
+    k = num_micro_batches
+    return jax.tree.map(lambda x: np.asarray(x).reshape(k, rows // k, *np.shape(x)[1:]), batch)
+
+
+def stack_micro_batches(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """Host: stacks equally shaped ``[R, L]`` packed batches into ``[k, R, L]`` numpy arrays.
+
+    All batches must have the same shape and the same set of ``None`` fields (``ValueError``).
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.types import Step
+    >>> b = pack([Step([1], [2], ("q", 0))], seq_len=4).batch
+    >>> stack_micro_batches([b, b, b]).tokens.shape
+    (3, 1, 4)
+    """
+    if not batches:
+        raise ValueError("stack_micro_batches needs at least one batch")
+    shapes = {tuple(np.shape(b.tokens)) for b in batches}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"micro-batches must share one [R, L] shape to be stacked; got {sorted(shapes)} "
+            "(pack them with the same row_buckets, or pad with fully masked rows)"
+        )
+    structures = {jax.tree.structure(b) for b in batches}
+    if len(structures) != 1:
+        raise ValueError("micro-batches must have the same fields set (None in all or in none)")
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
