@@ -1,0 +1,653 @@
+"""Checkpoints of a run (SPEC §5): orbax arrays + JSON host state, an atomic ``latest`` marker.
+
+Layout of a checkpoint directory::
+
+    directory/
+      latest                  {"step": N}: written atomically, only after step_N/ is complete
+      step_N/                 one orbax composite checkpoint
+        params/  opt_state/   arrays (orbax StandardSave: tensorstore/OCDBT, sharding-aware)
+        data_state/           JSON: data-iterator position and other host state (exact round trip)
+        rng/                  JSON: PRNG keys (typed or raw uint32) / numpy Generator states, exact bits
+        config/               JSON: the run's config (dict, dataclass or ml_collections ConfigDict)
+        extra/                JSON: anything else (metrics, counters)
+        meta/                 JSON: format version and step
+        commit_success.txt    orbax's completion file
+
+Commit protocol (what makes a ``kill -9`` at any instant safe):
+
+1. orbax writes every item into ``step_N.orbax-checkpoint-tmp/``, writes ``commit_success.txt`` and
+   renames the directory to ``step_N/`` (one atomic ``rename(2)`` on POSIX file systems);
+2. only then the primary process writes ``latest`` as ``.latest.tmp-<pid>`` + ``fsync`` +
+   ``os.replace`` + ``fsync(directory)``, so ``latest`` always holds a whole, committed step;
+3. keep-last-k: older complete steps are first renamed to ``step_M.deleting-<pid>`` (atomic; the
+   name no longer parses as a step) and then removed, so a half-deleted step is never "complete".
+
+:func:`latest_step` trusts the marker when the step it names is complete; without a marker (or
+when its step was removed by hand) it falls back to the newest complete ``step_N`` (a directory
+whose name parses, with orbax's completion file and our ``meta`` item). Leftover temporary
+directories of a killed save are ignored and removed by the next save.
+
+Resume is bit-for-bit: arrays come back with their stored dtype (a target whose dtype differs is a
+``ValueError``, never a silent cast), PRNG keys are stored as their raw ``uint32`` words plus the
+PRNG implementation name, numpy ``Generator`` states as their exact integer state. Targets that are
+plain (uncommitted) default-device arrays get uncommitted arrays back, so a jitted train step is
+not recompiled after a resume.
+
+Reference: orbax-checkpoint ``Checkpointer`` / ``CompositeCheckpointHandler`` (atomic tmp-dir
+rename); the marker follows the write-temp / fsync / rename idiom of durable file updates.
+Only local (POSIX) directories are supported for the marker. The guarantee is against the
+process dying (``kill -9``, OOM, preemption); orbax does not ``fsync`` the array files, so after a
+power loss the file system's own ordering decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+__all__ = [
+    "FORMAT",
+    "Restored",
+    "checkpoint_steps",
+    "latest_step",
+    "read_extra",
+    "restore",
+    "save",
+    "step_dir",
+]
+
+FORMAT = "rljax.checkpoint/1"
+LATEST = "latest"
+_COMMIT_FILE = "commit_success.txt"
+_STEP_RE = re.compile(r"step_(\d+)")
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_DELETING_MARK = ".deleting-"
+_RNG_TAG = "__rljax_rng__"
+_JSON_ITEMS = ("data_state", "rng", "config", "extra", "meta")
+
+PathLike = str | os.PathLike
+
+
+class Restored(NamedTuple):
+    """What :func:`restore` returns (a tuple: ``step, params, opt_state, data_state, rng, config``).
+
+    Attributes:
+      step: the restored step ``N``.
+      params: parameters, with the target's structure, shardings and (equal) dtypes.
+      opt_state: optimizer state, likewise.
+      data_state: the JSON ``data_state`` given to :func:`save` (``{}`` if none was).
+      rng: the ``rng`` given to :func:`save`, rebuilt exactly (``None`` if none was).
+      config: the config as a ``dict``, or an ``ml_collections.ConfigDict`` if one was saved.
+    """
+
+    step: int
+    params: Any
+    opt_state: Any
+    data_state: dict[str, Any]
+    rng: Any
+    config: Any
+
+
+# ------------------------------------------------------------------------------------------------
+# Directory bookkeeping
+# ------------------------------------------------------------------------------------------------
+
+
+def step_dir(directory: PathLike, step: int) -> pathlib.Path:
+    """The directory of step ``step``: ``directory/step_<step>``.
+
+    >>> step_dir("/runs/a", 12).as_posix()
+    '/runs/a/step_12'
+    """
+    return pathlib.Path(directory) / f"step_{_check_step(step)}"
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or int(step) < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return int(step)
+
+
+def _is_complete(path: pathlib.Path) -> bool:
+    return (
+        path.is_dir()
+        and _STEP_RE.fullmatch(path.name) is not None
+        and (path / _COMMIT_FILE).is_file()
+        and (path / "meta").is_dir()
+    )
+
+
+def checkpoint_steps(directory: PathLike) -> list[int]:
+    """Sorted steps of the COMPLETE ``step_N`` directories under ``directory`` (``[]`` if none).
+
+    Temporary directories of a save in progress (or killed) and partly deleted steps are skipped.
+
+    >>> import tempfile
+    >>> checkpoint_steps(tempfile.mkdtemp())
+    []
+    """
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        match = _STEP_RE.fullmatch(path.name)
+        if match and _is_complete(path):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _read_marker(directory: pathlib.Path) -> int | None:
+    try:
+        text = (directory / LATEST).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        step = json.loads(text)["step"]
+        return _check_step(step)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f'{directory / LATEST} is corrupt ({text[:80]!r}); it must hold {{"step": N}}. Delete it '
+            "to fall back to the newest complete step_N directory."
+        ) from e
+
+
+def latest_step(directory: PathLike) -> int | None:
+    """The step the ``latest`` marker names, if that step is complete; ``None`` if nothing is.
+
+    Without a marker, or when the marked step is missing, the newest complete step (no newer than
+    the marked one) is returned instead. Incomplete directories (a save killed mid-write) are
+    never returned.
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> print(latest_step(d))
+    None
+    >>> _ = save(d, 7, params={"w": jnp.ones(2)}, opt_state={"count": jnp.int32(0)})
+    >>> latest_step(d)
+    7
+    """
+    root = pathlib.Path(directory)
+    complete = checkpoint_steps(root)
+    marked = _read_marker(root)
+    if marked is None:
+        return complete[-1] if complete else None
+    if marked in complete:
+        return marked
+    older = [s for s in complete if s < marked]
+    return older[-1] if older else None
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_marker(directory: pathlib.Path, step: int) -> None:
+    """Atomically replaces ``directory/latest`` with ``{"step": step}`` (tmp + fsync + rename)."""
+    tmp = directory / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": step}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / LATEST)
+    _fsync_dir(directory)
+
+
+def _remove(path: pathlib.Path) -> None:
+    """Removes a step directory without ever leaving a partly deleted ``step_N`` behind."""
+    doomed = path.with_name(f"{path.name}{_DELETING_MARK}{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _garbage_collect(directory: pathlib.Path, step: int, keep: int | None) -> None:
+    """Deletes complete steps older than the ``keep`` newest (<= ``step``) and stale temporaries."""
+    for path in directory.iterdir():
+        name = path.name
+        if name.startswith(f".{LATEST}.tmp-"):  # a marker write killed before its rename
+            path.unlink(missing_ok=True)
+        elif _DELETING_MARK in name:
+            shutil.rmtree(path, ignore_errors=True)
+        elif _TMP_MARK in name:
+            match = _STEP_RE.fullmatch(name.split(_TMP_MARK)[0])
+            if match and int(match.group(1)) < step:
+                shutil.rmtree(path, ignore_errors=True)
+    if keep is None:
+        return
+    older = [s for s in checkpoint_steps(directory) if s < step]
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        _remove(directory / f"step_{old}")
+
+
+# ------------------------------------------------------------------------------------------------
+# JSON encodings of host state
+# ------------------------------------------------------------------------------------------------
+
+
+def _encode_rng(rng: Any, where: str = "rng") -> Any:
+    """JSON form of a PRNG key / numpy Generator, or of a dict / list / tuple of them."""
+    if rng is None:
+        return None
+    if isinstance(rng, np.random.Generator):
+        return {_RNG_TAG: "numpy_generator", "state": _encode_numpy_state(rng.bit_generator.state)}
+    if isinstance(rng, jax.Array | np.ndarray):
+        if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            data = np.asarray(_host_value(jax.random.key_data(rng)))
+            return {
+                _RNG_TAG: "jax_key",
+                "impl": str(jax.random.key_impl(rng)),
+                "shape": list(data.shape),
+                "data": data.reshape(-1).tolist(),
+            }
+        if rng.dtype == np.uint32:
+            data = np.asarray(_host_value(rng))
+            return {
+                _RNG_TAG: "jax_raw_key" if isinstance(rng, jax.Array) else "numpy_uint32",
+                "shape": list(data.shape),
+                "data": data.reshape(-1).tolist(),
+            }
+        raise ValueError(
+            f"{where}: a raw PRNG key must be a uint32 array, got dtype {rng.dtype}; pass a typed key "
+            "(jax.random.key) or the uint32 array of jax.random.PRNGKey"
+        )
+    if isinstance(rng, Mapping):
+        if not all(isinstance(k, str) for k in rng):
+            raise ValueError(f"{where}: dict keys must be str, got {sorted(map(repr, rng))}")
+        return {k: _encode_rng(v, f"{where}[{k!r}]") for k, v in rng.items()}
+    if isinstance(rng, list | tuple):
+        items = [_encode_rng(v, f"{where}[{i}]") for i, v in enumerate(rng)]
+        return {_RNG_TAG: "tuple", "items": items} if isinstance(rng, tuple) else items
+    raise ValueError(
+        f"{where}: unsupported RNG {type(rng).__name__}; pass a jax PRNG key (typed or raw uint32), a "
+        "numpy Generator, or a dict / list / tuple of those"
+    )
+
+
+def _decode_rng(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, list):
+        return [_decode_rng(v) for v in obj]
+    kind = obj.get(_RNG_TAG)
+    if kind is None:
+        return {k: _decode_rng(v) for k, v in obj.items()}
+    if kind == "tuple":
+        return tuple(_decode_rng(v) for v in obj["items"])
+    if kind == "numpy_generator":
+        state = _decode_numpy_state(obj["state"])
+        generator = np.random.Generator(getattr(np.random, state["bit_generator"])())
+        generator.bit_generator.state = state
+        return generator
+    data = np.asarray(obj["data"], dtype=np.uint32).reshape(obj["shape"])
+    if kind == "jax_key":
+        return jax.random.wrap_key_data(data, impl=obj["impl"])
+    if kind == "jax_raw_key":
+        return jax.numpy.asarray(data)
+    if kind == "numpy_uint32":
+        return data
+    raise ValueError(f"unknown RNG encoding {kind!r} in checkpoint (written by a newer rljax?)")
+
+
+def _encode_numpy_state(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _encode_numpy_state(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.dtype.str, "shape": list(value.shape), "data": value.ravel().tolist()}
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _decode_numpy_state(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__ndarray__" in value:
+            return np.asarray(value["data"], dtype=np.dtype(value["__ndarray__"])).reshape(value["shape"])
+        return {k: _decode_numpy_state(v) for k, v in value.items()}
+    return value
+
+
+def _host_value(x: Any) -> Any:
+    """Host copy of a (possibly multi-process, fully replicated) array."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise ValueError("RNG keys must be fully replicated across processes to be checkpointed")
+        return x.addressable_data(0)
+    return x
+
+
+def _json_checked(value: Any, name: str) -> Any:
+    """``value`` if JSON holds it exactly (str-keyed dicts, lists, str, int, float, bool, None)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{name}: dict keys must be str (JSON would turn {key!r} into a string)")
+            _json_checked(item, f"{name}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _json_checked(item, f"{name}[{i}]")
+    elif not (value is None or type(value) in (str, int, float, bool)):
+        hint = "use a list" if isinstance(value, tuple) else "convert with int(), float() or .tolist()"
+        raise ValueError(
+            f"{name} is a {type(value).__name__}, which JSON cannot hold exactly; {hint} "
+            "(allowed: dicts with str keys, lists, str, int, float, bool, None)"
+        )
+    return value
+
+
+def _encode_config(config: Any) -> dict[str, Any]:
+    """``{"kind": ..., "value": ...}``: configs are recorded best-effort (unknown leaves as repr)."""
+    if config is None:
+        return {"kind": "none", "value": None}
+    kind = "dict"
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    elif hasattr(config, "to_dict") and type(config).__module__.startswith("ml_collections"):
+        kind, config = "ConfigDict", config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"config must be a dict, a dataclass or an ml_collections ConfigDict, got {type(config).__name__}"
+        )
+    return {"kind": kind, "value": json.loads(json.dumps(config, default=_config_leaf, sort_keys=True))}
+
+
+def _config_leaf(value: Any) -> Any:
+    """JSON stand-in for a config value json cannot encode: nested configs as dicts, else ``repr``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "to_dict") and type(value).__module__.startswith("ml_collections"):
+        return value.to_dict()
+    return repr(value)
+
+
+def _decode_config(obj: dict[str, Any]) -> Any:
+    if obj["kind"] == "ConfigDict":
+        import ml_collections
+
+        return ml_collections.ConfigDict(obj["value"])
+    return obj["value"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Save / restore
+# ------------------------------------------------------------------------------------------------
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    """A synchronous orbax checkpointer that knows the handler of every item (quiet partial reads)."""
+    registry = ocp.DefaultCheckpointHandlerRegistry()
+    for name in ("params", "opt_state"):
+        registry.add(name, ocp.args.StandardSave)
+        registry.add(name, ocp.args.StandardRestore)
+    for name in _JSON_ITEMS:
+        registry.add(name, ocp.args.JsonSave)
+        registry.add(name, ocp.args.JsonRestore)
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(handler_registry=registry))
+
+
+def save(
+    directory: PathLike,
+    step: int,
+    *,
+    params: Any,
+    opt_state: Any,
+    data_state: Mapping[str, Any] | None = None,
+    rng: Any = None,
+    config: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    keep: int | None = None,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Saves step ``step`` as ``directory/step_<step>/`` and then marks it ``latest`` atomically.
+
+    Synchronous: when this returns, the step is complete, committed and marked, so the caller may
+    donate or overwrite ``params`` / ``opt_state``. Every process of a multi-host run calls it;
+    arrays may be sharded; the JSON items and the marker are written by the primary process.
+
+    Args:
+      directory: the run's checkpoint directory (created if needed).
+      step: the step number ``N`` (an int >= 0).
+      params: a pytree of arrays (e.g. an ``nnx.State``).
+      opt_state: the optax state (a pytree of arrays; counts included).
+      data_state: JSON-able host state needed to resume exactly (iterator position, epoch, ...).
+      rng: a jax PRNG key (typed ``jax.random.key`` or raw ``uint32``), a numpy ``Generator``, or a
+        dict / list / tuple of those; restored bit-for-bit.
+      config: a dict, dataclass or ``ml_collections.ConfigDict`` (recorded as JSON; leaves JSON
+        cannot hold are recorded as their ``repr``).
+      extra: any other JSON-able state (metrics, counters); read back with :func:`read_extra`.
+      keep: keep only the ``keep`` newest complete steps up to ``step`` (``None`` keeps all).
+        Steps newer than ``step`` (left by an abandoned run) are never deleted here.
+      overwrite: allow replacing ``step_N`` when it is the step ``latest`` points at. Any other
+        existing ``step_N`` (e.g. complete but never marked, from a save killed before its marker)
+        is replaced without asking.
+
+    Returns:
+      the path of the saved step.
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> for s in range(3):
+    ...     _ = save(d, s, params={"w": jnp.full(2, s)}, opt_state=(), data_state={"pos": 10 * s},
+    ...              keep=2)
+    >>> checkpoint_steps(d), latest_step(d)
+    ([1, 2], 2)
+    """
+    step = _check_step(step)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
+    if data_state is not None and not isinstance(data_state, Mapping):
+        raise ValueError(f"data_state must be a dict (JSON), got {type(data_state).__name__}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ValueError(f"extra must be a dict (JSON), got {type(extra).__name__}")
+    items = {
+        "data_state": _json_checked(dict(data_state or {}), "data_state"),
+        "rng": {"value": _encode_rng(rng)},
+        "config": _encode_config(config),
+        "extra": _json_checked(dict(extra or {}), "extra"),
+        "meta": {"format": FORMAT, "step": step},
+    }
+    # orbax refuses trees without arrays (e.g. the state of optax.sgd): such items are not written.
+    pairs = (("params", params), ("opt_state", opt_state))
+    arrays = {name: tree for name, tree in pairs if jax.tree.leaves(tree)}
+    root = pathlib.Path(directory).absolute()
+    primary = jax.process_index() == 0
+    if primary:
+        root.mkdir(parents=True, exist_ok=True)
+    target = root / f"step_{step}"
+    force = target.exists()
+    if force and not overwrite and _read_marker(root) == step and _is_complete(target):
+        raise ValueError(
+            f"{target} already exists and is the latest checkpoint; pass overwrite=True to replace it "
+            "or save under a new step"
+        )
+    _checkpointer().save(
+        target,
+        args=ocp.args.Composite(
+            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+            **{name: ocp.args.JsonSave(value) for name, value in items.items()},
+        ),
+        force=force,
+    )
+    if primary:
+        if not _is_complete(target):  # orbax returned without committing: never mark it
+            raise RuntimeError(f"orbax finished saving {target} but its completion file is missing")
+        _write_marker(root, step)
+        _garbage_collect(root, step, keep)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"rljax_checkpoint_marked_{step}")
+    return target
+
+
+def _abstract(tree: Any) -> Any:
+    """Arrays -> ``jax.ShapeDtypeStruct`` (with their sharding); abstract leaves pass through."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, np.ndarray | np.generic):
+            return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+        raise ValueError(
+            "restore targets must be pytrees of arrays or jax.ShapeDtypeStruct, got a "
+            f"{type(x).__name__} leaf"
+        )
+
+    return jax.tree.map(leaf, tree)
+
+
+def _match_commitment(restored: Any, target: Any) -> Any:
+    """Uncommitted targets (plain default-device arrays) get uncommitted results.
+
+    orbax returns committed arrays; a jitted step traced with uncommitted inputs would otherwise be
+    compiled a second time after a resume.
+    """
+
+    def leaf(x: Any, t: Any) -> Any:
+        if isinstance(t, jax.Array) and not t.committed and isinstance(x, jax.Array):
+            return jax.device_put(np.asarray(x))
+        return x
+
+    return jax.tree.map(leaf, restored, target)
+
+
+def _check_dtypes(target: Any, stored: Any, name: str, path: pathlib.Path) -> None:
+    """Raises when a target leaf's dtype differs from the stored one (orbax would cast silently)."""
+    stored_by_name = {
+        leaf.name: leaf.dtype
+        for leaf in jax.tree.leaves(stored)
+        if hasattr(leaf, "name") and getattr(leaf, "dtype", None) is not None
+    }
+    mismatched = []
+    for keypath, x in jax.tree_util.tree_flatten_with_path(target)[0]:
+        n = ".".join(str(ocp.utils.get_key_name(k)) for k in keypath)  # orbax's name of the leaf
+        if n in stored_by_name and np.dtype(stored_by_name[n]) != np.dtype(x.dtype):
+            mismatched.append(f"{n}: stored {np.dtype(stored_by_name[n])}, target {np.dtype(x.dtype)}")
+    if mismatched:
+        more = f" (+{len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
+        raise ValueError(
+            f"{path}/{name}: target dtypes differ from the checkpoint (a resume must not cast): "
+            f"{'; '.join(mismatched[:5])}{more}. Build the target with the dtypes of the saved run."
+        )
+
+
+def restore(
+    directory: PathLike,
+    *,
+    params: Any = None,
+    opt_state: Any = None,
+    step: int | None = None,
+) -> Restored:
+    """Restores step ``step`` (default: :func:`latest_step`) of ``directory``.
+
+    Args:
+      directory: the run's checkpoint directory.
+      params: target pytree for the parameters: arrays or ``jax.ShapeDtypeStruct`` s with
+        ``sharding`` (e.g. ``jax.eval_shape`` output with shardings attached). Arrays are restored
+        straight into those shardings (sharded restore, no full host copy). ``None`` restores the
+        stored tree as plain dicts / lists on the saved shardings. An item saved from a tree
+        without arrays (e.g. the state of ``optax.sgd``) comes back as its target (``None``
+        without one).
+      opt_state: target pytree for the optimizer state, likewise.
+      step: which step; must be complete.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint (or not the requested one) in ``directory``.
+      ValueError: the target's structure, shapes or dtypes differ from the checkpoint.
+
+    >>> import tempfile
+    >>> import jax, jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> key = jax.random.key(0)
+    >>> _ = save(d, 5, params={"w": jnp.arange(3.0)}, opt_state={"count": jnp.int32(4)},
+    ...          data_state={"pos": 40}, rng=key, config={"lr": 1e-6})
+    >>> r = restore(d, params={"w": jnp.zeros(3)}, opt_state={"count": jnp.int32(0)})
+    >>> r.step, r.params["w"].tolist(), int(r.opt_state["count"]), r.data_state, r.config
+    (5, [0.0, 1.0, 2.0], 4, {'pos': 40}, {'lr': 1e-06})
+    >>> bool(jax.random.key_data(r.rng).tolist() == jax.random.key_data(key).tolist())
+    True
+    """
+    root = pathlib.Path(directory).absolute()
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint (step_N with a commit file) in {root}")
+    path = root / f"step_{_check_step(step)}"
+    if not _is_complete(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint; complete steps in {root}: {checkpoint_steps(root)}"
+        )
+    checkpointer = _checkpointer()
+    targets = {"params": params, "opt_state": opt_state}
+    args = {}
+    empty = {}
+    item_metadata = None
+    for name, target in targets.items():
+        if not (path / name).is_dir():  # saved without arrays: the target (if any) must have none either
+            if target is not None and jax.tree.leaves(target):
+                raise ValueError(
+                    f"{path} holds no {name} arrays (it was saved from an empty tree), but the {name} "
+                    f"target has {len(jax.tree.leaves(target))} leaves"
+                )
+            empty[name] = target
+            continue
+        if target is None:
+            args[name] = ocp.args.StandardRestore()
+            continue
+        abstract = _abstract(target)
+        if item_metadata is None:
+            item_metadata = checkpointer.metadata(path).item_metadata
+        stored = item_metadata[name]
+        _check_dtypes(abstract, stored.tree if hasattr(stored, "tree") else stored, name, path)
+        args[name] = ocp.args.StandardRestore(abstract)
+    args.update({name: ocp.args.JsonRestore() for name in _JSON_ITEMS})
+    out = {**empty, **checkpointer.restore(path, args=ocp.args.Composite(**args))}
+    meta = out["meta"]
+    if meta.get("format") != FORMAT or meta.get("step") != step:
+        raise ValueError(
+            f"{path}: unexpected checkpoint metadata {meta}; expected format {FORMAT!r}, step {step}"
+        )
+    return Restored(
+        step=step,
+        params=out["params"] if params is None else _match_commitment(out["params"], params),
+        opt_state=out["opt_state"] if opt_state is None else _match_commitment(out["opt_state"], opt_state),
+        data_state=out["data_state"],
+        rng=_decode_rng(out["rng"]["value"]),
+        config=_decode_config(out["config"]),
+    )
+
+
+def read_extra(directory: PathLike, *, step: int | None = None) -> dict[str, Any]:
+    """The ``extra`` JSON saved with step ``step`` (default: :func:`latest_step`).
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save(d, 1, params={"w": jnp.ones(1)}, opt_state=(), extra={"reward/mean": 0.25})
+    >>> read_extra(d)
+    {'reward/mean': 0.25}
+    """
+    root = pathlib.Path(directory).absolute()
+    step = latest_step(root) if step is None else _check_step(step)
+    if step is None or not _is_complete(root / f"step_{step}"):
+        raise FileNotFoundError(f"no complete checkpoint {'' if step is None else f'step_{step} '}in {root}")
+    args = ocp.args.Composite(extra=ocp.args.JsonRestore())
+    out = _checkpointer().restore(root / f"step_{step}", args=args)
+    return out["extra"]
