@@ -94,7 +94,7 @@ def objective_workload(rows: int, seq_len: int, seed: int = 0):
         ref_kl_weights=zeros,
     )
     batch = jax.tree.map(jax.device_put, batch)
-    config = objective.ObjectiveConfig()
+    config = objective.ObjectiveConfig(components=("rl",))  # what the default algorithm (grpo) trains
     counts = objective.global_counts(batch, config)
 
     @jax.jit

@@ -80,6 +80,10 @@ class ObjectiveConfig:
         :func:`rljax.core.off_policy.resolve_config`) or None.
       entropy_coef: entropy bonus ``-coef * sum_t w_rl,t H_t``; needs ``entropy=``.
       num_groups: static bound on ``group_index`` (required for ``prompt_mean``).
+      components: the components this objective trains (subset of :data:`COMPONENTS`). A
+        component left out is skipped entirely (no per-token work; its loss, metrics and
+        counts are 0) even if the batch carries a weight stream for it, so e.g. a grpo run
+        pays nothing for the packer's all-zero ce/ref_kl streams.
 
     >>> ObjectiveConfig(policy_loss_kwargs={"kl_tau": 0.0}).policy_loss_kwargs
     (('kl_tau', 0.0),)
@@ -92,8 +96,14 @@ class ObjectiveConfig:
     off_policy: Any = None
     entropy_coef: float = 0.0
     num_groups: int | None = None
+    components: tuple[str, ...] = COMPONENTS
 
     def __post_init__(self) -> None:
+        components = tuple(self.components)
+        unknown = [c for c in components if c not in COMPONENTS]
+        if unknown or not components:
+            raise ValueError(f"components must be a non-empty subset of {COMPONENTS}; got {components}")
+        object.__setattr__(self, "components", tuple(c for c in COMPONENTS if c in components))
         kwargs = _as_pairs(self.policy_loss_kwargs, "policy_loss_kwargs")
         object.__setattr__(self, "policy_loss_kwargs", kwargs)
         losses.validate_policy_loss(self.policy_loss, dict(kwargs))
@@ -178,13 +188,20 @@ def _required(batch: Any, name: str, why: str) -> jax.Array:
     return jnp.asarray(value)
 
 
-def _raw_weights(batch: Any) -> dict[str, jax.Array]:
-    """``v_c = weights_c * loss_mask`` (rl before off-policy masks; absent rl weights = 1)."""
+def _raw_weights(batch: Any, config: ObjectiveConfig) -> dict[str, jax.Array | None]:
+    """``v_c = weights_c * loss_mask`` (rl before off-policy masks; absent rl weights = 1).
+
+    A component is inactive (``None``) when the config leaves it out, or (ce, ref_kl) when the
+    batch carries no weight stream for it.
+    """
     mask = _f32(_required(batch, "loss_mask", "the objective needs the loss mask"))
     chex.assert_rank(mask, 2)
-    out = {}
-    for c, default in (("rl", 1.0), ("ce", 0.0), ("ref_kl", 0.0)):
+    out: dict[str, jax.Array | None] = {}
+    for c, default in (("rl", 1.0), ("ce", None), ("ref_kl", None)):
         w = getattr(batch, f"{c}_weights", None)
+        if c not in config.components or (w is None and default is None):
+            out[c] = None
+            continue
         out[c] = mask * (default if w is None else _f32(w))
         chex.assert_equal_shape([out[c], mask])
     return out
@@ -243,11 +260,13 @@ def global_counts(batch: Any, config: ObjectiveConfig) -> Counts:
     >>> c.tokens.tolist(), c.sequences.tolist()
     ([3.0, 0.0, 0.0], [2.0, 0.0, 0.0])
     """
-    raw = _raw_weights(batch)
+    raw = _raw_weights(batch, config)
     keys, num = _sample_keys(_required(batch, "segment_ids", "samples are identified by segment ids"))
-    candidates = raw["rl"] != 0
-    _, rl_mask, _ = _rl_correction(jnp.zeros(raw["rl"].shape, jnp.float32), batch, candidates, config, None)
-    nonzero = {"rl": candidates & (rl_mask != 0), "ce": raw["ce"] != 0, "ref_kl": raw["ref_kl"] != 0}
+    none = jnp.zeros(keys.shape, bool)
+    candidates = none if raw["rl"] is None else raw["rl"] != 0
+    _, rl_mask, _ = _rl_correction(jnp.zeros(keys.shape, jnp.float32), batch, candidates, config, None)
+    nonzero = {"rl": candidates & (rl_mask != 0)}
+    nonzero.update({c: none if raw[c] is None else raw[c] != 0 for c in ("ce", "ref_kl")})
     stacked = jnp.stack([nonzero[c].astype(jnp.float32) for c in COMPONENTS])  # [3, R, L]
     per_sample = jax.vmap(lambda x: _segment_sum(x, keys, num))(stacked)
     if config.num_groups is None:
@@ -362,8 +381,8 @@ def objective(
     lp = _f32(logp)
     chex.assert_rank(lp, 2)
     chex.assert_type(logp, float)
-    raw = _raw_weights(batch)
-    chex.assert_equal_shape([lp, raw["rl"]])
+    raw = _raw_weights(batch, config)
+    chex.assert_equal_shape([lp, batch.loss_mask])
     old, inference = _logprob_streams(batch)
     adv = _f32(_required(batch, "advantages", "the rl component needs advantages (pass zeros if unused)"))
     keys, num = _sample_keys(_required(batch, "segment_ids", "samples are identified by segment ids"))
@@ -371,32 +390,38 @@ def objective(
         raise ValueError(
             f"entropy_coef={config.entropy_coef} needs objective(..., entropy=<per-token entropy>)"
         )
+    zero = jnp.zeros((), jnp.float32)
+    per_token: dict[str, jax.Array] = {}
 
     # rl: policy loss, then the off-policy correction.
-    candidates = raw["rl"] != 0
-    args = (lp, _f32(old), _f32(inference), adv, candidates, keys, num)
-    kwargs = dict(config.policy_loss_kwargs)
-    rl_loss = losses.policy_loss(config.policy_loss, *args, **kwargs)
-    clipped = losses.clipped_tokens(config.policy_loss, *args, **kwargs)
-    rl_loss, rl_mask, off_metrics = _rl_correction(
-        rl_loss, batch, candidates, config, counts.rl_candidate_tokens
-    )
-    raw["rl"] = raw["rl"] * rl_mask
-
-    per_token = {"rl": rl_loss, "ce": losses.cross_entropy(lp)}
-    if getattr(batch, "ref_kl_weights", None) is not None:
+    off_metrics: dict[str, jax.Array] = {}
+    candidates = jnp.zeros(lp.shape, bool) if raw["rl"] is None else raw["rl"] != 0
+    clipped = jnp.zeros(lp.shape, jnp.float32)
+    if raw["rl"] is not None:
+        args = (lp, _f32(old), _f32(inference), adv, candidates, keys, num)
+        kwargs = dict(config.policy_loss_kwargs)
+        rl_loss = losses.policy_loss(config.policy_loss, *args, **kwargs)
+        clipped = losses.clipped_tokens(config.policy_loss, *args, **kwargs)
+        rl_loss, rl_mask, off_metrics = _rl_correction(
+            rl_loss, batch, candidates, config, counts.rl_candidate_tokens
+        )
+        raw["rl"] = raw["rl"] * rl_mask
+        per_token["rl"] = rl_loss
+    if raw["ce"] is not None:
+        per_token["ce"] = losses.cross_entropy(lp)
+    if raw["ref_kl"] is not None:
         ref = _f32(_required(batch, "ref_logprobs", "ref_kl_weights is set (the ref_kl component needs it)"))
         per_token["ref_kl"] = losses.ref_kl(lp, _f32(inference), ref, raw["ref_kl"] != 0)
-    else:
-        per_token["ref_kl"] = jnp.zeros_like(lp)
 
-    weights = {c: normalized_weights(raw[c], c, batch, counts, config) for c in COMPONENTS}
-    metrics = {f"loss/{c}": _weighted_sum(weights[c], per_token[c]) for c in COMPONENTS}
+    weights = {c: normalized_weights(raw[c], c, batch, counts, config) for c in per_token}
+    metrics = {f"loss/{c}": _weighted_sum(weights[c], per_token[c]) if c in per_token else zero
+               for c in COMPONENTS}
     total = sum(metrics[f"loss/{c}"] for c in COMPONENTS)
     if entropy is not None:
         ent = _f32(entropy)
         chex.assert_equal_shape([ent, lp])
-        metrics["loss/entropy"] = -config.entropy_coef * _weighted_sum(weights["rl"], ent)
+        bonus = _weighted_sum(weights["rl"], ent) if "rl" in weights else zero
+        metrics["loss/entropy"] = -config.entropy_coef * bonus
         total = total + metrics["loss/entropy"]
         loss_tokens = (jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)
         metrics["entropy"] = _safe_div(jnp.sum(ent * loss_tokens), _f32(counts.loss_tokens))
@@ -404,7 +429,8 @@ def objective(
         metrics["loss/entropy"] = jnp.zeros((), jnp.float32)
     metrics["loss"] = total
 
-    rl_tokens = (raw["rl"] != 0).astype(jnp.float32)
+    rl_active = candidates if raw["rl"] is None else raw["rl"] != 0
+    rl_tokens = rl_active.astype(jnp.float32)
     cand = candidates.astype(jnp.float32)
     n_rl, n_cand = _f32(counts.tokens)[0], _f32(counts.rl_candidate_tokens)
     metrics["rl/clip_frac"] = _safe_div(jnp.sum(clipped * rl_tokens), n_rl)
@@ -412,11 +438,11 @@ def objective(
     metrics["rl/mismatch_kl"] = _safe_div(jnp.sum(mismatch * cand), n_cand)
     metrics["rl/adv_mean"] = _safe_div(jnp.sum(adv * cand), n_cand)
     metrics["rl/adv_sq_mean"] = _safe_div(jnp.sum(jnp.square(adv) * cand), n_cand)
-    if getattr(batch, "ref_kl_weights", None) is not None:
+    if raw["ref_kl"] is not None:
         ref_tokens = (raw["ref_kl"] != 0).astype(jnp.float32)
         ref_k3 = losses.kl(lp, _f32(batch.ref_logprobs), kind="k3")
         metrics["ref_kl/k3"] = _safe_div(jnp.sum(ref_k3 * ref_tokens), _f32(counts.tokens)[2])
     for c in COMPONENTS:
-        metrics[f"tokens/{c}"] = jnp.sum((raw[c] != 0).astype(jnp.float32))
+        metrics[f"tokens/{c}"] = zero if raw[c] is None else jnp.sum((raw[c] != 0).astype(jnp.float32))
     metrics.update({f"off_policy/{k}": v for k, v in off_metrics.items()})
     return total, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}

@@ -462,3 +462,36 @@ def test_doctests():
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_components_left_out_are_skipped_entirely():
+    """A component the config leaves out contributes nothing, even with nonzero weights in the batch."""
+    rng = np.random.default_rng(7)
+    shape = (2, 6)
+    one = np.ones(shape, np.float32)
+    batch = SimpleNamespace(
+        loss_mask=(rng.random(shape) < 0.8).astype(np.float32), segment_ids=np.ones(shape, np.int32),
+        group_index=np.zeros(shape, np.int32), advantages=rng.normal(size=shape).astype(np.float32),
+        rl_weights=one, ce_weights=one, ref_kl_weights=one,
+        ref_logprobs=np.log(rng.uniform(0.1, 1, shape)).astype(np.float32),
+        inference_logprobs=np.log(rng.uniform(0.1, 1, shape)).astype(np.float32), old_logprobs=None,
+    )
+    logp = np.log(rng.uniform(0.1, 1, shape)).astype(np.float32)
+    rl_only = SimpleNamespace(**{**vars(batch), "ce_weights": None, "ref_kl_weights": None})
+    cfg_rl = ObjectiveConfig(components=("rl",))
+    loss_a, m_a = objective(logp, batch, global_counts(batch, cfg_rl), cfg_rl)
+    cfg_all = ObjectiveConfig()
+    loss_b, m_b = objective(logp, rl_only, global_counts(rl_only, cfg_all), cfg_all)
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
+    assert float(m_a["loss/ce"]) == 0.0 and float(m_a["tokens/ref_kl"]) == 0.0
+    # and with every component active the ce and ref_kl terms do contribute
+    loss_c, m_c = objective(logp, batch, global_counts(batch, cfg_all), cfg_all)
+    assert float(m_c["loss/ce"]) > 0.0
+    np.testing.assert_allclose(float(loss_c), float(m_c["loss/rl"] + m_c["loss/ce"] + m_c["loss/ref_kl"]),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("components", [(), ("rl", "kl"), ("value",)])
+def test_components_must_be_known(components):
+    with pytest.raises(ValueError, match="components"):
+        ObjectiveConfig(components=components)
