@@ -1,0 +1,61 @@
+"""A documented GPU recipe: Qwen3 from a Hugging Face checkpoint, vLLM servers, a (data, fsdp, tensor) mesh.
+
+Set the checkpoint directory (config.json + *.safetensors + tokenizer files, e.g. a local download of
+``Qwen/Qwen3-0.6B``) and the mesh for your devices, then::
+
+    python -m launch.train --config=configs/qwen3_gpu.py \
+        --config.model.hf_path=/ckpts/Qwen3-0.6B --config.tokenizer.name=/ckpts/Qwen3-0.6B \
+        --config.mesh.data=1 --config.mesh.fsdp=8 --workdir=/runs/qwen3_lookup
+
+Layout: the trainer holds the model on the mesh (parameters and Adam moments sharded by the rules of
+rljax.models.sharding; batches sharded by rows over data x fsdp); generation runs on vLLM servers
+(``engine.urls`` of servers you started on other GPUs, or ``engine.num_servers`` launched locally), and
+weights are synced to them after every update. ``mode="async"`` overlaps generation of step n+1 with
+training of step n (samples are at most ``max_off_policy_steps`` versions stale; DPPO's trust-region
+masks and the off-policy correction in ``objective.off_policy`` handle the mismatch).
+"""
+
+from ml_collections import config_dict
+
+from configs import default
+
+
+def get_config() -> config_dict.ConfigDict:
+    c = default.get_config()
+    c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
+    c.model.dtype = "bfloat16"
+    c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
+    c.renderer = dict(name="qwen3", kwargs=dict(retention="tool_cycle"))
+    c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
+    c.mesh = dict(data=1, fsdp=8, tensor=1)  # product = number of trainer devices
+    c.engine = dict(
+        kind="vllm",
+        urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
+        num_servers=1,
+        python="",
+        server=dict(
+            max_model_len=4096,
+            dtype="bfloat16",
+            kv_cache_gib=40.0,
+            startup_timeout_s=1200.0,
+            extra_args=("--gpu-memory-utilization", "0.85"),
+        ),
+        client=dict(max_concurrency=256, timeout_s=600.0),
+    )
+    c.rollout.update(group_size=16, max_turns=4, max_tokens=1024, max_context_len=4096, temperature=1.0)
+    c.warmstart.num_steps = 0  # a pretrained instruct model already knows the tool-call format
+    c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
+    c.objective.off_policy = dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
+    c.trainer.update(
+        num_steps=500,
+        mode="async",
+        max_off_policy_steps=1,
+        prompts_per_step=64,
+        mini_batch_prompts=16,
+        seq_len=8192,
+        truncate=False,
+        eval_every=25,
+        checkpoint_every=25,
+        keep_checkpoints=3,
+    )
+    return c

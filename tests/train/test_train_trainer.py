@@ -1,0 +1,209 @@
+"""Unit tests of the trainer's host pieces: task iterator, warm-start demonstrations, config checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rljax import envs
+from rljax.chat import make_renderer, toy_tokenizer
+from rljax.data.merge import merge_steps
+from rljax.envs.base import Task
+from rljax.train.trainer import TaskIterator, Trainer
+from rljax.train.warmstart import WarmStartConfig, demonstration_steps
+from rljax.types import StepBatch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _config(name: str):
+    spec = importlib.util.spec_from_file_location(f"_cfg_{name}", ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT))
+    return module.get_config()
+
+
+# -- TaskIterator -----------------------------------------------------------------------------------
+
+
+def _reference_order(n: int, seed: int, count: int) -> list[int]:
+    """Independent reference: concatenated per-epoch permutations of default_rng([seed, epoch])."""
+    out: list[int] = []
+    epoch = 0
+    while len(out) < count:
+        out += np.random.default_rng([seed, epoch]).permutation(n).tolist()
+        epoch += 1
+    return out[:count]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 7), seed=st.integers(0, 1000), first=st.integers(0, 20), second=st.integers(0, 20))
+def test_task_iterator_order_and_state_round_trip(n, seed, first, second):
+    tasks = [Task(f"t{i}") for i in range(n)]
+    it = TaskIterator(tasks, seed=seed)
+    a = [t.id for t in it.take(first)]
+    state = it.state()
+    b = [t.id for t in it.take(second)]
+    assert a + b == [f"t{i}" for i in _reference_order(n, seed, first + second)]
+    resumed = TaskIterator(tasks, seed=seed)
+    resumed.restore(state)
+    assert [t.id for t in resumed.take(second)] == b
+
+
+def test_task_iterator_visits_every_task_once_per_epoch():
+    it = TaskIterator([Task(f"t{i}") for i in range(5)], seed=3)
+    for _ in range(3):
+        assert sorted(t.id for t in it.take(5)) == [f"t{i}" for i in range(5)]
+
+
+def test_task_iterator_rejects_empty():
+    with pytest.raises(ValueError, match="at least one task"):
+        TaskIterator([], seed=0)
+
+
+# -- warm-start demonstrations ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def renderer():
+    return make_renderer("chatml", toy_tokenizer("chatml"))
+
+
+def test_demonstration_is_token_exact_and_merges(renderer):
+    task = envs.make_tasks("lookup", 1, seed=0)[0]
+    env = envs.make_env("lookup", compact=True)
+    steps = demonstration_steps(task, env, renderer)
+    tok = renderer.tokenizer
+    # turn 1: a tool call naming the asked key; turn 2: the right color, both ending on <|im_end|>
+    first = tok.decode(steps[0].response_ids)
+    assert first.startswith("<tool_call>") and f'"key": "{task.data["query"]}"' in first
+    assert first.endswith("<|im_end|>")
+    assert tok.decode(steps[1].response_ids) == task.data["answer"] + "<|im_end|>"
+    # the second prompt extends the first prompt + response (the rollout's bridge), so they merge
+    full = list(steps[0].prompt_ids) + list(steps[0].response_ids)
+    assert list(steps[1].prompt_ids)[: len(full)] == full
+    merged = merge_steps(StepBatch(steps))
+    assert len(merged) == 1 and merged[0].is_last_step
+    # the observation (tool response) tokens between the turns are not trained
+    gap = len(steps[1].prompt_ids) - len(full)
+    assert list(merged[0].loss_mask) == [1] * len(steps[0].response_ids) + [0] * gap + [1] * len(
+        steps[1].response_ids
+    )
+
+
+def test_demonstration_replays_through_the_env(renderer):
+    """Feeding the demonstration's decoded turns to a fresh env earns the full reward."""
+    from rljax.chat.session import ChatSession
+    from rljax.envs.base import Action
+
+    for task in envs.make_tasks("lookup", 3, seed=1):
+        env = envs.make_env("lookup", compact=True)
+        steps = demonstration_steps(task, envs.make_env("lookup", compact=True), renderer)
+        session = ChatSession(renderer, env.reset(task))
+        reward = None
+        for s in steps:
+            assert list(session.prompt_ids) == list(s.prompt_ids)  # same prompts as the rollout sees
+            parsed = session.add_completion(s.response_ids)
+            text = renderer.decode(list(s.response_ids)[:-1])
+            messages, reward, done, _ = env.step(Action.from_parsed(text, parsed))
+            if not done:
+                session.add_messages(messages)
+        assert reward == 1.0
+
+
+def test_demonstration_corrupted_answer(renderer):
+    task = envs.make_tasks("lookup", 1, seed=0)[0]
+    wrong = next(c for c in envs.COLORS if c != task.data["answer"])
+    steps = demonstration_steps(task, envs.make_env("lookup"), renderer, final_answer=wrong)
+    assert renderer.tokenizer.decode(steps[-1].response_ids) == wrong + "<|im_end|>"
+
+
+def test_demonstration_needs_solution(renderer):
+    class NoSolution:
+        def reset(self, task):
+            return [{"role": "user", "content": "hi"}]
+
+    with pytest.raises(ValueError, match="solution"):
+        demonstration_steps(Task("x"), NoSolution(), renderer)
+
+
+def test_warmstart_config_errors():
+    with pytest.raises(ValueError, match="corrupt_choices"):
+        WarmStartConfig(num_steps=1, corrupt_prob=0.5, corrupt_choices=("a",))
+    WarmStartConfig(num_steps=0, corrupt_prob=0.5)  # disabled: nothing to corrupt
+    with pytest.raises(ValueError, match="corrupt_prob"):
+        WarmStartConfig(corrupt_prob=1.5, corrupt_choices=("a", "b"))
+    with pytest.raises(ValueError, match="batch_size"):
+        WarmStartConfig(batch_size=0)
+
+
+# -- config validation (no run) -------------------------------------------------------------------
+
+
+def test_default_and_smoke_configs_build(tmp_path):
+    for name in ("default", "smoke"):
+        t = Trainer(_config(name), tmp_path / name)
+        assert t.rollout_config.group_size == _config(name).rollout.group_size
+        assert t.algorithms.default.name == "grpo"
+        assert {s.env for s in t.train_tasks} == {"lookup"}
+        assert t.eval_tasks and all(s.split == "test" for s in t.eval_tasks)
+        assert not {s.data["query"] for s in t.eval_tasks} & {s.data["query"] for s in t.train_tasks}
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.trainer.update(mode="later"), "mode"),
+        (lambda c: c.trainer.update(max_off_policy_steps=0), "max_off_policy_steps"),
+        (lambda c: c.envs.lookup.update(kwargs=dict(bogus=1)), "bogus"),
+        (lambda c: c.update(env_algorithms={"nope": "rloo"}), "nope"),
+        (lambda c: c.update(algorithm="no_such_algorithm"), "no_such_algorithm"),
+        (lambda c: c.update(algorithm="sft"), "sft"),
+        (lambda c: c.engine.update(kind="magic"), "engine.kind"),
+    ],
+)
+def test_config_errors_are_clear(tmp_path, edit, match):
+    c = _config("smoke")
+    with c.unlocked():
+        edit(c)
+    with pytest.raises((ValueError, TypeError), match=match):
+        Trainer(c, tmp_path)._make_engine()
+
+
+def test_per_env_algorithms_resolve(tmp_path):
+    c = _config("smoke")
+    c.envs.arith = dict(env="arithmetic", kwargs={}, task_kwargs={}, num_train_tasks=8, num_eval_tasks=0)
+    c.env_algorithms = {"arith": "rloo"}
+    t = Trainer(c, tmp_path)
+    assert dict(t.rollout_config.env_algorithms) == {"lookup": "grpo", "arith": "rloo"}
+    assert set(t.train_configs) == {"grpo", "rloo"}
+    assert {s.env for s in t.train_tasks} == {"lookup", "arith"}
+
+
+def test_needed_behaviour_versions(tmp_path):
+    c = _config("smoke")
+    t = Trainer(c, tmp_path)
+    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [], []]  # sync: none
+    t.lag = 1
+    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [0], [4]]
+    t.lag = 2
+    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [0], [3, 4]]
+
+
+def test_vllm_and_gpu_configs_load():
+    v = _config("vllm_local")
+    assert v.engine.kind == "vllm" and v.model.init.head_dim == 64
+    g = _config("qwen3_gpu")
+    assert g.engine.kind == "vllm" and g.renderer.name == "qwen3" and g.trainer.mode == "async"
+    assert g.mesh.fsdp * g.mesh.data * g.mesh.tensor >= 1
