@@ -1,40 +1,68 @@
-"""Generation throughput: the embedded JAX sampler's tokens/s on a tiny model (vLLM hook included).
+"""Generation throughput: the embedded JAX sampler vs a real vLLM (CPU) server on the same tiny model.
 
-The model is the tiny Qwen3 the vLLM tests serve (hidden 128, 2 layers, 2 heads / 1 kv head,
-head_dim 64, vocab 512, tied embeddings), random-initialized with a fixed seed, or any rljax /
-HF checkpoint given with ``--model-dir``. ``--save-dir`` writes the random model as HF safetensors
-so a vLLM server can load exactly the same weights.
+One run prints generated tokens/s of every engine and the ratio sampler / vLLM (goal >= 1.0).
 
-Every engine is measured the same way by :func:`bench_engine`: ``num_prompts`` random prompts
-(lengths uniform in ``[prompt_len/2, prompt_len]``) submitted concurrently through the
-:class:`rljax.inference.engine.Engine` protocol with ``max_tokens`` new tokens each, no stop
-tokens (every request generates exactly ``max_tokens``), temperature 1; one untimed warm-up
-pass (jit compilation / server warm-up), then the best of ``--repeats`` timed passes.
-tokens/s = generated tokens / wall seconds.
+Model: the tiny Qwen3 the vLLM tests serve (hidden 128, 2 layers, 2 heads / 1 kv head, head_dim 64 as
+vLLM's CPU attention needs, vocab 512, tied embeddings), random-initialized with a fixed seed, or
+any rljax / HF checkpoint given with ``--model-dir``. It is saved with
+:func:`rljax.models.save_pretrained` (to ``--save-dir`` or a temporary directory) and the vLLM
+server loads exactly those weights (float32, like the sampler).
 
-Plugging in vLLM: add a factory to :data:`ENGINE_FACTORIES` that returns an object with the
-``Engine`` protocol (e.g. a ``VLLMClient`` attached to a server launched on ``--save-dir``) and
-run with ``--engines embedded,vllm``; the script then prints the ratio of each engine to the
-first one.
+Workload, identical for every engine (:func:`bench_engine`): ``--num-prompts`` random prompts of
+``--prompt-len`` tokens (``--min-prompt-len`` < prompt-len draws lengths uniformly in between),
+submitted concurrently through the :class:`rljax.inference.engine.Engine` protocol; each generates
+exactly ``--max-tokens`` tokens at temperature 1 with logprobs (no stop ids; vLLM gets
+``ignore_eos``); no per-request seeds (vLLM samples seeded requests one by one). ``--warmup``
+untimed passes (jit compilation, vLLM's warm-up), then the best of ``--repeats`` timed passes.
+tokens/s = generated tokens / wall seconds of a pass.
 
-Usage: ``python benchmarks/generation_bench.py [--quick] [--engines embedded] [--save-dir DIR]``.
+Engines: ``embedded`` (:class:`rljax.inference.sampler.EmbeddedSampler`, in process), ``vllm``
+(a :class:`rljax.inference.vllm.VLLMServer` in vLLM's default mode, which compiles the model with
+torch.compile at start-up) and ``vllm-eager`` (the same server with ``--enforce-eager``), each
+reached through :class:`rljax.inference.vllm.VLLMClient`. vLLM's python is ``$RLJAX_VLLM_PYTHON`` or
+``<repo>/.vllm-venv/bin/python``; without it the vLLM engines are reported as not installed and
+the sampler figure is still printed.
+
+``--decode-slots 64,256,1024`` also prints the model's decode cost in ms per step (``--num-prompts``
+rows, one :func:`rljax.models.decode_step` per step inside one jitted loop) at those cache sizes.
+
+Usage::
+
+    python benchmarks/generation_bench.py                      # embedded, vllm-eager, vllm
+    python benchmarks/generation_bench.py --engines embedded --decode-slots 64,256,1024
+    python benchmarks/generation_bench.py --quick              # 16 prompts x 32 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rljax.inference.engine import Engine, SamplingParams
-from rljax.inference.sampler import EmbeddedSampler
-from rljax.models import Decoder, ModelConfig, from_pretrained, num_params, save_pretrained
+from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.inference.sampler import EmbeddedSampler, bucket_size
+from rljax.inference.vllm import ServerConfig, ServerStartError, VLLMClient, VLLMServer, find_vllm_python
+from rljax.inference.vllm.client import completion_payload, parse_completion
+from rljax.models import (
+    Decoder,
+    ModelConfig,
+    decode_step,
+    from_pretrained,
+    num_params,
+    prefill,
+    save_pretrained,
+)
 
 TINY_QWEN3 = dict(
     model_type="qwen3",
@@ -51,27 +79,99 @@ TINY_QWEN3 = dict(
 )
 
 
-async def _run(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, seed: int) -> int:
+class NotAvailable(RuntimeError):
+    """An engine that cannot run here (e.g. vLLM not installed); the benchmark reports and skips it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------------
+
+
+async def _run(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int) -> int:
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     outs = await asyncio.gather(
-        *(
-            engine.generate(p, SamplingParams(max_tokens=max_tokens, seed=seed + i), session_id=f"bench-{i}")
-            for i, p in enumerate(prompts)
-        )
+        *(engine.generate(p, sampling, session_id=f"bench-{i}") for i, p in enumerate(prompts))
     )
+    short = [len(o.ids) for o in outs if len(o.ids) != max_tokens]
+    if short:
+        raise RuntimeError(
+            f"{len(short)} completions stopped early (lengths {short[:5]}); the workload needs exactly "
+            f"{max_tokens} tokens each"
+        )
     return sum(len(o.ids) for o in outs)
 
 
 def bench_engine(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, *, repeats: int = 3
-) -> float:
-    """Generated tokens per second of ``engine`` on ``prompts`` (best of ``repeats`` after a warm-up)."""
-    asyncio.run(_run(engine, prompts, max_tokens, seed=0))  # warm-up: compilation, caches
-    best = 0.0
-    for r in range(repeats):
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> tuple[float, list[float]]:
+    """Generated tokens/s of ``engine`` (best of ``repeats`` after ``warmup`` passes), and every pass's.
+
+    All passes run in one event loop (async clients such as :class:`VLLMClient` are bound to it).
+    """
+
+    async def main() -> list[float]:
+        ctx = engine if hasattr(engine, "__aenter__") else contextlib.nullcontext()
+        async with ctx:
+            for _ in range(warmup):  # compilation, server-side warm-up and caches
+                await _run(engine, prompts, max_tokens)
+            rates = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                tokens = await _run(engine, prompts, max_tokens)
+                rates.append(tokens / (time.perf_counter() - start))
+            return rates
+
+    rates = asyncio.run(main())
+    return max(rates), rates
+
+
+def decode_ms_per_step(model: Decoder, *, rows: int, slots: int, reps: int = 5) -> float:
+    """Milliseconds per :func:`rljax.models.decode_step` of ``rows`` rows with a ``slots``-slot cache.
+
+    Steps run inside one jitted ``fori_loop`` (greedy feedback, cache donated); the figure is
+    ``(t(3n) - t(n)) / 2n`` with the best of ``reps`` timings each, so prefill and dispatch cancel out.
+    """
+    steps = max(1, min(32, slots // 4))
+    prompt = jnp.asarray(
+        np.random.default_rng(0).integers(0, model.config.vocab_size, (rows, slots - 3 * steps)), jnp.int32
+    )
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=(2,))
+    def loop(graphdef: Any, state: Any, cache: Any, n: int) -> Any:
+        m = nnx.merge(graphdef, state)
+
+        def body(_: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+            logits, cache = decode_step(m, carry[0], carry[1])
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+        return jax.lax.fori_loop(0, n, body, (jnp.zeros((rows,), jnp.int32), cache))
+
+    def timed(n: int) -> float:
+        _, cache = prefill(model, prompt, max_length=slots)
+        jax.block_until_ready(cache)
         start = time.perf_counter()
-        tokens = asyncio.run(_run(engine, prompts, max_tokens, seed=1000 * (r + 1)))
-        best = max(best, tokens / (time.perf_counter() - start))
-    return best
+        jax.block_until_ready(loop(graphdef, state, cache, n))
+        return time.perf_counter() - start
+
+    best = {n: float("inf") for n in (steps, 3 * steps)}
+    for n in best:
+        timed(n)  # compile
+    for _ in range(reps):
+        for n in best:
+            best[n] = min(best[n], timed(n))
+    return (best[3 * steps] - best[steps]) / (2 * steps) * 1e3
+
+
+# ------------------------------------------------------------------------------------------------
+# engines
+# ------------------------------------------------------------------------------------------------
 
 
 def make_model(model_dir: str | None, seed: int) -> Decoder:
@@ -80,77 +180,155 @@ def make_model(model_dir: str | None, seed: int) -> Decoder:
     return Decoder(ModelConfig(**TINY_QWEN3), rngs=nnx.Rngs(seed))
 
 
-def make_embedded(model: Decoder, args: argparse.Namespace) -> Engine:
-    return EmbeddedSampler(model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=64)
+def make_embedded(model: Decoder, args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine:
+    """The embedded sampler: all prompts in one jitted batch (one while_loop over the new tokens)."""
+    return EmbeddedSampler(model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=16)
 
 
-def make_vllm(model: Decoder, args: argparse.Namespace) -> Engine:
-    """Hook for the vLLM comparison (serve ``args.save_dir`` and return a client Engine)."""
-    raise NotImplementedError(
-        "the vLLM engine is not wired into this benchmark yet: return an rljax Engine serving "
-        "--save-dir (same weights) from make_vllm in benchmarks/generation_bench.py"
+class IgnoreEosClient(VLLMClient):
+    """A :class:`VLLMClient` whose completions never stop on EOS (``"ignore_eos": true``)."""
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> Completion:
+        prompt = [int(t) for t in prompt_ids]
+        body = {**completion_payload(prompt, sampling, model=self.model), "ignore_eos": True}
+        return await self.request(
+            "/v1/completions",
+            body,
+            session_id=session_id,
+            parse=lambda answer, version: parse_completion(answer, prompt_ids=prompt, weight_version=version),
+        )
+
+
+def _make_vllm(
+    model: Decoder, args: argparse.Namespace, stack: contextlib.ExitStack, *, eager: bool
+) -> Engine:
+    try:
+        python = find_vllm_python()
+    except FileNotFoundError as e:
+        raise NotAvailable(str(e)) from e
+    if python is None:
+        raise NotAvailable(
+            "vLLM is not installed: run .ci/install_vllm.sh (creates .vllm-venv) or set RLJAX_VLLM_PYTHON"
+        )
+    log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="gen_bench_vllm_logs_"))
+    config = ServerConfig(
+        model=args.save_dir,
+        max_model_len=bucket_size(args.prompt_len + args.max_tokens),
+        skip_tokenizer_init=True,
+        extra_args=("--enforce-eager",) if eager else (),
+        startup_timeout_s=args.vllm_startup_timeout,
+        log_path=os.path.join(log_dir, "server.log"),
     )
+    server = VLLMServer(config, python=python)
+    mode = "--enforce-eager" if eager else "default mode"
+    print(f"  starting vLLM ({mode}): {' '.join(server.command())}", flush=True)
+    try:
+        stack.enter_context(server)
+    except ServerStartError as e:
+        raise NotAvailable(f"the vLLM server did not start: {e}") from e
+    print(f"  vLLM healthy after {server.startup_s:.0f} s", flush=True)
+    return IgnoreEosClient([server.url], max_concurrency=max(64, args.num_prompts))
 
 
-ENGINE_FACTORIES: dict[str, Callable[[Decoder, argparse.Namespace], Engine]] = {
+def make_vllm(model: Decoder, args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine:
+    """A client of a vLLM server in its default mode serving ``args.save_dir`` (stopped by ``stack``)."""
+    return _make_vllm(model, args, stack, eager=False)
+
+
+def make_vllm_eager(model: Decoder, args: argparse.Namespace, stack: contextlib.ExitStack) -> Engine:
+    """Like :func:`make_vllm` with ``--enforce-eager`` (no torch.compile: faster start-up)."""
+    return _make_vllm(model, args, stack, eager=True)
+
+
+ENGINE_FACTORIES: dict[str, Callable[[Decoder, argparse.Namespace, contextlib.ExitStack], Engine]] = {
     "embedded": make_embedded,
+    "vllm-eager": make_vllm_eager,
     "vllm": make_vllm,
 }
 
 
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer and shorter requests")
-    parser.add_argument("--engines", default="embedded", help=f"comma list of {sorted(ENGINE_FACTORIES)}")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 32 new tokens, 2 repeats")
     parser.add_argument(
-        "--model-dir", default=None, help="load this checkpoint instead of the random tiny Qwen3"
+        "--engines", default="embedded,vllm-eager,vllm", help=f"comma list of {list(ENGINE_FACTORIES)}"
     )
-    parser.add_argument("--save-dir", default=None, help="save the model here (HF safetensors) for vLLM")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--min-prompt-len", type=int, default=None, help="default: --prompt-len")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes (the best is reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed passes first")
+    parser.add_argument("--model-dir", default=None, help="load this checkpoint instead of the tiny Qwen3")
+    parser.add_argument("--save-dir", default=None, help="write the served checkpoint here")
+    parser.add_argument("--vllm-startup-timeout", type=float, default=1800.0)
+    parser.add_argument("--decode-slots", default="", help="e.g. 64,256,1024: also print decode ms/step")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_prompts, args.prompt_len, args.max_tokens, args.repeats = 16, 64, 32, 2
+        args.num_prompts, args.prompt_len, args.max_tokens, args.repeats, args.warmup = 16, 32, 32, 2, 1
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for name in names:
+        if name not in ENGINE_FACTORIES:
+            parser.error(f"unknown engine {name!r}; choose from {list(ENGINE_FACTORIES)}")
+    min_len = args.prompt_len if args.min_prompt_len is None else args.min_prompt_len
+    if not 1 <= min_len <= args.prompt_len:
+        parser.error(f"--min-prompt-len must be in [1, --prompt-len={args.prompt_len}], got {min_len}")
 
     model = make_model(args.model_dir, args.seed)
-    if args.save_dir:
-        save_pretrained(model, args.save_dir)
     cfg = model.config
     rng = np.random.default_rng(args.seed)
-    lengths = rng.integers(args.prompt_len // 2, args.prompt_len + 1, size=args.num_prompts)
+    lengths = rng.integers(min_len, args.prompt_len + 1, size=args.num_prompts)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lengths]
     print(
-        f"model: {cfg.model_type} hidden={cfg.hidden_size} layers={cfg.num_layers} vocab={cfg.vocab_size} "
-        f"params={num_params(model):,}; device: {jax.devices()[0].device_kind} x{jax.device_count()}"
+        f"model: {cfg.model_type} hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/"
+        f"{cfg.num_kv_heads} head_dim={cfg.head_dim} vocab={cfg.vocab_size} params={num_params(model):,} "
+        f"float32; jax device: {jax.devices()[0].device_kind} x{jax.device_count()}, {os.cpu_count()} CPUs"
     )
     print(
-        f"workload: {args.num_prompts} concurrent prompts of {lengths.min()}-{lengths.max()} tokens, "
-        f"{args.max_tokens} new tokens each, temperature 1, no stop tokens"
+        f"workload: {args.num_prompts} concurrent prompts of {lengths.min()}-{lengths.max()} tokens, exactly "
+        f"{args.max_tokens} new tokens each (no stop ids / ignore_eos), temperature 1, logprobs on; "
+        f"best of {args.repeats} passes after {args.warmup} warm-up passes",
+        flush=True,
     )
+    for slots in [int(s) for s in args.decode_slots.split(",") if s.strip()]:
+        ms = decode_ms_per_step(model, rows=args.num_prompts, slots=slots)
+        print(f"  decode: {ms:.2f} ms/step at {slots} cache slots ({args.num_prompts} rows)", flush=True)
+
     results: dict[str, float] = {}
-    for name in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        if name not in ENGINE_FACTORIES:
-            parser.error(f"unknown engine {name!r}; choose from {sorted(ENGINE_FACTORIES)}")
-        try:
-            engine = ENGINE_FACTORIES[name](model, args)
-        except NotImplementedError as e:
-            print(f"  {name}: skipped ({e})")
-            continue
-        results[name] = bench_engine(engine, prompts, args.max_tokens, repeats=args.repeats)
-        extra: dict[str, Any] = {}
-        if isinstance(engine, EmbeddedSampler):
-            extra["jit programs"] = engine.num_compilations()
-        detail = ", ".join(f"{k} {v}" for k, v in extra.items())
-        print(f"  {name}: {results[name]:,.0f} generated tokens/s" + (f" ({detail})" if detail else ""))
-    if len(results) > 1:
-        base_name, base = next(iter(results.items()))
-        for name, value in results.items():
-            print(f"  ratio {name}/{base_name}: {value / base:.3f}")
-    elif "vllm" not in results:
-        print("  ratio to vLLM: n/a (vLLM engine not measured; see make_vllm)")
+    with contextlib.ExitStack() as stack:
+        if args.save_dir is None:
+            args.save_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="gen_bench_model_"))
+        save_pretrained(model, args.save_dir)
+        for name in names:
+            with contextlib.ExitStack() as engine_stack:  # each server is stopped before the next starts
+                try:
+                    engine = ENGINE_FACTORIES[name](model, args, engine_stack)
+                except NotAvailable as e:
+                    print(f"  {name}: not measured ({e})", flush=True)
+                    continue
+                best, rates = bench_engine(
+                    engine, prompts, args.max_tokens, repeats=args.repeats, warmup=args.warmup
+                )
+            results[name] = best
+            extra = ""
+            if isinstance(engine, EmbeddedSampler):
+                extra = f"; jit programs {engine.num_compilations()}"
+            passes = ", ".join(f"{r:,.0f}" for r in rates)
+            print(f"  {name}: {best:,.0f} generated tokens/s (passes: {passes}{extra})", flush=True)
+    if "embedded" in results:
+        vllm_names = [n for n in results if n.startswith("vllm")]
+        for name in vllm_names:
+            print(f"  ratio embedded/{name}: {results['embedded'] / results[name]:.2f}x")
+        if not vllm_names:
+            print("  ratio embedded/vLLM: n/a (no vLLM engine measured)")
     return 0
 
 

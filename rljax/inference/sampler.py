@@ -25,16 +25,19 @@ Logprobs (vLLM ``logprobs_mode="processed_logprobs"``, SPEC §5): each returned 
     log p~ = log_softmax(z)
 
 With top-k and top-p off this is exactly what :func:`rljax.models.sequence_logprobs` computes with
-``temperature=T`` on the same tokens, which the tests check. Sampling is Gumbel-max
-(``argmax(log p~ + g)``, ``g ~ Gumbel(0, 1)``), i.e. an exact draw from ``p~``; greedy rows take
-``argmax(log p~)``. References: Holtzman et al. 2020 (nucleus sampling); vLLM
-``v1/sample/ops/topk_topp_sampler.py`` (top-k then top-p on temperature-scaled logits).
+``temperature=T`` on the same tokens, which the tests check. Sampling is by inversion of the
+cumulative distribution (one uniform per row and step: ``x_t = min{v : F(v) > u F(V-1)}``,
+``F = cumsum(p~)``), an exact draw from ``p~`` that needs ``B`` random numbers per step instead of
+the ``B x V`` of Gumbel-max; greedy rows take ``argmax(log p~)``. References: Holtzman et al. 2020
+(nucleus sampling); vLLM ``v1/sample/ops/topk_topp_sampler.py`` (top-k then top-p on
+temperature-scaled logits); Devroye 1986 (inversion).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,9 +56,12 @@ __all__ = [
     "GREEDY_EPS",
     "EmbeddedSampler",
     "bucket_size",
+    "first_argmax",
     "generate_tokens",
     "processed_logprobs",
+    "sample_by_inversion",
     "sample_from_logprobs",
+    "step_uniforms",
 ]
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
@@ -125,13 +131,81 @@ def processed_logprobs(
     return jax.nn.log_softmax(z, axis=-1)
 
 
+def first_argmax(x: chex.Array) -> jax.Array:
+    """Index of the first maximum along the last axis (``jnp.argmax`` semantics for non-NaN input).
+
+    ``min{v : x_v = max(x)}`` as two plain reductions; XLA's variadic (value, index) reduce behind
+    ``jnp.argmax`` is several times slower on CPU.
+
+    >>> first_argmax(jnp.array([[1.0, 3.0, 3.0], [-jnp.inf, -jnp.inf, 0.0]])).tolist()
+    [1, 2]
+    """
+    size = x.shape[-1]
+    iota = jnp.arange(size, dtype=jnp.int32)
+    return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), iota, size), axis=-1)
+
+
+def _first_index_above(cdf: jax.Array, x: jax.Array, mass: jax.Array) -> jax.Array:
+    """Per row ``min{i : cdf_i > x}``, clamped to the last ``i`` with ``mass_i > 0`` (rounding guard)."""
+    size = cdf.shape[-1]
+    drawn = jnp.sum(cdf <= x[:, None], axis=-1, dtype=jnp.int32)
+    last = jnp.max(jnp.where(mass > 0, jnp.arange(size, dtype=jnp.int32), 0), axis=-1)
+    return jnp.minimum(drawn, last)
+
+
+def sample_by_inversion(
+    logprobs: chex.Array, uniforms: chex.Array, greedy: chex.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row from ``p = exp(logprobs)`` given one uniform per row (inversion).
+
+    With ``F(v) = sum_{w <= v} p_w`` and ``u ~ U[0, 1)``, the token is ``min{v : F(v) > u F(V-1)}``,
+    so ``P(v) = (F(v) - F(v-1)) / F(V-1) = p_v`` (the inversion method, Devroye 1986, "Non-Uniform
+    Random Variate Generation", §II.2). It is evaluated in two levels, both exact: the vocabulary is
+    cut into blocks of ``C ~ sqrt(V)`` tokens, the block is found by inverting the block masses,
+    then the token by inverting that block's probabilities at the remaining mass, so no prefix sum
+    longer than ``~sqrt(V)`` is formed. Tokens with ``p_v = 0`` (``-inf`` after top-k/top-p) are
+    never drawn: they never raise ``F``, and rounding at a block's edge falls back to its last
+    token with ``p_v > 0``. Greedy rows take :func:`first_argmax` of ``logprobs`` and ignore ``u``.
+
+    Args:
+      logprobs: float ``[B, V]`` (``-inf`` allowed on excluded tokens; at least one finite per row).
+      uniforms: float ``[B]`` in ``[0, 1)``.
+      greedy: bool ``[B]``.
+
+    Returns:
+      ``(tokens int32 [B], their logprobs float32 [B])``.
+
+    >>> lp = jnp.log(jnp.array([[0.2, 0.5, 0.3]] * 3))
+    >>> tok, _ = sample_by_inversion(lp, jnp.array([0.1, 0.65, 0.1]), jnp.array([False, False, True]))
+    >>> tok.tolist()
+    [0, 1, 1]
+    """
+    chex.assert_rank([logprobs, uniforms, greedy], [2, 1, 1])
+    chex.assert_equal_shape_prefix([logprobs, uniforms, greedy], 1)
+    logprobs = logprobs.astype(jnp.float32)
+    batch, vocab = logprobs.shape
+    block = bucket_size(math.isqrt(vocab))
+    num_blocks = -(-vocab // block)
+    probs = jnp.pad(jnp.exp(logprobs), ((0, 0), (0, num_blocks * block - vocab)))
+    blocks = probs.reshape(batch, num_blocks, block)
+    block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    x = uniforms.astype(jnp.float32) * block_cdf[:, -1]
+    b = _first_index_above(block_cdf, x, block_mass)
+    rest = x - jnp.take_along_axis(block_cdf - block_mass, b[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [B, C]
+    i = _first_index_above(jnp.cumsum(inner, axis=-1), jnp.maximum(rest, 0.0), inner)
+    tokens = jnp.where(greedy, first_argmax(logprobs), b * block + i)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
 def sample_from_logprobs(
     logprobs: chex.Array, keys: chex.Array, greedy: chex.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row: Gumbel-max ``argmax(logp + g)``, or ``argmax(logp)`` for greedy rows.
+    """Draws one token per row: :func:`sample_by_inversion` with ``u = uniform(key)`` per row.
 
-    ``argmax_v(log p_v + g_v)`` with i.i.d. standard Gumbel ``g`` is an exact sample from ``p``
-    (Gumbel 1954; Maddison et al. 2014, "A* sampling").
+    One uniform per row instead of a Gumbel variate per vocabulary entry (Gumbel-max) makes the
+    randomness of a decode step ``O(B)`` instead of ``O(B V)``; greedy rows take ``argmax(logp)``.
 
     Args:
       logprobs: float ``[B, V]`` (``-inf`` allowed on excluded tokens).
@@ -149,10 +223,29 @@ def sample_from_logprobs(
     """
     chex.assert_rank([logprobs, greedy], [2, 1])
     chex.assert_equal_shape_prefix([logprobs, keys, greedy], 1)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, logprobs.shape[-1:], jnp.float32))(keys)
-    noisy = jnp.where(greedy[:, None], logprobs, logprobs + noise)
-    tokens = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    uniforms = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    return sample_by_inversion(logprobs, uniforms, greedy)
+
+
+def step_uniforms(seeds: chex.Array, num_steps: int) -> jax.Array:
+    """``u[b, t] = uniform(fold_in(key(seeds[b]), t))``: every row's draws for ``num_steps`` steps at once.
+
+    A row's draws depend only on its seed and the step (never on the batch it runs in), and the
+    generation loop reads them instead of running a PRNG every step.
+
+    >>> u = step_uniforms(jnp.array([7, 8], jnp.uint32), 3)
+    >>> u.shape, bool((u[0] == step_uniforms(jnp.array([7], jnp.uint32), 3)[0]).all())
+    ((2, 3), True)
+    """
+    chex.assert_rank(seeds, 1)
+
+    def row(seed: jax.Array) -> jax.Array:
+        key = jax.random.key(seed)
+        return jax.vmap(lambda t: jax.random.uniform(jax.random.fold_in(key, t), (), jnp.float32))(
+            jnp.arange(num_steps, dtype=jnp.int32)
+        )
+
+    return jax.vmap(row)(seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +283,12 @@ def generate_tokens(
     """Samples up to ``max_new_tokens`` tokens per row in one ``lax.while_loop`` (jit-safe).
 
     Prefills the left-padded prompts into a cache of ``P + max_new_tokens`` slots, then each step
-    draws ``x_t ~ p~(. | prompt, x_<t)`` (:func:`processed_logprobs`, :func:`sample_from_logprobs`,
-    key ``fold_in(key(seed), t)``) for rows still running and feeds it back with one
-    :func:`rljax.models.decode_step`. A row finishes after emitting a stop id (kept in the output)
-    or ``max_new`` tokens; the loop ends when all rows are done.
+    draws ``x_t ~ p~(. | prompt, x_<t)`` (:func:`processed_logprobs`, :func:`sample_by_inversion`
+    with the uniform of key ``fold_in(key(seed), t)``, all drawn before the loop by
+    :func:`step_uniforms`) for rows still running and feeds it back with one
+    :func:`rljax.models.decode_step`, which updates the loop-carried cache in place. A row finishes
+    after emitting a stop id (kept in the output) or ``max_new`` tokens; the loop ends when all rows
+    are done. No host synchronization happens inside the loop.
 
     Args:
       model: a :class:`rljax.models.Decoder`.
@@ -216,7 +311,7 @@ def generate_tokens(
     batch, prompt_len = prompt.shape
     greedy = temperature < GREEDY_EPS
     temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
-    keys = jax.vmap(jax.random.key)(seeds)
+    uniforms = step_uniforms(seeds, max_new_tokens)  # [B, M], drawn once, outside the loop
     logits, cache = prefill(
         model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids
     )
@@ -236,8 +331,8 @@ def generate_tokens(
 
     def body(c: _Carry) -> _Carry:
         logp = processed_logprobs(c.logits, temp, top_k, top_p)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, c.step)
-        token, token_logp = sample_from_logprobs(logp, step_keys, greedy)
+        u = jax.lax.dynamic_index_in_dim(uniforms, c.step, axis=1, keepdims=False)
+        token, token_logp = sample_by_inversion(logp, u, greedy)
         active = c.finish == FINISH_RUNNING
         token = jnp.where(active, token, pad_id)
         ids = jax.lax.dynamic_update_slice_in_dim(c.ids, token[:, None], c.step, axis=1)

@@ -10,6 +10,8 @@ the samples packed in a row; ``positions`` restart at 0 for every sample.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -113,15 +115,23 @@ def grouped_attention(
     chex.assert_rank([q, k, v, mask], [4, 4, 4, 3])
     chex.assert_equal_shape([k, v])
     b, t, n, d = q.shape
-    kv_heads = k.shape[2]
+    s, kv_heads = k.shape[1], k.shape[2]
     if n % kv_heads:
         raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({kv_heads})")
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    groups = n // kv_heads
+    f32 = jnp.float32
+    # Heads moved in front of the sequence axes first, so both products are plain batched matmuls
+    # over (B, K) with the contraction innermost: [B, K, G*T, D] x [B, K, S, D]^T, then
+    # [B, K, G*T, S] x [B, K, S, D]. Contracting the strided [B, T, K, G, D] layout directly is
+    # several times slower on CPU, forward and backward.
+    qt = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * t, d)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkmd,bksd->bkms", qt, kt, precision=precision, preferred_element_type=f32)
+    scores = scores.reshape(b, kv_heads, groups, t, s) * (d**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, groups * t, s)
+    out = jnp.einsum("bkms,bksd->bkmd", probs, vt, precision=precision, preferred_element_type=f32)
+    out = out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, n, d).astype(q.dtype)
 
 
@@ -160,10 +170,116 @@ def packed_attention(
     [0.0, 2.0, 8.0]
     """
     chex.assert_rank([q, k, v, q_segment_ids, kv_segment_ids, q_slots, kv_slots], [4, 4, 4, 2, 2, 1, 1])
+
+    def attend(q_i: jax.Array, seg_i: jax.Array, slots_i: jax.Array) -> jax.Array:
+        mask = attention_mask(seg_i, kv_segment_ids, slots_i, kv_slots)
+        return grouped_attention(q_i, k, v, mask, precision=precision)
+
+    return _in_query_blocks(attend, q, q_segment_ids, q_slots, chunk_size)
+
+
+# Causal blocks per row in the training forward: the scores computed are (n + 1) / (2 n) of the dense
+# T x T ones for n equal blocks (56 % at 8); more blocks save little and lengthen the unrolled graph.
+_CAUSAL_BLOCKS = 8
+_CAUSAL_BLOCK_QUANTUM = 128
+
+
+def causal_block_size(length: int, *, max_block_size: int | None = None) -> int:
+    """Query block size for :func:`causal_attention` on rows of ``length`` tokens.
+
+    ``block = min(max_block_size, 128 * ceil(length / (8 * 128)))``: about an eighth of the row in
+    multiples of 128 (so at most 8 blocks, fewer for short rows), capped by the memory bound
+    ``max_block_size`` (None: no cap).
+
+    >>> causal_block_size(1024), causal_block_size(3000), causal_block_size(16384, max_block_size=1024)
+    (128, 384, 1024)
+    """
+    if length <= 0:
+        raise ValueError(f"causal_block_size needs a positive row length, got {length}")
+    if max_block_size is not None and max_block_size <= 0:
+        raise ValueError(f"max_block_size must be a positive int or None, got {max_block_size}")
+    quantum = _CAUSAL_BLOCK_QUANTUM
+    block = -(-length // (_CAUSAL_BLOCKS * quantum)) * quantum
+    return block if max_block_size is None else min(block, max_block_size)
+
+
+def causal_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    segment_ids: chex.Array,
+    block_size: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> chex.Array:
+    """Causal, segment-masked GQA of packed rows over themselves, skipping fully masked key blocks.
+
+    Equal to ``packed_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+    q_slots=arange(T), kv_slots=arange(T))``, i.e. ``out[b, i] = softmax_j(q_i . k_j / sqrt(D) +
+    log mask[b, i, j]) v_j`` with ``mask[b, i, j] = (j <= i) & (seg[b, i] == seg[b, j])``.
+
+    With ``block_size`` set and ``T > block_size``, the queries are cut into consecutive blocks of
+    ``block_size`` (the last one shorter) and the block of queries ``[s, e)`` attends to the keys
+    ``[0, e)`` only: every later key is masked by causality, so its scores are never computed
+    (for ``n`` equal blocks, ``(n + 1) / (2 n)`` of the dense ``T x T`` scores, forward and backward).
+    This is the causal block skipping of FlashAttention-2 (Dao 2023, section 3.1), with one static
+    key prefix per query block instead of an online softmax. Each block is rematerialized in the
+    backward pass (``jax.checkpoint``), so memory is ``O(block_size * T)`` as in
+    :func:`packed_attention`. The blocks are unrolled (static shapes), so keep ``T / block_size``
+    small: :func:`causal_block_size` picks at most 8.
+
+    Args:
+      q: ``[B, T, N, D]``; k, v: ``[B, T, K, D]`` (the same tokens as the queries).
+      segment_ids: ``int [B, T]``, 0 = padding, samples ``1..k`` packed in each row.
+      block_size: queries per block (static), or None for one block.
+      precision: matmul precision.
+
+    Returns:
+      ``[B, T, N, D]`` in the dtype of ``q``.
+
+    >>> q = jnp.zeros((1, 3, 2, 4)); kv = jnp.arange(12.).reshape(1, 3, 1, 4); seg = jnp.array([[1, 1, 2]])
+    >>> causal_attention(q, kv, kv, segment_ids=seg, block_size=2)[0, :, 0, 0].tolist()
+    [0.0, 2.0, 8.0]
+    """
+    chex.assert_rank([q, k, v, segment_ids], [4, 4, 4, 2])
+    chex.assert_equal_shape([k, v])
+    chex.assert_equal_shape_prefix([q, k, v, segment_ids], 2)
+    t = q.shape[1]
+    if block_size is None or t <= block_size:
+        slots = jnp.arange(t, dtype=jnp.int32)
+        mask = attention_mask(segment_ids, segment_ids, slots, slots)
+        return grouped_attention(q, k, v, mask, precision=precision)
+    if block_size <= 0:
+        raise ValueError(f"attention block_size must be a positive int or None, got {block_size}")
+
+    def block(start: int, end: int) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]:
+        @jax.checkpoint
+        def attend(q_i: jax.Array, k_all: jax.Array, v_all: jax.Array, seg: jax.Array) -> jax.Array:
+            # Slicing inside the checkpoint keeps the full k, v (not one prefix per block) as residuals.
+            q_slots, kv_slots = jnp.arange(start, end, dtype=jnp.int32), jnp.arange(end, dtype=jnp.int32)
+            mask = attention_mask(seg[:, start:end], seg[:, :end], q_slots, kv_slots)
+            return grouped_attention(q_i, k_all[:, :end], v_all[:, :end], mask, precision=precision)
+
+        return attend
+
+    outs = [
+        block(start, min(t, start + block_size))(q[:, start : start + block_size], k, v, segment_ids)
+        for start in range(0, t, block_size)
+    ]
+    return jnp.concatenate(outs, axis=1)
+
+
+def _in_query_blocks(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    q: jax.Array,
+    q_segment_ids: jax.Array,
+    q_slots: jax.Array,
+    chunk_size: int | None,
+) -> jax.Array:
+    """``attend(q, q_segment_ids, q_slots)`` at once, or over blocks of ``chunk_size`` queries."""
     b, t, n, d = q.shape
     if chunk_size is None or t <= chunk_size:
-        mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)
-        return grouped_attention(q, k, v, mask, precision=precision)
+        return attend(q, q_segment_ids, q_slots)
     if chunk_size <= 0:
         raise ValueError(f"attention chunk_size must be a positive int or None, got {chunk_size}")
     num_blocks = -(-t // chunk_size)
@@ -175,9 +291,115 @@ def packed_attention(
 
     @jax.checkpoint
     def block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        q_i, seg_i, slots_i = args
-        mask = attention_mask(seg_i, kv_segment_ids, slots_i, kv_slots)
-        return grouped_attention(q_i, k, v, mask, precision=precision)
+        return attend(*args)
 
     out = jax.lax.map(block, (q_b.swapaxes(0, 1), seg_b.swapaxes(0, 1), slots_b))  # [nb, B, C, N, D]
     return out.swapaxes(0, 1).reshape(b, num_blocks * chunk_size, n, d)[:, :t]
+
+
+# -- KV-cache layout -------------------------------------------------------------------------------
+# A decode step reads the whole cache once per layer, so the cache is stored exactly as the attention
+# matmuls consume it: one batch axis ``B * K`` (row-major over (row, kv head)), then slots, then the
+# head dim. The scores are ``[B*K, S, D] x [B*K, G*T, D]^T`` and the output ``[B*K, G*T, S] x
+# [B*K, S, D]``: single-batch-axis matmuls whose cache operand needs no transpose or reshape, so the
+# one ``dynamic_update_slice`` that writes a step's keys/values feeds the matmul directly and XLA
+# updates the (loop-carried or donated) buffer in place instead of copying it every step.
+_KQ_DIMS = (((2,), (2,)), ((0,), (0,)))  # [BK, S, D] x [BK, GT, D] -> [BK, S, GT]
+_PV_DIMS = (((2,), (1,)), ((0,), (0,)))  # [BK, GT, S] x [BK, S, D] -> [BK, GT, D]
+
+
+def to_cache_layout(x: chex.Array) -> chex.Array:
+    """``[B, T, K, D]`` keys/values -> the cache layout ``[B*K, T, D]`` (entry ``b*K + k``).
+
+    >>> x = jnp.arange(8).reshape(1, 2, 2, 2)          # B=1, T=2, K=2, D=2
+    >>> to_cache_layout(x)[:, :, 0].tolist()            # head 0: tokens 0, 1; head 1: tokens 0, 1
+    [[0, 4], [2, 6]]
+    """
+    chex.assert_rank(x, 4)
+    b, t, k, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * k, t, d)
+
+
+def from_cache_layout(x: chex.Array, *, batch_size: int) -> chex.Array:
+    """Inverse of :func:`to_cache_layout`: ``[B*K, S, D]`` -> ``[B, S, K, D]``.
+
+    >>> x = jnp.arange(8).reshape(1, 2, 2, 2)
+    >>> bool((from_cache_layout(to_cache_layout(x), batch_size=1) == x).all())
+    True
+    """
+    chex.assert_rank(x, 3)
+    bk, s, d = x.shape
+    if batch_size <= 0 or bk % batch_size:
+        raise ValueError(f"cache leading axis {bk} is not a multiple of batch_size {batch_size}")
+    return x.reshape(batch_size, bk // batch_size, s, d).transpose(0, 2, 1, 3)
+
+
+def cache_attention(
+    q: chex.Array,
+    k_cache: chex.Array,
+    v_cache: chex.Array,
+    *,
+    q_segment_ids: chex.Array,
+    kv_segment_ids: chex.Array,
+    q_slots: chex.Array,
+    kv_slots: chex.Array,
+    chunk_size: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> chex.Array:
+    """:func:`packed_attention` with keys/values in the KV-cache layout ``[B*K, S, D]``.
+
+    With ``G = N // K`` query heads per key/value head and ``c = b*K + h // G`` the cache entry of
+    query head ``h`` of row ``b``:
+    ``out[b, t, h] = softmax_j(q[b, t, h] . k_cache[c, j] / sqrt(D) + log mask[b, t, j]) v_cache[c]``
+    with ``mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)`` (GQA, Ainslie
+    et al. 2023); scores and softmax in float32. Equal to ``packed_attention(q, from_cache_layout(
+    k_cache), from_cache_layout(v_cache), ...)`` without moving the cache.
+
+    Args:
+      q: ``[B, T, N, D]``; k_cache, v_cache: ``[B*K, S, D]`` (see :func:`to_cache_layout`).
+      q_segment_ids: ``int [B, T]``; kv_segment_ids: ``int [B, S]``; q_slots: ``int [T]``;
+        kv_slots: ``int [S]``.
+      chunk_size: queries per block (static), or None for one block.
+      precision: matmul precision.
+
+    Returns:
+      ``[B, T, N, D]`` in the dtype of ``q``.
+
+    >>> q = jnp.zeros((1, 2, 2, 4)); kv = jnp.arange(8.).reshape(1, 2, 4)   # K=1, S=2 slots
+    >>> seg = jnp.array([[1, 1]]); slots = jnp.arange(2)
+    >>> out = cache_attention(q, kv, kv, q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots,
+    ...                       kv_slots=slots)
+    >>> out[0, :, 0].tolist()
+    [[0.0, 1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0]]
+    """
+    chex.assert_rank([q, k_cache, v_cache, q_segment_ids, kv_segment_ids, q_slots, kv_slots],
+                     [4, 3, 3, 2, 2, 1, 1])  # fmt: skip
+    chex.assert_equal_shape([k_cache, v_cache])
+    b, _, n, d = q.shape
+    bk, s, _ = k_cache.shape
+    if bk % b or n % (bk // b):
+        raise ValueError(
+            f"cache leading axis {bk} must be batch ({b}) x kv heads, with query heads ({n}) a multiple "
+            "of the kv heads; build the cache with rljax.models.init_cache for this model and batch"
+        )
+    kv_heads = bk // b
+    groups = n // kv_heads
+    scale = d**-0.5
+    f32 = jnp.float32
+
+    def attend(q_i: jax.Array, seg_i: jax.Array, slots_i: jax.Array) -> jax.Array:
+        t = q_i.shape[1]
+        mask = attention_mask(seg_i, kv_segment_ids, slots_i, kv_slots)  # [B, T, S]
+        # [B, T, K, G, D] -> [B*K, G*T, D]: one batch axis, matching the cache.
+        qc = q_i.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(bk, groups * t, d)
+        # Scores as cache @ q^T ([B*K, S, G*T]): with the cache as the left operand a decode step is a
+        # matrix-vector product that streams the cache once (q @ cache^T is several times slower on CPU).
+        scores = jax.lax.dot_general(k_cache, qc, _KQ_DIMS, precision=precision, preferred_element_type=f32)
+        scores = scores.reshape(b, kv_heads, s, groups, t).transpose(0, 1, 3, 4, 2) * scale
+        scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(bk, groups * t, s)
+        out = jax.lax.dot_general(probs, v_cache, _PV_DIMS, precision=precision, preferred_element_type=f32)
+        out = out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
+        return out.astype(q_i.dtype)
+
+    return _in_query_blocks(attend, q, q_segment_ids, q_slots, chunk_size)

@@ -28,7 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rljax.models.attention import apply_rope, packed_attention, segment_positions
+from rljax.models.attention import (
+    apply_rope,
+    cache_attention,
+    causal_attention,
+    causal_block_size,
+    segment_positions,
+    to_cache_layout,
+)
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.kv_cache import KVCache
 
@@ -156,29 +163,36 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if layer_cache is None:
-            kv_segment_ids, q_slots = segment_ids, jnp.arange(t, dtype=jnp.int32)
-            kv_slots = q_slots
             new_cache = None
+            out = causal_attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                block_size=causal_block_size(t, max_block_size=chunk_size),
+                precision=self.precision,
+            )
         else:
+            # One in-place write per array, then attention straight from the updated cache buffers.
             k_cache, v_cache = layer_cache
-            k = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
-            kv_segment_ids = cache_segment_ids
-            q_slots = cache_index + jnp.arange(t, dtype=jnp.int32)
-            kv_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
-            new_cache = (k, v)
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        out = packed_attention(
-            q,
-            k,
-            v,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            q_slots=q_slots,
-            kv_slots=kv_slots,
-            chunk_size=chunk_size,
-            precision=self.precision,
-        )
+            k_cache = jax.lax.dynamic_update_slice_in_dim(
+                k_cache, to_cache_layout(k).astype(k_cache.dtype), cache_index, axis=1
+            )
+            v_cache = jax.lax.dynamic_update_slice_in_dim(
+                v_cache, to_cache_layout(v).astype(v_cache.dtype), cache_index, axis=1
+            )
+            new_cache = (k_cache, v_cache)
+            out = cache_attention(
+                q,
+                k_cache.astype(q.dtype),
+                v_cache.astype(q.dtype),
+                q_segment_ids=segment_ids,
+                kv_segment_ids=cache_segment_ids,
+                q_slots=cache_index + jnp.arange(t, dtype=jnp.int32),
+                kv_slots=jnp.arange(k_cache.shape[1], dtype=jnp.int32),
+                chunk_size=chunk_size,
+                precision=self.precision,
+            )
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
 
@@ -238,8 +252,10 @@ class Decoder(nnx.Module):
       param_dtype: storage dtype of parameters; default ``dtype``.
       remat: recompute each block in the backward pass (``nnx.remat``) to save activation memory.
       precision: matmul precision passed to every dot (e.g. ``"highest"`` for float32 parity on GPU/TPU).
-      attention_chunk_size: queries per attention block for rows longer than this (bounds attention
-        memory to ``O(chunk * L)``, see :func:`rljax.models.attention.packed_attention`); None = one block.
+      attention_chunk_size: at most this many queries per attention block (bounds attention memory to
+        ``O(chunk * L)``); None = no bound. The training forward cuts rows into causal blocks of
+        :func:`rljax.models.attention.causal_block_size` queries (at most 8 per row, each attending
+        only to the keys before its end, see :func:`rljax.models.attention.causal_attention`).
       rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,

@@ -8,6 +8,14 @@ default, from ``lengths`` (valid tokens already in each row), so a prompt's padd
 RoPE positions. Prefill followed by decode steps therefore gives exactly the logits of one full
 forward (test_models_kv_cache.py checks it against :func:`rljax.models.sequence_logprobs`).
 
+Layout (for speed): each layer's keys and values are ``[B*K, S, D]`` arrays, entry ``b*K + k`` holding
+kv head ``k`` of row ``b`` (:func:`rljax.models.attention.to_cache_layout`). That is exactly the
+operand of the decode attention matmuls (:func:`rljax.models.attention.cache_attention`), so a
+decode step writes each layer's new keys/values with ONE ``dynamic_update_slice`` and reads the
+cache without any transpose or copy; inside a ``lax.while_loop`` (or a jit with the cache donated)
+XLA updates the buffers in place, and a step costs one read of the cache instead of several copies
+(test_models_decode_perf.py checks the compiled program).
+
 Capacity: ``index + T`` must stay ``<= max_length``. Under ``jit`` the index is traced and cannot be
 checked (``dynamic_update_slice`` would clamp), so callers size the cache for prompt + new tokens;
 outside ``jit`` it is checked and a ``ValueError`` is raised.
@@ -23,6 +31,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rljax.models.attention import from_cache_layout
+
 if TYPE_CHECKING:
     from rljax.models.config import ModelConfig
     from rljax.models.decoder import Decoder
@@ -32,10 +42,12 @@ EMPTY_SLOT = -1  # segment id of a slot nothing has been written to: matches no 
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer keys/values ``[B, S, K, D]`` plus the slot bookkeeping shared by all layers.
+    """Per-layer keys/values ``[B*K, S, D]`` plus the slot bookkeeping shared by all layers.
 
     Attributes:
-      keys, values: tuples (one entry per layer) of ``[B, S, num_kv_heads, head_dim]`` arrays.
+      keys, values: tuples (one entry per layer) of ``[batch * num_kv_heads, max_length, head_dim]``
+        arrays in the cache layout (:func:`rljax.models.attention.to_cache_layout`; use
+        :meth:`layer_keys` / :meth:`layer_values` for ``[B, S, K, D]`` views).
       segment_ids: ``int32 [B, S]`` segment of each slot; ``EMPTY_SLOT`` (-1) where unwritten.
       lengths: ``int32 [B]`` valid (non-padding) tokens written per row = next default position.
       index: ``int32 []`` next slot to write (the same for every row).
@@ -51,6 +63,19 @@ class KVCache:
     def max_length(self) -> int:
         """Number of slots per row."""
         return self.segment_ids.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return self.segment_ids.shape[0]
+
+    def layer_keys(self, layer: int) -> jax.Array:
+        """Keys of one layer as ``[B, S, K, D]`` (a transposed copy; for inspection and tests)."""
+        return from_cache_layout(self.keys[layer], batch_size=self.batch_size)
+
+    def layer_values(self, layer: int) -> jax.Array:
+        """Values of one layer as ``[B, S, K, D]`` (a transposed copy; for inspection and tests)."""
+        return from_cache_layout(self.values[layer], batch_size=self.batch_size)
 
     def check_capacity(self, num_new: int) -> None:
         """Raises ``ValueError`` when ``num_new`` tokens do not fit (checked only when not traced)."""
@@ -81,12 +106,12 @@ def init_cache(
     >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
     ...                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4)
     >>> cache = init_cache(cfg, batch_size=3, max_length=5)
-    >>> (len(cache.keys), cache.keys[0].shape, int(cache.index))
-    (2, (3, 5, 1, 4), 0)
+    >>> (len(cache.keys), cache.keys[0].shape, cache.layer_keys(0).shape, int(cache.index))
+    (2, (3, 5, 4), (3, 5, 1, 4), 0)
     """
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}")
-    shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+    shape = (batch_size * config.num_kv_heads, max_length, config.head_dim)
     return KVCache(
         keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
         values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
@@ -168,6 +193,10 @@ def _prefill(
 def decode_step(model: Decoder, tokens: chex.Array, cache: KVCache) -> tuple[chex.Array, KVCache]:
     """Feeds one token per row (``int32 [B]``) at position ``cache.lengths`` (jitted after a capacity check).
 
+    The input ``cache`` is donated: its buffers become the returned cache's (each layer's keys and
+    values are written in place, nothing is copied), so use only the returned cache afterwards.
+    Inside a traced loop (``lax.while_loop`` carry) the same in-place update happens without donation.
+
     Returns:
       ``(logits, cache)``: float32 ``[B, V]`` logits for the following token, and the updated cache.
 
@@ -187,7 +216,7 @@ def decode_step(model: Decoder, tokens: chex.Array, cache: KVCache) -> tuple[che
     return _decode_step(model, tokens, cache)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames="cache")
 def _decode_step(model: Decoder, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     hidden, cache = model.decode(tokens[:, None], cache)
     return model.logits(hidden[:, 0]), cache

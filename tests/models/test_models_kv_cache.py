@@ -127,5 +127,7 @@ def test_cache_capacity_errors(model):
 def test_init_cache_layout(model):
     cache = models.init_cache(model.config, batch_size=2, max_length=7, dtype=jnp.bfloat16)
     assert len(cache.keys) == len(cache.values) == model.config.num_layers
-    assert cache.keys[0].shape == (2, 7, 1, 8) and cache.keys[0].dtype == jnp.bfloat16
+    # Cache layout [B * K, S, D] (what the decode matmuls consume); layer_keys gives [B, S, K, D].
+    assert cache.keys[0].shape == (2 * 1, 7, 8) and cache.keys[0].dtype == jnp.bfloat16
+    assert cache.layer_keys(0).shape == cache.layer_values(1).shape == (2, 7, 1, 8)
     assert np.all(np.asarray(cache.segment_ids) == models.kv_cache.EMPTY_SLOT) and cache.max_length == 7
