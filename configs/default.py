@@ -4,7 +4,7 @@ Everything is built on the fly (no downloads): a byte-level toy ChatML tokenizer
 decoder, the embedded JAX sampler, and the ``lookup`` environment (call a tool, read its answer, reply).
 A short warm start (400 cross-entropy steps on demonstrations from ``env.solution`` whose final answer
 is replaced by a wrong color 60% of the time) teaches the tool-call format; the warm-started policy
-answers correctly ~35-40% of the time, and GRPO + DPPO (60 steps, 16 prompts x 8 samples) must learn
+answers correctly ~35-40% of the time, and GRPO + DPPO (120 steps, 16 prompts x 8 samples) must learn
 to look up the right key and copy the tool's answer.
 
     python -m launch.train --config=configs/default.py --workdir=/tmp/rljax_default
@@ -80,7 +80,7 @@ def get_config() -> config_dict.ConfigDict:
         log_every=20,
     )
     c.trainer = dict(
-        num_steps=60,
+        num_steps=120,
         mode="sync",  # or "async": rollout of step n+1 overlaps training of step n
         max_off_policy_steps=1,
         prompts_per_step=16,
