@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import sys
 
+import httpx
 import numpy as np
 import pytest
 from test_inference_launcher import fake_config
@@ -165,8 +166,18 @@ def test_stop_token_ids_end_generation_and_are_returned(vllm_server, tiny_models
     )
 
 
+async def requests_running(url: str) -> float:
+    """``vllm:num_requests_running`` from the server's Prometheus ``/metrics`` page."""
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        text = (await http.get(f"{url}/metrics")).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:num_requests_running")]  # fmt: skip
+    return sum(values)
+
+
 def test_abort_is_surfaced_with_exact_partial_tokens(vllm_server, tiny_models):
-    # Eight long generations at once (slow enough to be mid-way at 0.3 s), then a server-side abort.
+    # Eight long generations at once; the abort is sent as soon as the server reports them running (a
+    # fixed sleep raced a fast machine, where all 500 tokens were out before it fired).
     prompts = [[9, 8, 7, i] for i in range(8)]
 
     async def main():
@@ -176,7 +187,10 @@ def test_abort_is_surfaced_with_exact_partial_tokens(vllm_server, tiny_models):
                 asyncio.create_task(client.generate(p, SamplingParams(max_tokens=500, seed=i)))
                 for i, p in enumerate(prompts)
             ]
-            await asyncio.sleep(0.3)
+            for _ in range(2000):
+                if await requests_running(vllm_server.url) > 0:
+                    break
+                await asyncio.sleep(0.005)
             await client.post_all("/pause?mode=abort")
             await client.post_all("/resume")
             return await asyncio.gather(*tasks)
