@@ -2,7 +2,8 @@
 
 Everything here is a pure, jit/vmap-safe function of arrays. The decoder modules call these; the KV
 cache reuses the same mask and attention with "slot" indices, so a packed forward, a prefill and a
-step-by-step decode are one code path.
+step-by-step decode are one code path. The training forward (:func:`causal_attention`) computes
+the same attention in causal query blocks that skip the key blocks every query of the block masks.
 
 Packing convention (SPEC §2.6): ``segment_ids`` is ``int32 [B, L]`` with 0 = padding and 1..k for
 the samples packed in a row; ``positions`` restart at 0 for every sample.
@@ -129,8 +130,16 @@ def grouped_attention(
     scores = jnp.einsum("bkmd,bksd->bkms", qt, kt, precision=precision, preferred_element_type=f32)
     scores = scores.reshape(b, kv_heads, groups, t, s) * (d**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, groups * t, s)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, vt, precision=precision, preferred_element_type=f32)
+    # softmax(x) v = (exp(x - m) v) / sum(exp(x - m)) for any constant m (the row max, for range).
+    # Normalizing the [.., D] product instead of the [.., S] probabilities (FlashAttention-2's
+    # deferred normalization, Dao 2023, section 3.1) saves a pass over the scores, and the backward
+    # then reduces rowsum(dout * out) over D instead of rowsum(P * dP) over S (FlashAttention,
+    # Dao et al. 2022, appendix B.2).
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    weights = jnp.exp(scores - row_max)
+    denom = jnp.sum(weights, axis=-1).reshape(b, kv_heads, groups * t, 1)
+    weights = weights.astype(v.dtype).reshape(b, kv_heads, groups * t, s)
+    out = jnp.einsum("bkms,bksd->bkmd", weights, vt, precision=precision, preferred_element_type=f32) / denom
     out = out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, n, d).astype(q.dtype)
 

@@ -223,3 +223,37 @@ def test_decoder_forward_is_independent_of_the_attention_blocks():
         for chunk in (None, 3)
     )
     np.testing.assert_allclose(blocked, dense, atol=1e-5)
+
+
+def _jaxpr_eqns(jaxpr):
+    yield from jaxpr.eqns
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _jaxpr_eqns(sub)
+
+
+def test_decoder_training_forward_skips_masked_key_blocks():
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=8)  # fmt: skip
+    model = Decoder(cfg, rngs=nnx.Rngs(0))  # default attention_chunk_size; no GQA, so scores are [.., T, S]
+    t = 256  # causal_block_size(256) = 128: two query blocks, the first one sees 128 keys only
+    graphdef, params = nnx.split(model)
+    loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, jnp.zeros((1, t), jnp.int32)).jaxpr
+    shapes = {tuple(v.aval.shape) for e in _jaxpr_eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
+    assert not [s for s in shapes if len(s) >= 2 and s[-2:] == (t, t)], "dense [T, T] scores were built"
+    assert [s for s in shapes if len(s) >= 2 and s[-2:] == (128, 128)]
+
+
+def test_linear_kernel_gradient_contracts_a_single_axis():
+    # Performance guard: the kernel gradient of a [B, T, in] input must be one plain matmul over the
+    # flattened tokens (contracting (B, T) as two axes is several times slower on XLA:CPU).
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
+    graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+    loss = lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, jnp.zeros((2, 5), jnp.int32)).jaxpr
+    dots = [e for e in _jaxpr_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots
+    for eqn in dots:
+        (lhs_contract, rhs_contract), _ = eqn.params["dimension_numbers"]
+        assert len(lhs_contract) == len(rhs_contract) == 1, eqn
