@@ -66,6 +66,9 @@ class Step:
       algorithm: name of the algorithm (SPEC §3.6) that trains it.
       temperature: sampling temperature; the trainer divides logits by it.
       policy_version: weight version of the policy that sampled the step.
+      prompt_roles: optional, one entry per prompt token: the role of the message whose BODY
+        the token is (e.g. "tool", "user"), None for template scaffolding; the rollout records
+        it from the renderer, and the echo algorithm reads it (:mod:`rljax.data.echo`).
     """
 
     prompt_ids: Sequence[int]
@@ -80,6 +83,7 @@ class Step:
     algorithm: str = "grpo"
     temperature: float = 1.0
     policy_version: int = 0
+    prompt_roles: Sequence[str | None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trajectory_id", TrajectoryID.coerce(self.trajectory_id))

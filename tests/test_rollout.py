@@ -119,6 +119,7 @@ def test_multi_turn_ids_trained_equal_ids_sampled():
         assert len(steps) == len(log) == 2
         for step, (prompt, sampling, completion) in zip(steps, log, strict=True):
             assert list(step.prompt_ids) == prompt  # what the engine received
+            assert len(step.prompt_roles) == len(prompt)  # one role per prompt id (echo reads them)
             assert list(step.response_ids) == list(completion.ids)  # exactly what it returned
             assert list(step.response_logprobs) == list(completion.logprobs)
             assert list(step.loss_mask) == [1] * len(completion.ids)
@@ -165,6 +166,7 @@ def test_full_render_mode_and_env_algorithm_override():
     tool = env.step(CALL.format(tasks[0].data["query"])).messages
     expected = RENDERER.render_ids([*messages, call, *tool], add_generation_prompt=True, tools=env.tools)
     assert list(steps[1].prompt_ids) == expected
+    assert [len(s.prompt_roles) for s in steps] == [len(s.prompt_ids) for s in steps]
     assert result.metrics["bridged_fraction"] == 0.0
     assert {s.algorithm for s in steps} == {"echo"} and steps[-1].reward == 1.0
 

@@ -16,6 +16,11 @@ the next turn. Completions are recorded as the sampler's ids and never re-tokeni
 After ``add_messages``, ``session.bridged`` says whether the new prompt extends the previous
 prompt + completion (so merging turns keeps one sample), and ``session.prompt_roles``
 attributes the ids that are new in this prompt (the bridge suffix, or the whole render).
+``session.full_prompt_roles`` has one entry per id of the WHOLE ``prompt_ids``: the role of the
+message whose body the token is, None for template scaffolding (what ``Step.prompt_roles``
+records and the echo algorithm, :mod:`rljax.data.echo`, reads). For a bridged prompt it is
+the previous prompt's entries, ``"assistant"`` for every sampled completion id (the end-of-turn
+token included: they are the policy's own tokens), then the bridge suffix's entries.
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ from typing import Any
 
 from rljax.chat.base import Message, ParsedResponse, Rendered, Renderer, check_messages
 
-__all__ = ["ChatSession"]
+__all__ = ["ChatSession", "body_roles"]
+
+
+def body_roles(rendered: Rendered) -> list[str | None]:
+    """Per token: its message's role when the token is message body, else None (scaffolding).
+
+    >>> body_roles(Rendered([5, 6, 7], ["tool", "tool", None], [0, 0, None], [False, True, False]))
+    [None, 'tool', None]
+    """
+    return [r if b else None for r, b in zip(rendered.roles, rendered.is_body, strict=True)]
 
 
 class ChatSession:
@@ -47,6 +61,10 @@ class ChatSession:
     >>> nxt = s.add_messages([{"role": "user", "content": "bye"}])
     >>> s.bridged, nxt[: len(first) + len(completion)] == first + completion
     (True, True)
+    >>> len(s.full_prompt_roles) == len(nxt)
+    True
+    >>> [r for r in s.full_prompt_roles if r]   # "hi", the completion "yo<|im_end|>", "bye"
+    ['user', 'user', 'assistant', 'assistant', 'assistant', 'user', 'user', 'user']
     """
 
     def __init__(
@@ -59,6 +77,7 @@ class ChatSession:
             self.messages, add_generation_prompt=True, tools=self.tools
         )
         self.prompt_ids: list[int] = list(self.prompt_roles.ids)
+        self.full_prompt_roles: list[str | None] = body_roles(self.prompt_roles)
         self.bridged = False
         self._completion: list[int] | None = None
 
@@ -85,9 +104,15 @@ class ChatSession:
                 self.messages, add_generation_prompt=True, tools=self.tools
             )
             self.prompt_ids = list(self.prompt_roles.ids)
+            self.full_prompt_roles = body_roles(self.prompt_roles)
             self.bridged = False
         else:
             self.prompt_ids = [*self.prompt_ids, *self._completion, *suffix.ids]
+            self.full_prompt_roles = [
+                *self.full_prompt_roles,
+                *["assistant"] * len(self._completion),
+                *body_roles(suffix),
+            ]
             self.prompt_roles = suffix
             self.bridged = True
         self._completion = None

@@ -34,6 +34,9 @@ Decisions (beyond SPEC §2.5):
 * ``policy_version`` of a merged sample is the OLDEST version among its turns (the
   conservative choice for staleness checks); other fields come from its first turn, except
   ``stop_reason`` (last merged turn) and ``is_last_step`` (holds the trajectory's final turn).
+  ``prompt_roles`` is the first turn's, so it stays aligned with the merged sample's prompt;
+  the roles of the gap tokens are the tails of the later turns' ``prompt_roles``
+  (:func:`rljax.data.echo.response_roles`).
 * Output order: each merged sample takes the batch position of its last merged turn, so
   the sample holding a trajectory's final turn is the trajectory's last sample and the
   merged batch is again a valid :class:`~rljax.types.StepBatch`.

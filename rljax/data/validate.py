@@ -125,6 +125,33 @@ def _check_id_types(values: Any, field: str, where: str) -> None:
         )
 
 
+_ROLE_TYPES = frozenset({str, type(None)})
+
+
+def _check_prompt_roles(roles: Any, num_prompt: int, where: str) -> None:
+    """``prompt_roles``: None, or one ``str | None`` entry per prompt token."""
+    if isinstance(roles, (str, bytes)) or not isinstance(roles, (list, tuple, np.ndarray)):
+        raise ValueError(
+            f"{where}: prompt_roles must be None or a list with one role (str or None) per prompt "
+            f"token, got {type(roles).__name__}"
+        )
+    if len(roles) != num_prompt:
+        raise ValueError(
+            f"{where}: prompt_roles has {len(roles)} entries but prompt_ids has {num_prompt}; "
+            "give one role per prompt token (None for template scaffolding)"
+        )
+    if set(map(type, roles)) <= _ROLE_TYPES:
+        return
+    hit = next(((k, v) for k, v in enumerate(roles) if not (v is None or isinstance(v, str))), None)
+    if hit is None:  # str subclasses (e.g. numpy strings)
+        return
+    pos, bad = hit
+    raise ValueError(
+        f"{where}: prompt_roles[{pos}] = {bad!r} of type {type(bad).__name__}; entries must be a role "
+        "name (str) or None"
+    )
+
+
 class _Flat:
     """Concatenation of one per-token field over steps, with the owning step of each token."""
 
@@ -157,7 +184,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
     ``response_logprobs``) have ``len(response_ids)`` entries; token ids are ints in
     ``[0, vocab_size)`` (``>= 0`` when the vocabulary is unknown); loss mask entries are 0/1;
     logprobs are finite and ``<= 0``; rewards are finite and either all scalars or all
-    per-token; ``temperature`` is finite and ``> 0``; the prompt is non-empty; each trajectory
+    per-token; ``temperature`` is finite and ``> 0``; the prompt is non-empty; ``prompt_roles``
+    is None or has one ``str | None`` entry per prompt token; each trajectory
     has exactly one ``is_last_step=True`` and it is its final step in list order (steps of
     different trajectories may interleave). An all-zero loss mask over a non-empty batch
     emits :class:`AllMaskedWarning` instead of raising.
@@ -215,6 +243,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
                 f"{w}: prompt_ids is empty; every turn needs the prompt tokens the engine received"
             )
         _check_id_types(s.prompt_ids, "prompt_ids", w)
+        if s.prompt_roles is not None:
+            _check_prompt_roles(s.prompt_roles, p.shape[0], w)
         r = _to_array(s.response_ids, "response_ids", w, "iu")
         _check_id_types(s.response_ids, "response_ids", w)
         n = r.shape[0]

@@ -164,12 +164,16 @@ def test_agent_loop_zero_drift(toks, name):
             steps.append((prompt, list(completion)))
             new = cf.env_messages(rng, parsed, dict_tool_content=conv.get("dict_tool_content", False))
             session.add_messages(new)
+            assert len(session.full_prompt_roles) == len(session.prompt_ids)  # one role per prompt id
             n_turns += 1
             bridged_flags.append(session.bridged)
             assert session.bridged == expected_bridge(policy, tok, eot_id, prompt, completion, new)
             if session.bridged:
                 n_bridged += 1
                 assert session.prompt_ids[: len(prompt) + len(completion)] == prompt + completion
+                assert session.full_prompt_roles[len(prompt) : len(prompt) + len(completion)] == (
+                    ["assistant"] * len(completion)
+                )
                 assert session.prompt_ids == prompt + completion + session.prompt_roles.ids
                 if canonical_so_far and reference == "template":
                     cf.assert_bridge_matches_template(

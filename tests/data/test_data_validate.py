@@ -68,6 +68,9 @@ def test_valid_variants_pass():
         ),
         _step(T("b", 0), response_ids=[], loss_mask=[], response_logprobs=[], reward=[]),
         _step(T("c", 0), reward=np.array([1.0, -1.0]), temperature=0.7, stop_reason="length"),
+        # per-prompt-token roles: str or None (numpy strings too)
+        _step(T("d", 0), prompt_roles=[None, "user", "tool"], reward=[0.0, 1.0]),
+        _step(T("e", 0), prompt_roles=np.array(["system", "user", "user"]), reward=[1.0, 0.0]),
     ]
     validate.validate_steps(steps, vocab_size=10)
     validate.validate_steps([], vocab_size=3)
@@ -179,6 +182,15 @@ MALFORMED = [
     ("bad_trajectory_types", _mutate(3, trajectory_id=TrajectoryID(7, 0)), "trajectory_id needs", 3, "7#0"),
     ("env_not_str", _mutate(1, env=3), "env must be a non-empty str", 1, "q0#1"),
     ("policy_version", _mutate(1, policy_version=-1), "policy_version", 1, "q0#1"),
+    (
+        "prompt_roles_len",
+        _mutate(1, prompt_roles=[None, "user"]),
+        "prompt_roles has 2 entries but prompt_ids has 3",
+        1,
+        "q0#1",
+    ),
+    ("prompt_roles_entry", _mutate(2, prompt_roles=[None] * 5 + [3]), "prompt_roles[5] = 3", 2, "q0#0"),
+    ("prompt_roles_str", _mutate(3, prompt_roles="tool"), "prompt_roles must be None or a list", 3, "q1#0"),
 ]
 
 
