@@ -12,7 +12,7 @@ See :mod:`rljax.chat.base` for the contract, :mod:`rljax.chat.session` for the a
 helper and :mod:`rljax.chat.tool_calls` for the parsers.
 """
 
-from rljax.chat.base import ParsedResponse, Rendered, Renderer, TemplateRenderer
+from rljax.chat.base import DemonstrationHint, ParsedResponse, Rendered, Renderer, TemplateRenderer
 from rljax.chat.chatml import QWEN25_DEFAULT_SYSTEM, ChatMLRenderer, Qwen25Renderer
 from rljax.chat.generic import GenericRenderer
 from rljax.chat.llama3 import Llama3Renderer
@@ -32,6 +32,7 @@ __all__ = [
     "RENDERERS",
     "ChatMLRenderer",
     "ChatSession",
+    "DemonstrationHint",
     "GenericRenderer",
     "Llama3Renderer",
     "ParsedResponse",

@@ -27,6 +27,10 @@ Interface (every renderer):
   the template would rewrite earlier turns). The caller then falls back to ``render_ids``.
   ``bridge_with_roles`` returns only the appended part, with roles (message indices refer to
   ``new_messages``).
+* ``demonstration_hint(demonstration) -> DemonstrationHint`` -- the ids of a system turn that
+  carries a task's demonstration and where to insert them into any prompt of this format
+  (after the template's fixed preamble, e.g. ``<|begin_of_text|>``), for scoring samples on a
+  demonstration-conditioned prompt (opsd, SPEC §3.6).
 
 Renderers that spell out a format (ChatML, Qwen3, Llama 3) build ids from *pieces*: single
 special tokens (one id each) and text between them, each text run tokenized as a whole. A
@@ -46,6 +50,8 @@ from typing import Any
 from rljax.chat.tool_calls import ToolCallError
 
 __all__ = [
+    "DEFAULT_DEMONSTRATION_TEMPLATE",
+    "DemonstrationHint",
     "Message",
     "ParsedResponse",
     "Piece",
@@ -53,11 +59,15 @@ __all__ = [
     "Renderer",
     "TemplateRenderer",
     "check_messages",
+    "demonstration_text",
     "encode_pieces",
     "normalize_tools",
 ]
 
 Message = Mapping[str, Any]
+
+#: Default text of the system turn that carries a task's demonstration (opsd).
+DEFAULT_DEMONSTRATION_TEMPLATE = "A worked demonstration for this task:\n{demonstration}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +157,95 @@ class ParsedResponse:
         if self.tool_calls:
             message["tool_calls"] = [dict(c) for c in self.tool_calls]
         return message
+
+
+@dataclasses.dataclass(frozen=True)
+class DemonstrationHint:
+    """A demonstration rendered as a system turn, and where it goes in a prompt of its format.
+
+    The demonstration-conditioned prompt of a prompt ``p`` is
+    ``p[:insert_at] + ids + p[insert_at:]`` (see
+    :func:`rljax.data.demonstrations.condition_on_demonstration`).
+
+    Attributes:
+      insert_at: number of leading prompt tokens the turn goes after: the template's fixed
+        preamble (0 for ChatML / Qwen, 1 for Llama 3's ``<|begin_of_text|>``).
+      ids: token ids of the whole system turn (empty: no demonstration, nothing inserted).
+      prefix: the ids a prompt must start with for the insertion to be right (the preamble,
+        ``len(prefix) == insert_at``); empty means "not checked".
+
+    >>> h = DemonstrationHint(1, (7, 8), prefix=(0,))
+    >>> p = [0, 5, 6]
+    >>> p[: h.insert_at] + list(h.ids) + p[h.insert_at :]
+    [0, 7, 8, 5, 6]
+    """
+
+    insert_at: int
+    ids: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.insert_at, int) or self.insert_at < 0:
+            raise ValueError(f"DemonstrationHint.insert_at must be an int >= 0, got {self.insert_at!r}")
+        object.__setattr__(self, "ids", tuple(int(i) for i in self.ids))
+        object.__setattr__(self, "prefix", tuple(int(i) for i in self.prefix))
+        if self.prefix and len(self.prefix) != self.insert_at:
+            raise ValueError(
+                f"DemonstrationHint.prefix has {len(self.prefix)} ids but insert_at={self.insert_at}; "
+                "the prefix is the prompt's first insert_at ids (or empty to skip the check)"
+            )
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+
+def demonstration_text(demonstration: str | None, template: str) -> str | None:
+    """The system text carrying ``demonstration`` (``template`` formatted), or None when there is none.
+
+    ``None`` and ``""`` mean "no demonstration". ``template`` must contain ``{demonstration}``.
+
+    >>> demonstration_text("2 + 2 = 4", "Example:\\n{demonstration}")
+    'Example:\\n2 + 2 = 4'
+    >>> demonstration_text("", "Example:\\n{demonstration}") is None
+    True
+    """
+    if demonstration is None or demonstration == "":
+        return None
+    if not isinstance(demonstration, str):
+        raise ValueError(f"demonstration must be a string or None, got {type(demonstration).__name__}")
+    if not isinstance(template, str) or "{demonstration}" not in template:
+        raise ValueError(
+            f"demonstration template must be a string containing '{{demonstration}}', got {template!r}"
+        )
+    return template.replace("{demonstration}", demonstration)
+
+
+def _find_insertion(plain: Sequence[int], conditioned: Sequence[int]) -> tuple[int, tuple[int, ...]] | None:
+    """Smallest ``i`` and non-empty ``h`` with ``conditioned == plain[:i] + h + plain[i:]``, or None."""
+    plain, conditioned = list(plain), list(conditioned)
+    extra = len(conditioned) - len(plain)
+    if extra <= 0:
+        return None
+    for i in range(len(plain) + 1):
+        if i and conditioned[i - 1] != plain[i - 1]:
+            return None
+        if conditioned[i + extra :] == plain[i:]:
+            return i, tuple(conditioned[i : i + extra])
+    return None  # pragma: no cover - the loop returns at i = len(plain) at the latest
+
+
+# Probe conversations of the fixed-base demonstration method (different lengths and texts, with and
+# without a system message, so a template whose insertion point or hint depends on the
+# conversation is caught).
+_HINT_BASES: tuple[tuple[dict[str, str], ...], ...] = (
+    ({"role": "user", "content": "x"},),
+    ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "y"}),
+    (
+        {"role": "user", "content": "Hello there, what is 12 + 30?"},
+        {"role": "assistant", "content": "It is 42."},
+        {"role": "user", "content": "thanks"},
+    ),
+)
 
 
 def check_messages(messages: Sequence[Message], *, allow_empty: bool = False) -> list[Message]:
@@ -315,6 +414,55 @@ class Renderer(abc.ABC):
         """Text of ids, special tokens kept, no clean-up (for environments and parsing)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    demonstration_template: str = DEFAULT_DEMONSTRATION_TEMPLATE
+
+    def demonstration_hint(
+        self, demonstration: str | None, *, template: str | None = None
+    ) -> DemonstrationHint:
+        """A system turn carrying ``demonstration`` and where it goes in this format's prompts (opsd).
+
+        This default is the *fixed-base* method: for fixed probe conversations ``c`` (with and
+        without a system message) it renders ``c`` and ``[system(text)] + c`` (with the
+        generation prompt) and requires the second to be the first with one contiguous block of
+        ids inserted, at the same index and with the same ids for every probe; that block and
+        index are the hint (the smallest such index). Otherwise (the template
+        merges the system text into another turn, replaces a default system prompt, rejects
+        system messages, ...) it raises ``NotImplementedError``: use the format's renderer.
+
+        Args:
+          demonstration: the task's demonstration text; None or ``""`` gives an empty hint.
+          template: system text with a ``{demonstration}`` field (default:
+            :attr:`demonstration_template`).
+        """
+        text = demonstration_text(
+            demonstration, self.demonstration_template if template is None else template
+        )
+        if text is None:
+            return DemonstrationHint(0, ())
+        found = set()
+        for base in _HINT_BASES:
+            try:
+                plain = self.render_ids(base, add_generation_prompt=True)
+                conditioned = self.render_ids(
+                    [{"role": "system", "content": text}, *base], add_generation_prompt=True
+                )
+            except Exception as e:  # any template error: the method does not apply
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot render a leading system message ({e}); demonstration "
+                    "conditioning needs a chat template with system messages"
+                ) from e
+            found.add(_find_insertion(plain, conditioned))
+        if len(found) != 1 or None in found:
+            raise NotImplementedError(
+                f"{type(self).__name__}: this chat template does not render a leading system message as "
+                "an insertion into the conversation's ids (it merges it into another turn or replaces a "
+                "default system prompt), so a demonstration cannot be inserted into prompts token-exactly; "
+                "use the format's renderer (chatml, qwen3, llama3) for demonstration conditioning"
+            )
+        insert_at, ids = found.pop()
+        prefix = self.render_ids(_HINT_BASES[0], add_generation_prompt=True)[:insert_at]
+        return DemonstrationHint(insert_at, ids, prefix=tuple(prefix))
+
 
 def _added_token(tokenizer: Any, text: str) -> Any | None:
     for token in tokenizer.added_tokens_decoder.values():
@@ -453,6 +601,62 @@ class TemplateRenderer(Renderer):
         if cut is None:  # pragma: no cover - every format closes the assistant turn
             return None
         return encode_pieces(self.tokenizer, pieces[cut + 1 :], self._special_ids).shifted(base)
+
+    def demonstration_hint(
+        self, demonstration: str | None, *, template: str | None = None
+    ) -> DemonstrationHint:
+        """A system turn carrying ``demonstration``, inserted after the format's fixed preamble.
+
+        The ids are the pieces this renderer produces for a system message that is not the
+        first message (a plain system turn: no default prompt, tools or date preamble), and
+        ``insert_at`` is the length of the pieces every render starts with that belong to no
+        message (Llama 3's ``<|begin_of_text|>``; nothing for ChatML). The turn starts with a
+        special token and the prompt continues with one, so its text runs tokenize exactly as
+        in a full render. For a conversation without tools the result is this renderer's full
+        render of ``[system(text)] + messages`` (Qwen2.5: before its default system turn; Llama
+        3.1+: before the dated system turn, an extra turn the official template never emits).
+
+        Args:
+          demonstration: the task's demonstration text; None or ``""`` gives an empty hint.
+          template: system text with a ``{demonstration}`` field (default:
+            :attr:`demonstration_template`).
+
+        >>> from rljax.chat.toy import toy_tokenizer
+        >>> from rljax.chat.llama3 import Llama3Renderer
+        >>> r = Llama3Renderer(toy_tokenizer("llama3"))
+        >>> h = r.demonstration_hint("2 + 2 = 4", template="Example: {demonstration}")
+        >>> h.insert_at, r.decode(h.ids)
+        (1, '<|start_header_id|>system<|end_header_id|>\\n\\nExample: 2 + 2 = 4<|eot_id|>')
+        """
+        text = demonstration_text(
+            demonstration, self.demonstration_template if template is None else template
+        )
+        if text is None:
+            return DemonstrationHint(0, ())
+        probe = [{"role": "system", "content": ""}, {"role": "system", "content": text}, *_HINT_BASES[0]]
+        pieces = self._pieces(probe, add_generation_prompt=False, tools=None)
+        span = [k for k, p in enumerate(pieces) if p.message_index == 1]
+        plain = self._pieces(list(_HINT_BASES[0]), add_generation_prompt=False, tools=None)
+        lead = 0
+        while lead < len(plain) and plain[lead].role is None and plain[lead].message_index is None:
+            lead += 1
+        contiguous = bool(span) and span == list(range(span[0], span[-1] + 1))
+        if not (
+            contiguous
+            and pieces[span[0]].special
+            and span[-1] + 1 < len(pieces)
+            and pieces[span[-1] + 1].special
+            and all(p.special for p in plain[:lead])
+            and lead < len(plain)
+            and plain[lead].special
+        ):  # pragma: no cover - holds for every built-in format; guards subclasses
+            raise NotImplementedError(
+                f"{type(self).__name__}: a system turn is not delimited by special tokens in this format, "
+                "so it cannot be inserted into prompts token-exactly"
+            )
+        ids = encode_pieces(self.tokenizer, [pieces[k] for k in span], self._special_ids).ids
+        prefix = encode_pieces(self.tokenizer, plain[:lead], self._special_ids).ids
+        return DemonstrationHint(len(prefix), tuple(ids), prefix=tuple(prefix))
 
 
 def _last_index(items: Sequence[Any], pred: Callable[[Any], bool]) -> int | None:

@@ -55,15 +55,22 @@ class Task:
       data: environment-specific payload (question, answer, tables, ...).
       env: name of the environment that runs it (lets one rollout mix environments).
       split: "train" or "test".
+      demonstration: optional worked solution of the task as text (e.g. a reference answer with
+        its derivation). Algorithms that condition on demonstrations (opsd) render it into a
+        system block of the scoring prompt (``Renderer.demonstration_hint``); the sampled
+        prompt never contains it. None = no demonstration.
 
     >>> Task("arith-3+4", {"question": "3+4", "answer": "7"}, env="arithmetic").id
     'arith-3+4'
+    >>> Task("arith-3+4", demonstration="3 + 4 = 7, so the answer is 7.").demonstration[:5]
+    '3 + 4'
     """
 
     id: str
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     env: str | None = None
     split: str = "train"
+    demonstration: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:

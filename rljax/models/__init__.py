@@ -29,6 +29,7 @@ from rljax.models.logprobs import (
     sequence_logprobs_and_entropy,
     token_logprobs_and_entropy,
 )
+from rljax.models.scoring import MIN_ROW_LEN, bucket_row_len, score_sequences
 from rljax.models.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -44,8 +45,10 @@ __all__ = [
     "HF_NAME_MAP",
     "KVCache",
     "MESH_AXES",
+    "MIN_ROW_LEN",
     "Decoder",
     "ModelConfig",
+    "bucket_row_len",
     "decode_step",
     "from_hf_state_dict",
     "from_pretrained",
@@ -60,6 +63,7 @@ __all__ = [
     "prefill",
     "rope_inverse_frequencies",
     "save_pretrained",
+    "score_sequences",
     "segment_positions",
     "sequence_logprobs",
     "sequence_logprobs_and_entropy",
