@@ -64,8 +64,14 @@ def get_config() -> config_dict.ConfigDict:
         max_concurrency=256,
     )
     c.eval = dict(group_size=1, temperature=1.0)  # greedy (0.0) saturates at 1.0 after the warm start
-    c.algorithm = "grpo"  # or a dict {"name": ..., field overrides}; see rljax.algorithms
-    c.env_algorithms = {}  # env name -> algorithm, e.g. {"lookup": "rloo"}
+    # A name, or a dict {"name": ..., field overrides} (see rljax.algorithms), e.g.
+    #   --config.algorithm=rloo    --config.algorithm="{'name': 'opd', 'teacher': 'teacher'}"
+    c.algorithm = config_dict.FieldReference("grpo", field_type=object)
+    # env name -> algorithm (same forms), e.g. {"lookup": "echo"}: one run mixes algorithms per env
+    c.env_algorithms = config_dict.FieldReference({}, field_type=object)
+    # Frozen models (OpenAI-compatible endpoints rljax never launches or updates): opd teachers and
+    # sft samplers refer to them by name, e.g. {"teacher": {"base_url": "http://127.0.0.1:8001"}}.
+    c.frozen_models = config_dict.FieldReference({}, field_type=object)
     c.objective = dict(reduction="token_mean", off_policy={}, entropy_coef=0.0)
     c.optimizer = dict(
         learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0
@@ -88,7 +94,10 @@ def get_config() -> config_dict.ConfigDict:
         seq_len=384,
         truncate=True,  # drop the tail of (rare, degenerate) over-long samples; counted in pack metrics
         merge=True,
-        filters=[],
+        filters=[],  # e.g. [dict(name="overlong", mode="enforce"), dict(name="gibberish", mode="monitor")]
+        # DAPO dynamic sampling: resample (up to max_rounds rounds) until every prompt slot holds a group
+        # whose rewards vary (spread > atol); max_rounds=0 is off. strict=True fails when it runs out.
+        dynamic_sampling=dict(max_rounds=0, atol=0.0, strict=False),
         eval_every=10,
         checkpoint_every=10,
         keep_checkpoints=3,

@@ -156,7 +156,11 @@ class Algorithm:
       policy_loss_kwargs: its keyword hyperparameters.
       observation_ce: role -> alpha; observation tokens of these roles get ce weight alpha.
       sampling: "policy" (the model being trained) or "frozen" (a fixed model).
-      teacher: ref_kl teacher: a frozen endpoint (opd) or "policy" (opsd, self-distillation).
+      teacher: the frozen model this algorithm learns from, by name (a key of the run's
+        ``config.frozen_models``) or base URL: the ref_kl teacher that scores samples (opd), or the
+        sampler whose samples ce trains on (sft); ``"policy"`` = the live policy (opsd).
+      observation_filter: echo only: ``"module:function"`` narrowing the observation tokens; called
+        as ``fn(sample: Step, candidates: bool[n]) -> bool[n]`` per merged sample.
       needs_demonstrations: prompts come with demonstrations (opsd conditions on them).
       length_penalty: optional prime-rl length shaping (group-relative estimators only).
       reward_mode: "outcome" (SPEC §2.3) or "per_step" (§2.4).
@@ -176,6 +180,7 @@ class Algorithm:
     observation_ce: Mapping[str, float] = dataclasses.field(default_factory=FrozenMapping)
     sampling: str = "policy"
     teacher: str | None = None
+    observation_filter: str | None = None
     needs_demonstrations: bool = False
     length_penalty: LengthPenalty | None = None
     reward_mode: str = "outcome"
@@ -216,6 +221,18 @@ class Algorithm:
                 raise ValueError(f"{p}: observation_ce[{role!r}] must be a finite weight >= 0, got {alpha!r}")
         if self.teacher is not None and (not isinstance(self.teacher, str) or not self.teacher):
             raise ValueError(f"{p}: teacher must be None, 'policy' or an endpoint str, got {self.teacher!r}")
+        if "assistant" in self.observation_ce:
+            raise ValueError(
+                f"{p}: observation_ce cannot train role 'assistant': those tokens are the policy's own "
+                "actions (they feed the action component); use environment roles such as 'tool' or 'user'"
+            )
+        if self.observation_filter is not None and (
+            not isinstance(self.observation_filter, str) or ":" not in self.observation_filter
+        ):
+            raise ValueError(
+                f"{p}: observation_filter must be a 'module:function' import path, "
+                f"got {self.observation_filter!r}"
+            )
         if self.length_penalty is not None and not isinstance(self.length_penalty, LengthPenalty):
             raise ValueError(
                 f"{p}: length_penalty must be a LengthPenalty or None, got {self.length_penalty!r}"
@@ -245,6 +262,13 @@ class Algorithm:
     def needs_teacher(self) -> bool:
         """A separate frozen teacher endpoint must score the samples (opd)."""
         return self.action_component == "ref_kl" and self.teacher != _POLICY_TEACHER
+
+    @property
+    def frozen_model(self) -> str | None:
+        """The frozen model (name or URL) the run must reach: opd's teacher, sft's sampler."""
+        if self.teacher is None or self.teacher == _POLICY_TEACHER:
+            return None
+        return self.teacher
 
     def replace(self, **changes: Any) -> Algorithm:
         return dataclasses.replace(self, **changes)
@@ -384,6 +408,7 @@ def validate_algorithm(
     model); ``rl`` needs an estimator and a policy loss, other components use neither;
     ``ref_kl`` needs a teacher: a frozen endpoint, or ``"policy"`` only together with
     demonstrations (opsd; for opd ``teacher="policy"`` would distil the policy into itself);
+    frozen sampling (sft) needs ``teacher`` = the frozen model that samples;
     non-outcome estimators step-wise need ``reward_mode="per_step"`` (so ppo/gae is
     non-step-wise or per-step); a length penalty needs a group-relative estimator; a
     group-relative estimator with ``group_size == 1`` warns (every advantage would be 0).
@@ -437,8 +462,19 @@ def validate_algorithm(
                 f"{p}: teacher='policy' without demonstrations distils the policy into itself; opd needs a "
                 "frozen teacher endpoint (teacher='http://host:port' or a model name), or use opsd"
             )
+    elif a.sampling == "frozen":
+        if a.teacher is None or a.teacher == _POLICY_TEACHER:
+            raise ValueError(
+                f"{p}: sampling='frozen' needs the frozen model that samples: set teacher=<name in "
+                f"config.frozen_models or its base URL>, got teacher={a.teacher!r}"
+            )
     elif a.teacher is not None:
-        raise ValueError(f"{p}: teacher={a.teacher!r} is used by the ref_kl component only; set teacher=None")
+        raise ValueError(
+            f"{p}: teacher={a.teacher!r} is used by the ref_kl component (opd/opsd) and by frozen sampling "
+            "(sft) only; set teacher=None"
+        )
+    if a.observation_filter is not None and not a.observation_ce:
+        raise ValueError(f"{p}: observation_filter narrows echo's observation tokens; set observation_ce too")
     if a.length_penalty is not None and not a.group_relative:
         raise ValueError(
             f"{p}: length_penalty shapes group-relative rewards and needs estimator in "

@@ -36,6 +36,9 @@ Decisions (the spec leaves them open):
 * **Greedy** requests (``temperature`` 0) record ``temperature=1.0`` on their steps, matching the
   logprobs the engines return for greedy rows.
 * ``max_turns`` reached without ``done``: the trajectory ends; its last step keeps its reward.
+* Every Step carries ``prompt_roles`` (``ChatSession.full_prompt_roles``: per prompt token, the
+  role of the message whose body it is, None for template scaffolding), which the echo
+  algorithm (:mod:`rljax.data.echo`) uses to find the environment's tokens.
 """
 
 from __future__ import annotations
@@ -196,6 +199,17 @@ def _factory_for(make_env: EnvFactory | Mapping[str, EnvFactory], task: Task) ->
     return make_env
 
 
+def _engine_for(engine: Engine | Mapping[str, Engine], task: Task) -> Engine:
+    if isinstance(engine, Mapping):
+        if task.env not in engine:
+            raise ValueError(
+                f"task {task.id!r} names env {task.env!r}, which the engine mapping does not have "
+                f"(it has {sorted(engine)})"
+            )
+        return engine[task.env]
+    return engine
+
+
 async def _run_trajectory(
     task: Task,
     repetition: int,
@@ -211,7 +225,8 @@ async def _run_trajectory(
     rec = TrajectoryRecord(tid)
     try:
         env = _factory_for(make_env, task)()
-        rec.env = str(getattr(env, "name", None) or type(env).__name__)
+        # the task's env name is the key the run's per-env algorithms and engines use
+        rec.env = task.env or str(getattr(env, "name", None) or type(env).__name__)
         messages = await maybe_await(env.reset(task))
         tools = getattr(env, "tools", None)
         session = ChatSession(renderer, messages, tools=tools)
@@ -223,6 +238,7 @@ async def _run_trajectory(
         return rec
     for turn in range(config.max_turns):
         prompt = list(session.prompt_ids)
+        prompt_roles = list(session.full_prompt_roles)
         budget = min(config.max_tokens, config.max_context_len - len(prompt))
         seed = None if config.seed is None else request_seed(config.seed, task.id, repetition, turn)
         try:
@@ -243,6 +259,7 @@ async def _run_trajectory(
             rec.steps.append(
                 {
                     "prompt_ids": prompt,
+                    "prompt_roles": prompt_roles,
                     "response_ids": ids,
                     "response_logprobs": list(completion.logprobs),
                     "stop_reason": completion.finish_reason,
@@ -316,6 +333,7 @@ def _steps_of(rec: TrajectoryRecord, config: RolloutConfig) -> list[Step]:
                 algorithm=algorithm,
                 temperature=temperature,
                 policy_version=s["policy_version"],
+                prompt_roles=s["prompt_roles"],
             )
         )
     return out
@@ -375,7 +393,8 @@ async def rollout(
 
     Args:
       tasks: the tasks (``Task.id`` is the group key; ids must be unique).
-      engine: an :class:`rljax.inference.engine.Engine` (embedded sampler, vLLM pool, fake).
+      engine: an :class:`rljax.inference.engine.Engine` (embedded sampler, vLLM pool, fake), or
+        a mapping from ``Task.env`` to engines (e.g. sft envs sample from a frozen model).
       renderer: the chat format (:mod:`rljax.chat`); its ``stop_token_ids()`` end each turn.
       make_env: zero-argument factory of a fresh environment per trajectory, or a mapping from
         ``Task.env`` to such factories (one rollout may mix environments).
@@ -392,6 +411,7 @@ async def rollout(
         raise ValueError(f"task ids must be unique (they are the group keys); {dup!r} appears twice")
     for t in tasks:
         _factory_for(make_env, t)  # fail fast on a missing env factory
+        _engine_for(engine, t)
     stop_ids = tuple(int(i) for i in renderer.stop_token_ids())
     semaphore = asyncio.Semaphore(config.max_concurrency)
 
@@ -400,7 +420,7 @@ async def rollout(
             return await _run_trajectory(
                 task,
                 rep,
-                engine=engine,
+                engine=_engine_for(engine, task),
                 renderer=renderer,
                 make_env=make_env,
                 config=config,

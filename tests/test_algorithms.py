@@ -148,8 +148,9 @@ VALID = [
     get_algorithm("ppo", step_wise=True, reward_mode="per_step"),
     get_algorithm("opd", teacher="http://teacher:8000"),
     get_algorithm("opsd"),
-    get_algorithm("sft"),
+    get_algorithm("sft", teacher="teacher"),
     get_algorithm("echo"),
+    get_algorithm("echo", observation_ce={"user": 0.05}, observation_filter="my_pkg.filters:only_numbers"),
     get_algorithm("grpo", estimator="reinforce_pp", step_wise=False),
 ]
 
@@ -183,7 +184,14 @@ INVALID = [
     ("rl_no_loss", get_algorithm("grpo", policy_loss=None), "and a policy_loss"),
     ("sft_estimator", get_algorithm("sft", estimator="grpo"), "set estimator=None and policy_loss=None"),
     ("opsd_loss", get_algorithm("opsd", policy_loss="dppo"), "rl component only"),
-    ("teacher_unused", get_algorithm("grpo", teacher="http://t"), "used by the ref_kl component only"),
+    ("teacher_unused", get_algorithm("grpo", teacher="http://t"), "used by the ref_kl component"),
+    ("sft_no_sampler", get_algorithm("sft"), "sampling='frozen' needs the frozen model that samples"),
+    (
+        "sft_policy_sampler",
+        get_algorithm("sft", teacher="policy"),
+        "set teacher=<name in config.frozen_models",
+    ),
+    ("filter_without_echo", get_algorithm("grpo", observation_filter="m:f"), "set observation_ce too"),
     ("length_penalty_gae", get_algorithm("ppo", length_penalty=LengthPenalty()), "needs estimator in"),
 ]
 
@@ -197,6 +205,24 @@ def test_invalid_algorithms(a, match):
         validate_algorithm(a, env="B")
 
 
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"observation_ce": {"assistant": 0.1}}, "cannot train role 'assistant'"),
+        ({"observation_filter": "no_colon"}, "'module:function' import path"),
+    ],
+)
+def test_echo_field_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        get_algorithm("echo", **fields)
+
+
+def test_frozen_model_reference():
+    assert get_algorithm("opd", teacher="big").frozen_model == "big"
+    assert get_algorithm("sft", teacher="http://t:1").frozen_model == "http://t:1"
+    assert get_algorithm("opsd").frozen_model is None and get_algorithm("grpo").frozen_model is None
+
+
 @pytest.mark.parametrize("name", ["grpo", "rloo", "max_rl", "echo"])
 def test_group_relative_with_group_size_one_warns(name):
     with pytest.warns(UserWarning, match="group_size=1"):
@@ -206,7 +232,9 @@ def test_group_relative_with_group_size_one_warns(name):
         validate_algorithm(get_algorithm(name), group_size=2)
 
 
-@pytest.mark.parametrize("a", [get_algorithm("ppo"), get_algorithm("sft"), get_algorithm("opsd")], ids=str)
+@pytest.mark.parametrize(
+    "a", [get_algorithm("ppo"), get_algorithm("sft", teacher="t"), get_algorithm("opsd")], ids=str
+)
 def test_group_size_one_silent_for_non_group_estimators(a):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -261,12 +289,16 @@ def test_per_env_validated_per_env():
 def test_per_env_group_sizes():
     with pytest.warns(UserWarning, match=r"\(env 'B'\).*group_size=1") as record:
         validate_algorithm_config(
-            "sft", env_overrides={"B": "echo", "C": "rloo"}, group_size={"B": 1, "C": 4}
+            {"name": "sft", "teacher": "t"},
+            env_overrides={"B": "echo", "C": "rloo"},
+            group_size={"B": 1, "C": 4},
         )
     assert len(record) == 1
     # an env trained by the default algorithm is checked with its own group size
     with pytest.warns(UserWarning, match=r"algorithm 'grpo' \(env 'math'\)"):
-        validate_algorithm_config("grpo", env_overrides={"web": "sft"}, group_size={"math": 1, "web": 1})
+        validate_algorithm_config(
+            "grpo", env_overrides={"web": {"name": "sft", "teacher": "t"}}, group_size={"math": 1, "web": 1}
+        )
 
 
 def test_same_name_different_config_rejected():

@@ -81,6 +81,7 @@ def make_arithmetic_tasks(
                 data={"a": a, "op": op, "b": b, "answer": str(_OPS[op](a, b))},
                 env=ArithmeticEnv.name,
                 split=split,
+                demonstration=f"{a} {op} {b} = {_OPS[op](a, b)}",  # for opsd (self-distillation)
             )
         )
     return tasks

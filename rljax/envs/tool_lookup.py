@@ -116,6 +116,8 @@ def make_lookup_tasks(
                 data={"table": table, "query": query, "answer": table[query]},
                 env=ToolLookupEnv.name,
                 split=split,
+                # for opsd (self-distillation): what a solved episode looks like
+                demonstration=f'lookup("{query}") returns {table[query]}, so the answer is {table[query]}.',
             )
         )
     return tasks

@@ -54,15 +54,14 @@ from rljax import algorithms as algos
 from rljax import envs as builtin_envs
 from rljax.chat import make_renderer, toy_tokenizer
 from rljax.core.objective import ObjectiveConfig
-from rljax.data.filters import apply_filters, make_filter
-from rljax.data.merge import merge_metrics, merge_steps, plan_merge
+from rljax.data.filters import DynamicSampler, make_filter
 from rljax.data.pack import make_mini_batches
-from rljax.data.step_advantages import compute_step_advantages
 from rljax.envs.base import Task
 from rljax.rollout import RolloutConfig, RolloutResult, rollout
 from rljax.train import checkpoint as ckpt
 from rljax.train import metrics as metrics_lib
 from rljax.train import sharding as train_sharding
+from rljax.train.components import load_observation_filter, prefixed, prepare_samples
 from rljax.train.optim import OptimizerConfig
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.train.warmstart import WarmStartConfig, run_warm_start
@@ -180,18 +179,19 @@ def build_model(cfg: Any, *, vocab_size: int, seed: int) -> nnx.Module:
 
 
 def _objective_for(algorithm: algos.Algorithm, cfg: Any) -> ObjectiveConfig:
-    if algorithm.action_component != "rl" or algorithm.policy_loss is None:
-        raise ValueError(
-            f"algorithm {algorithm.name!r} feeds the {algorithm.action_component!r} component; the trainer "
-            "supports rl algorithms (grpo, rloo, max_rl, or custom rl ones) for now"
-        )
-    if algorithm.observation_ce:
-        raise ValueError(f"algorithm {algorithm.name!r} needs observation roles (echo); not supported yet")
     if algorithm.needs_critic:
-        raise ValueError(f"algorithm {algorithm.name!r} needs a value head (gae); not supported yet")
+        raise ValueError(
+            f"algorithm {algorithm.name!r} needs a value head (gae); the trainer has none yet: use a "
+            "critic-free algorithm (grpo, rloo, max_rl, opd, opsd, sft, echo)"
+        )
+    if not algorithm.step_wise:
+        raise ValueError(
+            f"algorithm {algorithm.name!r} is not step-wise (step_wise=False); the trainer trains one sample "
+            "per turn (merged): set step_wise=True"
+        )
     off = _plain(_get(cfg, "off_policy", None))
     return ObjectiveConfig(
-        policy_loss=algorithm.policy_loss,
+        policy_loss=algorithm.policy_loss or "dppo",  # unused unless the rl component is on
         policy_loss_kwargs=dict(algorithm.policy_loss_kwargs),
         reduction=str(_get(cfg, "reduction", "token_mean")),
         max_len=_get(cfg, "max_len", None),
@@ -457,6 +457,23 @@ class Trainer:
             group_size=int(ecfg.get("group_size", 1)),
             temperature=float(ecfg.get("temperature", 0.0)),
         )
+        self._setup_references(train_tasks, specs)
+        self.dynamic_sampling = dict(_plain(_get(tr, "dynamic_sampling", {})) or {})
+        if int(self.dynamic_sampling.get("max_rounds", 0)) <= 0:  # max_rounds 0: off
+            self.dynamic_sampling = {}
+        if self.dynamic_sampling:
+            unknown = set(self.dynamic_sampling) - {"max_rounds", "atol", "strict"}
+            if unknown:
+                raise ValueError(
+                    f"config.trainer.dynamic_sampling has unknown keys {sorted(unknown)}; "
+                    "known: max_rounds, atol, strict"
+                )
+            not_grouped = [a.name for a in self.algorithms.algorithms if not a.group_relative]
+            if not_grouped:
+                raise ValueError(
+                    f"config.trainer.dynamic_sampling keeps groups whose rewards vary (DAPO), which only "
+                    f"group-relative rl algorithms need; {not_grouped} are not: drop dynamic_sampling"
+                )
         self.filters = [
             make_filter(str(f["name"]), **{k: v for k, v in dict(f).items() if k != "name"})
             for f in (_plain(_get(tr, "filters", [])) or [])
@@ -481,6 +498,110 @@ class Trainer:
                 "eval/reward_mean",
             ]
         )
+
+    def _setup_references(self, train_tasks: Sequence[Task], specs: Mapping[str, Any]) -> None:
+        """Frozen models, echo filters and demonstrations the algorithms need (config-time checks)."""
+        from rljax.inference.frozen import FrozenModelConfig, frozen_models_from_config
+
+        self.frozen_configs = dict(frozen_models_from_config(_plain(_get(self.config, "frozen_models", {}))))
+        for a in self.algorithms.algorithms:
+            ref = a.frozen_model
+            if ref is None or ref in self.frozen_configs:
+                continue
+            if ref.startswith(("http://", "https://")):
+                self.frozen_configs[ref] = FrozenModelConfig(name=ref.split("://", 1)[1], base_url=ref)
+                continue
+            raise ValueError(
+                f"algorithm {a.name!r} names frozen model {ref!r} (teacher=), but config.frozen_models has "
+                f"{sorted(self.frozen_configs) or 'none'}; add config.frozen_models.{ref} = "
+                "dict(base_url='http://host:port') or set teacher to the endpoint's base URL"
+            )
+        self.observation_filters = {
+            a.name: load_observation_filter(a.observation_filter) for a in self.algorithms.algorithms
+        }
+        for env in self.env_factories:
+            a = self.algorithms.for_env(env)
+            if a.observation_ce and not self.merge:
+                raise ValueError(
+                    f"algorithm {a.name!r} (env {env!r}) trains observation tokens (echo), which are the "
+                    "tokens between merged turns; set trainer.merge=True"
+                )
+            if a.needs_demonstrations:
+                tasks = [t for t in train_tasks if t.env == env]
+                if not any(getattr(t, "demonstration", None) for t in tasks):
+                    raise ValueError(
+                        f"algorithm {a.name!r} (env {env!r}) conditions on Task.demonstration, but none of "
+                        f"the {len(tasks)} train tasks of env {env!r} has one; pass tasks with "
+                        "demonstrations (Trainer(tasks=...)) or use an environment whose tasks carry them"
+                    )
+        self.task_by_id = {t.id: t for t in train_tasks}
+        self.frozen: dict[str, Any] = {}
+
+    def _algorithm_named(self, name: str) -> algos.Algorithm:
+        for a in self.algorithms.algorithms:
+            if a.name == name:
+                return a
+        raise ValueError(f"a step names algorithm {name!r}, which this run lacks ({self.algorithms.names})")
+
+    def _frozen_model(self, name: str) -> Any:
+        """The client of frozen model ``name``, created on the rollout worker's event loop."""
+        if name not in self.frozen:
+            from rljax.inference.frozen import FrozenModel
+
+            cfg = self.frozen_configs[name]
+
+            async def make() -> Any:
+                return FrozenModel.from_config(cfg)
+
+            self.frozen[name] = self.worker.submit(make).result()
+        return self.frozen[name]
+
+    def _rollout_engines(self) -> dict[str, Any]:
+        """Env name -> the engine its algorithm samples from (the policy, or a frozen model for sft)."""
+        out = {}
+        for env in self.env_factories:
+            a = self.algorithms.for_env(env)
+            out[env] = self._frozen_model(a.frozen_model) if a.sampling == "frozen" else self.engine
+        return out
+
+    def _scorer(self, algorithm: algos.Algorithm) -> Callable[[Sequence[Step]], list[np.ndarray]] | None:
+        """The ref_kl reference of ``algorithm``: a frozen teacher's prefill, or the live policy (opsd)."""
+        if algorithm.action_component != "ref_kl":
+            return None
+        if algorithm.frozen_model is None:
+            return self._score_with_demonstrations
+        teacher = self._frozen_model(algorithm.frozen_model)
+
+        def score(samples: Sequence[Step]) -> list[np.ndarray]:
+            async def job() -> list[np.ndarray]:
+                return list(
+                    await asyncio.gather(
+                        *(teacher.response_logprobs(s.prompt_ids, s.response_ids) for s in samples)
+                    )
+                )
+
+            return self.worker.submit(job).result()
+
+        return score
+
+    def _score_with_demonstrations(self, samples: Sequence[Step]) -> list[np.ndarray]:
+        """opsd: the live policy's logprobs of each response, its task's demonstration in the prompt."""
+        from rljax.data.demonstrations import condition_on_demonstration, slice_response
+        from rljax.models import score_sequences
+
+        seqs, starts = [], []
+        for s in samples:
+            task = self.task_by_id.get(s.trajectory_id.instance_id)
+            hint = self.renderer.demonstration_hint(None if task is None else task.demonstration)
+            ids, start = condition_on_demonstration(s.prompt_ids, s.response_ids, hint)
+            seqs.append(ids)
+            starts.append(start)
+        model = nnx.merge(self.state.graphdef, self.state.params)
+        scores = score_sequences(model, seqs, temperature=1.0)
+        return [
+            slice_response(sc, st, len(s.response_ids))
+            for sc, st, s in zip(scores, starts, samples, strict=True)
+        ]
 
     # -- engine ---------------------------------------------------------------------------------
     def _make_engine(self) -> Any:
@@ -536,18 +657,63 @@ class Trainer:
         tasks = self.tasks.take(self.prompts_per_step)
         config = dataclasses.replace(self.rollout_config, seed=_seed(self.seed, step, 1))
 
-        async def job() -> RolloutResult:
-            await self._serve(version, params)
+        engines = self._rollout_engines()
+
+        async def sample(round_tasks: Sequence[Task], round_no: int) -> RolloutResult:
+            round_config = (
+                config if round_no == 0 else dataclasses.replace(config, seed=_seed(config.seed, round_no))
+            )
             return await rollout(
-                tasks,
-                engine=self.engine,
+                round_tasks,
+                engine=engines,
                 renderer=self.renderer,
                 make_env=self.env_factories,
-                config=config,
+                config=round_config,
                 vocab_size=self.model_vocab,
             )
 
+        async def job() -> RolloutResult:
+            await self._serve(version, params)
+            result = await sample(tasks, 0)
+            if not self.dynamic_sampling:
+                return result
+            return await self._dynamic_sampling(result, step, len(tasks), sample)
+
         return _Pending(step, version, self.worker.submit(job), time.perf_counter())
+
+    async def _dynamic_sampling(
+        self, first: RolloutResult, step: int, num_prompts: int, sample: Callable[..., Any]
+    ) -> RolloutResult:
+        """DAPO dynamic sampling: more rounds until ``num_prompts`` groups have reward variance.
+
+        Extra rounds draw prompts from a stream seeded by ``(seed, step, round)`` (not the task
+        iterator), so the data position and every sample stay reproducible whatever the timing;
+        their task ids get a ``#ds<step>.<round>`` suffix (a group is keyed by its task id).
+        """
+        ds = self.dynamic_sampling
+        sampler = DynamicSampler(
+            target_groups=num_prompts,
+            max_rounds=int(ds.get("max_rounds", 4)),
+            atol=float(ds.get("atol", 0.0)),
+            strict=bool(ds.get("strict", False)),
+        )
+        done, records, round_no = sampler.add(first.batch), list(first.trajectories), 0
+        while not done:
+            round_no += 1
+            rng = np.random.default_rng([self.seed, step, round_no, 0xD5])
+            picks = rng.choice(
+                len(self.train_tasks), size=min(num_prompts, len(self.train_tasks)), replace=False
+            )
+            extra = []
+            for i in picks:
+                task = self.train_tasks[int(i)]
+                extra.append(dataclasses.replace(task, id=f"{task.id}#ds{step}.{round_no}"))
+                self.task_by_id[extra[-1].id] = task
+            result = await sample(extra, round_no)
+            records += result.trajectories
+            done = sampler.add(result.batch)
+        batch, metrics = sampler.result()
+        return RolloutResult(batch, {**first.metrics, **metrics}, records)
 
     def _submit_eval(self, version: int, params: Any) -> concurrent.futures.Future:
         config = dataclasses.replace(self.eval_config, seed=_seed(self.seed, 0xE7A1))
@@ -616,51 +782,46 @@ class Trainer:
         by_alg: dict[str, list[Step]] = {}
         for s in batch:
             by_alg.setdefault(s.algorithm, []).append(s)
+        multi = len(by_alg) > 1
         train_rows: list[dict[str, float]] = []
         shuffle_seed = int(self.np_rng.integers(0, 2**31 - 1))
         for name in sorted(by_alg):
-            alg = self.algorithms.for_env(by_alg[name][0].env)
-            if alg.name != name:
-                alg = next(a for a in self.algorithms.algorithms if a.name == name)
-            sub = StepBatch(by_alg[name], vocab_size=self.model_vocab)
-            kwargs = dict(alg.estimator_kwargs)
-            lp = None if alg.length_penalty is None else dataclasses.asdict(alg.length_penalty)
-            adv = compute_step_advantages(
-                sub, alg.estimator, reward_mode=alg.reward_mode, length_penalty=lp, **kwargs
+            alg = self._algorithm_named(name)
+            prep = prepare_samples(
+                alg,
+                StepBatch(by_alg[name], vocab_size=self.model_vocab),
+                filters=self.filters,
+                merge=self.merge,
+                score=self._scorer(alg),
+                observation_filter=self.observation_filters[alg.name],
             )
-            if self.filters:
-                sub, fm = apply_filters(sub, self.filters, advantages=adv)
-                metrics.update(fm)
-            if self.merge:
-                plan = plan_merge(sub.steps)
-                merged = merge_steps(sub)
-                adv = plan.merge_arrays(adv)
-                metrics.update({f"merge/{k}": float(v) for k, v in merge_metrics(sub, merged).items()})
-                sub = merged
-            num_groups = len({s.trajectory_id.instance_id for s in sub})
+            metrics.update(prefixed(prep.metrics, name, multi=multi))
+            num_groups = len({s.trajectory_id.instance_id for s in prep.samples})
             per_mb = self.mini_batch_prompts or num_groups
             if num_groups % per_mb:
                 per_mb = num_groups  # mixed envs: this algorithm's groups do not divide; one mini-batch
-            all_adv = np.concatenate([np.asarray(a, np.float32) for a in adv]) if adv else np.zeros(0)
-            mask = (
-                np.concatenate([np.asarray(s.loss_mask, np.float32) for s in sub])
-                if len(sub)
-                else np.zeros(0)
-            )
-            if mask.sum():
-                metrics[f"advantage/mean/{name}"] = float((all_adv * mask).sum() / mask.sum())
-                metrics[f"advantage/abs_mean/{name}"] = float((np.abs(all_adv) * mask).sum() / mask.sum())
+            if alg.action_component == "rl" and prep.samples:
+                all_adv = np.concatenate(prep.advantages)
+                weights = prep.rl_weights or [1.0] * len(prep.samples)
+                rl_mask = np.concatenate(
+                    [np.float32(s.loss_mask) * w for s, w in zip(prep.samples, weights, strict=True)]
+                )
+                if rl_mask.sum():
+                    metrics[f"advantage/mean/{name}"] = float((all_adv * rl_mask).sum() / rl_mask.sum())
+                    metrics[f"advantage/abs_mean/{name}"] = float(
+                        (np.abs(all_adv) * rl_mask).sum() / rl_mask.sum()
+                    )
             tcfg = self.train_configs[name]
             self.state = dataclasses.replace(self.state, config=tcfg)
             for mb in make_mini_batches(
-                sub,
+                prep.samples,
                 mini_batch_prompts=per_mb,
                 seq_len=self.seq_len,
-                advantages=adv,
                 row_buckets=self.row_buckets,
                 data_parallel=self.data_parallel,
                 truncate=self.truncate,
                 shuffle_seed=shuffle_seed,
+                **prep.streams(),
             ):
                 packed = mb.batch if self.mesh is None else train_sharding.shard_batch(mb.batch, self.mesh)
                 counts = mini_batch_counts(packed, tcfg.objective)
@@ -668,7 +829,7 @@ class Trainer:
                 row = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
-                train_rows.append(row)
+                train_rows.append({f"{k}/{name}" if multi else k: v for k, v in row.items()} | row)
         for key in sorted({k for r in train_rows for k in r}):
             vals = [r[key] for r in train_rows if key in r]
             metrics[key] = float(np.mean(vals))
@@ -685,6 +846,8 @@ class Trainer:
         finally:
             self.sinks.close()
             if getattr(self, "worker", None) is not None:
+                for model in getattr(self, "frozen", {}).values():
+                    self.worker.submit(model.aclose).result()
                 self.worker.close()
             servers = getattr(self, "_servers", None)
             if servers is not None:
@@ -774,7 +937,8 @@ class Trainer:
             result = job.future.result()
             rollout_wait = time.perf_counter() - step_start
             fill(n + 1 + self.lag)  # async: rollouts n+1..n+lag start now, sampling theta_{<= n}
-            versions = [s.policy_version for s in result.batch]
+            frozen_algs = {a.name for a in self.algorithms.algorithms if a.sampling == "frozen"}
+            versions = [s.policy_version for s in result.batch if s.algorithm not in frozen_algs]
             lag = n - min(versions) if versions else 0
             if lag > self.lag:
                 raise RuntimeError(f"step {n}: a sample is {lag} versions stale (> max_off_policy_steps)")

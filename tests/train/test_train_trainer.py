@@ -169,7 +169,17 @@ def test_default_and_smoke_configs_build(tmp_path):
         (lambda c: c.envs.lookup.update(kwargs=dict(bogus=1)), "bogus"),
         (lambda c: c.update(env_algorithms={"nope": "rloo"}), "nope"),
         (lambda c: c.update(algorithm="no_such_algorithm"), "no_such_algorithm"),
-        (lambda c: c.update(algorithm="sft"), "sft"),
+        (lambda c: c.update(algorithm="sft"), "sampling='frozen' needs the frozen model that samples"),
+        (lambda c: c.update(algorithm={"name": "opd", "teacher": "big"}), r"add config.frozen_models.big"),
+        (lambda c: c.update(algorithm={"name": "opd"}), "needs a teacher"),
+        (lambda c: c.update(algorithm="echo") or c.trainer.update(merge=False), "set trainer.merge=True"),
+        (
+            lambda c: c.update(algorithm={"name": "echo", "observation_filter": "no_such_module:fn"}),
+            "cannot be imported",
+        ),
+        (lambda c: c.update(algorithm={"name": "echo", "observation_ce": {"assistant": 1.0}}), "'assistant'"),
+        (lambda c: c.update(algorithm={"name": "grpo", "step_wise": False}), "set step_wise=True"),
+        (lambda c: c.update(algorithm="ppo"), "needs a value head"),
         (lambda c: c.engine.update(kind="magic"), "engine.kind"),
     ],
 )
@@ -179,6 +189,26 @@ def test_config_errors_are_clear(tmp_path, edit, match):
         edit(c)
     with pytest.raises((ValueError, TypeError), match=match):
         Trainer(c, tmp_path)._make_engine()
+
+
+def test_opsd_needs_demonstrations(tmp_path):
+    c = _config("smoke")
+    c.algorithm = "opsd"
+    plain = [Task(f"t{i}", {"table": {"zob": "red"}, "query": "zob", "answer": "red"}) for i in range(4)]
+    with pytest.raises(ValueError, match="conditions on Task.demonstration, but none of the 4 train tasks"):
+        Trainer(c, tmp_path, tasks={"lookup": (plain, [])})
+    Trainer(c, tmp_path / "ok")  # the built-in lookup tasks carry demonstrations
+
+
+def test_frozen_models_resolve(tmp_path):
+    c = _config("smoke")
+    c.algorithm = {"name": "opd", "teacher": "teacher"}
+    c.frozen_models = {"teacher": {"base_url": "http://127.0.0.1:9/v1"}}
+    t = Trainer(c, tmp_path)
+    assert set(t.frozen_configs) == {"teacher"}
+    c.algorithm = {"name": "opd", "teacher": "http://127.0.0.1:9"}  # a bare URL works too
+    c.frozen_models = {}
+    assert "http://127.0.0.1:9" in Trainer(c, tmp_path / "url").frozen_configs
 
 
 def test_per_env_algorithms_resolve(tmp_path):

@@ -1,0 +1,211 @@
+"""Per-algorithm preparation of training samples: advantages, filters, merge, component streams.
+
+One RL step trains every algorithm of the run on the steps its environments produced
+(SPEC §3.6). For algorithm ``a`` and its steps ``B_a`` this module computes, on the host::
+
+    A        = step advantages of B_a            (rl algorithms: a.estimator; others: zeros)
+    B_a, m   = filters(B_a, A)                   (enforcing filters zero loss masks; metrics m)
+    S, A     = merge(B_a), A carried along        (prefix-aware, SPEC §2.5)
+    streams  = component weights of S             (what each token feeds, SPEC §3.5)
+
+The component streams by action component (``loss_mask`` gates all of them in the objective):
+
+========= ============================================================================
+rl        ``rl_weights`` 1 (default); echo adds ce on observation tokens of its roles:
+          those tokens join the loss mask with ``rl_weights`` 0 and ``ce_weights`` alpha
+ce        ``ce_weights`` 1 on trainable tokens (sft: the frozen model's samples)
+ref_kl    ``ref_kl_weights`` 1 and ``ref_logprobs`` from ``score`` (opd: the frozen teacher's
+          prefill logprobs; opsd: the live policy on the demonstration-conditioned prompt)
+========= ============================================================================
+
+The objective normalizes each component by its own global token count, so mixing
+components (echo) or algorithms never lets one component's token count scale another's
+gradient.
+
+Host code only: the math lives in :mod:`rljax.core` (estimators via
+:func:`rljax.data.step_advantages.compute_step_advantages`, losses in the objective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax.algorithms import Algorithm
+from rljax.data.filters import Filter, apply_filters
+from rljax.data.merge import merge_metrics, merge_steps, plan_merge
+from rljax.data.step_advantages import compute_step_advantages
+from rljax.types import Step, StepBatch
+
+__all__ = ["PreparedSamples", "ResponseScorer", "load_observation_filter", "prefixed", "prepare_samples"]
+
+#: ``score(samples) -> one float array per sample``: log p of each response token under the
+#: reference (the ref_kl component's ``ref_logprobs``), aligned with ``sample.response_ids``.
+ResponseScorer = Callable[[Sequence[Step]], Sequence[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSamples:
+    """Training samples of one algorithm with their per-token streams (one array per sample).
+
+    Attributes:
+      samples: merged (or not) steps; echo may have widened their ``loss_mask``.
+      advantages: per-token advantages (zeros for non-rl algorithms).
+      rl_weights, ce_weights, ref_kl_weights, ref_logprobs: component streams, None = absent
+        (the packer's default: rl weight 1, the others 0).
+      metrics: filter, merge and echo metrics, keys prefixed by their stage.
+    """
+
+    samples: list[Step]
+    advantages: list[np.ndarray]
+    rl_weights: list[np.ndarray] | None = None
+    ce_weights: list[np.ndarray] | None = None
+    ref_kl_weights: list[np.ndarray] | None = None
+    ref_logprobs: list[np.ndarray] | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def streams(self) -> dict[str, list[np.ndarray] | None]:
+        """Keyword arguments of :func:`rljax.data.pack.make_mini_batches`."""
+        return dict(
+            advantages=self.advantages,
+            rl_weights=self.rl_weights,
+            ce_weights=self.ce_weights,
+            ref_kl_weights=self.ref_kl_weights,
+            ref_logprobs=self.ref_logprobs,
+        )
+
+
+def load_observation_filter(path: str | None) -> Callable[[Step, np.ndarray], np.ndarray] | None:
+    """Imports echo's ``"module:function"`` observation filter (None passes through).
+
+    >>> load_observation_filter("numpy:logical_not") is np.logical_not
+    True
+    """
+    if path is None:
+        return None
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"observation_filter {path!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"observation_filter {path!r} is not callable")
+    return fn
+
+
+def _mask_weights(samples: Sequence[Step]) -> list[np.ndarray]:
+    return [np.asarray(s.loss_mask, np.float32) for s in samples]
+
+
+def _check_scores(scores: Sequence[np.ndarray], samples: Sequence[Step], what: str) -> list[np.ndarray]:
+    if len(scores) != len(samples):
+        raise ValueError(f"{what} returned {len(scores)} arrays for {len(samples)} samples")
+    out = []
+    for i, (sc, s) in enumerate(zip(scores, samples, strict=True)):
+        a = np.asarray(sc, np.float32)
+        if a.shape != (len(s.response_ids),):
+            raise ValueError(
+                f"{what}: sample {i} ({s.trajectory_id}) got {a.shape[0] if a.ndim else 'scalar'} "
+                f"reference logprobs for {len(s.response_ids)} response tokens"
+            )
+        if not np.all(np.isfinite(a)) or np.any(a > 1e-4):
+            raise ValueError(f"{what}: sample {i} ({s.trajectory_id}) has logprobs not finite or > 0")
+        out.append(np.minimum(a, 0.0))
+    return out
+
+
+def prepare_samples(
+    algorithm: Algorithm,
+    batch: StepBatch,
+    *,
+    filters: Sequence[Filter] = (),
+    merge: bool = True,
+    score: ResponseScorer | None = None,
+    observation_filter: Callable[[Step, np.ndarray], np.ndarray] | None = None,
+) -> PreparedSamples:
+    """Advantages -> filters -> merge -> component streams for the steps of ``algorithm``.
+
+    Args:
+      algorithm: the (validated) algorithm that trains every step of ``batch``.
+      batch: its steps.
+      filters: SPEC §3.7 filters (enforcing ones zero loss masks; all report metrics).
+      merge: fold turns that extend each other into one sample (SPEC §2.5). Echo needs it:
+        the observation tokens it trains are the gap tokens between merged turns.
+      score: the ref_kl reference of the (merged) samples; required for ref_kl algorithms.
+      observation_filter: echo's optional narrowing ``fn(sample, candidates) -> mask``.
+
+    >>> from rljax.algorithms import get_algorithm
+    >>> steps = [Step([1], [2, 3], ("q", r), reward=float(r)) for r in range(2)]
+    >>> p = prepare_samples(get_algorithm("grpo"), StepBatch(steps))
+    >>> [a.tolist() for a in p.advantages], p.ce_weights
+    ([[-0.5, -0.5], [0.5, 0.5]], None)
+    """
+    comp = algorithm.action_component
+    metrics: dict[str, float] = {}
+    if comp == "rl":
+        lp = None if algorithm.length_penalty is None else dataclasses.asdict(algorithm.length_penalty)
+        adv = compute_step_advantages(
+            batch,
+            algorithm.estimator,
+            reward_mode=algorithm.reward_mode,
+            length_penalty=lp,
+            **dict(algorithm.estimator_kwargs),
+        )
+    else:
+        adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
+    if filters:
+        batch, fm = apply_filters(batch, filters, advantages=adv)
+        metrics.update(fm)
+    echo = bool(algorithm.observation_ce) and comp == "rl"
+    if echo and not merge:
+        raise ValueError(
+            f"algorithm {algorithm.name!r} trains observation tokens (echo), which are the tokens between "
+            "merged turns; set trainer.merge=True"
+        )
+    roles = None
+    if merge:
+        plan = plan_merge(batch.steps)
+        merged = merge_steps(batch)
+        if echo:
+            from rljax.data.echo import response_roles
+
+            roles = response_roles(plan, batch.steps)
+        adv = plan.merge_arrays(adv)
+        metrics.update({f"merge/{k}": float(v) for k, v in merge_metrics(batch, merged).items()})
+        samples = list(merged.steps)
+    else:
+        samples = list(batch.steps)
+    adv = [np.asarray(a, np.float32) for a in adv]
+
+    if comp == "rl" and not echo:
+        return PreparedSamples(samples, adv, metrics=metrics)
+    if echo:
+        from rljax.data.echo import echo_streams
+
+        es = echo_streams(samples, roles, algorithm.observation_ce, token_filter=observation_filter)
+        samples = [
+            s.replace(loss_mask=np.asarray(m, np.int32).tolist())
+            for s, m in zip(samples, es.loss_mask, strict=True)
+        ]
+        metrics.update(es.metrics)
+        return PreparedSamples(
+            samples, adv, rl_weights=list(es.rl_weights), ce_weights=list(es.ce_weights), metrics=metrics
+        )
+    if comp == "ce":
+        return PreparedSamples(samples, adv, ce_weights=_mask_weights(samples), metrics=metrics)
+    # ref_kl
+    if score is None:
+        raise ValueError(f"algorithm {algorithm.name!r} feeds ref_kl: prepare_samples needs score=")
+    ref = _check_scores(score(samples), samples, f"{algorithm.name} reference scorer")
+    return PreparedSamples(
+        samples, adv, ref_kl_weights=_mask_weights(samples), ref_logprobs=ref, metrics=metrics
+    )
+
+
+def prefixed(metrics: Mapping[str, Any], algorithm: str, *, multi: bool) -> dict[str, float]:
+    """Metric keys as they are (one algorithm in the run) or suffixed ``/<algorithm>`` (several)."""
+    return {(f"{k}/{algorithm}" if multi else k): float(v) for k, v in metrics.items()}
