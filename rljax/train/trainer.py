@@ -556,6 +556,18 @@ class Trainer:
             self.frozen[name] = self.worker.submit(make).result()
         return self.frozen[name]
 
+    def _check_frozen_models(self) -> None:
+        """Fails fast (before any training) when a frozen model the run needs does not answer."""
+        for name in sorted({a.frozen_model for a in self.algorithms.algorithms if a.frozen_model}):
+            model = self._frozen_model(name)
+            try:
+                self.worker.submit(model.resolve_model).result()
+            except Exception as e:
+                raise RuntimeError(
+                    f"frozen model {name!r} at {list(self.frozen_configs[name].base_url)} does not answer "
+                    f"GET /v1/models; start it or fix config.frozen_models.{name}.base_url. Cause: {e}"
+                ) from e
+
     def _rollout_engines(self) -> dict[str, Any]:
         """Env name -> the engine its algorithm samples from (the policy, or a frozen model for sft)."""
         out = {}
@@ -897,6 +909,8 @@ class Trainer:
 
     def _run(self, resumed: int | None) -> list[dict[str, Any]]:
         run_start = time.perf_counter()
+        self.worker = _RolloutWorker()
+        self._check_frozen_models()  # before the warm start: an unreachable teacher fails in seconds
         if resumed is None:
             self._warm_start()
             self.start_step = 0
@@ -908,7 +922,6 @@ class Trainer:
             print(f"resumed from step {resumed} ({self.ckpt_dir})", flush=True)
         self.behavior[self.start_step] = self._snapshot()
         self.engine = self._make_engine()
-        self.worker = _RolloutWorker()
         pending: list[_Pending] = []
         task_states: dict[int, dict[str, int]] = {}
         next_submit = self.start_step
@@ -974,6 +987,8 @@ class Trainer:
             for k, v in rm.items():
                 if k.startswith("reward_mean/"):
                     metrics["reward/mean/" + k.split("/", 1)[1]] = v
+                elif k.startswith("dynamic_sampling/"):
+                    metrics[k] = float(v)
             infos = [i for rec in result.trajectories for i in rec.infos if "correct" in i]
             if infos:
                 metrics["correct_fraction"] = float(np.mean([bool(i["correct"]) for i in infos]))

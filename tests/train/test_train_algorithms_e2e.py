@@ -320,3 +320,30 @@ def test_per_env_mix_trains_each_algorithm(teacher, tmp_path):
         assert h["tokens/rl/grpo"] > 0 and h["tokens/ce/grpo"] == 0
     assert all(np.isfinite(h["loss"]) and h["policy_version/lag"] == 0 for h in history)
     assert {"reward/mean/arith", "reward/mean/notes", "reward/mean/lookup"} <= set(history[-1])
+
+
+def test_dynamic_sampling_trains_only_groups_whose_rewards_vary(tmp_path):
+    c = _config(envs_=("lookup",), steps=2)
+    c.envs.lookup.kwargs.credit = (0.02, 0.05, 0.1)  # partial credit: some groups vary, some do not
+    c.trainer.dynamic_sampling = dict(max_rounds=3, atol=0.0, strict=False)
+    t = Trainer(c, tmp_path)
+    trained = []
+    train_on = t._train_on
+
+    def spy(batch, step):
+        trained.append(batch)
+        return train_on(batch, step)
+
+    t._train_on = spy
+    history = t.run()
+    for h, batch in zip(history, trained, strict=True):
+        rewards: dict[str, list[float]] = {}
+        for s in batch:
+            if s.is_last_step:
+                rewards.setdefault(s.trajectory_id.instance_id, []).append(s.reward)
+        assert all(max(r) > min(r) for r in rewards.values()), rewards  # every kept group varies
+        assert len(rewards) == h["dynamic_sampling/groups_kept"] <= 4
+        assert h["dynamic_sampling/rounds"] >= 1
+        if h["dynamic_sampling/rounds"] > 1:  # extra rounds drew fresh, uniquely named groups
+            assert h["dynamic_sampling/groups_seen"] > 4
+    assert any(h["dynamic_sampling/groups_discarded"] > 0 for h in history)
