@@ -7,7 +7,17 @@ import importlib
 
 import pytest
 
-MODULES = ["__init__", "attention", "config", "decoder", "hf_io", "kv_cache", "logprobs", "scoring", "sharding"]
+MODULES = [
+    "__init__",
+    "attention",
+    "config",
+    "decoder",
+    "hf_io",
+    "kv_cache",
+    "logprobs",
+    "scoring",
+    "sharding",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
