@@ -166,18 +166,21 @@ def test_stop_token_ids_end_generation_and_are_returned(vllm_server, tiny_models
     )
 
 
-async def requests_running(url: str) -> float:
-    """``vllm:num_requests_running`` from the server's Prometheus ``/metrics`` page."""
-    async with httpx.AsyncClient(timeout=5.0) as http:
-        text = (await http.get(f"{url}/metrics")).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:num_requests_running")]  # fmt: skip
-    return sum(values)
+async def first_streamed_token(url: str, model: str, prompt: list[int]) -> None:
+    """Returns once a streamed generation of ``prompt`` has produced its first chunk (then disconnects)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 500, "stream": True}
+    async with httpx.AsyncClient(timeout=120.0) as http:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    return
 
 
 def test_abort_is_surfaced_with_exact_partial_tokens(vllm_server, tiny_models):
-    # Eight long generations at once; the abort is sent as soon as the server reports them running (a
-    # fixed sleep raced a fast machine, where all 500 tokens were out before it fired).
+    # Eight long generations at once, then a server-side abort sent as soon as a ninth, streamed request
+    # submitted after them shows the engine generating: the eight are then a few tokens into their 500.
+    # (A fixed sleep raced a fast machine; polling /metrics was too slow on a busy one.)
     prompts = [[9, 8, 7, i] for i in range(8)]
 
     async def main():
@@ -187,16 +190,14 @@ def test_abort_is_surfaced_with_exact_partial_tokens(vllm_server, tiny_models):
                 asyncio.create_task(client.generate(p, SamplingParams(max_tokens=500, seed=i)))
                 for i, p in enumerate(prompts)
             ]
-            for _ in range(2000):
-                if await requests_running(vllm_server.url) > 0:
-                    break
-                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)  # let the eight requests leave first
+            await first_streamed_token(vllm_server.url, client.model, [9, 8, 7, 100])
             await client.post_all("/pause?mode=abort")
             await client.post_all("/resume")
             return await asyncio.gather(*tasks)
 
     outs = run(main())
-    assert any(o.finish_reason == "abort" for o in outs)
+    assert any(o.finish_reason == "abort" for o in outs), [(o.finish_reason, len(o.ids)) for o in outs]
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.finish_reason in ("abort", "length", "stop")
         if out.finish_reason == "abort":

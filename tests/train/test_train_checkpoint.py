@@ -197,6 +197,7 @@ def test_resume_of_the_train_step_is_bit_for_bit(tmp_path):
     ref_state, ref_losses, _, _ = run(
         TrainState.create(tf.make_model(0), CONFIG), 0, 4, jax.random.key(1), np.random.default_rng(2)
     )
+    compiled = train_step._cache_size()  # other tests may have compiled other signatures before
     state, losses, key, gen = run(
         TrainState.create(tf.make_model(0), CONFIG), 0, 2, jax.random.key(1), np.random.default_rng(2)
     )
@@ -226,7 +227,7 @@ def test_resume_of_the_train_step_is_bit_for_bit(tmp_path):
     assert_bits_equal(resumed.params, ref_state.params)
     assert_bits_equal(resumed.opt_state, ref_state.opt_state)
     assert int(resumed.step) == int(ref_state.step) == 4
-    assert train_step._cache_size() == 1, "restored arrays must not change the compiled signature"
+    assert train_step._cache_size() == compiled, "restored arrays must not change the compiled signature"
 
 
 def test_sharded_save_and_restore_into_other_shardings(tmp_path):
