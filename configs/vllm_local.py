@@ -34,6 +34,8 @@ def get_config() -> config_dict.ConfigDict:
             skip_tokenizer_init=True,
             kv_cache_gib=1.0,
             startup_timeout_s=600.0,
+            chunked_prefill=False,  # vLLM 0.32 CPU crashes on chunked prefills of seeded requests
+            extra_args=("--disable-uvicorn-access-log",),  # no per-request access log
         ),
         client=dict(max_concurrency=64, timeout_s=300.0),
     )

@@ -49,7 +49,10 @@ def test_command_line_and_environment(monkeypatch):
     assert flags["--model"] == "/m" and flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
     assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "256"
     assert flags["--served-model-name"] == "pol" and flags["--logprobs-mode"] == "processed_logprobs"
-    assert cmd[-2:] == ["--enforce-eager", "--skip-tokenizer-init"]
+    assert cmd[-3:] == ["--no-enable-chunked-prefill", "--enforce-eager", "--skip-tokenizer-init"]
+    assert "--no-enable-chunked-prefill" not in server_command(
+        ServerConfig(model="/m", chunked_prefill=True), python="/py", port=1
+    )
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     env = server_env(cfg)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["EXTRA"] == "1"

@@ -98,6 +98,9 @@ class ServerConfig:
       skip_tokenizer_init: serve a model directory without a tokenizer (token ids in and out only).
       kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU).
       dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/collective_rpc routes for weight sync).
+      chunked_prefill: let vLLM split long prefills into chunks. Off by default: vLLM 0.32's CPU engine
+        dies ("CPU Generator does not use offset") when a SEEDED request's prefill is chunked, and every
+        rljax rollout request is seeded; unchunked, a prompt (<= max_model_len) is prefilled at once.
       extra_args: more command-line arguments, appended as given.
       env: more environment variables for the server process.
       startup_timeout_s: how long to wait for ``/health`` before giving up.
@@ -117,6 +120,7 @@ class ServerConfig:
     skip_tokenizer_init: bool = False
     kv_cache_gib: float = 1
     dev_mode: bool = True
+    chunked_prefill: bool = False
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     startup_timeout_s: float = 300.0
@@ -150,6 +154,8 @@ def server_command(config: ServerConfig, *, python: str, port: int | None = None
         "--served-model-name", config.served_model_name,
         "--logprobs-mode", config.logprobs_mode,
     ]  # fmt: skip
+    if not config.chunked_prefill:
+        cmd.append("--no-enable-chunked-prefill")
     cmd += list(config.extra_args)
     if config.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
