@@ -45,6 +45,7 @@ from flax import nnx
 
 from rljax.core.objective import ObjectiveConfig
 from rljax.models import Decoder, ModelConfig, num_params
+from rljax.models.attention import causal_block_size
 from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import make_mesh, shard_batch
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
@@ -210,7 +211,9 @@ def main() -> None:
         f"matmul {flops.matmul_params / 1e6:.2f}M"
     )
     print(f"step: {rows} rows x {seq_len} tokens, compute {dtype.name}, params float32, remat {remat}, "
-          f"logits chunk {chunk}, attention chunk {getattr(model, 'attention_chunk_size', None)}, "
+          f"logits chunk {chunk}, attention query blocks of "
+          f"{causal_block_size(seq_len, max_block_size=getattr(model, 'attention_chunk_size', None))} "
+          f"(cap {getattr(model, 'attention_chunk_size', None)}), "
           f"mesh {dict(mesh.shape) if mesh else 'single device'}")  # fmt: skip
 
     config = TrainConfig(
