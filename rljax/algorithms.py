@@ -473,6 +473,11 @@ def validate_algorithm(
             f"{p}: teacher={a.teacher!r} is used by the ref_kl component (opd/opsd) and by frozen sampling "
             "(sft) only; set teacher=None"
         )
+    if a.observation_ce and comp != "rl":
+        raise ValueError(
+            f"{p}: observation_ce (echo) adds ce on observation tokens to an rl algorithm; with "
+            f"action_component={comp!r} it would be ignored: drop it or use echo"
+        )
     if a.observation_filter is not None and not a.observation_ce:
         raise ValueError(f"{p}: observation_filter narrows echo's observation tokens; set observation_ce too")
     if a.length_penalty is not None and not a.group_relative:

@@ -192,6 +192,11 @@ INVALID = [
         "set teacher=<name in config.frozen_models",
     ),
     ("filter_without_echo", get_algorithm("grpo", observation_filter="m:f"), "set observation_ce too"),
+    (
+        "opd_observation_ce",
+        get_algorithm("opd", teacher="t", observation_ce={"tool": 0.1}),
+        "would be ignored",
+    ),
     ("length_penalty_gae", get_algorithm("ppo", length_penalty=LengthPenalty()), "needs estimator in"),
 ]
 

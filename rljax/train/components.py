@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rljax.algorithms import Algorithm
-from rljax.data.filters import Filter, apply_filters
+from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
 from rljax.data.merge import merge_metrics, merge_steps, plan_merge
 from rljax.data.step_advantages import compute_step_advantages
 from rljax.types import Step, StepBatch
@@ -132,7 +132,9 @@ def prepare_samples(
     Args:
       algorithm: the (validated) algorithm that trains every step of ``batch``.
       batch: its steps.
-      filters: SPEC §3.7 filters (enforcing ones zero loss masks; all report metrics).
+      filters: SPEC §3.7 filters (enforcing ones zero loss masks; all report metrics). The
+        zero-advantage and zero-variance filters only apply to rl algorithms (others have no
+        advantages or group baselines).
       merge: fold turns that extend each other into one sample (SPEC §2.5). Echo needs it:
         the observation tokens it trains are the gap tokens between merged turns.
       score: the ref_kl reference of the (merged) samples; required for ref_kl algorithms.
@@ -157,6 +159,8 @@ def prepare_samples(
         )
     else:
         adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
+    if comp != "rl":  # no advantages, no group baseline: these filters would mask every token
+        filters = [f for f in filters if not isinstance(f, (ZeroAdvantageFilter, ZeroVarianceGroupFilter))]
     if filters:
         batch, fm = apply_filters(batch, filters, advantages=adv)
         metrics.update(fm)

@@ -57,7 +57,7 @@ from rljax.core.objective import ObjectiveConfig
 from rljax.data.filters import DynamicSampler, make_filter
 from rljax.data.pack import make_mini_batches
 from rljax.envs.base import Task
-from rljax.rollout import RolloutConfig, RolloutResult, rollout
+from rljax.rollout import RolloutConfig, RolloutResult, rollout, rollout_metrics
 from rljax.train import checkpoint as ckpt
 from rljax.train import metrics as metrics_lib
 from rljax.train import sharding as train_sharding
@@ -535,7 +535,17 @@ class Trainer:
                         "demonstrations (Trainer(tasks=...)) or use an environment whose tasks carry them"
                     )
         self.task_by_id = {t.id: t for t in train_tasks}
-        self.frozen: dict[str, Any] = {}
+        self._hints: dict[str | None, Any] = {}
+        if self.algorithms.needs_demonstrations:  # a renderer that cannot place the hint fails now
+            self._hint(next(t.demonstration for t in train_tasks if getattr(t, "demonstration", None)))
+        self.frozen: dict[tuple[str, int], Any] = {}
+        # metric keys get a /<algorithm> suffix when the run's envs train with more than one algorithm
+        self.multi_algorithm = len({self.algorithms.for_env(e).name for e in self.env_factories}) > 1
+
+    def _hint(self, demonstration: str | None) -> Any:
+        if demonstration not in self._hints:
+            self._hints[demonstration] = self.renderer.demonstration_hint(demonstration)
+        return self._hints[demonstration]
 
     def _algorithm_named(self, name: str) -> algos.Algorithm:
         for a in self.algorithms.algorithms:
@@ -543,9 +553,15 @@ class Trainer:
                 return a
         raise ValueError(f"a step names algorithm {name!r}, which this run lacks ({self.algorithms.names})")
 
-    def _frozen_model(self, name: str) -> Any:
-        """The client of frozen model ``name``, created on the rollout worker's event loop."""
-        if name not in self.frozen:
+    def _frozen_model(self, name: str, worker: _RolloutWorker | None = None) -> Any:
+        """The client of frozen model ``name`` on ``worker``'s event loop (default: the rollout worker).
+
+        Teachers score on their own worker (``self.scoring``), so in async mode scoring step n's
+        samples never queues behind the rollout of step n + 1 on the rollout loop.
+        """
+        worker = self.worker if worker is None else worker
+        key = (name, id(worker))
+        if key not in self.frozen:
             from rljax.inference.frozen import FrozenModel
 
             cfg = self.frozen_configs[name]
@@ -553,8 +569,8 @@ class Trainer:
             async def make() -> Any:
                 return FrozenModel.from_config(cfg)
 
-            self.frozen[name] = self.worker.submit(make).result()
-        return self.frozen[name]
+            self.frozen[key] = (worker, worker.submit(make).result())
+        return self.frozen[key][1]
 
     def _check_frozen_models(self) -> None:
         """Fails fast (before any training) when a frozen model the run needs does not answer."""
@@ -582,7 +598,7 @@ class Trainer:
             return None
         if algorithm.frozen_model is None:
             return self._score_with_demonstrations
-        teacher = self._frozen_model(algorithm.frozen_model)
+        teacher = self._frozen_model(algorithm.frozen_model, self.scoring)
 
         def score(samples: Sequence[Step]) -> list[np.ndarray]:
             async def job() -> list[np.ndarray]:
@@ -592,7 +608,7 @@ class Trainer:
                     )
                 )
 
-            return self.worker.submit(job).result()
+            return self.scoring.submit(job).result()
 
         return score
 
@@ -604,12 +620,13 @@ class Trainer:
         seqs, starts = [], []
         for s in samples:
             task = self.task_by_id.get(s.trajectory_id.instance_id)
-            hint = self.renderer.demonstration_hint(None if task is None else task.demonstration)
+            hint = self._hint(None if task is None else task.demonstration)
             ids, start = condition_on_demonstration(s.prompt_ids, s.response_ids, hint)
             seqs.append(ids)
             starts.append(start)
         model = nnx.merge(self.state.graphdef, self.state.params)
-        scores = score_sequences(model, seqs, temperature=1.0)
+        # the reference at each sample's own temperature, like the student's logp in the objective
+        scores = score_sequences(model, seqs, temperature=[float(s.temperature) for s in samples])
         return [
             slice_response(sc, st, len(s.response_ids))
             for sc, st, s in zip(scores, starts, samples, strict=True)
@@ -709,6 +726,7 @@ class Trainer:
             atol=float(ds.get("atol", 0.0)),
             strict=bool(ds.get("strict", False)),
         )
+        start = time.perf_counter() - first.metrics["wall_time_s"]
         done, records, round_no = sampler.add(first.batch), list(first.trajectories), 0
         while not done:
             round_no += 1
@@ -720,12 +738,12 @@ class Trainer:
             for i in picks:
                 task = self.train_tasks[int(i)]
                 extra.append(dataclasses.replace(task, id=f"{task.id}#ds{step}.{round_no}"))
-                self.task_by_id[extra[-1].id] = task
             result = await sample(extra, round_no)
             records += result.trajectories
             done = sampler.add(result.batch)
         batch, metrics = sampler.result()
-        return RolloutResult(batch, {**first.metrics, **metrics}, records)
+        wall = time.perf_counter() - start
+        return RolloutResult(batch, {**rollout_metrics(records, wall), **metrics}, records)
 
     def _submit_eval(self, version: int, params: Any) -> concurrent.futures.Future:
         config = dataclasses.replace(self.eval_config, seed=_seed(self.seed, 0xE7A1))
@@ -794,7 +812,7 @@ class Trainer:
         by_alg: dict[str, list[Step]] = {}
         for s in batch:
             by_alg.setdefault(s.algorithm, []).append(s)
-        multi = len(by_alg) > 1
+        multi = self.multi_algorithm
         train_rows: list[dict[str, float]] = []
         shuffle_seed = int(self.np_rng.integers(0, 2**31 - 1))
         for name in sorted(by_alg):
@@ -857,10 +875,14 @@ class Trainer:
             return self._run(resumed)
         finally:
             self.sinks.close()
-            if getattr(self, "worker", None) is not None:
-                for model in getattr(self, "frozen", {}).values():
-                    self.worker.submit(model.aclose).result()
-                self.worker.close()
+            for worker, model in getattr(self, "frozen", {}).values():
+                try:
+                    worker.submit(model.aclose).result(timeout=30)
+                except Exception as e:  # closing must not mask the run's own error
+                    logger.warning("closing frozen model %s failed: %s", model.name, e)
+            for worker in (getattr(self, "worker", None), getattr(self, "scoring", None)):
+                if worker is not None:
+                    worker.close()
             servers = getattr(self, "_servers", None)
             if servers is not None:
                 servers.stop()
@@ -910,6 +932,7 @@ class Trainer:
     def _run(self, resumed: int | None) -> list[dict[str, Any]]:
         run_start = time.perf_counter()
         self.worker = _RolloutWorker()
+        self.scoring = _RolloutWorker()  # teacher scoring, beside the rollouts
         self._check_frozen_models()  # before the warm start: an unreachable teacher fails in seconds
         if resumed is None:
             self._warm_start()

@@ -92,6 +92,16 @@ def test_ref_kl_scores_each_merged_sample():
         )
 
 
+def test_advantage_filters_do_not_wipe_out_non_rl_algorithms():
+    zero_adv = [make_filter("zero_advantage", mode="enforce"), make_filter("zero_variance", mode="enforce")]
+    steps = [s.replace(algorithm="sft") for s in _steps(rewards=(1.0, 1.0))]
+    p = prepare_samples(get_algorithm("sft", teacher="t"), StepBatch(steps), filters=zero_adv)
+    assert all(w.sum() > 0 for w in p.ce_weights)
+    # the same filters on an rl algorithm with equal rewards mask everything (all advantages are 0)
+    p = prepare_samples(get_algorithm("grpo"), StepBatch(_steps(rewards=(1.0, 1.0))), filters=zero_adv)
+    assert all(not np.any(s.loss_mask) for s in p.samples)
+
+
 def test_filters_run_before_merge_and_report():
     steps = _steps()
     steps[3] = steps[3].replace(stop_reason="length")
