@@ -188,26 +188,24 @@ def request_seed(seed: int, task_id: str, repetition: int, turn: int) -> int:
 EnvFactory = Callable[[], Any]
 
 
-def _factory_for(make_env: EnvFactory | Mapping[str, EnvFactory], task: Task) -> EnvFactory:
-    if isinstance(make_env, Mapping):
-        if task.env not in make_env:
+def _for_task(value: Any, task: Task, what: str) -> Any:
+    """``value[task.env]`` for a per-env mapping (``what`` names it in errors), else ``value``."""
+    if isinstance(value, Mapping):
+        if task.env not in value:
             raise ValueError(
-                f"task {task.id!r} names env {task.env!r}, which make_env does not have "
-                f"(it has {sorted(make_env)})"
+                f"task {task.id!r} names env {task.env!r}, which {what} does not have "
+                f"(it has {sorted(value)})"
             )
-        return make_env[task.env]
-    return make_env
+        return value[task.env]
+    return value
+
+
+def _factory_for(make_env: EnvFactory | Mapping[str, EnvFactory], task: Task) -> EnvFactory:
+    return _for_task(make_env, task, "make_env")
 
 
 def _engine_for(engine: Engine | Mapping[str, Engine], task: Task) -> Engine:
-    if isinstance(engine, Mapping):
-        if task.env not in engine:
-            raise ValueError(
-                f"task {task.id!r} names env {task.env!r}, which the engine mapping does not have "
-                f"(it has {sorted(engine)})"
-            )
-        return engine[task.env]
-    return engine
+    return _for_task(engine, task, "the engine mapping")
 
 
 async def _run_trajectory(
