@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from rljax.data import StepBatch
 from rljax.data.merge import merge_metrics, merge_steps
 from rljax.data.pack import geometric_row_buckets, make_mini_batches
-from rljax.types import Step, StepBatch
+from rljax.types import Step
 
 VOCAB = 151_936
 

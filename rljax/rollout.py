@@ -56,9 +56,10 @@ import numpy as np
 
 from rljax.chat.base import Renderer
 from rljax.chat.session import ChatSession
+from rljax.data import StepBatch
 from rljax.envs.base import Action, Task, as_step_result, maybe_await
 from rljax.inference.engine import Completion, Engine, SamplingParams
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.types import Step, TrajectoryID
 
 __all__ = ["RolloutConfig", "RolloutResult", "TrajectoryRecord", "rollout", "run_rollout"]
 

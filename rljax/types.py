@@ -1,16 +1,16 @@
 """Data model of rljax: host-side steps and batches, device-side packed batches.
 
 A :class:`Step` is one LLM turn exactly as the engine saw it (token ids in, token
-ids and logprobs out). A :class:`StepBatch` is an immutable, validated sequence of
-steps; constructing one runs :func:`rljax.data.validate.validate_steps` and raises
-``ValueError`` on the first violation. A :class:`PackedBatch` is the fixed-shape
-pytree of per-token arrays the jitted train step consumes (see SPEC §2.6).
+ids and logprobs out). A :class:`PackedBatch` is the fixed-shape pytree of per-token
+arrays the jitted train step consumes (see SPEC §2.6). These are plain records: this
+module imports nothing from rljax. The validated batch of steps,
+:class:`rljax.data.batch.StepBatch`, lives in the data layer with its validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,142 +105,6 @@ class Step:
 
     def replace(self, **changes: Any) -> Step:
         return dataclasses.replace(self, **changes)
-
-
-_GENERATOR_KEYS = (
-    "prompt_token_ids",
-    "response_ids",
-    "rewards",
-    "loss_masks",
-    "stop_reasons",
-    "rollout_logprobs",
-    "trajectory_ids",
-    "is_last_step",
-)
-
-
-class StepBatch(Sequence[Step]):
-    """An immutable, validated batch of steps (SPEC §2.1, §2.2).
-
-    Steps of one trajectory may appear in any order relative to other trajectories'
-    steps; within a trajectory, list order is turn order.
-
-    >>> from rljax.types import Step, StepBatch, TrajectoryID
-    >>> b = StepBatch([Step([1, 2], [3], TrajectoryID("q0", 0), reward=1.0)])
-    >>> len(b), b[0].total_reward
-    (1, 1.0)
-    """
-
-    def __init__(
-        self,
-        steps: Sequence[Step],
-        *,
-        vocab_size: int | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        from rljax.data.validate import validate_steps
-
-        self._steps: tuple[Step, ...] = tuple(steps)
-        self.vocab_size = vocab_size
-        self.metadata: dict[str, Any] = dict(metadata or {})
-        validate_steps(self._steps, vocab_size=vocab_size)
-
-    # Sequence protocol -------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return StepBatch(self._steps[i], vocab_size=self.vocab_size, metadata=self.metadata)
-        return self._steps[i]
-
-    def __iter__(self) -> Iterator[Step]:
-        return iter(self._steps)
-
-    def __repr__(self) -> str:
-        return f"StepBatch({len(self)} steps, {len(set(self.trajectory_ids))} trajectories)"
-
-    @property
-    def steps(self) -> tuple[Step, ...]:
-        return self._steps
-
-    @property
-    def trajectory_ids(self) -> list[TrajectoryID]:
-        return [s.trajectory_id for s in self._steps]
-
-    def replace_steps(self, steps: Sequence[Step]) -> StepBatch:
-        return StepBatch(steps, vocab_size=self.vocab_size, metadata=self.metadata)
-
-    # SkyRL interop -----------------------------------------------------------------
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, vocab_size: int | None = None) -> StepBatch:
-        return cls.from_generator_output(d, vocab_size=vocab_size)
-
-    @classmethod
-    def from_generator_output(
-        cls, d: Mapping[str, Any], *, vocab_size: int | None = None, **defaults: Any
-    ) -> StepBatch:
-        """Builds a batch from a SkyRL-style ``GeneratorOutput`` dict.
-
-        Required keys: ``prompt_token_ids, response_ids, rewards, loss_masks``; optional:
-        ``stop_reasons, rollout_logprobs, trajectory_ids, is_last_step`` (absent
-        trajectory ids make each row its own single-step trajectory). Extra keyword
-        arguments are Step defaults (``env=``, ``algorithm=``, ``temperature=``).
-        """
-        from rljax.data.validate import check_generator_output
-
-        n = check_generator_output(d)
-        traj = d.get("trajectory_ids")
-        last = d.get("is_last_step")
-        logprobs = d.get("rollout_logprobs")
-        stops = d.get("stop_reasons")
-        steps = []
-        for i in range(n):
-            tid = TrajectoryID.coerce(traj[i]) if traj is not None else TrajectoryID(str(i), 0)
-            steps.append(
-                Step(
-                    prompt_ids=list(d["prompt_token_ids"][i]),
-                    response_ids=list(d["response_ids"][i]),
-                    loss_mask=list(d["loss_masks"][i]),
-                    response_logprobs=None if logprobs is None or logprobs[i] is None else list(logprobs[i]),
-                    reward=d["rewards"][i] if np.isscalar(d["rewards"][i]) else list(d["rewards"][i]),
-                    trajectory_id=tid,
-                    is_last_step=True if last is None else bool(last[i]),
-                    stop_reason="stop" if stops is None else str(stops[i]),
-                    **defaults,
-                )
-            )
-        return cls(steps, vocab_size=vocab_size)
-
-    def to_generator_output(self) -> dict[str, list[Any]]:
-        """Inverse of :meth:`from_generator_output` (trajectory ids as TrajectoryID)."""
-        has_lp = any(s.response_logprobs is not None for s in self._steps)
-        return {
-            "prompt_token_ids": [list(s.prompt_ids) for s in self._steps],
-            "response_ids": [list(s.response_ids) for s in self._steps],
-            "rewards": [list(s.reward) if s.per_token_reward else s.reward for s in self._steps],
-            "loss_masks": [list(s.loss_mask) for s in self._steps],
-            "stop_reasons": [s.stop_reason for s in self._steps],
-            "rollout_logprobs": (
-                [None if s.response_logprobs is None else list(s.response_logprobs) for s in self._steps]
-                if has_lp
-                else None
-            ),
-            "trajectory_ids": [s.trajectory_id for s in self._steps],
-            "is_last_step": [s.is_last_step for s in self._steps],
-        }
-
-    # Advantages --------------------------------------------------------------------
-    def step_advantages(
-        self, estimator: str | Callable[..., Any] = "grpo", **estimator_kwargs: Any
-    ) -> list[np.ndarray]:
-        """Per-token advantages of every step, in batch order (SPEC §2.3 / §2.4).
-
-        Thin host wrapper around :func:`rljax.data.step_advantages.compute_step_advantages`.
-        """
-        from rljax.data.step_advantages import compute_step_advantages
-
-        return compute_step_advantages(self, estimator, **estimator_kwargs)
 
 
 def _register_dataclass(cls):

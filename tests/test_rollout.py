@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerances import LOGPROB_TOL
 
 from rljax import rollout as rollout_lib
 from rljax.chat import ChatMLRenderer, Qwen3Renderer, toy_tokenizer
@@ -23,7 +24,7 @@ from rljax.data.merge import merge_steps
 from rljax.envs import ArithmeticEnv, Task, ToolLookupEnv, make_arithmetic_tasks, make_lookup_tasks
 from rljax.inference.engine import Completion, Engine
 from rljax.inference.sampler import EmbeddedSampler
-from rljax.models import Decoder, ModelConfig, sequence_logprobs
+from rljax.models import sequence_logprobs, tiny_model
 from rljax.rollout import RolloutConfig, rollout, run_rollout
 
 TOK = toy_tokenizer("chatml")
@@ -418,18 +419,7 @@ REF_LEN = 512
 def stopping_model():
     """Tiny random Qwen3-shaped decoder biased to end turns: a large constant coordinate of the
     embeddings survives the blocks, and only <|im_end|> reads it, so p(<|im_end|>) ~ 0.15 per token."""
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-    )
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model = tiny_model(vocab_size=VOCAB)
     embed = model.embed_tokens[...]
     model.embed_tokens[...] = embed.at[:, 0].set(5.0)
     kernel = model.lm_head.kernel[...] * 40.0
@@ -488,7 +478,7 @@ def test_embedded_sampler_end_to_end():
             padded = jnp.asarray(seq + [0] * (REF_LEN - len(seq)), jnp.int32)
             ref = np.asarray(_ref_logprobs(state, padded, len(seq), jnp.float32(0.9)))
             np.testing.assert_allclose(
-                step.response_logprobs, ref[len(step.prompt_ids) : len(seq)], atol=1e-5
+                step.response_logprobs, ref[len(step.prompt_ids) : len(seq)], **LOGPROB_TOL
             )
             stopped += step.stop_reason == "stop"
         for prev, nxt in zip(steps, steps[1:], strict=False):

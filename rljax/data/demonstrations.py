@@ -8,7 +8,7 @@ sequence
 
 where ``d`` is a system turn carrying the demonstration and ``k`` the position the format allows
 (``Renderer.demonstration_hint``: 0 for ChatML / Qwen, 1 after Llama 3's BOS). With
-``s[t] = log p(c[t] | c[:t])`` (``rljax.models.score_sequences``), the teacher's log-probability of
+``s[t] = log p(c[t] | c[:t])`` (``rljax.inference.scoring.score_sequences``), the teacher's log-probability of
 response token ``j`` is ``s[start + j]``: slicing ``s[start : start + len(r)]`` gives one
 ``ref_logprobs`` value per response token, aligned with the sample's own logprobs for the
 ``ref_kl`` component (SPEC §3.3). With an empty ``d`` the conditioned sequence is the sample

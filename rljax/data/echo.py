@@ -49,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
+from rljax.data.batch import StepBatch
 from rljax.data.merge import MergePlan
-from rljax.types import Step, StepBatch
+from rljax.types import Step
 
 __all__ = [
     "DEFAULT_ALPHAS",

@@ -1,6 +1,6 @@
 """Rollout filters and DAPO dynamic sampling (SPEC §3.7). Host-side numpy.
 
-A filter flags steps of a :class:`~rljax.types.StepBatch`; it never drops them. In
+A filter flags steps of a :class:`~rljax.data.batch.StepBatch`; it never drops them. In
 ``mode="enforce"`` the loss mask of every flagged step is zeroed, so the step trains nothing
 but still counts in group baselines and metrics; in ``mode="monitor"`` the batch is returned
 unchanged and only the metrics report what would have been filtered.
@@ -37,7 +37,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rljax.types import Step, StepBatch
+from rljax.data.batch import StepBatch
+from rljax.types import Step
 
 __all__ = [
     "FILTERS",
@@ -170,7 +171,8 @@ class GibberishFilter(Filter):
     A rare (high-id) token sampled with probability far below uniform ``1/V`` is a sign of a
     sampler/trainer mismatch or broken decoding (prime-rl's gibberish filter).
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [7, 2], T("q", 0), response_logprobs=[-9.0, -0.1])])
     >>> f = GibberishFilter(vocab_size=100, id_threshold=5, mode="monitor")
     >>> f.flags(b)  # 7 > 5 and -9 < -ln(100) - 2 = -6.6
@@ -212,7 +214,8 @@ class RepetitionFilter(Filter):
     A long run of near-certain tokens is a degenerate loop (prime-rl's repetition filter).
     Unsampled (mask-0) tokens break a run.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2, 2, 2], T("q", 0), response_logprobs=[-1e-3] * 3)])
     >>> RepetitionFilter(window=3).flags(b), RepetitionFilter(window=4).flags(b)
     (array([ True]), array([False]))
@@ -253,7 +256,8 @@ class ZeroAdvantageFilter(Filter):
     ``advantages``: one per-token array per step (as from ``StepBatch.step_advantages``) or one
     scalar per step.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2, 3], T("q", 0)), Step([1], [2], T("q", 1))])
     >>> ZeroAdvantageFilter().flags(b, [np.array([0.0, 0.0]), np.array([0.5])])
     array([ True, False])
@@ -293,7 +297,8 @@ class OverlongFilter(Filter):
     filtering). Multi-turn rollouts whose engine reports tool-call turns as "tool_call" should
     pass ``allowed_stop_reasons=("stop", "tool_call")``.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2], T("q", 0), stop_reason="length"), Step([1], [2], T("q", 1))])
     >>> OverlongFilter().flags(b)
     array([ True, False])
@@ -318,7 +323,8 @@ class OverlongFilter(Filter):
 class OverlongUnrewardedFilter(Filter):
     """Flags a step with ``len(response_ids) > max_length`` whose trajectory reward is 0.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2, 3, 4], T("q", 0)), Step([1], [2, 3, 4], T("q", 1), reward=1.0)])
     >>> OverlongUnrewardedFilter(max_length=2).flags(b)
     array([ True, False])
@@ -342,7 +348,8 @@ class ZeroVarianceGroupFilter(Filter):
     Such a group has zero group-relative advantage everywhere (SPEC §3.1); a group of one
     trajectory is zero-variance too.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2], T("a", 0), reward=1.0), Step([1], [2], T("a", 1), reward=1.0),
     ...                Step([1], [2], T("b", 0), reward=1.0), Step([1], [2], T("b", 1))])
     >>> ZeroVarianceGroupFilter().flags(b)
@@ -401,7 +408,8 @@ def apply_filters(
     ``filters/f/flagged_tokens`` (trainable tokens in flagged steps), in both modes; totals
     ``filters/masked_steps`` and ``filters/masked_tokens`` count what enforcement zeroed.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2], T("q", 0), stop_reason="length"), Step([1], [2], T("q", 1))])
     >>> out, m = apply_filters(b, [OverlongFilter()])
     >>> [list(s.loss_mask) for s in out], m["filters/overlong/fraction"]
@@ -437,7 +445,7 @@ def apply_filters(
     steps = [
         s.replace(loss_mask=[0] * len(s.response_ids)) if m else s for s, m in zip(batch, masked, strict=True)
     ]
-    return batch.replace_steps(steps), metrics
+    return batch.derived(steps), metrics  # only loss masks changed: still valid
 
 
 # --------------------------------------------------------------------------------------
@@ -453,7 +461,8 @@ class DynamicSampler:
     returns the groups it has. Surplus groups of the last round are discarded too. Instance
     ids must be unique across rounds (a repeated prompt would merge two groups).
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID as T
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
     >>> def group(q, rewards):
     ...     return [Step([1], [2], T(q, i), reward=r) for i, r in enumerate(rewards)]
     >>> sampler = DynamicSampler(target_groups=2, max_rounds=3)

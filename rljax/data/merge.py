@@ -39,7 +39,7 @@ Decisions (beyond SPEC §2.5):
   (:func:`rljax.data.echo.response_roles`).
 * Output order: each merged sample takes the batch position of its last merged turn, so
   the sample holding a trajectory's final turn is the trajectory's last sample and the
-  merged batch is again a valid :class:`~rljax.types.StepBatch`.
+  merged batch is again a valid :class:`~rljax.data.batch.StepBatch`.
 
 References: SkyRL ``merge_stepwise_output`` and prime-rl's trajectory interleaving
 (longest-prefix extension), see SPEC §2.5.
@@ -53,7 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.data.batch import StepBatch
+from rljax.types import Step, TrajectoryID
 
 __all__ = ["MergePlan", "merge_metrics", "merge_steps", "plan_merge", "trained_tokens"]
 
@@ -209,15 +210,17 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
     )
 
 
-def merge_steps(batch: StepBatch) -> StepBatch:
+def merge_steps(batch: StepBatch, plan: MergePlan | None = None) -> StepBatch:
     """Merges the steps of each trajectory by the extension property (SPEC §2.5).
 
     Pure: ``batch`` is untouched; unmerged steps are shared (Steps are immutable), and when
     no step merges ``batch`` itself is returned. The result keeps ``vocab_size`` and
-    ``metadata`` and is validated like any StepBatch.
+    ``metadata``; it is valid by construction, so it is not validated again. ``plan`` is
+    ``plan_merge(batch.steps)`` when the caller has it already (it is computed otherwise).
     See the module docstring for the rule and the reward/ordering decisions.
 
-    >>> from rljax.types import Step, StepBatch
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step
     >>> b = StepBatch([Step([10], [20], ("q", 0), is_last_step=False, reward=1.0),
     ...                Step([10, 20, 30], [40, 41], ("q", 0), reward=2.0)])
     >>> m = merge_steps(b)
@@ -225,11 +228,11 @@ def merge_steps(batch: StepBatch) -> StepBatch:
     (1, [20, 30, 40, 41], [1, 0, 1, 1], 2.0)
     """
     steps = batch.steps
-    plan = plan_merge(steps)
+    plan = plan_merge(steps) if plan is None else plan
     if plan.num_samples == len(steps):
         return batch  # nothing merges: the (immutable, already validated) batch is the result
     merged = [_build_sample(steps, idx, g) for idx, g in zip(plan.samples, plan.gaps, strict=True)]
-    return batch.replace_steps(merged)
+    return batch.derived(merged)  # valid by construction (tested against a reference merger)
 
 
 def trained_tokens(steps: Sequence[Step]) -> int:

@@ -52,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from rljax.types import PackedBatch, Step, StepBatch
+from rljax.data.batch import StepBatch
+from rljax.types import PackedBatch, Step
 
 __all__ = [
     "PackLayout",

@@ -1,6 +1,6 @@
 """Step-wise advantages on the host: StepBatch -> one per-token advantage array per step.
 
-This module is glue (SPEC §2.3, §2.4): it turns a :class:`~rljax.types.StepBatch` into
+This module is glue (SPEC §2.3, §2.4): it turns a :class:`~rljax.data.batch.StepBatch` into
 dense, bucketed numpy arrays (trajectory index, group index, turn index, padded loss
 masks), calls the jitted estimators of :mod:`rljax.core.advantages`, and cuts the padded
 result back into one float32 array per step, in batch order. All math lives in the core.
@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.core import advantages as core_adv
-from rljax.data.validate import check_estimator_reward_mode
-from rljax.types import Step, StepBatch
+from rljax.data.validate import check_estimator_reward_mode, validate_steps
+from rljax.types import Step
 
 __all__ = ["bucket_size", "compute_step_advantages", "dense_ids"]
 
@@ -212,7 +212,7 @@ def _length_penalty_weights(length_penalty: Any) -> dict[str, float] | None:
 # main entry point
 # --------------------------------------------------------------------------------------------
 def compute_step_advantages(
-    batch: StepBatch | Sequence[Step],
+    batch: Sequence[Step],
     estimator: str | Callable[..., Any] = "grpo",
     *,
     reward_mode: str = "outcome",
@@ -223,7 +223,8 @@ def compute_step_advantages(
     """Per-token advantages of every step, in batch order (SPEC §2.3, §2.4).
 
     Args:
-      batch: a validated :class:`~rljax.types.StepBatch` (a sequence of Steps is validated first).
+      batch: a validated :class:`~rljax.data.batch.StepBatch` (any other sequence of Steps is
+        validated first).
       estimator: ``"grpo"``, ``"rloo"``, ``"max_rl"`` (:data:`rljax.core.advantages.ESTIMATORS`),
         ``"reinforce_pp"`` (per_step mode only), or a jit-compatible callable
         ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
@@ -243,15 +244,17 @@ def compute_step_advantages(
     Returns:
       one float32 array per step, shaped like its ``response_ids``; 0 where ``loss_mask`` is 0.
 
-    >>> from rljax.types import Step, StepBatch, TrajectoryID
+    >>> from rljax.data import StepBatch
+    >>> from rljax.types import Step, TrajectoryID
     >>> b = StepBatch([Step([1], [2, 3], TrajectoryID("q", 0), loss_mask=[1, 0], reward=1.0),
     ...                Step([1], [4], TrajectoryID("q", 1), reward=0.0)])
     >>> [a.tolist() for a in compute_step_advantages(b, "grpo", norm_by_std=False)]
     [[0.5, 0.0], [-0.5]]
     """
-    if not isinstance(batch, StepBatch):
-        batch = StepBatch(batch)  # validates (SPEC §2.2)
-    steps = batch.steps
+    steps = getattr(batch, "steps", None)  # a StepBatch is validated already
+    if steps is None:
+        steps = tuple(batch)
+        validate_steps(steps)  # SPEC §2.2
     if reward_mode not in ("outcome", "per_step"):
         raise ValueError(
             f"unknown reward_mode {reward_mode!r}; choose 'outcome' (SPEC §2.3) or 'per_step' (§2.4)"

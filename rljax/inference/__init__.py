@@ -3,6 +3,7 @@
 from rljax.inference.engine import Completion, Engine, SamplingParams
 from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models_from_config
 from rljax.inference.sampler import EmbeddedSampler
+from rljax.inference.scoring import score_sequences
 
 __all__ = [
     "Completion",
@@ -12,4 +13,5 @@ __all__ = [
     "FrozenModelConfig",
     "SamplingParams",
     "frozen_models_from_config",
+    "score_sequences",
 ]

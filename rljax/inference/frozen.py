@@ -53,6 +53,7 @@ from rljax.inference.vllm.client import (
     ServerUnavailableError,
     VLLMClient,
 )
+from rljax.progress import Progress
 
 # A teacher named "policy" means the live policy (opsd, SPEC §3.6), never a frozen endpoint.
 RESERVED_NAMES: frozenset[str] = frozenset({"policy"})
@@ -519,8 +520,6 @@ class FrozenModel:
                 )
         bar = None
         if progress:
-            from rljax.train.metrics import Progress  # lazy: keeps this module light
-
             bar = Progress(total=len(checked), desc=f"score {self.name}", unit="seq")
 
         async def one(seq: list[int]) -> np.ndarray:

@@ -412,9 +412,8 @@ class EmbeddedSampler:
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
     >>> from rljax.inference.engine import SamplingParams
-    >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
-    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
-    >>> sampler = EmbeddedSampler(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> from rljax.models.tiny import tiny_model
+    >>> sampler = EmbeddedSampler(tiny_model(vocab_size=32, num_layers=1))
     >>> out = asyncio.run(sampler.generate([1, 2, 3], SamplingParams(max_tokens=4, seed=7)))
     >>> len(out.ids), out.finish_reason, out.weight_version
     (4, 'length', 0)

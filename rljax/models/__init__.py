@@ -29,7 +29,6 @@ from rljax.models.logprobs import (
     sequence_logprobs_and_entropy,
     token_logprobs_and_entropy,
 )
-from rljax.models.scoring import MIN_ROW_LEN, bucket_row_len, score_sequences
 from rljax.models.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -38,6 +37,7 @@ from rljax.models.sharding import (
     param_specs,
     shard_model,
 )
+from rljax.models.tiny import tiny_config, tiny_model
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -45,15 +45,15 @@ __all__ = [
     "HF_NAME_MAP",
     "KVCache",
     "MESH_AXES",
-    "MIN_ROW_LEN",
     "Decoder",
     "ModelConfig",
-    "bucket_row_len",
     "decode_step",
     "from_hf_state_dict",
     "from_pretrained",
     "hf_name_map",
     "init_cache",
+    "tiny_config",
+    "tiny_model",
     "load_config",
     "load_hf_tensors",
     "logical_to_spec",
@@ -63,7 +63,6 @@ __all__ = [
     "prefill",
     "rope_inverse_frequencies",
     "save_pretrained",
-    "score_sequences",
     "segment_positions",
     "sequence_logprobs",
     "sequence_logprobs_and_entropy",

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from rljax.algorithms import Algorithm
+from rljax.data import StepBatch
 from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
 from rljax.data.merge import merge_metrics, merge_steps, plan_merge
 from rljax.data.step_advantages import compute_step_advantages
-from rljax.types import Step, StepBatch
+from rljax.types import Step
 
 __all__ = ["PreparedSamples", "ResponseScorer", "load_observation_filter", "prefixed", "prepare_samples"]
 

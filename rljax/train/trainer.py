@@ -54,6 +54,7 @@ from rljax import algorithms as algos
 from rljax import envs as builtin_envs
 from rljax.chat import make_renderer, toy_tokenizer
 from rljax.core.objective import ObjectiveConfig
+from rljax.data import StepBatch
 from rljax.data.filters import DynamicSampler, make_filter
 from rljax.data.pack import make_mini_batches
 from rljax.envs.base import Task
@@ -65,7 +66,7 @@ from rljax.train.components import load_observation_filter, prefixed, prepare_sa
 from rljax.train.optim import OptimizerConfig
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.train.warmstart import WarmStartConfig, run_warm_start
-from rljax.types import Step, StepBatch
+from rljax.types import Step
 
 __all__ = ["TaskIterator", "Trainer", "build_model", "build_tokenizer", "train"]
 
@@ -615,7 +616,7 @@ class Trainer:
     def _score_with_demonstrations(self, samples: Sequence[Step]) -> list[np.ndarray]:
         """opsd: the live policy's logprobs of each response, its task's demonstration in the prompt."""
         from rljax.data.demonstrations import condition_on_demonstration, slice_response
-        from rljax.models import score_sequences
+        from rljax.inference.scoring import score_sequences
 
         seqs, starts = [], []
         for s in samples:

@@ -29,10 +29,11 @@ import numpy as np
 
 from rljax.chat.base import Renderer
 from rljax.chat.session import ChatSession
+from rljax.data import StepBatch
 from rljax.data.merge import merge_steps
 from rljax.data.pack import pack
 from rljax.envs.base import Task
-from rljax.types import Step, StepBatch
+from rljax.types import Step
 
 __all__ = ["WarmStartConfig", "demonstration_steps", "run_warm_start"]
 

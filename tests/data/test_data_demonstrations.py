@@ -17,11 +17,13 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import LOGPROB_TOL
 
 from rljax import models
 from rljax.chat import ChatMLRenderer, Llama3Renderer, toy_tokenizer
 from rljax.chat.base import DEFAULT_DEMONSTRATION_TEMPLATE, DemonstrationHint
 from rljax.data.demonstrations import condition_on_demonstration, slice_response
+from rljax.inference.scoring import score_sequences
 
 # -- host functions ---------------------------------------------------------------------------
 
@@ -88,16 +90,7 @@ DEMO = "3 + 4: count four up from three: 4, 5, 6, 7. The answer is 7."
 @pytest.fixture(scope="module")
 def model():
     """A tiny Llama-style decoder over the toy vocabularies, weights re-drawn at visible scales."""
-    cfg = models.ModelConfig(
-        model_type="llama",
-        vocab_size=272,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    cfg = models.tiny_config("llama", vocab_size=272)
     graphdef, state = nnx.split(models.Decoder(cfg, rngs=nnx.Rngs(0)))
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(7), len(leaves))
@@ -124,17 +117,17 @@ def test_opsd_scores_slice_back_to_the_response(model, renderer):
     plain_seq, plain_start = condition_on_demonstration(prompt, response, empty)
     cond_seq, cond_start = condition_on_demonstration(prompt, response, hint)
     # Several samples in one packed call (the trainer scores a whole batch at once).
-    plain_scores, cond_scores, _ = models.score_sequences(model, [plain_seq, cond_seq, prompt + response])
+    plain_scores, cond_scores, _ = score_sequences(model, [plain_seq, cond_seq, prompt + response])
     plain = slice_response(plain_scores, plain_start, n)
     cond = slice_response(cond_scores, cond_start, n)
 
     # Empty hint: the sample itself, so exactly the plain prefill's response logprobs (bitwise when
     # scored at the same place; within float noise when packed elsewhere or run unpacked).
     assert plain_seq == prompt + response and plain_start == len(prompt)
-    (alone_plain,) = models.score_sequences(model, [prompt + response])
-    (alone_cond,) = models.score_sequences(model, [plain_seq])
+    (alone_plain,) = score_sequences(model, [prompt + response])
+    (alone_cond,) = score_sequences(model, [plain_seq])
     np.testing.assert_array_equal(slice_response(alone_cond, plain_start, n), alone_plain[len(prompt) :])
-    np.testing.assert_allclose(plain, unpacked(model, prompt + response)[len(prompt) :], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(plain, unpacked(model, prompt + response)[len(prompt) :], **LOGPROB_TOL)
 
     # Non-empty hint: the renderer's own render with the demonstration system message, plus the
     # response, run unpacked and sliced by hand.
@@ -145,7 +138,7 @@ def test_opsd_scores_slice_back_to_the_response(model, renderer):
     assert cond_seq == by_hand + response
     ref = unpacked(model, by_hand + response)[len(by_hand) :]
     assert cond.shape == (n,) and ref.shape == (n,)
-    np.testing.assert_allclose(cond, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cond, ref, **LOGPROB_TOL)
 
     # The demonstration changes the teacher's log-probabilities.
     assert np.max(np.abs(cond - plain)) > 1e-2

@@ -17,13 +17,14 @@ import pytest
 
 from rljax.chat import ChatMLRenderer, ChatSession, Qwen3Renderer, toy_tokenizer
 from rljax.core.objective import ObjectiveConfig, global_counts, objective
+from rljax.data import StepBatch
 from rljax.data.echo import DEFAULT_ALPHAS, check_alphas, echo_streams, response_roles
 from rljax.data.merge import MergePlan, merge_steps, plan_merge
 from rljax.data.pack import pack
 from rljax.envs import ToolLookupEnv, make_lookup_tasks
 from rljax.inference.engine import Completion
 from rljax.rollout import RolloutConfig, run_rollout
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.types import Step, TrajectoryID
 
 TOK = toy_tokenizer("chatml")
 IM_END = TOK.convert_tokens_to_ids("<|im_end|>")

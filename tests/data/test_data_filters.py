@@ -10,8 +10,9 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
+from rljax.data import StepBatch
 from rljax.data import filters as flt
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.types import Step, TrajectoryID
 
 T = TrajectoryID
 HI = math.log(0.995)  # confident token: p > 0.99

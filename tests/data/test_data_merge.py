@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from rljax.data import StepBatch
 from rljax.data.merge import MergePlan, merge_metrics, merge_steps, plan_merge
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.types import Step, TrajectoryID
 
 
 def _traj(prompts, responses, *, masks=None, logprobs=None, rewards=None, tid=("q", 0), **kw):

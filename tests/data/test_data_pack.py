@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from rljax.data import StepBatch
 from rljax.data.merge import merge_steps
 from rljax.data.pack import (
     bucket_rows,
@@ -17,7 +18,7 @@ from rljax.data.pack import (
     unpack,
     unpack_responses,
 )
-from rljax.types import PackedBatch, Step, StepBatch
+from rljax.types import PackedBatch, Step
 
 _STREAMS = (
     "loss_mask",

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from rljax.core import segments
+from rljax.data import StepBatch
 from rljax.data import step_advantages as sa
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.types import Step, TrajectoryID
 
 # ------------------------------------------------------------------------------------------
 # independent float64 references

@@ -10,8 +10,8 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from rljax.data import validate
-from rljax.types import Step, StepBatch, TrajectoryID
+from rljax.data import StepBatch, validate
+from rljax.types import Step, TrajectoryID
 
 T = TrajectoryID
 

@@ -56,6 +56,9 @@ class FakeVLLM:
         self.calls: list[tuple[float, str, dict | None]] = []  # (time, path, body)
         self.in_flight = 0
         self.max_in_flight = 0
+        # When set to an Event, completions wait for it (up to 30 s) before answering, so tests
+        # decide when in-flight requests finish instead of racing a sleep against the machine.
+        self.hold: threading.Event | None = None
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self))
         self._httpd.daemon_threads = True
@@ -161,6 +164,8 @@ def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                 server.max_in_flight = max(server.max_in_flight, server.in_flight)
             try:
                 time.sleep(server.delay_s)
+                if server.hold is not None:
+                    server.hold.wait(timeout=30)
                 if server.mode == "close":
                     self.close_connection = True
                     self.connection.shutdown(2)  # drop the connection without an answer

@@ -2,6 +2,8 @@
 
 import asyncio
 import math
+import threading
+import time
 
 import httpx
 import inference_fakes as fk
@@ -228,13 +230,26 @@ def test_timeout_fails_over(two_fakes):
     assert list(c.ids) == fk.expected_generation(PROMPT, 2)[0] and good.count() == 1
 
 
+async def _until(condition, timeout_s: float = 20.0) -> None:
+    """Polls ``condition()`` until it holds (bounded: a broken client fails instead of hanging)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
 def test_least_outstanding_load_balancing(two_fakes):
     a, b = two_fakes
-    a.delay_s = b.delay_s = 0.3
+    a.hold, b.hold = threading.Event(), threading.Event()  # nothing finishes until all 8 are out
 
     async def main():
         async with VLLMClient([a.url, b.url]) as client:
-            await asyncio.gather(*(client.generate([i], SamplingParams(max_tokens=1)) for i in range(8)))
+            one = SamplingParams(max_tokens=1)
+            tasks = [asyncio.create_task(client.generate([i], one)) for i in range(8)]
+            await _until(lambda: a.in_flight + b.in_flight == 8)
+            a.hold.set()
+            b.hold.set()
+            await asyncio.gather(*tasks)
 
     run(main())
     assert (a.count(), b.count()) == (4, 4)
@@ -243,14 +258,15 @@ def test_least_outstanding_load_balancing(two_fakes):
 
 def test_least_outstanding_prefers_the_idle_server(two_fakes):
     a, b = two_fakes
-    a.delay_s = 1.0  # a long request keeps server a busy
+    a.hold = threading.Event()  # a long request keeps server a busy until released
 
     async def main():
         async with VLLMClient([a.url, b.url]) as client:
             long = asyncio.create_task(client.generate([1], SamplingParams(max_tokens=1)))
-            await asyncio.sleep(0.1)
+            await _until(lambda: a.in_flight == 1)
             for i in range(5):  # sequential short requests: b always has fewer outstanding
                 await client.generate([i], SamplingParams(max_tokens=1))
+            a.hold.set()
             await long
 
     run(main())
@@ -287,11 +303,16 @@ def test_sticky_sessions_and_reassignment_on_failure(two_fakes):
 
 
 def test_concurrency_is_bounded(fake):
-    fake.delay_s = 0.2
+    fake.hold = threading.Event()
 
     async def main():
         async with VLLMClient([fake.url], max_concurrency=3) as client:
-            await asyncio.gather(*(client.generate([i], SamplingParams(max_tokens=1)) for i in range(9)))
+            one = SamplingParams(max_tokens=1)
+            tasks = [asyncio.create_task(client.generate([i], one)) for i in range(9)]
+            await _until(lambda: fake.in_flight == 3)
+            await asyncio.sleep(0.2)  # a client that breaks its bound sends a 4th within this window
+            fake.hold.set()
+            await asyncio.gather(*tasks)
             assert client.in_flight == 0
 
     run(main())

@@ -17,11 +17,13 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import LOGPROB_TOL
 
+from rljax import models
 from rljax.inference import sampler as sampler_lib
 from rljax.inference.engine import Engine, SamplingParams
 from rljax.inference.sampler import EmbeddedSampler, bucket_size, processed_logprobs, sample_from_logprobs
-from rljax.models import Decoder, ModelConfig, sequence_logprobs
+from rljax.models import Decoder, sequence_logprobs
 
 VOCAB = 96
 BUCKETS = dict(min_prompt_bucket=16, min_new_tokens_bucket=16, min_batch_bucket=8)
@@ -29,18 +31,7 @@ BUCKETS = dict(min_prompt_bucket=16, min_new_tokens_bucket=16, min_batch_bucket=
 
 def tiny_model(seed: int = 0) -> Decoder:
     """A tiny Qwen3-shaped decoder with weights scaled up so its distributions are far from uniform."""
-    cfg = ModelConfig(
-        model_type="qwen3",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-    )
-    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    model = models.tiny_model(vocab_size=VOCAB, seed=seed)
     state = nnx.state(model)
     state = jax.tree.map(lambda x: x * 20.0 if x.ndim == 2 else x, state)
     nnx.update(model, state)
@@ -231,7 +222,7 @@ def test_logprobs_equal_sequence_logprobs(model, sampler, temperature):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.finish_reason == "length" and len(out.ids) == 12
         ref = full_logprobs(model, prompt + list(out.ids), temperature)
-        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], atol=1e-5)
+        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], **LOGPROB_TOL)
     assert len({o.ids for o in outs}) == 3
 
 
@@ -247,7 +238,7 @@ def test_greedy_matches_argmax_of_full_forward(model, sampler):
             assert token == int(np.argmax(logits[len(prompt) - 1 + t]))
         # greedy logprobs are those of the T = 1 distribution (vLLM convention)
         ref = full_logprobs(model, seq, 1.0)
-        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], atol=1e-5)
+        np.testing.assert_allclose(out.logprobs, ref[len(prompt) :], **LOGPROB_TOL)
         assert o1.ids == out.ids
         np.testing.assert_allclose(o1.logprobs, 0.0, atol=1e-6)  # top-1 leaves one token: p = 1
 
@@ -292,7 +283,7 @@ def test_top_k_never_samples_outside_the_top_k(model, sampler):
         )
         for t, token in enumerate(out.ids):
             assert token in np.argsort(-logits[t])[:k]
-            np.testing.assert_allclose(out.logprobs[t], ref[t, token], atol=1e-5)
+            np.testing.assert_allclose(out.logprobs[t], ref[t, token], **LOGPROB_TOL)
 
 
 def test_top_p_samples_inside_the_nucleus_with_renormalized_logprobs(model, sampler):
@@ -308,7 +299,7 @@ def test_top_p_samples_inside_the_nucleus_with_renormalized_logprobs(model, samp
         ref = np_processed_logprobs(logits, [temperature] * n, [0] * n, [p] * n)
         for t, token in enumerate(out.ids):
             assert np.isfinite(ref[t, token])
-            np.testing.assert_allclose(out.logprobs[t], ref[t, token], atol=1e-5)
+            np.testing.assert_allclose(out.logprobs[t], ref[t, token], **LOGPROB_TOL)
 
 
 def test_batched_requests_equal_one_at_a_time(sampler):
@@ -338,7 +329,7 @@ def test_batched_requests_equal_one_at_a_time(sampler):
         alone = sampler.generate_batch([prompt], s)[0]
         assert alone.ids == out.ids
         assert alone.finish_reason == out.finish_reason
-        np.testing.assert_allclose(alone.logprobs, out.logprobs, atol=1e-5)
+        np.testing.assert_allclose(alone.logprobs, out.logprobs, **LOGPROB_TOL)
 
 
 def test_seeds_reproduce_and_differ(sampler):

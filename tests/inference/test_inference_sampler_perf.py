@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from rljax.inference import sampler as sampler_lib
 from rljax.inference.sampler import first_argmax, sample_by_inversion, step_uniforms
-from rljax.models import Decoder, ModelConfig
+from rljax.models import tiny_config, tiny_model
 
 
 def np_inversion(logprobs: np.ndarray, u: float) -> int:
@@ -138,11 +138,8 @@ def _computation(hlo: str, name: str) -> str:
 
 
 def test_generation_loop_has_no_per_step_prng_loop_or_cache_copy():
-    cfg = ModelConfig(
-        model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, qk_norm=True,
-    )  # fmt: skip
-    graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+    cfg = tiny_config(vocab_size=96)
+    graphdef, state = nnx.split(tiny_model(vocab_size=96))
     rows, prompt_len, new = 4, 16, 16
     args = (
         np.ones((rows, prompt_len), np.int32), np.ones((rows, prompt_len), np.int32),

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from flax import nnx
 
 from rljax import models
 from rljax.inference.engine import SamplingParams
@@ -22,10 +21,8 @@ SYNC_PATHS = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/re
 
 
 def small_model(*, tied: bool = True, seed: int = 0) -> models.Decoder:
-    cfg = models.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=16, intermediate_size=32,
-                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True,
-                             tie_word_embeddings=tied)  # fmt: skip
-    return models.Decoder(cfg, rngs=nnx.Rngs(seed))
+    return models.tiny_model(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             tie_word_embeddings=tied, seed=seed)  # fmt: skip
 
 
 def fake_reference(ids: np.ndarray) -> np.ndarray:

@@ -11,8 +11,6 @@ import os
 import types
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -120,33 +118,10 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def random_decoder(config, *, seed: int = 0, **decoder_kwargs) -> nnx.Module:
-    """An rljax Decoder with every parameter drawn at non-trivial scales (one jitted draw, no eager init)."""
-    from rljax.models import Decoder
+    """An rljax Decoder with every parameter drawn at non-trivial scales (see rljax.models.tiny)."""
+    from rljax.models.tiny import random_decoder as draw
 
-    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), **decoder_kwargs))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    specs = [(".".join(str(p) for p in path), var.get_value()) for path, var in flat]
-
-    @jax.jit
-    def draw(key: jax.Array) -> list[jax.Array]:
-        out = []
-        for k, (name, spec) in zip(jax.random.split(key, len(specs)), specs, strict=True):
-            noise = jax.random.normal(k, spec.shape, jnp.float32)
-            if "norm" in name:
-                value = 1.0 + 0.2 * noise
-            elif name.endswith("bias"):
-                value = 0.2 * noise
-            elif name == "embed_tokens":
-                value = 0.5 * noise
-            else:
-                value = 0.15 * noise
-            out.append(value.astype(spec.dtype))
-        return out
-
-    values = draw(jax.random.key(seed))
-    new = [(path, var.replace(v)) for (path, var), v in zip(flat, values, strict=True)]
-    return nnx.merge(graphdef, nnx.from_flat_state(new))
+    return draw(config, seed=seed, **decoder_kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from absl.testing import parameterized
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import LOGPROB_TOL
 
 from rljax import models
 from rljax.models.attention import (
@@ -82,12 +83,12 @@ class CacheAttentionTest(chex.TestCase):
         want = packed_attention(
             q, from_cache_layout(k, batch_size=3), from_cache_layout(v, batch_size=3), **kw
         )
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **LOGPROB_TOL)
         mask = attention_mask(q_seg, kv_seg, q_slots, kv_slots)
         direct = grouped_attention(
             q, from_cache_layout(k, batch_size=3), from_cache_layout(v, batch_size=3), mask
         )
-        np.testing.assert_allclose(np.asarray(got), np.asarray(direct), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(direct), **LOGPROB_TOL)
 
     def test_vmap_over_examples(self):
         q, k, v, q_seg, kv_seg, q_slots, kv_slots = _random_case(1, b=2, kv=2)
@@ -139,10 +140,7 @@ def test_cache_layout_round_trip_and_order(b, t, k, d):
 
 @pytest.fixture(scope="module")
 def gqa_model(helpers):
-    cfg = models.ModelConfig(
-        model_type="qwen3", vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6,
-        num_kv_heads=3, head_dim=16, qk_norm=True,
-    )  # fmt: skip
+    cfg = models.tiny_config(vocab_size=61, hidden_size=48, num_heads=6, num_kv_heads=3, head_dim=16)
     return helpers.random_decoder(cfg, seed=3)
 
 
@@ -170,7 +168,7 @@ def test_left_padded_prefill_and_decode_match_full_forward_with_three_kv_heads(g
         got.append(np.asarray(jax.nn.log_softmax(logits))[np.arange(3), cont[:, j]])
         logits, cache = models.decode_step(gqa_model, jnp.asarray(cont[:, j]), cache)
     want = np.stack([ref[i, len(p) : len(p) + steps] for i, p in enumerate(prompts)])
-    np.testing.assert_allclose(np.stack(got, axis=1), want, atol=1e-5)
+    np.testing.assert_allclose(np.stack(got, axis=1), want, **LOGPROB_TOL)
     # The cache holds exactly the keys a full forward computes, per row and kv head, in [B, S, K, D] views.
     assert cache.layer_keys(1).shape == (3, 12, 3, 16)
 
@@ -202,11 +200,7 @@ def _cache_sized_results(hlo: str, shape: tuple[int, ...]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3():
-    cfg = models.ModelConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, qk_norm=True,
-    )  # fmt: skip
-    return models.Decoder(cfg, rngs=nnx.Rngs(0))
+    return models.tiny_model(head_dim=16)
 
 
 def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):

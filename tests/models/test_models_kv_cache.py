@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerances import LOGPROB_TOL
 
 from rljax import models
 
@@ -89,7 +90,7 @@ def test_prefill_then_decode_steps_match_full_forward(model, sequences, referenc
         got.append(np.asarray(logp)[np.arange(len(prompts)), cont[:, j]])
         logits, cache = _step(model, jnp.asarray(cont[:, j]), cache)
     assert int(cache.index) == PAD + NUM_NEW
-    np.testing.assert_allclose(np.stack(got, axis=1), reference, atol=1e-5)
+    np.testing.assert_allclose(np.stack(got, axis=1), reference, **LOGPROB_TOL)
 
 
 def test_multi_token_decode_chunks_match_full_forward(model, sequences, reference):
@@ -110,7 +111,7 @@ def test_multi_token_decode_chunks_match_full_forward(model, sequences, referenc
     )
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     got = np.take_along_axis(logp, cont[:, :, None], axis=-1)[..., 0]
-    np.testing.assert_allclose(got, reference, atol=1e-5)
+    np.testing.assert_allclose(got, reference, **LOGPROB_TOL)
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.array(PROMPT_LENS) + NUM_NEW)
 
 

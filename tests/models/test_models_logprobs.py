@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import LOGPROB_TOL
 
 from rljax import models
 from rljax.models.logprobs import shifted_token_mask, token_logprobs_and_entropy
@@ -121,10 +122,7 @@ VOCAB = 61
 
 @pytest.fixture(scope="module")
 def model(helpers):
-    cfg = models.ModelConfig(
-        model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = models.tiny_config(vocab_size=VOCAB, head_dim=16)
     return helpers.random_decoder(cfg, seed=0)
 
 
@@ -151,7 +149,7 @@ def test_sequence_logprobs_alignment_temperature_and_masks(model):
             logq = z - np.log(np.exp(z).sum(-1, keepdims=True))
             ref_lp[b, s + 1 : e] = logq[np.arange(e - s - 1), tokens[b, s + 1 : e]]
             ref_ent[b, s + 1 : e] = -(np.exp(logq) * logq).sum(-1)
-    np.testing.assert_allclose(np.asarray(logp), ref_lp, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logp), ref_lp, **LOGPROB_TOL)
     np.testing.assert_allclose(np.asarray(ent), ref_ent, atol=1e-5)
     assert np.all(np.asarray(logp)[0, [0, 5, 9, 10, 11]] == 0.0)
 
@@ -174,7 +172,7 @@ def test_packed_row_equals_samples_alone(model, cuts, seed):
         single = np.zeros((1, length), np.int64)
         single[0, : e - s] = tokens[0, s:e]
         ref, _ = _seq(model, jnp.asarray(single), segment_ids=jnp.asarray(alone), chunk_size=16)
-        np.testing.assert_allclose(np.asarray(packed)[0, s:e], np.asarray(ref)[0, : e - s], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(packed)[0, s:e], np.asarray(ref)[0, : e - s], **LOGPROB_TOL)
     assert np.all(np.asarray(packed)[0, bounds[-2] :] == 0.0)
 
 

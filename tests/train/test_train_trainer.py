@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from rljax import envs
 from rljax.chat import make_renderer, toy_tokenizer
+from rljax.data import StepBatch
 from rljax.data.merge import merge_steps
 from rljax.envs.base import Task
 from rljax.train.trainer import TaskIterator, Trainer
 from rljax.train.warmstart import WarmStartConfig, demonstration_steps
-from rljax.types import StepBatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -7,23 +7,13 @@ import numpy as np
 from flax import nnx
 
 from rljax.data.pack import pack
-from rljax.models import Decoder, ModelConfig
+from rljax.models import Decoder, tiny_config
 from rljax.types import Step
 
 VOCAB = 128
 ROWS, SEQ_LEN = 8, 32
 
-CONFIG = ModelConfig(
-    model_type="qwen3",
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qk_norm=True,
-)
+CONFIG = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, head_dim=16)
 
 
 def make_model(seed: int = 0, **kwargs) -> Decoder:

@@ -10,28 +10,19 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import LOGPROB_TOL
 
 from rljax import models
-from rljax.models import scoring
+from rljax.inference import scoring
+from rljax.models.tiny import random_decoder
 
 VOCAB = 61
-CONFIG = models.ModelConfig(
-    model_type="qwen3",
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-    rope_theta=100.0,
-)
+CONFIG = models.tiny_config(vocab_size=VOCAB, rope_theta=100.0)
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_decoder(CONFIG, seed=3)
+def model():
+    return random_decoder(CONFIG, seed=3)
 
 
 def alone(model, seq, temperature=1.0):
@@ -68,20 +59,20 @@ def test_mixed_lengths_equal_each_sequence_alone(model):
     lengths = [1, 40, 64, 2, 17, 40, 2]
     seqs = random_seqs(rng, lengths)
     temps = rng.uniform(0.5, 1.5, size=len(seqs)).tolist()
-    out = models.score_sequences(model, seqs, temperature=temps, rows_per_batch=2)
+    out = scoring.score_sequences(model, seqs, temperature=temps, rows_per_batch=2)
     assert [o.shape for o in out] == [(n,) for n in lengths]
     assert all(o.dtype == np.float32 for o in out)
     for seq, t, o in zip(seqs, temps, out, strict=True):
-        np.testing.assert_allclose(o, alone(model, seq, t), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(o, alone(model, seq, t), **LOGPROB_TOL)
         assert o[0] == 0.0
         assert np.all(o[1:] < 0)
     # numpy arrays as input, in another order (so another packing), give the same values.
     order = rng.permutation(len(seqs))
-    again = models.score_sequences(
+    again = scoring.score_sequences(
         model, [np.asarray(seqs[k]) for k in order], temperature=[temps[k] for k in order], rows_per_batch=2
     )
     for k, o in zip(order, again, strict=True):
-        np.testing.assert_allclose(o, out[k], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(o, out[k], **LOGPROB_TOL)
 
 
 @settings(max_examples=8, deadline=None)
@@ -89,7 +80,7 @@ def test_mixed_lengths_equal_each_sequence_alone(model):
 def test_property_packed_equals_alone(model, lengths, seed):
     rng = np.random.default_rng(seed)
     seqs = random_seqs(rng, lengths)
-    out = models.score_sequences(model, seqs, row_len=64, rows_per_batch=4)
+    out = scoring.score_sequences(model, seqs, row_len=64, rows_per_batch=4)
     # Reference: each sequence alone in its own row, right-padded to 40 (causal attention: the
     # padding after a sequence cannot change its logprobs), one compile for all examples.
     tokens = np.zeros((7, 40), np.int32)  # always 7 rows: one reference compile
@@ -99,7 +90,7 @@ def test_property_packed_equals_alone(model, lengths, seed):
         segment_ids[i, : len(s)] = 1
     ref = np.asarray(models.sequence_logprobs(model, tokens, segment_ids=segment_ids), np.float64)
     for i, (s, o) in enumerate(zip(seqs, out, strict=True)):
-        np.testing.assert_allclose(o, ref[i, : len(s)], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(o, ref[i, : len(s)], **LOGPROB_TOL)
 
 
 def test_one_trace_per_bucket(model, monkeypatch):
@@ -114,43 +105,43 @@ def test_one_trace_per_bucket(model, monkeypatch):
     rng = np.random.default_rng(1)
     first = random_seqs(rng, [70, 3, 100])  # bucket 128
     second = random_seqs(rng, [90, 128, 5, 12, 100, 70, 80, 65])  # bucket 128, several batches of 3 rows
-    out1 = models.score_sequences(model, first, rows_per_batch=3)
+    out1 = scoring.score_sequences(model, first, rows_per_batch=3)
     assert traces == [(3, 128)]
-    out2 = models.score_sequences(model, second, rows_per_batch=3, temperature=0.8)
+    out2 = scoring.score_sequences(model, second, rows_per_batch=3, temperature=0.8)
     assert traces == [(3, 128)], "a second call in the same bucket must not retrace"
-    np.testing.assert_allclose(out1[2], alone(model, first[2]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out1[2], alone(model, first[2]), **LOGPROB_TOL)
     assert [o.shape[0] for o in out2] == [90, 128, 5, 12, 100, 70, 80, 65]
-    models.score_sequences(model, random_seqs(rng, [130]), rows_per_batch=3)
+    scoring.score_sequences(model, random_seqs(rng, [130]), rows_per_batch=3)
     assert traces == [(3, 128), (3, 256)], "a longer sequence moves to the next bucket"
 
 
 def test_edge_cases(model):
-    assert models.score_sequences(model, []) == []
-    out = models.score_sequences(model, [[], [4], [], [5, 6]])
+    assert scoring.score_sequences(model, []) == []
+    out = scoring.score_sequences(model, [[], [4], [], [5, 6]])
     assert [o.tolist() for o in out[:3]] == [[], [0.0], []]
-    np.testing.assert_allclose(out[3], alone(model, [5, 6]), atol=1e-5, rtol=0)
-    assert [o.shape for o in models.score_sequences(model, [[], []])] == [(0,), (0,)]
+    np.testing.assert_allclose(out[3], alone(model, [5, 6]), **LOGPROB_TOL)
+    assert [o.shape for o in scoring.score_sequences(model, [[], []])] == [(0,), (0,)]
 
 
 def test_errors(model):
     with pytest.raises(ValueError, match="row_len"):
-        models.score_sequences(model, [[1] * 10], row_len=8)
+        scoring.score_sequences(model, [[1] * 10], row_len=8)
     with pytest.raises(ValueError, match="vocabulary"):
-        models.score_sequences(model, [[1, VOCAB]])
+        scoring.score_sequences(model, [[1, VOCAB]])
     with pytest.raises(ValueError, match="vocabulary"):
-        models.score_sequences(model, [[-1, 2]])
+        scoring.score_sequences(model, [[-1, 2]])
     with pytest.raises(ValueError, match="1-D"):
-        models.score_sequences(model, [[[1, 2]]])
+        scoring.score_sequences(model, [[[1, 2]]])
     with pytest.raises(ValueError, match="1-D"):
-        models.score_sequences(model, [[1.5, 2.0]])
+        scoring.score_sequences(model, [[1.5, 2.0]])
     with pytest.raises(ValueError, match="> 0"):
-        models.score_sequences(model, [[1, 2]], temperature=0.0)
+        scoring.score_sequences(model, [[1, 2]], temperature=0.0)
     with pytest.raises(ValueError, match="one value per sequence"):
-        models.score_sequences(model, [[1, 2]], temperature=[1.0, 1.0])
+        scoring.score_sequences(model, [[1, 2]], temperature=[1.0, 1.0])
     with pytest.raises(ValueError, match="rows_per_batch"):
-        models.score_sequences(model, [[1, 2]], rows_per_batch=0)
+        scoring.score_sequences(model, [[1, 2]], rows_per_batch=0)
 
 
 def test_docstring_examples():
-    result = doctest.testmod(importlib.import_module("rljax.models.scoring"), optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(importlib.import_module("rljax.inference.scoring"), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result

@@ -123,10 +123,9 @@ def score_sequences(
       ValueError: a sequence is longer than ``row_len``, not a 1-D int sequence, holds ids
         outside the vocabulary, or a temperature is not positive.
 
-    >>> from rljax.models import Decoder, ModelConfig, sequence_logprobs
-    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
-    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
+    >>> from rljax.models import sequence_logprobs
+    >>> from rljax.models.tiny import tiny_model
+    >>> model = tiny_model("llama", vocab_size=16, num_layers=1)
     >>> a, b = score_sequences(model, [[1, 2, 3], [4, 5]])
     >>> a.shape, b.shape, float(a[0])
     ((3,), (2,), 0.0)
