@@ -25,10 +25,11 @@ def get_config() -> config_dict.ConfigDict:
     c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
     c.model.dtype = "bfloat16"
     c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
-    c.renderer = dict(name="qwen3", kwargs=dict(retention="tool_cycle"))
+    c.renderer.name = "qwen3"
+    c.renderer.kwargs = dict(retention="tool_cycle")
     c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
-    c.mesh = dict(data=1, fsdp=8, tensor=1)  # product = number of trainer devices
-    c.engine = dict(
+    c.mesh.update(data=1, fsdp=8, tensor=1)  # product = number of trainer devices
+    c.engine.update(
         kind="vllm",
         urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
         num_servers=1,

@@ -23,7 +23,7 @@ from configs import default
 def get_config() -> config_dict.ConfigDict:
     c = default.get_config()
     c.model.init.update(head_dim=64, max_position_embeddings=1024)
-    c.engine = dict(
+    c.engine.update(
         kind="vllm",
         urls=(),  # empty: launch num_servers local servers on the initial weights
         num_servers=1,

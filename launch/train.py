@@ -6,8 +6,10 @@
 
 ``--config.<key>=<value>`` overrides any config entry (ml_collections ``config_flags``): an unknown key
 or a value of the wrong type is an error naming the key. ``--resume`` continues from the latest
-complete checkpoint in ``<workdir>/checkpoints`` (bit-for-bit on CPU); without it an existing run in
-``workdir`` is refused rather than silently overwritten, unless ``--overwrite`` is given.
+complete checkpoint in ``<workdir>/checkpoints`` (bit-for-bit on CPU; an error when there is none, and
+when the config differs from the checkpoint's in a key that changes results, unless
+``--allow_config_change``); without it an existing run in ``workdir`` is refused rather than
+silently overwritten, unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ _WORKDIR = flags.DEFINE_string(
 )
 _RESUME = flags.DEFINE_bool("resume", False, "Resume from the latest complete checkpoint in --workdir.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete an existing run in --workdir and start over.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "With --resume: continue even though result-changing config keys differ from the checkpoint's.",
+)
 
 
 def _prepare_workdir(workdir: str | None, *, resume: bool, overwrite: bool) -> pathlib.Path:
@@ -61,7 +68,11 @@ def main(argv: list[str]) -> None:
     print(f"workdir: {workdir}", flush=True)
     from rljax.train.trainer import Trainer  # import after flag parsing (fast --help)
 
-    history = Trainer(config, workdir, resume=_RESUME.value).run()
+    trainer = Trainer(config, workdir, resume=_RESUME.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    try:
+        history = trainer.run()
+    except FileNotFoundError as e:  # --resume of a workdir without a complete checkpoint
+        raise app.UsageError(str(e)) from None
     if history:
         last = history[-1]
         print(

@@ -18,10 +18,19 @@ import numpy as np
 
 Reward = float | list[float]
 
+#: Stop reasons that mark a trajectory as errored: the rollout gives its steps loss mask 0 and
+#: reward 0 and ends it with "error" (environment exception or timeout) or "abort" (engine abort).
+#: Errored trajectories are counted, never trained on, and left out of group baselines.
+ERROR_STOP_REASONS: tuple[str, ...] = ("error", "abort")
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TrajectoryID:
-    """Identity of a trajectory: ``instance_id`` is the prompt (group) key."""
+    """Identity of a trajectory: ``instance_id`` is the prompt (group) key.
+
+    A record: batch validation (:mod:`rljax.data.validate`) requires ``instance_id`` to be a non-empty
+    str and ``repetition_id`` an int >= 0.
+    """
 
     instance_id: str
     repetition_id: int

@@ -55,3 +55,9 @@ def test_existing_run_is_not_overwritten(tmp_path):
     r = _run("--config=configs/smoke.py", f"--workdir={tmp_path}")
     assert r.returncode != 0 and "--resume" in r.stderr + r.stdout
     assert (tmp_path / "checkpoints").exists()
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    r = _run("--config=configs/smoke.py", f"--workdir={tmp_path}", "--resume", timeout=300)
+    assert r.returncode != 0 and "no complete checkpoint" in r.stderr + r.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,8 @@ __all__ = [
     "first_fit_decreasing",
     "geometric_row_buckets",
     "make_mini_batches",
+    "STREAM_DEFAULTS",
+    "check_streams",
     "pack",
     "unpack",
     "unpack_responses",
@@ -70,6 +72,24 @@ __all__ = [
 # A per-step stream: None (default), one scalar for all steps, or one entry per step that is
 # a scalar or an array with one value per response token.
 PerStep = float | Sequence[Any] | None
+
+#: The caller-supplied per-step streams of :func:`pack` / :func:`make_mini_batches` and the value
+#: a stream takes where it is not given (SPEC §2.6, §3.5): the one list of their names.
+STREAM_DEFAULTS: Mapping[str, float] = {
+    "advantages": 0.0,
+    "ref_logprobs": 0.0,
+    "rl_weights": 1.0,
+    "ce_weights": 0.0,
+    "ref_kl_weights": 0.0,
+}
+
+
+def check_streams(streams: Mapping[str, PerStep]) -> dict[str, PerStep]:
+    """Every stream of :data:`STREAM_DEFAULTS` (absent ones None); unknown names raise ValueError."""
+    unknown = sorted(set(streams) - set(STREAM_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown per-step stream(s) {unknown}; streams are {list(STREAM_DEFAULTS)}")
+    return {name: streams.get(name) for name in STREAM_DEFAULTS}
 
 _RESPONSE_STREAMS = (
     "loss_mask",
@@ -295,11 +315,7 @@ def _pack_steps(
     source: np.ndarray,
     *,
     seq_len: int,
-    advantages: PerStep,
-    ref_logprobs: PerStep,
-    rl_weights: PerStep,
-    ce_weights: PerStep,
-    ref_kl_weights: PerStep,
+    streams: Mapping[str, PerStep],
     row_buckets: Sequence[int] | None,
     data_parallel: int,
     truncate: bool,
@@ -401,15 +417,10 @@ def _pack_steps(
         out[where] = values
         return out.reshape(num_rows, seq_len)
 
-    streams = dict(
-        advantages=_response_stream("advantages", advantages, steps, source, resp_lens, keep_lens, 0.0),
-        ref_logprobs=_response_stream("ref_logprobs", ref_logprobs, steps, source, resp_lens, keep_lens, 0.0),
-        rl_weights=_response_stream("rl_weights", rl_weights, steps, source, resp_lens, keep_lens, 1.0),
-        ce_weights=_response_stream("ce_weights", ce_weights, steps, source, resp_lens, keep_lens, 0.0),
-        ref_kl_weights=_response_stream(
-            "ref_kl_weights", ref_kl_weights, steps, source, resp_lens, keep_lens, 0.0
-        ),
-    )
+    streams = {
+        name: _response_stream(name, streams.get(name), steps, source, resp_lens, keep_lens, default)
+        for name, default in STREAM_DEFAULTS.items()
+    }
     batch = PackedBatch(
         tokens=scatter(flat_tokens, dest, np.int32),
         positions=scatter(rel, dest, np.int32),
@@ -444,26 +455,25 @@ def pack(
     samples: StepBatch | Sequence[Step],
     *,
     seq_len: int,
-    advantages: PerStep = None,
-    ref_logprobs: PerStep = None,
-    rl_weights: PerStep = None,
-    ce_weights: PerStep = None,
-    ref_kl_weights: PerStep = None,
     row_buckets: Sequence[int] | None = None,
     data_parallel: int = 1,
     truncate: bool = False,
+    **streams: PerStep,
 ) -> PackResult:
     """Packs samples FFD into a :class:`~rljax.types.PackedBatch` of shape ``[rows, seq_len]``.
 
     Args:
       samples: steps (merged or not); sample ``k`` is ``prompt_ids ++ response_ids`` of step k.
       seq_len: row length.
-      advantages, ref_logprobs, rl_weights, ce_weights, ref_kl_weights: per-step streams aligned
-        to each step's response tokens: None (defaults 0, 0, 1, 0, 0), a scalar for all steps, or
-        one entry per step, each a scalar or an array of ``len(response_ids)`` values.
       row_buckets: allowed row counts (default powers of two times ``data_parallel``).
       data_parallel: the row count is a multiple of it; padding rows are fully masked.
       truncate: drop the tail of over-long responses instead of raising ``ValueError``.
+      **streams: per-step streams of :data:`STREAM_DEFAULTS` (``advantages, ref_logprobs,
+        rl_weights, ce_weights, ref_kl_weights``) aligned to each step's response tokens: None
+        (defaults 0, 0, 1, 0, 0), a scalar for all steps, or one entry per step, each a scalar or
+        an array of ``len(response_ids)`` values.
+
+    Zero samples give the smallest bucket of fully masked padding rows (a valid, all-masked batch).
 
     Returns:
       A :class:`PackResult` (``batch``, ``layout`` for :func:`unpack`, ``metrics``: rows,
@@ -482,11 +492,7 @@ def pack(
         steps,
         np.arange(len(steps)),
         seq_len=seq_len,
-        advantages=advantages,
-        ref_logprobs=ref_logprobs,
-        rl_weights=rl_weights,
-        ce_weights=ce_weights,
-        ref_kl_weights=ref_kl_weights,
+        streams=check_streams(streams),
         row_buckets=row_buckets,
         data_parallel=data_parallel,
         truncate=truncate,
@@ -591,16 +597,12 @@ def make_mini_batches(
     *,
     mini_batch_prompts: int,
     seq_len: int,
-    advantages: PerStep = None,
-    ref_logprobs: PerStep = None,
-    rl_weights: PerStep = None,
-    ce_weights: PerStep = None,
-    ref_kl_weights: PerStep = None,
     row_buckets: Sequence[int] | None = None,
     data_parallel: int = 1,
     truncate: bool = False,
     shuffle_seed: int | None = None,
     balance_tokens: bool = False,
+    **streams: PerStep,
 ) -> Iterator[PackResult]:
     """Splits a batch into packed mini-batches of exactly ``mini_batch_prompts`` prompt groups.
 
@@ -636,13 +638,7 @@ def make_mini_batches(
             f"{mini_batch_prompts}; choose mini_batch_prompts dividing the number of prompts per batch"
         )
     num_batches = num_groups // mini_batch_prompts
-    streams = dict(
-        advantages=advantages,
-        ref_logprobs=ref_logprobs,
-        rl_weights=rl_weights,
-        ce_weights=ce_weights,
-        ref_kl_weights=ref_kl_weights,
-    )
+    streams = check_streams(streams)
     for name, value in streams.items():
         _select(name, value, np.arange(0), n)  # length check up front
     if balance_tokens:
@@ -675,7 +671,7 @@ def make_mini_batches(
                 row_buckets=row_buckets,
                 data_parallel=data_parallel,
                 truncate=truncate,
-                **{name: _select(name, value, idx, n) for name, value in streams.items()},
+                streams={name: _select(name, value, idx, n) for name, value in streams.items()},
             )
             result.metrics.update(num_prompts=len(groups), mini_batch=b, num_mini_batches=num_batches)
             yield result

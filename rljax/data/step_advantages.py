@@ -51,7 +51,7 @@ import numpy as np
 
 from rljax.core import advantages as core_adv
 from rljax.data.validate import check_estimator_reward_mode, validate_steps
-from rljax.types import Step
+from rljax.types import ERROR_STOP_REASONS, Step
 
 __all__ = ["bucket_size", "compute_step_advantages", "dense_ids"]
 
@@ -218,6 +218,7 @@ def compute_step_advantages(
     reward_mode: str = "outcome",
     gamma_turn: float = 1.0,
     length_penalty: Mapping[str, float] | None = None,
+    exclude_errored: bool = True,
     **estimator_kwargs: Any,
 ) -> list[np.ndarray]:
     """Per-token advantages of every step, in batch order (SPEC §2.3, §2.4).
@@ -238,6 +239,11 @@ def compute_step_advantages(
         :func:`~rljax.core.advantages.length_penalty`). Per trajectory: ``out`` = response
         tokens summed over its steps, ``in`` = ``max_s(prompt + response tokens) - out``
         (prompt and observation tokens, floored at 0), ``turns`` = its number of steps.
+      exclude_errored: trajectories whose last step ended with a stop reason of
+        :data:`rljax.types.ERROR_STOP_REASONS` (the rollout marks environment errors "error" and
+        engine aborts "abort", with loss mask 0 and reward 0) are left out of every group's
+        statistics (their reward 0 would otherwise act as a phantom failure in the baseline) and
+        get advantage 0. With False they count like any other trajectory.
       **estimator_kwargs: passed to the estimator (hashable values; static under jit), e.g.
         ``norm_by_std=False`` for grpo or ``gamma=0.99`` for reinforce_pp.
 
@@ -280,9 +286,23 @@ def compute_step_advantages(
         if weights is not None:
             raise ValueError("length_penalty applies to group estimators, not to 'reinforce_pp'")
         return _per_step_reinforce_pp(steps, layout, gamma_turn, estimator_kwargs)
+    errored = _errored_trajectories(steps, layout) if exclude_errored else np.zeros(layout.num_traj, bool)
     if reward_mode == "outcome":
-        return _outcome(steps, layout, fn, weights, estimator_kwargs)
-    return _per_step(steps, layout, fn, gamma_turn, estimator_kwargs)
+        out = _outcome(steps, layout, fn, weights, estimator_kwargs, errored)
+    else:
+        out = _per_step(steps, layout, fn, gamma_turn, estimator_kwargs, errored)
+    for i in np.flatnonzero(errored[layout.traj]):
+        out[i] = np.zeros_like(out[i])
+    return out
+
+
+def _errored_trajectories(steps: Sequence[Step], layout: _Layout) -> np.ndarray:
+    """bool[num_traj]: the trajectory's last step ended with an error stop reason."""
+    out = np.zeros(layout.num_traj, bool)
+    for i, s in enumerate(steps):
+        if s.is_last_step and s.stop_reason in ERROR_STOP_REASONS:
+            out[layout.traj[i]] = True
+    return out
 
 
 def _outcome(
@@ -291,6 +311,7 @@ def _outcome(
     fn: Callable[..., Any],
     weights: dict[str, float] | None,
     kwargs: dict[str, Any],
+    errored: np.ndarray,
 ) -> list[np.ndarray]:
     num_traj = layout.num_traj
     last = np.array([s.is_last_step for s in steps], bool)
@@ -300,6 +321,7 @@ def _outcome(
     for i in range(layout.n - 1, -1, -1):
         first_step[layout.traj[i]] = i
     group, num_groups = dense_ids([steps[i].trajectory_id.instance_id for i in first_step])
+    group = np.where(errored, num_groups, group)  # errored: the padding group, outside every baseline
 
     t_rows = bucket_size(num_traj)
     group_ids, g_bucket = _group_ids_with_padding(group, num_groups, t_rows)
@@ -339,12 +361,18 @@ def _step_returns(layout: _Layout, gamma_turn: float) -> np.ndarray:
 
 
 def _per_step(
-    steps: Sequence[Step], layout: _Layout, fn: Callable[..., Any], gamma_turn: float, kwargs: dict[str, Any]
+    steps: Sequence[Step],
+    layout: _Layout,
+    fn: Callable[..., Any],
+    gamma_turn: float,
+    kwargs: dict[str, Any],
+    errored: np.ndarray,
 ) -> list[np.ndarray]:
     returns = _step_returns(layout, gamma_turn)
     group, num_groups = dense_ids(
         [(s.trajectory_id.instance_id, int(k)) for s, k in zip(steps, layout.turn, strict=True)]
     )
+    group = np.where(errored[layout.traj], num_groups, group)  # errored: outside every baseline
     group_ids, g_bucket = _group_ids_with_padding(group, num_groups, layout.rows)
     step_adv = _run_estimator(fn, _pad(returns, layout.rows, 0.0), group_ids, g_bucket, kwargs)
     out = _broadcast(

@@ -233,6 +233,11 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
                 f"{_where(i, tid)}: trajectory_id needs instance_id: str and repetition_id: int, "
                 f"got {tid!r}; build it with TrajectoryID.coerce"
             )
+        if not tid.instance_id or tid.repetition_id < 0:
+            raise ValueError(
+                f"{_where(i, tid)}: trajectory_id needs a non-empty instance_id and a repetition_id >= 0, "
+                f"got {tid!r}"
+            )
         w = _where(i, tid)
         tids.append(tid)
 

@@ -11,6 +11,7 @@ import pytest
 from rljax.core import segments
 from rljax.data import StepBatch
 from rljax.data import step_advantages as sa
+from rljax.data.step_advantages import compute_step_advantages
 from rljax.types import Step, TrajectoryID
 
 # ------------------------------------------------------------------------------------------
@@ -410,3 +411,45 @@ def test_errors_are_clear():
         sa.compute_step_advantages(steps, lambda r, g, n: jnp.zeros(3))
     with pytest.raises(ValueError, match="is_last_step"):
         sa.compute_step_advantages([Step([1], [2], TrajectoryID("q", 0), is_last_step=False)], "grpo")
+
+
+# ------------------------------------------------------------------------------------------------
+# Errored trajectories stay out of group baselines (issue 10 defect: they acted as phantom failures)
+# ------------------------------------------------------------------------------------------------
+def _group_with_errored(stop_reason: str, mode: str) -> list[Step]:
+    steps = []
+    for rep, reward in enumerate([1.0, 1.0, 0.5]):
+        tid = TrajectoryID("q", rep)
+        if mode == "per_step":  # two turns each, reward on the last
+            steps.append(Step([1], [2], tid, is_last_step=False))
+        steps.append(Step([1, 2, 3] if mode == "per_step" else [1], [4, 5], tid, reward=reward))
+    bad = TrajectoryID("q", 3)  # as the rollout leaves an errored trajectory: masked, reward 0
+    if mode == "per_step":
+        steps.append(Step([1], [2], bad, loss_mask=[0], is_last_step=False))
+    steps.append(Step([1], [4, 5], bad, loss_mask=[0, 0], reward=0.0, stop_reason=stop_reason))
+    return steps
+
+
+@pytest.mark.parametrize("stop_reason", ["error", "abort"])
+@pytest.mark.parametrize("mode", ["outcome", "per_step"])
+def test_errored_trajectories_are_excluded_from_group_baselines(stop_reason, mode):
+    steps = _group_with_errored(stop_reason, mode)
+    adv = compute_step_advantages(StepBatch(steps), "grpo", reward_mode=mode, norm_by_std=False)
+    mean = (1.0 + 1.0 + 0.5) / 3  # by hand: the errored trajectory's 0 is NOT in the mean
+    last = [a for a, s in zip(adv, steps, strict=True) if s.is_last_step]
+    np.testing.assert_allclose([float(a[0]) for a in last[:3]], [1 - mean, 1 - mean, 0.5 - mean], atol=1e-6)
+    assert all(not np.any(a) for a, s in zip(adv, steps, strict=True) if s.trajectory_id.repetition_id == 3)
+    # the old behaviour (a phantom 0 in the baseline) is still available, and differs
+    old = compute_step_advantages(
+        StepBatch(steps), "grpo", reward_mode=mode, norm_by_std=False, exclude_errored=False
+    )
+    old_last = [a for a, s in zip(old, steps, strict=True) if s.is_last_step]
+    np.testing.assert_allclose(float(old_last[0][0]), 1 - 2.5 / 4, atol=1e-6)
+
+
+def test_a_group_of_only_errored_trajectories_gets_zero_advantages():
+    steps = [Step([1], [2], TrajectoryID("q", r), loss_mask=[0], stop_reason="error") for r in range(2)]
+    steps.append(Step([1], [2], TrajectoryID("p", 0), reward=1.0))
+    steps.append(Step([1], [2], TrajectoryID("p", 1), reward=0.0))
+    adv = compute_step_advantages(StepBatch(steps), "rloo")
+    assert [a.tolist() for a in adv] == [[0.0], [0.0], [1.0], [-1.0]]

@@ -316,7 +316,7 @@ def test_per_env_mix_trains_each_algorithm(teacher, tmp_path):
         tasks={"notes": (_notes_tasks(64), []), "arith": (envs.make_tasks("arithmetic", 64, seed=0), [])},
     )
     batches, train_on = [], t._train_on
-    t._train_on = lambda batch, step: batches.append(batch) or train_on(batch, step)
+    t._train_on = lambda batch: batches.append(batch) or train_on(batch)
     history = t.run()  # sync mode: a frozen sample (version 0) counted as stale at step 2 would raise
     for n, batch in enumerate(batches):  # sft envs sample from the frozen teacher (version 0), others at n
         assert {s.policy_version for s in batch if s.env == "arith"} <= {0}
@@ -342,9 +342,9 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_vary(tmp_path):
     trained = []
     train_on = t._train_on
 
-    def spy(batch, step):
+    def spy(batch):
         trained.append(batch)
-        return train_on(batch, step)
+        return train_on(batch)
 
     t._train_on = spy
     history = t.run()

@@ -37,28 +37,58 @@ def _config(name: str):
 # -- TaskIterator -----------------------------------------------------------------------------------
 
 
-def _reference_order(n: int, seed: int, count: int) -> list[int]:
-    """Independent reference: concatenated per-epoch permutations of default_rng([seed, epoch])."""
-    out: list[int] = []
-    epoch = 0
-    while len(out) < count:
-        out += np.random.default_rng([seed, epoch]).permutation(n).tolist()
-        epoch += 1
-    return out[:count]
+def _reference_draws(n: int, seed: int, sizes: list[int]) -> list[list[int]]:
+    """Independent reference: epochs are permutations of default_rng([seed, epoch]); a draw that
+    crosses into a new epoch skips (defers to the end of that epoch) the tasks it already holds."""
+    draws: list[list[int]] = []
+    epoch, queue = 0, np.random.default_rng([seed, 0]).permutation(n).tolist()
+    for size in sizes:
+        draw: list[int] = []
+        while len(draw) < size:
+            if not queue:
+                epoch += 1
+                fresh = np.random.default_rng([seed, epoch]).permutation(n).tolist()
+                queue = [t for t in fresh if t not in draw] + [t for t in fresh if t in draw]
+            draw.append(queue.pop(0))
+        draws.append(draw)
+    return draws
 
 
-@settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 7), seed=st.integers(0, 1000), first=st.integers(0, 20), second=st.integers(0, 20))
-def test_task_iterator_order_and_state_round_trip(n, seed, first, second):
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    seed=st.integers(0, 1000),
+    sizes=st.lists(st.integers(1, 7), min_size=1, max_size=8),
+    cut=st.integers(0, 8),
+)
+def test_task_iterator_order_and_state_round_trip(n, seed, sizes, cut):
+    sizes = [min(k, n) for k in sizes]
     tasks = [Task(f"t{i}") for i in range(n)]
     it = TaskIterator(tasks, seed=seed)
-    a = [t.id for t in it.take(first)]
-    state = it.state()
-    b = [t.id for t in it.take(second)]
-    assert a + b == [f"t{i}" for i in _reference_order(n, seed, first + second)]
-    resumed = TaskIterator(tasks, seed=seed)
-    resumed.restore(state)
-    assert [t.id for t in resumed.take(second)] == b
+    got, state = [], None
+    for i, k in enumerate(sizes):
+        if i == cut:
+            state = it.state()
+        got.append([int(t.id[1:]) for t in it.take(k)])
+    assert got == _reference_draws(n, seed, sizes)
+    assert all(len(set(d)) == len(d) for d in got), "a task repeated within one draw (one RL step)"
+    flat = [t for d in got for t in d]
+    for e in range(len(flat) // n):  # every epoch visits every task exactly once
+        assert sorted(flat[e * n : (e + 1) * n]) == list(range(n))
+    if state is not None:
+        resumed = TaskIterator(tasks, seed=seed)
+        resumed.restore(__import__("json").loads(__import__("json").dumps(state)))  # JSON round trip
+        assert [[int(t.id[1:]) for t in resumed.take(k)] for k in sizes[cut:]] == got[cut:]
+
+
+def test_task_iterator_draws_never_repeat_across_an_epoch_boundary():
+    # the issue's reproduction: 10 tasks, 8 prompts per step; step 2 crosses into epoch 1
+    it = TaskIterator([Task(f"t{i}") for i in range(10)], seed=0)
+    for _ in range(12):
+        draw = [t.id for t in it.take(8)]
+        assert len(set(draw)) == 8
+    with pytest.raises(ValueError, match="distinct"):
+        it.take(11)
 
 
 def test_task_iterator_visits_every_task_once_per_epoch():
@@ -154,11 +184,12 @@ def test_warmstart_config_errors():
 def test_default_and_smoke_configs_build(tmp_path):
     for name in ("default", "smoke"):
         t = Trainer(_config(name), tmp_path / name)
-        assert t.rollout_config.group_size == _config(name).rollout.group_size
+        assert t.scheduler.rollout_config.group_size == _config(name).rollout.group_size
         assert t.algorithms.default.name == "grpo"
-        assert {s.env for s in t.train_tasks} == {"lookup"}
-        assert t.eval_tasks and all(s.split == "test" for s in t.eval_tasks)
-        assert not {s.data["query"] for s in t.eval_tasks} & {s.data["query"] for s in t.train_tasks}
+        train, evals = t.env_tasks.train, t.env_tasks.eval
+        assert {s.env for s in train} == {"lookup"}
+        assert evals and all(s.split == "test" for s in evals)
+        assert not {s.data["query"] for s in evals} & {s.data["query"] for s in train}
 
 
 @pytest.mark.parametrize(
@@ -181,6 +212,16 @@ def test_default_and_smoke_configs_build(tmp_path):
         (lambda c: c.update(algorithm={"name": "grpo", "step_wise": False}), "set step_wise=True"),
         (lambda c: c.update(algorithm="ppo"), "needs a value head"),
         (lambda c: c.engine.update(kind="magic"), "engine.kind"),
+        # silent surprises of the old trainer, now errors naming the key
+        (lambda c: c.trainer.update(prompts_per_step=4, mini_batch_prompts=3), "mini_batch_prompts"),
+        (lambda c: c.model.update(dtype="float16"), r"config.model.dtype: expected one of \['float32'"),
+        (lambda c: c.trainer.update(prompts_per_step=17), "prompts_per_step=17 exceeds the 16 train tasks"),
+        (lambda c: c.rollout.update(top_k="x"), "config.rollout"),
+        (lambda c: c.trainer.update(filters=[dict(name="nope")]), r"config.trainer.filters\[0\]"),
+        (lambda c: c.trainer.update(filters=[dict(name="overlong", strength=2)]), "strength"),
+        (lambda c: c.mesh.update(data=0), "config.mesh.data"),
+        (lambda c: c.engine.server.update(port="x") if "port" in c.engine.server else c.engine.update(
+            server={"bogus": 1}), "config.engine.server.bogus"),
     ],
 )
 def test_config_errors_are_clear(tmp_path, edit, match):
@@ -188,7 +229,7 @@ def test_config_errors_are_clear(tmp_path, edit, match):
     with c.unlocked():
         edit(c)
     with pytest.raises((ValueError, TypeError), match=match):
-        Trainer(c, tmp_path)._make_engine()
+        Trainer(c, tmp_path)
 
 
 def test_opsd_needs_demonstrations(tmp_path):
@@ -205,10 +246,10 @@ def test_frozen_models_resolve(tmp_path):
     c.algorithm = {"name": "opd", "teacher": "teacher"}
     c.frozen_models = {"teacher": {"base_url": "http://127.0.0.1:9/v1"}}
     t = Trainer(c, tmp_path)
-    assert set(t.frozen_configs) == {"teacher"}
+    assert set(t.engines.frozen_configs) == {"teacher"}
     c.algorithm = {"name": "opd", "teacher": "http://127.0.0.1:9"}  # a bare URL works too
     c.frozen_models = {}
-    assert "http://127.0.0.1:9" in Trainer(c, tmp_path / "url").frozen_configs
+    assert "http://127.0.0.1:9" in Trainer(c, tmp_path / "url").engines.frozen_configs
 
 
 def test_per_env_algorithms_resolve(tmp_path):
@@ -216,19 +257,19 @@ def test_per_env_algorithms_resolve(tmp_path):
     c.envs.arith = dict(env="arithmetic", kwargs={}, task_kwargs={}, num_train_tasks=8, num_eval_tasks=0)
     c.env_algorithms = {"arith": "rloo"}
     t = Trainer(c, tmp_path)
-    assert dict(t.rollout_config.env_algorithms) == {"lookup": "grpo", "arith": "rloo"}
+    assert dict(t.scheduler.rollout_config.env_algorithms) == {"lookup": "grpo", "arith": "rloo"}
     assert set(t.train_configs) == {"grpo", "rloo"}
-    assert {s.env for s in t.train_tasks} == {"lookup", "arith"}
+    assert {s.env for s in t.env_tasks.train} == {"lookup", "arith"}
 
 
 def test_needed_behaviour_versions(tmp_path):
     c = _config("smoke")
-    t = Trainer(c, tmp_path)
-    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [], []]  # sync: none
-    t.lag = 1
-    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [0], [4]]
-    t.lag = 2
-    assert [t._needed_versions(s) for s in (0, 1, 5)] == [[], [0], [3, 4]]
+    sched = Trainer(c, tmp_path).scheduler
+    assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [], []]  # sync: none
+    sched.lag = 1
+    assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [0], [4]]
+    sched.lag = 2
+    assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [0], [3, 4]]
 
 
 def test_vllm_and_gpu_configs_load():

@@ -8,7 +8,7 @@ import pytest
 from rljax.algorithms import get_algorithm
 from rljax.data import StepBatch
 from rljax.data.filters import make_filter
-from rljax.train.components import load_observation_filter, prefixed, prepare_samples
+from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples
 from rljax.types import Step
 
 # Two 2-turn trajectories of one prompt; turn 2 extends turn 1 with a tool message body [7, 8]

@@ -1,7 +1,9 @@
-"""Per-algorithm preparation of training samples: advantages, filters, merge, component streams.
+"""The host preparation pipeline: a rollout's batch -> training samples with their streams.
 
 One RL step trains every algorithm of the run on the steps its environments produced
-(SPEC §3.6). For algorithm ``a`` and its steps ``B_a`` this module computes, on the host::
+(SPEC §3.6). The batch is validated once, where the rollout builds it; :func:`split_by_algorithm`
+cuts it into whole trajectories per algorithm without validating again. For algorithm ``a`` and
+its steps ``B_a``, :func:`prepare_samples` computes (merge plan computed once)::
 
     A        = step advantages of B_a            (rl algorithms: a.estimator; others: zeros)
     B_a, m   = filters(B_a, A)                   (enforcing filters zero loss masks; metrics m)
@@ -22,7 +24,8 @@ The objective normalizes each component by its own global token count, so mixing
 components (echo) or algorithms never lets one component's token count scale another's
 gradient.
 
-Host code only: the math lives in :mod:`rljax.core` (estimators via
+Reference scores (the ref_kl component) are passed in as a function: the data layer never
+talks to a model. Host code only: the math lives in :mod:`rljax.core` (estimators via
 :func:`rljax.data.step_advantages.compute_step_advantages`, losses in the objective).
 """
 
@@ -36,13 +39,21 @@ from typing import Any
 import numpy as np
 
 from rljax.algorithms import Algorithm
-from rljax.data import StepBatch
+from rljax.data.batch import StepBatch
 from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
 from rljax.data.merge import merge_metrics, merge_steps, plan_merge
+from rljax.data.pack import STREAM_DEFAULTS
 from rljax.data.step_advantages import compute_step_advantages
-from rljax.types import Step
+from rljax.types import ERROR_STOP_REASONS, Step
 
-__all__ = ["PreparedSamples", "ResponseScorer", "load_observation_filter", "prefixed", "prepare_samples"]
+__all__ = [
+    "PreparedSamples",
+    "ResponseScorer",
+    "load_observation_filter",
+    "prefixed",
+    "prepare_samples",
+    "split_by_algorithm",
+]
 
 #: ``score(samples) -> one float array per sample``: log p of each response token under the
 #: reference (the ref_kl component's ``ref_logprobs``), aligned with ``sample.response_ids``.
@@ -70,14 +81,30 @@ class PreparedSamples:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def streams(self) -> dict[str, list[np.ndarray] | None]:
-        """Keyword arguments of :func:`rljax.data.pack.make_mini_batches`."""
-        return dict(
-            advantages=self.advantages,
-            rl_weights=self.rl_weights,
-            ce_weights=self.ce_weights,
-            ref_kl_weights=self.ref_kl_weights,
-            ref_logprobs=self.ref_logprobs,
-        )
+        """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`) for packing."""
+        return {name: getattr(self, name) for name in STREAM_DEFAULTS}
+
+
+def split_by_algorithm(batch: StepBatch) -> dict[str, StepBatch]:
+    """The batch's steps by ``Step.algorithm`` (sorted names; batch order kept), not re-validated.
+
+    Every step of a trajectory comes from one environment and so has one algorithm: each part holds
+    whole trajectories and stays valid.
+
+    >>> steps = [Step([1], [2], ("a", 0), algorithm="sft"), Step([1], [2], ("b", 0))]
+    >>> {k: len(v) for k, v in split_by_algorithm(StepBatch(steps)).items()}
+    {'grpo': 1, 'sft': 1}
+    """
+    parts: dict[str, list[Step]] = {}
+    algorithm_of: dict[Any, str] = {}
+    for s in batch:
+        if algorithm_of.setdefault(s.trajectory_id, s.algorithm) != s.algorithm:
+            raise ValueError(
+                f"trajectory {s.trajectory_id} has steps of algorithms {algorithm_of[s.trajectory_id]!r} "
+                f"and {s.algorithm!r}; a trajectory is trained by one algorithm"
+            )
+        parts.setdefault(s.algorithm, []).append(s)
+    return {name: batch.derived(parts[name]) for name in sorted(parts)}
 
 
 def load_observation_filter(path: str | None) -> Callable[[Step, np.ndarray], np.ndarray] | None:
@@ -148,7 +175,8 @@ def prepare_samples(
     ([[-0.5, -0.5], [0.5, 0.5]], None)
     """
     comp = algorithm.action_component
-    metrics: dict[str, float] = {}
+    errored = sum(s.is_last_step and s.stop_reason in ERROR_STOP_REASONS for s in batch)
+    metrics: dict[str, float] = {"advantages/errored_excluded": float(errored)} if comp == "rl" else {}
     if comp == "rl":
         lp = None if algorithm.length_penalty is None else dataclasses.asdict(algorithm.length_penalty)
         adv = compute_step_advantages(
@@ -173,8 +201,8 @@ def prepare_samples(
         )
     roles = None
     if merge:
-        plan = plan_merge(batch.steps)
-        merged = merge_steps(batch)
+        plan = plan_merge(batch.steps)  # once: merging and carrying arrays along share it
+        merged = merge_steps(batch, plan)
         if echo:
             from rljax.data.echo import response_roles
 

@@ -1,0 +1,166 @@
+"""The run's inference engines: the policy engine, frozen models, weight serving, shutdown.
+
+* The **policy engine** samples the model being trained: the in-process
+  :class:`~rljax.inference.EmbeddedSampler` (default) or :class:`~rljax.inference.vllm.VLLMClient`
+  against servers at ``engine.urls`` or launched locally on the initial weights. :meth:`EngineSet.serve`
+  puts a weight version on it (embedded: swap references; vLLM: safetensors + reload in place).
+* **Frozen models** (:class:`~rljax.inference.frozen.FrozenModel`) are endpoints rljax never
+  updates: opd teachers and sft samplers, referred to by name (``config.frozen_models``) or URL.
+  Each client lives on the event loop of the worker that uses it.
+
+Nothing here does math or decides when to sample; :mod:`rljax.train.scheduler` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from rljax.algorithms import Algorithm, AlgorithmConfig
+from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models_from_config
+from rljax.train.run_config import EngineSection
+from rljax.train.worker import Worker
+
+__all__ = ["EngineSet", "resolve_frozen_models"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_frozen_models(
+    frozen_models: Mapping[str, Any], algorithms: AlgorithmConfig
+) -> dict[str, FrozenModelConfig]:
+    """``config.frozen_models`` plus the bare URLs algorithms name as ``teacher``; unknown names raise."""
+    out = dict(frozen_models_from_config(dict(frozen_models)))
+    for a in algorithms.algorithms:
+        ref = a.frozen_model
+        if ref is None or ref in out:
+            continue
+        if ref.startswith(("http://", "https://")):
+            out[ref] = FrozenModelConfig(name=ref.split("://", 1)[1], base_url=ref)
+            continue
+        raise ValueError(
+            f"algorithm {a.name!r} names frozen model {ref!r} (teacher=), but config.frozen_models has "
+            f"{sorted(out) or 'none'}; add config.frozen_models.{ref} = "
+            "dict(base_url='http://host:port') or set teacher to the endpoint's base URL"
+        )
+    return out
+
+
+class EngineSet:
+    """The policy engine and the frozen models of a run, and their lifecycles.
+
+    Args:
+      engine: the ``config.engine`` section.
+      frozen: resolved frozen models (:func:`resolve_frozen_models`).
+      workdir: where a locally launched vLLM server's initial weights are written.
+      seed: the embedded sampler's seed.
+      engine_override: an engine object to use as the policy engine (tests, custom engines).
+    """
+
+    def __init__(
+        self,
+        engine: EngineSection,
+        frozen: Mapping[str, FrozenModelConfig],
+        *,
+        workdir: pathlib.Path,
+        seed: int,
+        engine_override: Any = None,
+    ) -> None:
+        self.config = engine
+        self.frozen_configs = dict(frozen)
+        self.workdir = workdir
+        self.seed = seed
+        self.policy: Any = engine_override
+        self._servers: Any = None
+        self._served_version: int | None = None
+        self._frozen: dict[tuple[str, int], tuple[Worker, FrozenModel]] = {}
+
+    # -- the policy engine -------------------------------------------------------------------------
+    def start_policy(self, model: Any) -> Any:
+        """Creates the policy engine on ``model``'s weights (unless one was given); returns it."""
+        if self.policy is not None:
+            return self.policy
+        e = self.config
+        if e.kind == "embedded":
+            from rljax.inference.sampler import EmbeddedSampler
+
+            self.policy = EmbeddedSampler(
+                model,
+                max_batch_size=e.max_batch_size,
+                min_batch_bucket=e.min_batch_bucket,
+                batch_wait_ms=e.batch_wait_ms,
+                min_prompt_bucket=e.min_prompt_bucket,
+                min_new_tokens_bucket=e.min_new_tokens_bucket,
+                max_model_len=e.max_model_len,
+                seed=self.seed,
+            )
+        else:
+            self.policy = self._start_vllm(model)
+        return self.policy
+
+    def _start_vllm(self, model: Any) -> Any:
+        from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
+        from rljax.models import save_pretrained
+
+        e = self.config
+        urls = list(e.urls)
+        if not urls:  # launch local servers on the initial weights
+            model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
+            save_pretrained(model, model_dir)
+            configs = [ServerConfig(model=model_dir, **dict(e.server)) for _ in range(e.num_servers)]
+            self._servers = ServerGroup(configs, python=e.python or None).start()
+            urls = self._servers.urls
+        return VLLMClient(urls, **dict(e.client))
+
+    async def serve(self, version: int, model: Any) -> None:
+        """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does)."""
+        if self._served_version != version:
+            await self.policy.update_weights(model, version=version)
+            self._served_version = version
+
+    # -- frozen models -----------------------------------------------------------------------------
+    def frozen_model(self, name: str, worker: Worker) -> FrozenModel:
+        """The client of frozen model ``name`` on ``worker``'s event loop (created on first use)."""
+        key = (name, id(worker))
+        if key not in self._frozen:
+            cfg = self.frozen_configs[name]
+
+            async def make() -> FrozenModel:
+                return FrozenModel.from_config(cfg)
+
+            self._frozen[key] = (worker, worker.submit(make).result())
+        return self._frozen[key][1]
+
+    def check_frozen_models(self, algorithms: AlgorithmConfig, worker: Worker) -> None:
+        """Fails fast (before any training) when a frozen model the run needs does not answer."""
+        for name in sorted({a.frozen_model for a in algorithms.algorithms if a.frozen_model}):
+            model = self.frozen_model(name, worker)
+            try:
+                worker.submit(model.resolve_model).result()
+            except Exception as e:
+                raise RuntimeError(
+                    f"frozen model {name!r} at {list(self.frozen_configs[name].base_url)} does not answer "
+                    f"GET /v1/models; start it or fix config.frozen_models.{name}.base_url. Cause: {e}"
+                ) from e
+
+    def sampler_for(self, algorithm: Algorithm, worker: Worker) -> Any:
+        """The engine that samples ``algorithm``'s rollouts: the policy, or a frozen model (sft)."""
+        if algorithm.sampling == "frozen":
+            return self.frozen_model(algorithm.frozen_model, worker)
+        return self.policy
+
+    # -- shutdown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes frozen-model clients and stops locally launched servers (errors are logged)."""
+        for worker, model in self._frozen.values():
+            try:
+                worker.submit(model.aclose).result(timeout=30)
+            except Exception as e:  # closing must not mask the run's own error
+                logger.warning("closing frozen model %s failed: %s", model.name, e)
+        self._frozen.clear()
+        if self._servers is not None:
+            self._servers.stop()
+            self._servers = None

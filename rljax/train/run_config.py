@@ -1,0 +1,597 @@
+"""The run configuration: typed, frozen, parsed once from an ml_collections config.
+
+:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
+``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
+place that knows the keys, their types and their defaults: a missing key takes the default of its
+dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
+key no component reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len:
+expected an int >= 1, got 'long'``. :func:`default_config` renders the same defaults as a
+``ConfigDict``; ``configs/default.py`` is exactly that, and the other recipes start from it.
+
+The trainer's parts read only these typed values, never the raw config.
+
+>>> cfg = parse_run_config({"trainer": {"num_steps": 3}})
+>>> cfg.trainer.num_steps, cfg.trainer.seq_len, cfg.rollout["group_size"]
+(3, 384, 8)
+>>> try:
+...     parse_run_config({"trainer": {"num_stpes": 3}})
+... except ValueError as e:
+...     print(str(e)[:46])
+config.trainer.num_stpes: unknown key; known k
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from rljax.data.filters import make_filter
+from rljax.inference.frozen import frozen_models_from_config
+from rljax.inference.vllm.launcher import ServerConfig
+from rljax.rollout import RolloutConfig
+from rljax.train.optim import OptimizerConfig
+from rljax.train.warmstart import WarmStartConfig
+
+__all__ = [
+    "DTYPES",
+    "DynamicSamplingSection",
+    "EngineSection",
+    "EnvSection",
+    "EvalSection",
+    "ModelSection",
+    "ObjectiveSection",
+    "RESULT_NEUTRAL_KEYS",
+    "RendererSection",
+    "RunConfig",
+    "TokenizerSection",
+    "TrainerSection",
+    "WarmStartSection",
+    "config_differences",
+    "default_config",
+    "parse_run_config",
+]
+
+#: Model dtypes a run accepts (compute and parameter storage).
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+MODES: tuple[str, ...] = ("sync", "async")
+ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
+REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+
+def _field(default: Any) -> Any:
+    """A dataclass field whose default is a (copied) mutable value."""
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: _copy(default))
+    if dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: default)
+    return dataclasses.field(default=default)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections (defaults = the default recipe: a tiny Qwen3-shaped model on the multi-turn lookup task)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSection:
+    """``name``: ``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path."""
+
+    name: str = "toy:chatml"
+
+
+@dataclasses.dataclass(frozen=True)
+class RendererSection:
+    """A renderer of :func:`rljax.chat.make_renderer` and its keyword arguments."""
+
+    name: str = "chatml"
+    kwargs: dict = _field({})
+
+
+DEFAULT_INIT = dict(
+    model_type="qwen3",
+    vocab_size=0,  # 0 = the tokenizer's size
+    hidden_size=64,
+    intermediate_size=192,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """``hf_path``: an HF checkpoint directory to load; empty = a fresh model of ``init`` (ModelConfig
+    fields). ``dtype``: compute and parameter dtype (one of :data:`DTYPES`), with or without hf_path."""
+
+    hf_path: str = ""
+    dtype: str = "float32"
+    init: dict = _field(DEFAULT_INIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """One environment of the run: ``env`` is its kind (default: the section's name), ``kwargs`` go to
+    its constructor, ``task_kwargs`` to its task maker (train split seeded by ``seed``, eval split by
+    ``seed + 1``)."""
+
+    env: str = ""
+    kwargs: dict = _field({})
+    task_kwargs: dict = _field({})
+    num_train_tasks: int = 256
+    num_eval_tasks: int = 0
+
+
+DEFAULT_ENVS = {
+    "lookup": dict(
+        env="lookup",
+        # compact: no tool schema, no system prompt (the warm start teaches the format), small credit
+        kwargs=dict(compact=True, system_prompt="", credit=(0.02, 0.05, 0.1)),
+        task_kwargs={},
+        num_train_tasks=2048,
+        num_eval_tasks=32,
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSection:
+    """The policy's inference engine. ``embedded``: the in-process JAX sampler (its batching fields).
+    ``vllm``: servers at ``urls``, or ``num_servers`` launched locally on the initial weights from the
+    vLLM virtual environment ``python`` (empty: found automatically); ``server`` holds
+    :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments."""
+
+    kind: str = "embedded"
+    max_batch_size: int = 128
+    min_batch_bucket: int = 8
+    batch_wait_ms: float = 0.0
+    min_prompt_bucket: int = 64
+    min_new_tokens_bucket: int = 16
+    max_model_len: int | None = None
+    urls: tuple = ()
+    num_servers: int = 1
+    python: str = ""
+    server: dict = _field({})
+    client: dict = _field({})
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation: samples per eval task and their temperature (0 = greedy)."""
+
+    group_size: int = 1
+    temperature: float = 1.0  # greedy (0.0) saturates at 1.0 after the default warm start
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSection:
+    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus."""
+
+    reduction: str = "token_mean"
+    off_policy: dict = _field({})
+    entropy_coef: float = 0.0
+    max_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection:
+    """Cross-entropy warm start on environment demonstrations before RL (0 steps = off).
+
+    ``learning_rate`` (and ``optimizer`` field overrides) replace the run's optimizer settings for it.
+    """
+
+    num_steps: int = 400
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    corrupt_prob: float = 0.6
+    corrupt_choices: tuple = ("red", "blue", "green", "gold")
+    seq_len: int = 256
+    log_every: int = 20
+    optimizer: dict = _field({})
+
+    def warm_start_config(self) -> WarmStartConfig:
+        return WarmStartConfig(
+            num_steps=self.num_steps,
+            batch_size=self.batch_size,
+            corrupt_prob=self.corrupt_prob,
+            corrupt_choices=tuple(self.corrupt_choices),
+            seq_len=self.seq_len,
+            log_every=self.log_every,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingSection:
+    """DAPO dynamic sampling: resample (up to ``max_rounds`` rounds; 0 = off) until every prompt slot
+    holds a group whose rewards spread more than ``atol``; ``strict`` fails when rounds run out."""
+
+    max_rounds: int = 0
+    atol: float = 0.0
+    strict: bool = False
+
+
+DEFAULT_TABLE_KEYS = (
+    "reward/mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "policy_version/lag",
+    "time/step_s",
+    "eval/reward_mean",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """The RL loop. ``prompts_per_step`` prompt groups per RL step, trained in mini-batches of
+    ``mini_batch_prompts`` groups (0 = one mini-batch); ``mode="async"`` overlaps the rollout of step
+    n+1 with training of step n (samples at most ``max_off_policy_steps`` versions stale)."""
+
+    num_steps: int = 120
+    mode: str = "sync"
+    max_off_policy_steps: int = 1
+    prompts_per_step: int = 16
+    mini_batch_prompts: int = 0
+    seq_len: int = 384
+    truncate: bool = True  # drop the tail of (rare) over-long samples; counted in pack metrics
+    merge: bool = True
+    filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
+    dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
+    row_buckets: Any = None
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    table_keys: tuple = DEFAULT_TABLE_KEYS
+
+
+DEFAULT_ROLLOUT = dict(
+    group_size=8,
+    max_turns=3,
+    max_tokens=64,
+    max_context_len=512,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=None,  # None = off
+    max_concurrency=256,
+    seed=None,  # request seeds derive from it; None = from config.seed
+)
+DEFAULT_OPTIMIZER = dict(
+    learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run reads, typed and validated. See the module docstring."""
+
+    seed: int = 0
+    tokenizer: TokenizerSection = _field(TokenizerSection())
+    renderer: RendererSection = _field(RendererSection())
+    model: ModelSection = _field(ModelSection())
+    envs: dict = _field(DEFAULT_ENVS)  # name -> EnvSection (parsed)
+    engine: EngineSection = _field(EngineSection())
+    rollout: dict = _field(DEFAULT_ROLLOUT)  # RolloutConfig fields (algorithm fields are set by the run)
+    eval: EvalSection = _field(EvalSection())
+    # a registered name or a dict {"name": ..., field overrides}; see rljax.algorithms
+    algorithm: Any = "grpo"
+    env_algorithms: dict = _field({})  # env name -> algorithm (same forms)
+    frozen_models: dict = _field({})  # name -> FrozenModelConfig fields (opd teachers, sft samplers)
+    objective: ObjectiveSection = _field(ObjectiveSection())
+    optimizer: dict = _field(DEFAULT_OPTIMIZER)  # OptimizerConfig fields
+    warmstart: WarmStartSection = _field(WarmStartSection())
+    trainer: TrainerSection = _field(TrainerSection())
+    mesh: dict = _field(dict(data=1, fsdp=1, tensor=1))  # product 1 = no mesh (one device)
+
+    def optimizer_config(self, **overrides: Any) -> OptimizerConfig:
+        return OptimizerConfig(**{**self.optimizer, **overrides})
+
+    @property
+    def uses_mesh(self) -> bool:
+        return math.prod(int(v) for v in self.mesh.values()) > 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing
+# ------------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """ConfigDict / FieldReference / FrozenConfigDict -> plain Python values (recursively)."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if hasattr(value, "get") and type(value).__name__ == "FieldReference":
+        value = value.get()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _fail(path: str, message: str) -> ValueError:
+    return ValueError(f"{path}: {message}")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """``value`` checked against the type ``hint`` of a section field (light conversions only)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, path)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise _fail(
+                path,
+                f"expected a mapping of {sorted(f.name for f in dataclasses.fields(hint))}, got {value!r}",
+            )
+        return _parse_section(hint, value, path)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _fail(path, f"expected True or False, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an int, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _fail(path, f"expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _fail(path, f"expected a string, got {value!r}")
+        return value
+    if hint is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise _fail(path, f"expected a list or tuple, got {value!r}")
+        return tuple(value)
+    if hint is dict:
+        if not isinstance(value, Mapping):
+            raise _fail(path, f"expected a mapping, got {value!r}")
+        return dict(value)
+    raise TypeError(f"{path}: no coercion for {hint!r}")  # a bug in this module, not in the config
+
+
+def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in value:
+        if key not in names:
+            raise _fail(f"{path}.{key}", f"unknown key; known keys of {path}: {names}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
+    return cls(**kwargs)
+
+
+def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -> None:
+    for key in mapping:
+        if key not in known:
+            raise _fail(f"{path}.{key}", f"unknown key; {what} accepts {sorted(known)}")
+
+
+def _dataclass_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _at_least(path: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise _fail(path, f"expected an int >= {low}, got {value!r}")
+
+
+def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
+
+
+def _validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field rules and the value ranges of every section (each error names its key)."""
+    t = cfg.trainer
+    _one_of("config.model.dtype", cfg.model.dtype, DTYPES)
+    _one_of("config.trainer.mode", t.mode, MODES)
+    _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
+    _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
+    for key in ("num_steps", "prompts_per_step", "seq_len", "max_off_policy_steps"):
+        _at_least(f"config.trainer.{key}", getattr(t, key), 1)
+    for key in ("mini_batch_prompts", "eval_every", "checkpoint_every", "keep_checkpoints"):
+        _at_least(f"config.trainer.{key}", getattr(t, key), 0)
+    _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
+    if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
+        raise _fail(
+            "config.trainer.mini_batch_prompts",
+            f"{t.mini_batch_prompts} does not divide trainer.prompts_per_step={t.prompts_per_step}; every "
+            "mini-batch holds exactly mini_batch_prompts whole prompt groups (SPEC §2.6): pick a divisor",
+        )
+    for i, f in enumerate(t.filters):
+        if not isinstance(f, Mapping) or "name" not in f:
+            raise _fail(f"config.trainer.filters[{i}]", f"expected dict(name=..., mode=...), got {f!r}")
+        try:
+            make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
+        except (TypeError, ValueError) as e:
+            raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
+    _check_known(
+        "config.rollout",
+        cfg.rollout,
+        set(_dataclass_fields(RolloutConfig)) - {"algorithm", "env_algorithms"},
+        "RolloutConfig",
+    )
+    try:
+        RolloutConfig(**cfg.rollout)
+    except (TypeError, ValueError) as e:
+        raise _fail("config.rollout", str(e)) from None
+    _check_known("config.optimizer", cfg.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig")
+    _check_known(
+        "config.warmstart.optimizer",
+        cfg.warmstart.optimizer,
+        _dataclass_fields(OptimizerConfig),
+        "OptimizerConfig",
+    )
+    try:
+        cfg.optimizer_config()
+        cfg.warmstart.warm_start_config()
+    except (TypeError, ValueError) as e:
+        raise _fail("config.optimizer / config.warmstart", str(e)) from None
+    _check_known(
+        "config.engine.server",
+        cfg.engine.server,
+        set(_dataclass_fields(ServerConfig)) - {"model"},
+        "ServerConfig",
+    )
+    _check_known("config.mesh", cfg.mesh, MESH_AXES, "the mesh")
+    for axis, size in cfg.mesh.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise _fail(f"config.mesh.{axis}", f"expected an int >= 1, got {size!r}")
+    if not cfg.envs:
+        raise _fail("config.envs", "empty; name at least one environment (e.g. 'lookup')")
+    try:
+        frozen_models_from_config(cfg.frozen_models)
+    except ValueError as e:
+        raise _fail("config.frozen_models", str(e)) from None
+    unknown = sorted(set(cfg.env_algorithms) - set(cfg.envs))
+    if unknown:
+        raise _fail(
+            "config.env_algorithms", f"names envs {unknown} that config.envs lacks ({sorted(cfg.envs)})"
+        )
+    return cfg
+
+
+def parse_run_config(config: Any) -> RunConfig:
+    """The :class:`RunConfig` of an ml_collections config (or nested dict); missing keys take defaults."""
+    raw = _plain(config) if config is not None else {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config: expected a ConfigDict or mapping, got {type(config).__name__}")
+    raw = dict(raw)
+    envs = raw.pop("envs", None)
+    cfg = _parse_section(RunConfig, raw, "config")
+    if envs is not None:
+        if not isinstance(envs, Mapping):
+            raise _fail("config.envs", f"expected a mapping env name -> dict(env=..., ...), got {envs!r}")
+        parsed = {}
+        for name, spec in envs.items():
+            spec = {} if spec is None else spec
+            env = _coerce(spec, EnvSection, f"config.envs.{name}")
+            parsed[str(name)] = env if env.env else dataclasses.replace(env, env=str(name))
+        cfg = dataclasses.replace(cfg, envs=parsed)
+    else:
+        cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
+    return _validate(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# The defaults as a ConfigDict (configs/default.py) and the comparison used by --resume
+# ------------------------------------------------------------------------------------------------
+
+#: Fields that can be given object values on the command line (lists, dicts, None-or-value).
+_OBJECT_FIELDS = {
+    "algorithm",
+    "env_algorithms",
+    "frozen_models",
+    "trainer.filters",
+    "trainer.row_buckets",
+    "trainer.table_keys",
+    "engine.urls",
+    "engine.max_model_len",
+    "objective.max_len",
+    "rollout.top_k",
+    "rollout.seed",
+}
+
+
+def _to_config(value: Any, path: str) -> Any:
+    from ml_collections import config_dict
+
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if path in _OBJECT_FIELDS or value is None:
+        return config_dict.FieldReference(value, field_type=object)
+    if isinstance(value, Mapping):
+        c = config_dict.ConfigDict()
+        for k, v in value.items():
+            c[k] = _to_config(v, f"{path}.{k}" if path else k)
+        return c
+    return value
+
+
+def default_config() -> Any:
+    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``configs/default.py``).
+
+    Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
+    fields, so ``--config.trainer.filters="[dict(name='overlong', mode='enforce')]"`` works.
+    """
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
+    return _to_config(cfg, "")
+
+
+#: Keys whose change does not change the numbers a resumed run produces (anything else that differs
+#: from the checkpoint's config refuses the resume): how long to run, how often to evaluate, save and
+#: print, where the servers are.
+RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
+    "trainer.num_steps",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.table_keys",
+    "engine.urls",
+    "engine.python",
+    "engine.num_servers",
+    "engine.client",
+    "engine.server.log_path",
+    "engine.server.startup_timeout_s",
+    "engine.server.port",
+    "frozen_models",
+)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, (list, tuple)):
+        value = tuple(_flatten_leaf(v) for v in value)
+    return {prefix: value}
+
+
+def _flatten_leaf(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _flatten_leaf(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_flatten_leaf(x) for x in v)
+    return v
+
+
+def config_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+    """``"key: saved -> current"`` for every result-changing key that differs (see RESULT_NEUTRAL_KEYS)."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == n or key.startswith(n + ".") for n in RESULT_NEUTRAL_KEYS):
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+    return out

@@ -1,0 +1,270 @@
+"""The rollout scheduler: which prompts each RL step samples, with which weights, and when.
+
+For RL step ``n`` it draws ``prompts_per_step`` tasks (:class:`~rljax.train.tasks.TaskIterator`),
+serves the behaviour weights of version ``v(n)`` on the policy engine and runs the agent loop on a
+:class:`~rljax.train.worker.Worker`. Synchronous mode: ``v(n) = n`` (the rollout of step n starts
+after step n - 1 trained). Asynchronous mode: ``v(n) = max(n - k, 0)`` with ``k =
+max_off_policy_steps``; rollouts of steps ``n+1 .. n+k`` run while step ``n`` trains, and a sample
+more than ``k`` versions stale is an error. It also runs DAPO dynamic sampling (extra rounds until
+enough groups have reward variance) and held-out evaluations.
+
+Determinism: request seeds derive from ``(rollout seed, step, ...)`` (``config.rollout.seed``, or
+``config.seed`` when unset), extra dynamic-sampling rounds draw from a ``(seed, step, round)``
+stream, and the task iterator's position is checkpointed, so resumed runs sample what the
+uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax.algorithms import AlgorithmConfig
+from rljax.chat.base import Renderer
+from rljax.data.filters import DynamicSampler
+from rljax.envs.base import Task
+from rljax.rollout import RolloutConfig, RolloutResult, rollout, rollout_metrics
+from rljax.train.engines import EngineSet
+from rljax.train.run_config import RunConfig
+from rljax.train.tasks import EnvTasks, TaskIterator
+from rljax.train.worker import Worker
+
+__all__ = ["PendingRollout", "RolloutScheduler", "derive_seed"]
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed derived from integers (stable across processes and runs)."""
+    return int(np.random.SeedSequence([int(p) % 2**32 for p in parts]).generate_state(1)[0])
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    step: int
+    version: int
+    future: concurrent.futures.Future
+    submitted: float
+
+
+class RolloutScheduler:
+    """Submits the rollouts of RL steps (and evals) in order, on behaviour weights of the right version.
+
+    Args:
+      cfg: the run config.
+      env_tasks: env factories and tasks.
+      renderer: the chat renderer.
+      engines: the run's engines (policy engine started before the first submit).
+      algorithms: the validated algorithms (which env samples from which engine).
+      vocab_size: the model's vocabulary (Step validation).
+      worker: the worker rollouts run on.
+      to_model: builds a model from parameters (served to the policy engine).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env_tasks: EnvTasks,
+        renderer: Renderer,
+        engines: EngineSet,
+        algorithms: AlgorithmConfig,
+        *,
+        vocab_size: int,
+        worker: Worker,
+        to_model: Callable[[Any], Any],
+    ) -> None:
+        t = cfg.trainer
+        self.num_steps = t.num_steps
+        self.prompts_per_step = t.prompts_per_step
+        self.lag = t.max_off_policy_steps if t.mode == "async" else 0
+        self.env_tasks = env_tasks
+        self.renderer = renderer
+        self.engines = engines
+        self.algorithms = algorithms
+        self.vocab_size = vocab_size
+        self.worker = worker
+        self.to_model = to_model
+        self.seed = cfg.seed
+        rollout_fields = dict(cfg.rollout)
+        seed = rollout_fields.pop("seed", None)
+        self.rollout_seed = cfg.seed if seed is None else int(seed)
+        rollout_fields.setdefault(
+            "max_concurrency", max(64, t.prompts_per_step * rollout_fields["group_size"])
+        )
+        env_alg = {env: algorithms.for_env(env).name for env in env_tasks.factories}
+        self.rollout_config = RolloutConfig(
+            **rollout_fields, algorithm=algorithms.default.name, env_algorithms=env_alg
+        )
+        self.eval_config = dataclasses.replace(
+            self.rollout_config, group_size=cfg.eval.group_size, temperature=cfg.eval.temperature
+        )
+        ds = t.dynamic_sampling
+        self.dynamic_sampling = ds if ds.max_rounds > 0 else None
+        if self.dynamic_sampling is not None:
+            not_grouped = [a.name for a in algorithms.algorithms if not a.group_relative]
+            if not_grouped:
+                raise ValueError(
+                    "config.trainer.dynamic_sampling keeps groups whose rewards vary (DAPO), which only "
+                    f"group-relative rl algorithms need; {not_grouped} are not: set max_rounds=0"
+                )
+        if t.prompts_per_step > len(env_tasks.train):
+            raise ValueError(
+                f"config.trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(env_tasks.train)} "
+                "train tasks of config.envs: one step cannot draw that many distinct prompts"
+            )
+        self.tasks = TaskIterator(env_tasks.train, seed=cfg.seed)
+        self.behavior: dict[int, Any] = {}  # version -> parameters the rollouts of that version use
+        self.pending: list[PendingRollout] = []
+        self.next_step = 0
+        self.task_states: dict[int, dict[str, Any]] = {}  # step -> iterator state before its draw
+
+    # -- versions ------------------------------------------------------------------------------------
+    def version_for(self, step: int) -> int:
+        """The policy version the rollout of RL step ``step`` samples with."""
+        return max(step - self.lag, 0)
+
+    def needed_versions(self, step: int) -> list[int]:
+        """Behaviour versions the rollouts of steps ``step .. step+lag-1`` use, other than ``step``."""
+        return sorted({self.version_for(m) for m in range(step, step + self.lag)} - {step})
+
+    def add_version(self, version: int, params: Any) -> None:
+        """Records the parameters of ``version`` and forgets versions no future rollout needs."""
+        self.behavior[version] = params
+        for v in [v for v in self.behavior if v < version - self.lag]:
+            del self.behavior[v]
+
+    # -- submitting ------------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """The next submitted rollout is that of ``step`` (a fresh or resumed run)."""
+        self.next_step = step
+
+    def fill(self, limit: int) -> None:
+        """Submits the rollouts of every step below ``min(limit, num_steps)`` not yet submitted."""
+        while self.next_step < min(limit, self.num_steps):
+            self.task_states[self.next_step] = self.tasks.state()
+            self.pending.append(self._submit(self.next_step))
+            self.next_step += 1
+
+    def data_state(self, step: int) -> dict[str, Any]:
+        """The task iterator's state as it was before step ``step`` drew (what a checkpoint at ``step``
+        must restore), and forgets older ones."""
+        state = self.task_states.get(step, self.tasks.state())
+        for s in [s for s in self.task_states if s < step]:
+            del self.task_states[s]
+        return state
+
+    def _submit(self, step: int) -> PendingRollout:
+        version = self.version_for(step)
+        params = self.behavior[version]
+        tasks = self.tasks.take(self.prompts_per_step)
+        config = dataclasses.replace(self.rollout_config, seed=derive_seed(self.rollout_seed, step, 1))
+        engines = {
+            env: self.engines.sampler_for(self.algorithms.for_env(env), self.worker)
+            for env in self.env_tasks.factories
+        }
+
+        async def sample(round_tasks: Sequence[Task], round_no: int) -> RolloutResult:
+            round_config = config
+            if round_no:
+                round_config = dataclasses.replace(config, seed=derive_seed(config.seed, round_no))
+            return await rollout(
+                round_tasks,
+                engine=engines,
+                renderer=self.renderer,
+                make_env=self.env_tasks.factories,
+                config=round_config,
+                vocab_size=self.vocab_size,
+            )
+
+        async def job() -> RolloutResult:
+            await self.engines.serve(version, self.to_model(params))
+            result = await sample(tasks, 0)
+            if self.dynamic_sampling is None:
+                return result
+            return await self._dynamic_sampling(result, step, len(tasks), sample)
+
+        return PendingRollout(step, version, self.worker.submit(job), time.perf_counter())
+
+    async def _dynamic_sampling(
+        self, first: RolloutResult, step: int, num_prompts: int, sample: Callable[..., Any]
+    ) -> RolloutResult:
+        """DAPO dynamic sampling: more rounds until ``num_prompts`` groups have reward variance.
+
+        Extra rounds draw prompts from a stream seeded by ``(seed, step, round)`` (not the task
+        iterator), so the data position and every sample stay reproducible whatever the timing;
+        their task ids get a ``#ds<step>.<round>`` suffix (a group is keyed by its task id).
+        """
+        ds = self.dynamic_sampling
+        sampler = DynamicSampler(
+            target_groups=num_prompts, max_rounds=ds.max_rounds, atol=ds.atol, strict=ds.strict
+        )
+        train = self.env_tasks.train
+        start = time.perf_counter() - first.metrics["wall_time_s"]
+        done, records, round_no = sampler.add(first.batch), list(first.trajectories), 0
+        while not done:
+            round_no += 1
+            rng = np.random.default_rng([self.seed, step, round_no, 0xD5])
+            picks = rng.choice(len(train), size=min(num_prompts, len(train)), replace=False)
+            extra = [
+                dataclasses.replace(train[int(i)], id=f"{train[int(i)].id}#ds{step}.{round_no}")
+                for i in picks
+            ]
+            result = await sample(extra, round_no)
+            records += result.trajectories
+            done = sampler.add(result.batch)
+        batch, metrics = sampler.result()
+        wall = time.perf_counter() - start
+        return RolloutResult(batch, {**rollout_metrics(records, wall), **metrics}, records)
+
+    # -- results ---------------------------------------------------------------------------------------
+    def result(self, step: int) -> tuple[RolloutResult, dict[str, float]]:
+        """Waits for the rollout of ``step``; returns it with its staleness metrics.
+
+        Raises when a policy sample is more than ``max_off_policy_steps`` versions stale (frozen
+        samplers' samples carry version 0 and never count).
+        """
+        job = self.pending.pop(0)
+        if job.step != step:
+            raise RuntimeError(f"rollouts out of order: expected step {step}, got {job.step}")
+        result = job.future.result()
+        frozen = {a.name for a in self.algorithms.algorithms if a.sampling == "frozen"}
+        versions = [s.policy_version for s in result.batch if s.algorithm not in frozen]
+        lag = step - min(versions) if versions else 0
+        if lag > self.lag:
+            raise RuntimeError(f"step {step}: a sample is {lag} versions stale (> max_off_policy_steps)")
+        return result, {
+            "policy_version/min": float(min(versions)) if versions else float("nan"),
+            "policy_version/max": float(max(versions)) if versions else float("nan"),
+            "policy_version/lag": float(lag),
+        }
+
+    # -- evaluation ------------------------------------------------------------------------------------
+    def evaluates(self, step: int, eval_every: int) -> bool:
+        """Whether held-out tasks are evaluated after RL step ``step`` (and after the last step)."""
+        if not (eval_every and self.env_tasks.eval) or step == 0:
+            return False
+        return step % eval_every == 0 or step == self.num_steps
+
+    def submit_eval(self, version: int) -> concurrent.futures.Future:
+        """Evaluates the weights of ``version`` on every eval task (its own seed stream)."""
+        config = dataclasses.replace(self.eval_config, seed=derive_seed(self.seed, 0xE7A1))
+        params = self.behavior[version]
+
+        async def job() -> RolloutResult:
+            await self.engines.serve(version, self.to_model(params))
+            return await rollout(
+                list(self.env_tasks.eval),
+                engine=self.engines.policy,
+                renderer=self.renderer,
+                make_env=self.env_tasks.factories,
+                config=config,
+                vocab_size=self.vocab_size,
+            )
+
+        return self.worker.submit(job)
+
+    def restore(self, data_state: Mapping[str, Any]) -> None:
+        self.tasks.restore(data_state["tasks"])

@@ -1,0 +1,140 @@
+"""The run's environments and tasks: env factories, train/eval task lists, the seeded task order.
+
+:func:`build_env_tasks` turns ``config.envs`` (or caller-supplied factories and tasks) into one
+:class:`EnvTasks`; :class:`TaskIterator` draws the prompts of each RL step from the train tasks,
+epoch by epoch, and its position is checkpointed so a resumed run draws exactly what the
+uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax import envs as builtin_envs
+from rljax.envs.base import Task
+from rljax.train.run_config import RunConfig
+
+__all__ = ["EnvTasks", "TaskIterator", "build_env_tasks"]
+
+
+class TaskIterator:
+    """Draws prompts epoch by epoch from seeded permutations; no task repeats within one draw.
+
+    Epoch ``e`` visits the tasks in the order ``default_rng([seed, e]).permutation(N)``. A draw of
+    ``n`` tasks that crosses into epoch ``e + 1`` takes the rest from the new epoch but never a task
+    it already holds: those move to the back of epoch ``e + 1``'s order (deterministically), so
+    every epoch still visits every task once and one RL step never trains a prompt twice.
+    ``state()`` is JSON (``epoch``, ``position`` and the current epoch's order) and ``restore``
+    continues exactly there.
+
+    >>> it = TaskIterator([Task(f"t{i}") for i in range(3)], seed=0)
+    >>> [t.id for t in it.take(2)], [t.id for t in it.take(2)], it.state()["epoch"]
+    (['t2', 't0'], ['t1', 't2'], 1)
+    """
+
+    def __init__(self, tasks: Sequence[Task], *, seed: int) -> None:
+        if not tasks:
+            raise ValueError("the task iterator needs at least one task; check the env's num_train_tasks")
+        ids = [t.id for t in tasks]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"task ids must be unique (a task id is a prompt group); {dup!r} repeats")
+        self.tasks = list(tasks)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
+
+    def take(self, n: int) -> list[Task]:
+        """The next ``n`` tasks (distinct; ``n`` may not exceed the number of tasks)."""
+        if n > len(self.tasks):
+            raise ValueError(
+                f"cannot draw {n} distinct tasks from {len(self.tasks)}: prompts_per_step must not exceed "
+                "the number of train tasks"
+            )
+        picked: list[int] = []
+        while len(picked) < n:
+            if self.position == len(self.tasks):
+                order = self._permutation(self.epoch + 1)
+                held = np.isin(order, picked)  # already in this draw: to the back, in their order
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = np.concatenate([order[~held], order[held]])
+            picked.append(int(self._order[self.position]))
+            self.position += 1
+        return [self.tasks[i] for i in picked]
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "order": self._order.tolist()}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        order = state.get("order")
+        self._order = self._permutation(self.epoch) if order is None else np.asarray(order, np.int64)
+        if sorted(self._order.tolist()) != list(range(len(self.tasks))):
+            raise ValueError(
+                f"the checkpoint's task order covers {len(self._order)} tasks, the run has "
+                f"{len(self.tasks)}: the task list changed since the checkpoint was written"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvTasks:
+    """Env name -> zero-argument factory, and the run's train / eval tasks (``Task.env`` = env name)."""
+
+    factories: Mapping[str, Callable[[], Any]]
+    train: tuple[Task, ...]
+    eval: tuple[Task, ...]
+
+    def by_id(self) -> dict[str, Task]:
+        return {t.id: t for t in self.train}
+
+
+def build_env_tasks(
+    cfg: RunConfig,
+    *,
+    make_env: Mapping[str, Callable[[], Any]] | None = None,
+    tasks: Mapping[str, tuple[Sequence[Task], Sequence[Task]]] | None = None,
+) -> EnvTasks:
+    """Factories and tasks of every env of ``cfg.envs``; ``make_env`` / ``tasks`` override an env's.
+
+    Raises ``ValueError`` for a ``make_env`` or ``tasks`` key that ``config.envs`` lacks (it would be
+    ignored), for unknown env kinds or constructor keywords, and for duplicate task ids.
+    """
+    for what, given in (("make_env", make_env), ("tasks", tasks)):
+        extra = sorted(set(given or {}) - set(cfg.envs))
+        if extra:
+            raise ValueError(
+                f"Trainer({what}=...) names envs {extra} that config.envs lacks ({sorted(cfg.envs)}); add "
+                f"config.envs.<name> = dict(env=...) for each, or drop them"
+            )
+    factories: dict[str, Callable[[], Any]] = {}
+    train: list[Task] = []
+    evals: list[Task] = []
+    for name, spec in cfg.envs.items():
+        if make_env is not None and name in make_env:
+            factories[name] = make_env[name]
+        else:
+            kwargs = dict(spec.kwargs)
+            try:
+                builtin_envs.make_env(spec.env, **kwargs)  # fail fast on a bad kind or keyword
+            except TypeError as e:
+                raise ValueError(f"config.envs.{name}.kwargs: {e}") from None
+            except ValueError as e:
+                raise ValueError(f"config.envs.{name}: {e}") from None
+            factories[name] = lambda kind=spec.env, kwargs=kwargs: builtin_envs.make_env(kind, **kwargs)
+        if tasks is not None and name in tasks:
+            tr, ev = tasks[name]
+        else:
+            tk = dict(spec.task_kwargs)
+            tr = builtin_envs.make_tasks(spec.env, spec.num_train_tasks, seed=cfg.seed, split="train", **tk)
+            ev = builtin_envs.make_tasks(spec.env, spec.num_eval_tasks, seed=cfg.seed + 1, split="test", **tk)
+        train += [dataclasses.replace(t, env=name) for t in tr]
+        evals += [dataclasses.replace(t, env=name) for t in ev]
+    return EnvTasks(factories=factories, train=tuple(train), eval=tuple(evals))
