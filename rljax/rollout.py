@@ -32,7 +32,19 @@ Decisions (the spec leaves them open):
   or an engine "abort", marks the trajectory errored: all its steps get loss mask 0 and reward 0,
   the last one gets stop_reason "error" (environment) or "abort" (engine); nothing partial is
   ever trained on. With ``on_error="drop"`` its steps are left out instead. Errored trajectories
-  are counted in the metrics and listed in ``RolloutResult.trajectories``; the run never crashes.
+  are counted in the metrics and listed in ``RolloutResult.trajectories``; one bad trajectory never
+  crashes the run. A rollout in which EVERY trajectory errored raises :class:`RolloutError`
+  (chained to the first error, its traceback in the message) instead of returning nothing to
+  train on (``RolloutConfig.raise_on_all_errored=False`` returns it anyway).
+* **Environment execution**: every env call (``reset``, ``step``, ``get_metrics``, ``close``) has
+  a time limit (``env_timeout_s``; a call past it errors its trajectory with kind
+  "env_timeout"). Synchronous envs run in a thread pool of ``env_workers`` threads (default
+  ``max_concurrency``), so a slow env never blocks the event loop or the engine's batching;
+  ``async def`` methods run on the loop. A timed-out synchronous call cannot be killed: its
+  thread is abandoned (the trajectory moves on). ``close()`` is called at the end of every
+  trajectory that built an env, errored ones included; ``get_metrics()`` (skyrl-gym) just before
+  it, and the per-env aggregates land in the metrics as ``env/<env name>/<key>`` (the env's
+  ``aggregate_metrics(list)`` when it has one, else the mean of numeric values).
 * **Greedy** requests (``temperature`` 0) record ``temperature=1.0`` on their steps, matching the
   logprobs the engines return for greedy rows.
 * ``max_turns`` reached without ``done``: the trajectory ends; its last step keeps its reward.
@@ -44,11 +56,15 @@ Decisions (the spec leaves them open):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import hashlib
+import inspect
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -57,16 +73,32 @@ import numpy as np
 from rljax.chat.base import Renderer
 from rljax.chat.session import ChatSession
 from rljax.data import StepBatch
-from rljax.envs.base import Action, Task, as_step_result, maybe_await
+from rljax.envs.base import Action, Task, as_step_result, mean_numeric_metrics
 from rljax.inference.engine import Completion, Engine, SamplingParams
 from rljax.types import Step, TrajectoryID
 
-__all__ = ["RolloutConfig", "RolloutResult", "TrajectoryRecord", "rollout", "run_rollout"]
+__all__ = [
+    "EnvTimeoutError",
+    "RolloutConfig",
+    "RolloutError",
+    "RolloutResult",
+    "TrajectoryRecord",
+    "rollout",
+    "run_rollout",
+]
 
 logger = logging.getLogger(__name__)
 
 GREEDY_EPS = 1e-5
-ERROR_KINDS = ("env", "engine", "prompt_too_long")
+ERROR_KINDS = ("env", "env_timeout", "engine", "prompt_too_long")
+
+
+class EnvTimeoutError(TimeoutError):
+    """An environment call ran past ``RolloutConfig.env_timeout_s``."""
+
+
+class RolloutError(RuntimeError):
+    """Every trajectory of a rollout errored (the message carries the first error's traceback)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +120,9 @@ class RolloutConfig:
       algorithm: algorithm name recorded on the steps; ``env_algorithms`` overrides it per env name.
       bridge: extend the previous prompt + completion when the renderer can (else full renders).
       on_error: "mask" (keep errored trajectories with loss mask 0) or "drop".
+      env_timeout_s: time limit of each environment call in seconds (None = none).
+      env_workers: threads running synchronous environment calls (None = ``max_concurrency``).
+      raise_on_all_errored: raise :class:`RolloutError` when every trajectory errored.
 
     >>> RolloutConfig(group_size=2).max_turns
     8
@@ -106,12 +141,27 @@ class RolloutConfig:
     env_algorithms: Mapping[str, str] = dataclasses.field(default_factory=dict)
     bridge: bool = True
     on_error: str = "mask"
+    env_timeout_s: float | None = 300.0
+    env_workers: int | None = None
+    raise_on_all_errored: bool = True
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_turns", "max_tokens", "max_context_len", "max_concurrency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
+        if self.env_timeout_s is not None and not (
+            isinstance(self.env_timeout_s, (int, float)) and self.env_timeout_s > 0
+        ):
+            raise ValueError(f"RolloutConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s!r}")
+        if self.env_workers is not None and (
+            isinstance(self.env_workers, bool)
+            or not isinstance(self.env_workers, int)
+            or self.env_workers < 1
+        ):
+            raise ValueError(
+                f"RolloutConfig.env_workers must be an int >= 1 or None, got {self.env_workers!r}"
+            )
         if self.on_error not in ("mask", "drop"):
             raise ValueError(f"RolloutConfig.on_error must be 'mask' or 'drop', got {self.on_error!r}")
         # Validates temperature / top_p / top_k once, with the engine's own rules.
@@ -141,10 +191,13 @@ class TrajectoryRecord:
       reward: the last step's reward (0 for errored trajectories).
       num_turns: steps emitted.
       end: "done", "length", "max_turns", "error" or "abort".
-      error_kind: None, or one of "env", "engine", "prompt_too_long".
+      error_kind: None, or one of "env", "env_timeout", "engine", "prompt_too_long".
       error: the exception text, when errored.
       bridged: per transition between turns, whether the next prompt extended the previous one.
       infos: the ``info`` dicts ``env.step`` returned.
+      env_metrics: what ``env.get_metrics()`` returned (envs that have it).
+      close_error: the exception text when ``env.close()`` failed (the trajectory stands).
+      exception: the exception object of the error (its traceback included), when there is one.
     """
 
     trajectory_id: TrajectoryID
@@ -157,6 +210,10 @@ class TrajectoryRecord:
     bridged: list[bool] = dataclasses.field(default_factory=list)
     infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     steps: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+    env_metrics: dict[str, Any] | None = None
+    close_error: str | None = None
+    exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
+    aggregate_metrics: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def errored(self) -> bool:
@@ -165,6 +222,7 @@ class TrajectoryRecord:
     def fail(self, kind: str, error: BaseException | str) -> None:
         self.error_kind = kind
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.exception = None if isinstance(error, str) else error
         self.end = "abort" if kind == "engine" else "error"
 
 
@@ -209,6 +267,36 @@ def _engine_for(engine: Engine | Mapping[str, Engine], task: Task) -> Engine:
     return _for_task(engine, task, "the engine mapping")
 
 
+class _EnvRunner:
+    """Runs environment calls: ``async def`` methods on the loop, sync ones in the thread pool,
+    each under ``timeout`` seconds."""
+
+    def __init__(self, executor: concurrent.futures.Executor, timeout: float | None) -> None:
+        self.executor = executor
+        self.timeout = timeout
+
+    async def call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if inspect.iscoroutinefunction(fn):
+            pending = fn(*args)
+        else:
+            pending = loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        try:
+            result = await asyncio.wait_for(pending, self.timeout)
+            if inspect.isawaitable(result):  # a sync function that returned an awaitable
+                result = await asyncio.wait_for(result, self.timeout)
+        except TimeoutError:
+            if self.timeout is None or loop.time() - start < self.timeout:
+                raise  # the env's own TimeoutError
+            raise EnvTimeoutError(f"env.{what} took longer than env_timeout_s={self.timeout}") from None
+        return result
+
+
+def _fail_env(rec: TrajectoryRecord, e: BaseException) -> None:
+    rec.fail("env_timeout" if isinstance(e, EnvTimeoutError) else "env", e)
+
+
 async def _run_trajectory(
     task: Task,
     repetition: int,
@@ -219,22 +307,80 @@ async def _run_trajectory(
     config: RolloutConfig,
     stop_ids: tuple[int, ...],
     vocab_size: int | None,
+    runner: _EnvRunner,
 ) -> TrajectoryRecord:
     tid = TrajectoryID(task.id, repetition)
     rec = TrajectoryRecord(tid)
     try:
         env = _factory_for(make_env, task)()
-        # the task's env name is the key the run's per-env algorithms and engines use
-        rec.env = task.env or str(getattr(env, "name", None) or type(env).__name__)
-        messages = await maybe_await(env.reset(task))
-        tools = getattr(env, "tools", None)
-        session = ChatSession(renderer, messages, tools=tools)
     except Exception as e:  # a broken env (or its messages) must not crash the run
         rec.fail("env", e)
         return rec
+    # the task's env name is the key the run's per-env algorithms and engines use
+    rec.env = task.env or str(getattr(env, "name", None) or type(env).__name__)
+    try:
+        await _episode(
+            task,
+            repetition,
+            rec,
+            env,
+            engine=engine,
+            renderer=renderer,
+            config=config,
+            stop_ids=stop_ids,
+            vocab_size=vocab_size,
+            runner=runner,
+        )
+    finally:
+        await _finish_env(rec, env, runner)
+    rec.num_turns = len(rec.steps)
+    rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1]["reward"])
+    return rec
+
+
+async def _finish_env(rec: TrajectoryRecord, env: Any, runner: _EnvRunner) -> None:
+    """``get_metrics()`` then ``close()`` (when the env has them), whatever happened before."""
+    get_metrics = getattr(env, "get_metrics", None)
+    if callable(get_metrics) and not rec.errored:
+        try:
+            metrics = await runner.call(get_metrics, what="get_metrics")
+            rec.env_metrics = dict(metrics or {})
+            rec.aggregate_metrics = getattr(env, "aggregate_metrics", None)
+        except Exception as e:
+            _fail_env(rec, e)
+    close = getattr(env, "close", None)
+    if callable(close):
+        try:
+            await runner.call(close, what="close")
+        except Exception as e:  # the episode is over; its data stand
+            rec.close_error = f"{type(e).__name__}: {e}"
+            logger.warning("env.close() of trajectory %s failed: %s", rec.trajectory_id, rec.close_error)
+
+
+async def _episode(
+    task: Task,
+    repetition: int,
+    rec: TrajectoryRecord,
+    env: Any,
+    *,
+    engine: Engine,
+    renderer: Renderer,
+    config: RolloutConfig,
+    stop_ids: tuple[int, ...],
+    vocab_size: int | None,
+    runner: _EnvRunner,
+) -> None:
+    tid = rec.trajectory_id
+    try:
+        messages = await runner.call(env.reset, task, what="reset")
+        tools = getattr(env, "tools", None)
+        session = ChatSession(renderer, messages, tools=tools)
+    except Exception as e:  # a broken env (or its messages) must not crash the run
+        _fail_env(rec, e)
+        return
     if len(session.prompt_ids) >= config.max_context_len:
         rec.fail("prompt_too_long", f"initial prompt has {len(session.prompt_ids)} tokens >= max_context_len")
-        return rec
+        return
     for turn in range(config.max_turns):
         prompt = list(session.prompt_ids)
         prompt_roles = list(session.full_prompt_roles)
@@ -274,9 +420,10 @@ async def _run_trajectory(
         try:
             parsed = session.add_completion(ids)
             text = renderer.decode(ids[:-1] if parsed.stopped else ids)
-            result = as_step_result(await maybe_await(env.step(Action.from_parsed(text, parsed))))
+            action = Action.from_parsed(text, parsed)
+            result = as_step_result(await runner.call(env.step, action, what="step"))
         except Exception as e:
-            rec.fail("env", e)
+            _fail_env(rec, e)
             break
         rec.steps[-1]["reward"] = result.reward
         rec.infos.append(result.info)
@@ -295,16 +442,13 @@ async def _run_trajectory(
             else:  # a full render of the whole history (the parsed assistant turns included)
                 session = ChatSession(renderer, [*session.messages, *result.messages], tools=session.tools)
         except Exception as e:
-            rec.fail("env", e)
+            _fail_env(rec, e)
             break
         rec.bridged.append(bool(session.bridged))
         if len(session.prompt_ids) >= config.max_context_len:
             rec.steps[-1]["stop_reason"] = "length"
             rec.end = "length"
             break
-    rec.num_turns = len(rec.steps)
-    rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1]["reward"])
-    return rec
 
 
 def _steps_of(rec: TrajectoryRecord, config: RolloutConfig) -> list[Step]:
@@ -374,9 +518,45 @@ def rollout_metrics(records: Sequence[TrajectoryRecord], wall_time_s: float) -> 
     }
     for kind in ERROR_KINDS:
         metrics[f"errored_{kind}"] = float(sum(r.error_kind == kind for r in records))
+    metrics["env_close_errors"] = float(sum(r.close_error is not None for r in records))
     for env in sorted({r.env for r in ok}):
         metrics[f"reward_mean/{env}"] = _mean([r.reward for r in ok if r.env == env])
+    metrics.update(env_metrics(records))
     return metrics
+
+
+def env_metrics(records: Sequence[TrajectoryRecord]) -> dict[str, float]:
+    """``env/<env>/<key>``: each env's ``get_metrics()`` dicts aggregated over its trajectories
+    (by the env's ``aggregate_metrics`` when it has one, else numeric means); non-finite and
+    non-numeric aggregates are left out."""
+    out: dict[str, float] = {}
+    for env in sorted({r.env for r in records if r.env_metrics is not None}):
+        recs = [r for r in records if r.env == env and r.env_metrics is not None]
+        aggregate = next((r.aggregate_metrics for r in recs if r.aggregate_metrics is not None), None)
+        episode = [r.env_metrics or {} for r in recs]
+        try:
+            agg = dict(aggregate(episode)) if aggregate is not None else mean_numeric_metrics(episode)
+        except Exception as e:  # a broken aggregator must not lose the rollout
+            logger.warning("aggregate_metrics of env %s failed (%s); using numeric means", env, e)
+            agg = mean_numeric_metrics(episode)
+        for key, value in agg.items():
+            if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+                out[f"env/{env}/{key}"] = float(value)
+    return out
+
+
+def _raise_all_errored(records: Sequence[TrajectoryRecord]) -> None:
+    first = records[0]
+    detail = ""
+    if first.exception is not None:
+        detail = "\n" + "".join(
+            traceback.format_exception(type(first.exception), first.exception, first.exception.__traceback__)
+        )
+    raise RolloutError(
+        f"every trajectory of the rollout errored ({len(records)}; nothing to train on). First: "
+        f"{first.trajectory_id} ({first.error_kind}): {first.error} "
+        f"(RolloutConfig.raise_on_all_errored=False returns such rollouts instead){detail}"
+    ) from first.exception
 
 
 async def rollout(
@@ -413,6 +593,10 @@ async def rollout(
         _engine_for(engine, t)
     stop_ids = tuple(int(i) for i in renderer.stop_token_ids())
     semaphore = asyncio.Semaphore(config.max_concurrency)
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=config.env_workers or config.max_concurrency, thread_name_prefix="rljax-env"
+    )
+    runner = _EnvRunner(executor, config.env_timeout_s)
 
     async def bounded(task: Task, rep: int) -> TrajectoryRecord:
         async with semaphore:
@@ -425,14 +609,21 @@ async def rollout(
                 config=config,
                 stop_ids=stop_ids,
                 vocab_size=vocab_size,
+                runner=runner,
             )
 
     start = time.perf_counter()
-    records = await asyncio.gather(*(bounded(t, r) for t in tasks for r in range(config.group_size)))
+    try:
+        records = await asyncio.gather(*(bounded(t, r) for t in tasks for r in range(config.group_size)))
+    finally:
+        # abandoned (timed-out) sync calls keep their threads; nothing waits for them
+        executor.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - start
     for rec in records:
         if rec.errored:
             logger.warning("trajectory %s errored (%s): %s", rec.trajectory_id, rec.error_kind, rec.error)
+    if records and config.raise_on_all_errored and all(r.errored for r in records):
+        _raise_all_errored(records)
     steps = [s for rec in records for s in _steps_of(rec, config)]
     metrics = rollout_metrics(records, wall)
     return RolloutResult(

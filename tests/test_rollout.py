@@ -311,9 +311,18 @@ def test_context_limit_caps_the_turn_budget_and_stops_with_length():
         engine=engine,
         renderer=RENDERER,
         make_env=ToolLookupEnv,
-        config=RolloutConfig(group_size=1, max_context_len=10),
+        config=RolloutConfig(group_size=1, max_context_len=10, raise_on_all_errored=False),
     )
     assert len(tiny.batch) == 0 and tiny.metrics["errored_prompt_too_long"] == 1
+    # by default a rollout with nothing to train on is an error
+    with pytest.raises(rollout_lib.RolloutError, match="prompt_too_long"):
+        run_rollout(
+            tasks,
+            engine=engine,
+            renderer=RENDERER,
+            make_env=ToolLookupEnv,
+            config=RolloutConfig(group_size=1, max_context_len=10),
+        )
 
 
 def test_max_turns_and_async_envs():
@@ -520,3 +529,176 @@ def test_async_rollout_api_and_doctests():
     assert len(result.batch) == 4 and result.batch.metadata["rollout"] is result.metrics
     doc = doctest.testmod(rollout_lib, optionflags=doctest.ELLIPSIS)
     assert doc.failed == 0 and doc.attempted > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# robust env execution: timeouts, thread pool, all-errored rollouts, close, env metrics
+# ------------------------------------------------------------------------------------------------
+
+
+class Misbehaving(ArithmeticEnv):
+    """Arithmetic, except by task index: 0 hangs in a sync step, 1 hangs in an async-looking
+    reset (a sync method returning a coroutine), 2 raises in reset, 3 raises in step."""
+
+    closed = []
+
+    def __init__(self):
+        super().__init__()
+        self.kind = None
+
+    def reset(self, task):
+        self.kind = int(task.id.rsplit(":", 1)[-1])
+        if self.kind == 1:
+            return asyncio.sleep(30, result=[])
+        if self.kind == 2:
+            raise RuntimeError("reset exploded")
+        return super().reset(task)
+
+    def step(self, action):
+        if self.kind == 0:
+            import time
+
+            time.sleep(1.5)
+        if self.kind == 3:
+            raise KeyError("step exploded")
+        return super().step(action)
+
+    def close(self):
+        Misbehaving.closed.append(self.kind)
+
+
+def test_hanging_and_raising_envs_are_counted_and_the_rest_trains():
+    import time
+
+    tasks = [
+        Task(f"m:{i}", {"a": 1, "op": "+", "b": i, "answer": str(1 + i)}, env="arithmetic") for i in range(6)
+    ]
+    engine = ScriptedEngine(lambda sid, turn, prompt: (str(1 + int(sid.split("#")[0].split(":")[1])), "stop"))
+    Misbehaving.closed = []
+    start = time.perf_counter()
+    result = run_rollout(
+        tasks,
+        engine=engine,
+        renderer=RENDERER,
+        make_env=Misbehaving,
+        config=RolloutConfig(group_size=2, env_timeout_s=0.4),
+    )
+    assert time.perf_counter() - start < 1.4  # the hanging calls did not hold the rollout
+    kinds = {str(r.trajectory_id): r.error_kind for r in result.trajectories}
+    for rep in range(2):
+        assert kinds[f"m:0#{rep}"] == "env_timeout" and kinds[f"m:1#{rep}"] == "env_timeout"
+        assert kinds[f"m:2#{rep}"] == "env" and kinds[f"m:3#{rep}"] == "env"
+        assert kinds[f"m:4#{rep}"] is None and kinds[f"m:5#{rep}"] is None
+    errors = {str(r.trajectory_id): r.error for r in result.trajectories}
+    assert "env.step took longer" in errors["m:0#0"] and "env.reset took longer" in errors["m:1#0"]
+    assert "reset exploded" in errors["m:2#0"] and "step exploded" in errors["m:3#1"]
+    m = result.metrics
+    assert (m["errored_env_timeout"], m["errored_env"], m["num_completed"]) == (4, 4, 4)
+    assert m["reward_mean"] == 1.0
+    steps = by_trajectory(result.batch)
+    for sid, trajectory in steps.items():
+        ok = kinds[sid] is None
+        assert all(set(s.loss_mask) == ({1} if ok else {0}) for s in trajectory)
+        assert trajectory[-1].stop_reason == ("stop" if ok else "error")  # errored stay identifiable
+        assert trajectory[-1].reward == (1.0 if ok else 0.0)
+    assert set(steps) == {f"m:{i}#{r}" for i in (0, 3, 4, 5) for r in range(2)}  # 1, 2 never sampled
+    assert sorted(Misbehaving.closed) == sorted([0, 1, 2, 3, 4, 5] * 2)  # close always called
+
+
+def test_sync_envs_run_in_the_thread_pool_and_never_stall_the_loop():
+    import threading
+    import time
+
+    threads = set()
+
+    class Slow:
+        name = "slow"
+        tools = None
+
+        def reset(self, task):
+            self.turn = 0
+            return [{"role": "user", "content": "go"}]
+
+        def step(self, action):
+            threads.add(threading.get_ident())
+            time.sleep(0.1)
+            self.turn += 1
+            return [{"role": "user", "content": "more"}], 1.0, self.turn == 2, {}
+
+    engine = ScriptedEngine(lambda sid, turn, prompt: ("ok", "stop"), delay=0.0)
+    start = time.perf_counter()
+    result = run_rollout(
+        [Task(f"s{i}") for i in range(8)],
+        engine=engine,
+        renderer=RENDERER,
+        make_env=Slow,
+        config=RolloutConfig(group_size=2, max_concurrency=16),
+    )
+    wall = time.perf_counter() - start
+    assert result.metrics["num_completed"] == 16 and result.metrics["turns_mean"] == 2
+    assert wall < 1.2  # 16 x 2 x 0.1 s = 3.2 s if the steps ran on the loop one after another
+    assert threading.get_ident() not in threads and len(threads) > 1
+
+
+def test_a_rollout_where_every_trajectory_errors_raises_with_the_first_traceback():
+    class Broken(ArithmeticEnv):
+        def reset(self, task):
+            return self._explode(task)
+
+        def _explode(self, task):
+            raise ZeroDivisionError(f"no env for {task.id}")
+
+    tasks = make_arithmetic_tasks(2, seed=0)
+    kwargs = dict(
+        engine=ScriptedEngine(lambda sid, turn, prompt: ("1", "stop")), renderer=RENDERER, make_env=Broken
+    )
+    with pytest.raises(rollout_lib.RolloutError) as err:
+        run_rollout(tasks, config=RolloutConfig(group_size=2), **kwargs)
+    msg = str(err.value)
+    assert "every trajectory of the rollout errored (4" in msg and f"{tasks[0].id}#0 (env)" in msg
+    assert "Traceback" in msg and "_explode" in msg and "ZeroDivisionError" in msg
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
+    result = run_rollout(tasks, config=RolloutConfig(group_size=2, raise_on_all_errored=False), **kwargs)
+    assert result.metrics["num_errored"] == 4 and len(result.batch) == 0
+    with pytest.raises(ValueError, match="env_timeout_s"):
+        RolloutConfig(env_timeout_s=0)
+    with pytest.raises(ValueError, match="env_workers"):
+        RolloutConfig(env_workers=0)
+
+
+def test_env_metrics_are_aggregated_per_env():
+    class Counted(ArithmeticEnv):
+        def get_metrics(self):
+            return {"answer_len": len(self.task.data["answer"]), "name": "not a number", "ok": True}
+
+    class CustomAgg(Counted):
+        name = "custom"
+
+        @staticmethod
+        def aggregate_metrics(metrics):
+            return {"count": len(metrics), "skipped": "text"}
+
+    class BadClose(ArithmeticEnv):
+        def close(self):
+            raise OSError("cannot close")
+
+    tasks = [
+        Task("a:1", {"a": 1, "op": "+", "b": 9, "answer": "10"}, env="counted"),
+        Task("a:2", {"a": 1, "op": "+", "b": 1, "answer": "2"}, env="counted"),
+        Task("b:1", {"a": 1, "op": "+", "b": 2, "answer": "3"}, env="custom"),
+        Task("c:1", {"a": 1, "op": "+", "b": 3, "answer": "4"}, env="badclose"),
+    ]
+    result = run_rollout(
+        tasks,
+        engine=ScriptedEngine(lambda sid, turn, prompt: ("1", "stop")),
+        renderer=RENDERER,
+        make_env={"counted": Counted, "custom": CustomAgg, "badclose": BadClose},
+        config=RolloutConfig(group_size=2),
+    )
+    m = result.metrics
+    assert m["env/counted/answer_len"] == 1.5 and m["env/counted/ok"] == 1.0
+    assert "env/counted/name" not in m
+    assert m["env/custom/count"] == 2.0 and "env/custom/skipped" not in m
+    assert not any(k.startswith("env/badclose/") for k in m)
+    assert m["env_close_errors"] == 2.0 and m["num_errored"] == 0  # a failed close keeps the data
+    assert result.trajectories[0].env_metrics == {"answer_len": 2, "name": "not a number", "ok": True}

@@ -39,6 +39,7 @@ __all__ = [
     "StepResult",
     "Task",
     "maybe_await",
+    "mean_numeric_metrics",
     "split_of",
 ]
 
@@ -59,6 +60,12 @@ class Task:
         its derivation). Algorithms that condition on demonstrations (opsd) render it into a
         system block of the scoring prompt (``Renderer.demonstration_hint``); the sampled
         prompt never contains it. None = no demonstration.
+      messages: the prompt as chat messages (dataset rows: the row's ``prompt``), or None when the
+        environment builds its own prompt from ``data``.
+      reward_spec: how the answer is scored (SkyRL ``reward_spec`` / verl ``reward_model``):
+        ``{"method": ..., "ground_truth": ...}``; None = the environment's own scorer.
+      data_source: the row's ``data_source`` (evaluation metrics are reported per data source).
+      extra_info: the row's ``extra_info`` (free-form, passed to environments and reward functions).
 
     >>> Task("arith-3+4", {"question": "3+4", "answer": "7"}, env="arithmetic").id
     'arith-3+4'
@@ -71,12 +78,24 @@ class Task:
     env: str | None = None
     split: str = "train"
     demonstration: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    reward_spec: Mapping[str, Any] | None = None
+    data_source: str | None = None
+    extra_info: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise ValueError(f"Task.id must be a non-empty string, got {self.id!r}")
         if self.split not in SPLITS:
             raise ValueError(f"Task.split must be one of {SPLITS}, got {self.split!r}")
+        if self.messages is not None:
+            if isinstance(self.messages, (str, Mapping)) or not all(
+                isinstance(m, Mapping) and "role" in m for m in self.messages
+            ):
+                raise ValueError(
+                    f"Task.messages must be a list of message dicts with a role, got {self.messages!r:.80}"
+                )
+            object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
 
 
 class StepResult(NamedTuple):
@@ -196,3 +215,17 @@ def split_of(key: str, *, test_fraction: float = 0.2) -> str:
         raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
     return "test" if h < test_fraction else "train"
+
+
+def mean_numeric_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per key, the mean of the numeric (and bool) values over episode metric dicts; others dropped.
+
+    >>> mean_numeric_metrics([{"steps": 2, "ok": True, "name": "x"}, {"steps": 4, "ok": False}])
+    {'steps': 3.0, 'ok': 0.5}
+    """
+    values: dict[str, list[float]] = {}
+    for m in metrics:
+        for k, v in m.items():
+            if isinstance(v, (bool, int, float)) and math.isfinite(float(v)):
+                values.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in values.items()}

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from rljax import evaluation
+from rljax.envs.base import Task
 from rljax.rollout import RolloutResult
 from rljax.train import metrics as metrics_lib
 
@@ -60,12 +62,21 @@ def rollout_step_metrics(result: RolloutResult) -> dict[str, float]:
     return out
 
 
-def eval_metrics(result: RolloutResult, step: int) -> dict[str, float]:
-    """The ``eval/*`` metrics of a held-out evaluation after RL step ``step``."""
+def eval_metrics(
+    result: RolloutResult, step: int, *, tasks: Sequence[Task] = (), pass_k: Sequence[int] = ()
+) -> dict[str, float]:
+    """The ``eval/*`` metrics of a held-out evaluation after RL step ``step``.
+
+    ``eval/reward_mean``, ``eval/correct_fraction`` (envs that report ``correct``), and pass@k /
+    pass^k / mean@k (:func:`rljax.evaluation.eval_metrics`) overall, per env and per data source,
+    for ``pass_k`` (default: 1 and the number of samples per task).
+    """
     out = {"eval/reward_mean": result.metrics["reward_mean"], "eval/step": float(step)}
     correct = _correct_fraction(result)
     if correct is not None:
         out["eval/correct_fraction"] = correct
+    passes = evaluation.eval_metrics(result.trajectories, list(tasks), ks=list(pass_k) or None)
+    out.update({k: float(v) for k, v in passes.items() if k != "eval/reward_mean"})
     return out
 
 

@@ -61,6 +61,7 @@ MODES: tuple[str, ...] = ("sync", "async")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
 
 def _field(default: Any) -> Any:
@@ -127,20 +128,29 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class EnvSection:
-    """One environment of the run: ``env`` is its kind (default: the section's name), ``kwargs`` go to
-    its constructor, ``task_kwargs`` to its task maker (train split seeded by ``seed``, eval split by
-    ``seed + 1``)."""
+    """One environment of the run: ``env`` is its kind (default: the section's name; e.g. "lookup",
+    "skyrl_gym:gsm8k", "reasoning_gym:leg_counting"), ``kwargs`` go to its constructor.
+
+    Tasks come from the env's task maker (``task_kwargs``; train split seeded by ``seed``, eval split
+    by ``seed + 1``; ``num_train_tasks`` default 256, ``num_eval_tasks`` default 0) or, when
+    ``dataset`` is set, from dataset files (:func:`rljax.envs.load_dataset_tasks`):
+    ``dataset=dict(train=PATH, eval=PATH, format="auto", eval_fraction=None)`` (``eval`` a separate
+    file, or ``eval_fraction`` a held-out share of ``train``); then ``num_*_tasks`` (if set) keep the
+    first N rows of each split.
+    """
 
     env: str = ""
     kwargs: dict = _field({})
     task_kwargs: dict = _field({})
-    num_train_tasks: int = 256
-    num_eval_tasks: int = 0
+    num_train_tasks: int | None = None
+    num_eval_tasks: int | None = None
+    dataset: dict = _field({})
 
 
 DEFAULT_ENVS = {
     "lookup": dict(
         env="lookup",
+        dataset={},
         # compact: no tool schema, no system prompt (the warm start teaches the format), small credit
         kwargs=dict(compact=True, system_prompt="", credit=(0.02, 0.05, 0.1)),
         task_kwargs={},
@@ -173,10 +183,12 @@ class EngineSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
-    """Held-out evaluation: samples per eval task and their temperature (0 = greedy)."""
+    """Held-out evaluation: ``group_size`` samples per eval task at ``temperature`` (0 = greedy);
+    ``pass_k`` are the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``)."""
 
     group_size: int = 1
     temperature: float = 1.0  # greedy (0.0) saturates at 1.0 after the default warm start
+    pass_k: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +282,9 @@ DEFAULT_ROLLOUT = dict(
     top_k=None,  # None = off
     max_concurrency=256,
     seed=None,  # request seeds derive from it; None = from config.seed
+    env_timeout_s=300.0,  # per env call (reset / step); a timeout errors the trajectory
+    env_workers=None,  # threads for synchronous envs; None = max_concurrency
+    raise_on_all_errored=True,  # a step whose every trajectory errored fails with the first error
 )
 DEFAULT_OPTIMIZER = dict(
     learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0
@@ -464,6 +479,20 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.mesh.{axis}", f"expected an int >= 1, got {size!r}")
     if not cfg.envs:
         raise _fail("config.envs", "empty; name at least one environment (e.g. 'lookup')")
+    for name, env in cfg.envs.items():
+        _check_known(f"config.envs.{name}.dataset", env.dataset, DATASET_KEYS, "a dataset section")
+        if env.dataset and not env.dataset.get("train"):
+            raise _fail(f"config.envs.{name}.dataset.train", "a dataset section needs the train file(s)")
+        if env.dataset.get("eval") and env.dataset.get("eval_fraction"):
+            raise _fail(f"config.envs.{name}.dataset", "give eval (a file) or eval_fraction, not both")
+        if env.dataset and env.task_kwargs:
+            raise _fail(f"config.envs.{name}.task_kwargs", "tasks come from the dataset; drop task_kwargs")
+        for key in ("num_train_tasks", "num_eval_tasks"):
+            _at_least(f"config.envs.{name}.{key}", getattr(env, key), 0)
+    for k in cfg.eval.pass_k:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.eval.group_size:
+            raise _fail("config.eval.pass_k", f"each k must be an int in [1, eval.group_size], got {k!r}")
+    _at_least("config.eval.group_size", cfg.eval.group_size, 1)
     try:
         frozen_models_from_config(cfg.frozen_models)
     except ValueError as e:
@@ -515,6 +544,7 @@ _OBJECT_FIELDS = {
     "objective.max_len",
     "rollout.top_k",
     "rollout.seed",
+    "rollout.env_workers",
 }
 
 
@@ -523,7 +553,9 @@ def _to_config(value: Any, path: str) -> Any:
 
     if dataclasses.is_dataclass(value):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if path in _OBJECT_FIELDS or value is None:
+    parts = path.split(".")
+    env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"
+    if path in _OBJECT_FIELDS or value is None or env_dataset:
         return config_dict.FieldReference(value, field_type=object)
     if isinstance(value, Mapping):
         c = config_dict.ConfigDict()

@@ -16,7 +16,7 @@ import numpy as np
 
 from rljax import envs as builtin_envs
 from rljax.envs.base import Task
-from rljax.train.run_config import RunConfig
+from rljax.train.run_config import EnvSection, RunConfig
 
 __all__ = ["EnvTasks", "TaskIterator", "build_env_tasks"]
 
@@ -84,6 +84,32 @@ class TaskIterator:
             )
 
 
+def _dataset_tasks(name: str, spec: EnvSection, *, seed: int) -> tuple[list[Task], list[Task]]:
+    """Train / eval tasks of ``config.envs.<name>.dataset`` (separate files or a held-out fraction)."""
+    d = spec.dataset
+    common = dict(format=d.get("format", "auto"), env=name, seed=seed)
+    fraction = d.get("eval_fraction")
+    try:
+        train = builtin_envs.load_dataset_tasks(d["train"], split="train", eval_fraction=fraction, **common)
+        if d.get("eval"):
+            evals = builtin_envs.load_dataset_tasks(d["eval"], split="test", **common)
+        elif fraction:
+            evals = builtin_envs.load_dataset_tasks(
+                d["train"], split="test", eval_fraction=fraction, **common
+            )
+        else:
+            evals = []
+    except (OSError, ValueError) as e:
+        raise ValueError(f"config.envs.{name}.dataset: {e}") from None
+    if spec.num_train_tasks is not None:
+        train = train[: spec.num_train_tasks]
+    if spec.num_eval_tasks is not None:
+        evals = evals[: spec.num_eval_tasks]
+    if not train:
+        raise ValueError(f"config.envs.{name}.dataset: no train rows in {d['train']!r}")
+    return train, evals
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvTasks:
     """Env name -> zero-argument factory, and the run's train / eval tasks (``Task.env`` = env name)."""
@@ -131,10 +157,14 @@ def build_env_tasks(
             factories[name] = lambda kind=spec.env, kwargs=kwargs: builtin_envs.make_env(kind, **kwargs)
         if tasks is not None and name in tasks:
             tr, ev = tasks[name]
+        elif spec.dataset:
+            tr, ev = _dataset_tasks(name, spec, seed=cfg.seed)
         else:
             tk = dict(spec.task_kwargs)
-            tr = builtin_envs.make_tasks(spec.env, spec.num_train_tasks, seed=cfg.seed, split="train", **tk)
-            ev = builtin_envs.make_tasks(spec.env, spec.num_eval_tasks, seed=cfg.seed + 1, split="test", **tk)
+            n_train = 256 if spec.num_train_tasks is None else spec.num_train_tasks
+            n_eval = 0 if spec.num_eval_tasks is None else spec.num_eval_tasks
+            tr = builtin_envs.make_tasks(spec.env, n_train, seed=cfg.seed, split="train", **tk)
+            ev = builtin_envs.make_tasks(spec.env, n_eval, seed=cfg.seed + 1, split="test", **tk)
         train += [dataclasses.replace(t, env=name) for t in tr]
         evals += [dataclasses.replace(t, env=name) for t in ev]
     return EnvTasks(factories=factories, train=tuple(train), eval=tuple(evals))

@@ -284,6 +284,10 @@ class Trainer:
         metrics["optimizer_steps"] = float(len(train_rows))
         return metrics
 
+    def _eval_result(self, step: int, future: concurrent.futures.Future) -> dict[str, float]:
+        result: RolloutResult = future.result()
+        return eval_metrics(result, step, tasks=self.env_tasks.eval, pass_k=self.cfg.eval.pass_k)
+
     # -- the run ---------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         """Runs (or resumes) the job; returns this process's per-step metrics."""
@@ -381,12 +385,12 @@ class Trainer:
             metrics.update({"time/rollout_wait_s": rollout_wait, "time/train_s": train_time})
             step_no = n + 1
             if eval_future is not None:  # async: the previous step's eval ran beside this step's training
-                metrics.update(_eval_result(*eval_future))
+                metrics.update(self._eval_result(*eval_future))
                 eval_future = None
             if sched.evaluates(step_no, t.eval_every):
                 eval_future = (step_no, sched.submit_eval(step_no))
                 if t.mode == "sync" or step_no == t.num_steps:
-                    metrics.update(_eval_result(*eval_future))
+                    metrics.update(self._eval_result(*eval_future))
                     eval_future = None
             if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
                 save_start = time.perf_counter()
@@ -407,9 +411,7 @@ def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algo
     raise ValueError(f"a step names algorithm {name!r}, which this run lacks ({algorithms.names})")
 
 
-def _eval_result(step: int, future: concurrent.futures.Future) -> dict[str, float]:
-    result: RolloutResult = future.result()
-    return eval_metrics(result, step)
+
 
 
 def _advantage_metrics(prep: Any, alg: algos.Algorithm, name: str) -> dict[str, float]:
