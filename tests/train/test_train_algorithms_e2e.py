@@ -17,7 +17,6 @@ says, with references computed independently of the trainer:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import pathlib
 import sys
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from recipes import load_recipe
 
 from rljax import envs, models
 from rljax.chat import make_renderer, toy_tokenizer
@@ -51,14 +51,7 @@ VOCAB = len(TOKENIZER)
 
 
 def _default_config():
-    spec = importlib.util.spec_from_file_location("_cfg_default_alg", ROOT / "configs" / "default.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT))
-    return module.get_config()
+    return load_recipe("default")
 
 
 def _peaked(model: models.Decoder, seed: int) -> models.Decoder:

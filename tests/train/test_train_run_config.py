@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from recipes import load_recipe
 from tolerances import LOGPROB_TOL
 
 from rljax.envs.base import Task
@@ -33,14 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"_cfg_rc_{name}", ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT))
-    return module.get_config()
+    return load_recipe(name)
 
 
 # -- one set of defaults -------------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from recipes import load_recipe
 
 from rljax import envs
 from rljax.chat import make_renderer, toy_tokenizer
@@ -22,16 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(name: str):
-    spec = importlib.util.spec_from_file_location(f"_cfg_{name}", ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.path.insert(0, str(ROOT))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT))
-    return module.get_config()
+    return load_recipe(name)
 
 
 # -- TaskIterator -----------------------------------------------------------------------------------

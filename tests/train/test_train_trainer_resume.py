@@ -7,7 +7,6 @@ JSONL metrics of the remaining steps with an uninterrupted run of the same confi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,7 @@ import sys
 import time
 
 import pytest
+from recipes import load_recipe
 
 from rljax.train import checkpoint as ckpt
 from rljax.train.trainer import Trainer
@@ -27,14 +27,7 @@ pytestmark = pytest.mark.integration
 
 
 def _smoke(**trainer):
-    spec = importlib.util.spec_from_file_location("_cfg_smoke_resume", ROOT / "configs" / "smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT))
-    c = module.get_config()
+    c = load_recipe("smoke")
     c.trainer.update(**trainer)
     return c
 

@@ -36,6 +36,7 @@ from flax import nnx
 from configs import vllm_local
 from rljax import models
 from rljax.train import checkpoint as ckpt
+from rljax.train import scheduler as scheduler_mod
 from rljax.train import trainer as trainer_mod
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
@@ -86,7 +87,7 @@ def _reference_logprobs(model: models.Decoder, step) -> np.ndarray:
 def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch):
     require_vllm_python()
     rollouts = []  # (weights directory vLLM served, rollout result), one per rollout call
-    real_rollout = trainer_mod.rollout
+    real_rollout = scheduler_mod.rollout
 
     async def recording_rollout(*args, **kwargs):
         # The weight sync ran just before this call: its directory holds the weights now served.
@@ -98,7 +99,7 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch):
         rollouts.append((served, result))
         return result
 
-    monkeypatch.setattr(trainer_mod, "rollout", recording_rollout)
+    monkeypatch.setattr(scheduler_mod, "rollout", recording_rollout)
     workdir = tmp_path / "run"
     history = trainer_mod.Trainer(_small_config(), workdir).run()
 
