@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from rljax.data.pack import pack
 from rljax.envs.base import Task
 from rljax.types import Step
 
-__all__ = ["WarmStartConfig", "demonstration_steps", "run_warm_start"]
+__all__ = ["WarmStartConfig", "demonstration_batches", "demonstration_steps", "run_warm_start"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,18 @@ def _assistant_ids(
     raise ValueError("a rendered assistant message has no stop token; cannot cut the demonstration turn")
 
 
+def _reset_and_solve(task: Task, env: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """``env.reset(task)``'s messages, ``env.solution(task)`` and the indices of its assistant turns."""
+    if not hasattr(env, "solution"):
+        raise ValueError(f"environment {type(env).__name__} has no solution(task); the warm start needs one")
+    messages = list(env.reset(task))
+    solution = [dict(m) for m in env.solution(task)]
+    assistant_turns = [i for i, m in enumerate(solution) if m.get("role") == "assistant"]
+    if not assistant_turns:
+        raise ValueError(f"env.solution({task.id!r}) has no assistant message")
+    return messages, solution, assistant_turns
+
+
 def demonstration_steps(
     task: Task,
     env: Any,
@@ -128,19 +140,24 @@ def demonstration_steps(
     >>> len(steps), r.tokenizer.decode(steps[-1].response_ids)
     (2, 'blue<|im_end|>')
     """
-    if not hasattr(env, "solution"):
-        raise ValueError(f"environment {type(env).__name__} has no solution(task); the warm start needs one")
-    messages = list(env.reset(task))
-    tools = getattr(env, "tools", None)
-    solution = [dict(m) for m in env.solution(task)]
-    assistant_turns = [i for i, m in enumerate(solution) if m.get("role") == "assistant"]
-    if not assistant_turns:
-        raise ValueError(f"env.solution({task.id!r}) has no assistant message")
+    messages, solution, assistant_turns = _reset_and_solve(task, env)
     if final_answer is not None:
         solution[assistant_turns[-1]]["content"] = final_answer
+    return _render_demonstration(task, env, renderer, messages, solution, algorithm)
+
+
+def _render_demonstration(
+    task: Task,
+    env: Any,
+    renderer: Renderer,
+    messages: Sequence[Mapping[str, Any]],
+    solution: Sequence[Mapping[str, Any]],
+    algorithm: str,
+) -> list[Step]:
+    tools = getattr(env, "tools", None)
     session = ChatSession(renderer, messages, tools=tools)
     turns: list[tuple[list[int], list[int]]] = []
-    pending: list[dict[str, Any]] = []
+    pending: list[Mapping[str, Any]] = []
     for m in solution:
         if m.get("role") != "assistant":
             pending.append(m)
@@ -163,6 +180,52 @@ def demonstration_steps(
         )
         for k, (p, r) in enumerate(turns)
     ]
+
+
+def demonstration_batches(
+    tasks: Sequence[Task],
+    make_env: Callable[[Task], Any],
+    renderer: Renderer,
+    config: WarmStartConfig,
+    *,
+    seed: int,
+) -> Iterator[tuple[list[Step], int]]:
+    """The demonstrations of each warm-start step: ``(steps, number of uncorrupted demonstrations)``.
+
+    Each step draws ``batch_size`` tasks (seeded by ``seed``); with probability ``corrupt_prob`` a
+    demonstration's final assistant message is replaced by an entry of ``corrupt_choices`` that
+    differs from what the demonstration would otherwise say (the content of the final assistant
+    message of ``env.solution(task)``, compared after stripping whitespace). Comparing with the
+    demonstration's own output, not with a task field, keeps corruption honest whatever format the
+    env wraps its answer in (reasoning-gym's ``<answer>7</answer>`` vs ``task.data["answer"] == "7"``).
+    Each demonstration's task id gets a ``/ws<step>.<slot>`` suffix (its own group key).
+    """
+    if not tasks:
+        raise ValueError("the warm start needs at least one training task")
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5F7]))
+    for k in range(config.num_steps):
+        idx = rng.choice(len(tasks), size=config.batch_size, replace=len(tasks) < config.batch_size)
+        steps: list[Step] = []
+        correct = 0
+        for j, i in enumerate(idx.tolist()):
+            task = dataclasses.replace(tasks[i], id=f"{tasks[i].id}/ws{k}.{j}")  # unique group key per demo
+            env = make_env(task)
+            messages, solution, assistant_turns = _reset_and_solve(task, env)
+            final = solution[assistant_turns[-1]]
+            if config.corrupt_prob > 0 and rng.random() < config.corrupt_prob:
+                right = str(final.get("content") or "").strip()
+                wrong = [c for c in config.corrupt_choices if c.strip() != right]
+                if not wrong:
+                    raise ValueError(
+                        f"warm start: every corrupt_choices entry equals the demonstration's answer "
+                        f"{right!r} of task {tasks[i].id!r}; give choices in the form the env's solution "
+                        "answers in"
+                    )
+                final["content"] = wrong[int(rng.integers(len(wrong)))]
+            else:
+                correct += 1
+            steps += _render_demonstration(task, env, renderer, messages, solution, "sft")
+        yield steps, correct
 
 
 def run_warm_start(
@@ -197,26 +260,9 @@ def run_warm_start(
       ``(state, metrics per step)``; metrics include ``warmstart/loss`` (mean CE per token) and
       ``warmstart/correct_fraction`` (demonstrations left uncorrupted).
     """
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5F7]))
     history: list[dict[str, float]] = []
-    if not tasks:
-        raise ValueError("the warm start needs at least one training task")
-    for k in range(config.num_steps):
-        start = time.perf_counter()
-        idx = rng.choice(len(tasks), size=config.batch_size, replace=len(tasks) < config.batch_size)
-        steps: list[Step] = []
-        correct = 0
-        for j, i in enumerate(idx.tolist()):
-            task = tasks[i]
-            answer = None
-            if config.corrupt_prob > 0 and rng.random() < config.corrupt_prob:
-                right = str(task.data.get("answer", ""))
-                wrong = [c for c in config.corrupt_choices if c != right]
-                answer = wrong[int(rng.integers(len(wrong)))]
-            else:
-                correct += 1
-            task = dataclasses.replace(task, id=f"{task.id}/ws{k}.{j}")  # unique group key per demo
-            steps += demonstration_steps(task, make_env(task), renderer, final_answer=answer)
+    start = time.perf_counter()
+    for k, (steps, correct) in enumerate(demonstration_batches(tasks, make_env, renderer, config, seed=seed)):
         batch = merge_steps(StepBatch(steps))
         packed = pack(batch, seq_len=config.seq_len, ce_weights=1.0, rl_weights=0.0).batch
         state, metrics = train_step(state, packed, counts_fn(packed, state.config.objective))
@@ -226,7 +272,7 @@ def run_warm_start(
             "warmstart/loss": float(metrics["loss"]),
             "warmstart/ce_tokens": tokens,
             "warmstart/grad_norm": float(metrics["grad_norm"]),
-            "warmstart/correct_fraction": correct / len(idx),
+            "warmstart/correct_fraction": correct / config.batch_size,
             "warmstart/step_time_s": time.perf_counter() - start,
         }
         history.append(row)
@@ -234,4 +280,5 @@ def run_warm_start(
             on_step(row)
         if log is not None and ((k + 1) % config.log_every == 0 or k + 1 == config.num_steps):
             log(row)
+        start = time.perf_counter()
     return state, history

@@ -1,0 +1,187 @@
+"""Evaluate a training checkpoint on the config's held-out tasks, without training.
+
+    python -m launch.eval --config=configs/reasoning_gym.py --checkpoint=/tmp/rg
+    python -m launch.eval --config=configs/reasoning_gym.py --checkpoint=/tmp/rg/checkpoints/step_0 \\
+        --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --out=/tmp/rg_step0.json
+
+``--checkpoint`` is a run's workdir (its ``checkpoints/``), a checkpoint directory (the ``latest``
+step) or one ``step_N``. The run is rebuilt from ``--config`` exactly as ``launch.train`` builds it (a
+:class:`rljax.train.trainer.Trainer`: tokenizer, model, envs and their eval tasks, policy engine,
+rollout scheduler), the policy parameters of the checkpoint replace the fresh ones (their shapes
+and dtypes must match: use the training config), and the scheduler's own evaluation runs: every
+eval task ``config.eval.group_size`` times at ``config.eval.temperature``, with the same request
+seeds as the evaluations of the training run. So the metrics equal the ``eval/*`` row the trainer
+logged for that step: ``eval/reward_mean``, ``eval/pass@k`` (unbiased, Chen et al. 2021),
+``eval/pass^k``, ``eval/mean@k``, overall, per env (``eval/<env>/...``) and per data source
+(``eval/data_source/<source>/...``), for ``config.eval.pass_k`` (default ``(1, group_size)``).
+Overrides such as ``--config.eval.group_size=16`` evaluate with more samples.
+
+They are printed and written as JSON (``--out``; default ``<workdir>/eval_step_<N>.json`` next to
+the checkpoint directory): ``{"checkpoint", "step", "num_eval_tasks", "group_size", "metrics"}``.
+No warm start runs, nothing is trained and the checkpoint directory is not modified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "The ml_collections config file the checkpoint was trained with.", lock_config=True
+)
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A run's workdir, its checkpoints/ directory, or one checkpoints/step_N directory."
+)
+_STEP = flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
+_OUT = flags.DEFINE_string("out", None, "JSON output file (default: <workdir>/eval_step_<N>.json).")
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[pathlib.Path, int]:
+    """``(checkpoint directory, step)`` of a workdir, a checkpoint directory or a ``step_N`` directory.
+
+    Raises ``FileNotFoundError`` when there is no complete checkpoint there (or not the asked step).
+    """
+    from rljax.train import checkpoint as ckpt
+
+    p = pathlib.Path(path).absolute()
+    match = _STEP_DIR.fullmatch(p.name)
+    if match:
+        if step is not None and step != int(match.group(1)):
+            raise ValueError(f"--step={step} contradicts --checkpoint={p}")
+        root, step = p.parent, int(match.group(1))
+    else:
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        if step is None:
+            step = ckpt.latest_step(root)
+    if step is None or step not in ckpt.checkpoint_steps(root):
+        what = "complete checkpoint" if step is None else f"complete step_{step}"
+        raise FileNotFoundError(
+            f"{p} holds no {what} (complete steps in {root}: {ckpt.checkpoint_steps(root)}); pass a run's "
+            "workdir, its checkpoints/ directory or a checkpoints/step_N directory"
+        )
+    return root, step
+
+
+def _abstract_of_stored(directory: pathlib.Path, step: int, item: str) -> Any:
+    """``jax.ShapeDtypeStruct`` s with the structure of a stored array item (restored as host arrays)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = directory / f"step_{step}" / item
+    if not path.is_dir():
+        return None
+    meta = ocp.StandardCheckpointHandler().metadata(path)
+    tree = meta.tree if hasattr(meta, "tree") else meta
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+
+def restore_policy(trainer: Any, directory: pathlib.Path, step: int) -> Any:
+    """The policy parameters of checkpoint ``step``, restored onto ``trainer.state.params``' structure,
+    shardings and dtypes (a mismatch with the trainer's model is a ``ValueError``). The behaviour
+    parameters and optimizer state saved beside them are read as host arrays and dropped."""
+    from rljax.train import checkpoint as ckpt
+
+    stored = _abstract_of_stored(directory, step, "params")
+    behavior = {} if stored is None else stored.get("behavior", {})
+    restored = ckpt.restore(
+        directory,
+        params={"policy": trainer.state.params, "behavior": behavior},
+        opt_state=_abstract_of_stored(directory, step, "opt_state"),
+        step=step,
+    )
+    return restored.params["policy"]
+
+
+def evaluate_checkpoint(
+    config: Any, checkpoint: str | os.PathLike, *, step: int | None = None
+) -> dict[str, Any]:
+    """Evaluates a checkpoint on ``config``'s eval tasks (module docstring); returns the JSON record."""
+    from rljax.train.report import eval_metrics
+    from rljax.train.trainer import Trainer
+
+    directory, step = resolve_checkpoint(checkpoint, step)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="rljax_eval_"))  # the Trainer's own workdir
+    trainer = Trainer(config, scratch)
+    try:
+        if not trainer.env_tasks.eval:
+            raise ValueError(
+                "the config has no eval tasks: set config.envs.<name>.num_eval_tasks (task makers) or "
+                "config.envs.<name>.dataset.eval / eval_fraction (dataset files)"
+            )
+        params = restore_policy(trainer, directory, step)
+        trainer.state = dataclasses.replace(trainer.state, params=params)
+        trainer.scheduler.add_version(step, params)
+        trainer.engines.start_policy(trainer.current_model())
+        result = trainer.scheduler.submit_eval(step).result()
+        metrics = eval_metrics(result, step, tasks=trainer.env_tasks.eval, pass_k=trainer.cfg.eval.pass_k)
+    finally:
+        trainer.engines.close()
+        trainer.rollout_worker.close()
+        trainer.scoring_worker.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "checkpoint": str(directory / f"step_{step}"),
+        "step": step,
+        "num_eval_tasks": len(trainer.env_tasks.eval),
+        "group_size": trainer.cfg.eval.group_size,
+        "metrics": {k: metrics[k] for k in sorted(metrics)},
+    }
+
+
+def _default_out(directory: pathlib.Path, step: int) -> pathlib.Path:
+    workdir = directory.parent if directory.name == "checkpoints" else directory
+    return workdir / f"eval_step_{step}.json"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    if _CONFIG.value is None:
+        raise app.UsageError(
+            "--config=configs/<recipe>.py (the config the checkpoint was trained with) is required"
+        )
+    if not _CHECKPOINT.value:
+        raise app.UsageError(
+            "--checkpoint=DIR is required (a run's workdir, checkpoints/ or checkpoints/step_N)"
+        )
+    try:
+        record = evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, step=_STEP.value)
+    except FileNotFoundError as e:
+        raise app.UsageError(str(e)) from None
+    directory, step = pathlib.Path(record["checkpoint"]).parent, record["step"]
+    out = pathlib.Path(_OUT.value) if _OUT.value else _default_out(directory, step)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    width = max(len(k) for k in record["metrics"])
+    tasks, samples = record["num_eval_tasks"], record["group_size"]
+    print(f"eval of {record['checkpoint']} ({tasks} tasks x {samples} samples):")
+    for k, v in record["metrics"].items():
+        shown = f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else str(v)
+        print(f"  {k:<{width}}  {shown}")
+    print(f"wrote {out}", flush=True)
+
+
+def run() -> None:
+    """Console entry point."""
+    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
