@@ -427,9 +427,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.trainer.mode", t.mode, MODES)
     _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
-    for key in ("num_steps", "prompts_per_step", "seq_len", "max_off_policy_steps"):
+    for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)
-    for key in ("mini_batch_prompts", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    # num_steps=0: the warm start only (and a step-0 checkpoint)
+    for key in ("num_steps", "mini_batch_prompts", "eval_every", "checkpoint_every", "keep_checkpoints"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 0)
     _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
