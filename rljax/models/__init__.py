@@ -1,4 +1,5 @@
-"""Flax NNX decoder (Qwen2 / Qwen3 / Llama), HF safetensors I/O, chunked logprobs and KV cache (SPEC §5).
+"""Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors I/O, chunked
+logprobs and KV cache (SPEC §5).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -13,6 +14,7 @@ from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.decoder import Decoder, num_params
 from rljax.models.hf_io import (
+    HF_EXPERT_NAME_MAP,
     HF_NAME_MAP,
     from_hf_state_dict,
     from_pretrained,
@@ -27,10 +29,22 @@ from rljax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
+    sequence_logprobs_entropy_and_routing,
     token_logprobs_and_entropy,
+)
+from rljax.models.moe import (
+    Routing,
+    expert_load,
+    flip_fraction,
+    load_balancing_loss,
+    router_z_loss,
+    routing_entropy,
+    routing_metrics,
+    top_k_experts,
 )
 from rljax.models.sharding import (
     DEFAULT_RULES,
+    EXPERT_MESH_AXES,
     MESH_AXES,
     logical_to_spec,
     param_shardings,
@@ -42,12 +56,23 @@ from rljax.models.tiny import tiny_config, tiny_model
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_RULES",
+    "EXPERT_MESH_AXES",
+    "HF_EXPERT_NAME_MAP",
     "HF_NAME_MAP",
     "KVCache",
     "MESH_AXES",
     "Decoder",
     "ModelConfig",
+    "Routing",
     "decode_step",
+    "expert_load",
+    "flip_fraction",
+    "load_balancing_loss",
+    "router_z_loss",
+    "routing_entropy",
+    "routing_metrics",
+    "sequence_logprobs_entropy_and_routing",
+    "top_k_experts",
     "from_hf_state_dict",
     "from_pretrained",
     "hf_name_map",

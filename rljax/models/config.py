@@ -25,13 +25,16 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Keys that ModelConfig owns: they are re-derived on save and never copied from ``extra_json``.
@@ -61,6 +64,14 @@ _OWNED_KEYS = frozenset(
         "layer_types",
         "torch_dtype",
         "dtype",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "shared_expert_intermediate_size",
     }
 )
 
@@ -96,6 +107,13 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 32768
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
     extra_json: str = dataclasses.field(default="{}", compare=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +146,63 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
             _check_rope_scaling(dict(self.rope_scaling))
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.mlp_only_layers, tuple):
+            object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.model_type not in MOE_MODEL_TYPES:
+            if self.num_experts or self.shared_expert_intermediate_size:
+                raise ValueError(
+                    "num_experts / shared_expert_intermediate_size need an MoE model_type "
+                    f"{MOE_MODEL_TYPES}, "
+                    f"got {self.model_type!r}"
+                )
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{name} must be a positive int for {self.model_type}, got {value!r}"
+                )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts})"
+            )
+        if self.model_type == "qwen2_moe" and self.shared_expert_intermediate_size <= 0:
+            raise ValueError(
+                "qwen2_moe needs shared_expert_intermediate_size > 0 (every MoE layer has a shared expert)"
+            )
+        if self.model_type == "qwen3_moe" and self.shared_expert_intermediate_size:
+            raise ValueError("qwen3_moe has no shared expert; shared_expert_intermediate_size must be 0")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are outside [0, num_layers={self.num_layers})")
+
+    @property
+    def is_moe(self) -> bool:
+        """True for the mixture-of-experts families (``qwen2_moe``, ``qwen3_moe``)."""
+        return self.model_type in MOE_MODEL_TYPES
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the decoder layers whose MLP is a sparse MoE block (HF's rule:
+        ``i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``).
+
+        >>> cfg = ModelConfig(model_type="qwen3_moe", vocab_size=8, hidden_size=8, intermediate_size=8,
+        ...     num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True, num_experts=4,
+        ...     num_experts_per_tok=2, moe_intermediate_size=4, mlp_only_layers=(1,))
+        >>> cfg.moe_layers
+        (0, 2, 3)
+        """
+        if not self.is_moe:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def num_kv_groups(self) -> int:
@@ -182,12 +257,30 @@ class ModelConfig:
         if model_type == "qwen2":
             # Qwen2 hard-codes bias on q/k/v and none on o_proj (transformers ignores attention_bias).
             qkv_bias, o_bias, qk_norm = True, False, False
-        elif model_type == "qwen3":
+        elif model_type == "qwen2_moe":
+            # Qwen2-MoE: q/k/v bias from ``qkv_bias`` (default true), never an o_proj bias.
+            qkv_bias, o_bias, qk_norm = bool(hf.get("qkv_bias", True)), False, False
+        elif model_type in ("qwen3", "qwen3_moe"):
             qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
         else:
             qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, False
         mlp_bias = bool(hf.get("mlp_bias", False)) if model_type == "llama" else False
         extra = {k: v for k, v in hf.items() if k not in _OWNED_KEYS}
+        moe: dict[str, Any] = {}
+        if model_type in MOE_MODEL_TYPES:
+            extra.pop("qkv_bias", None)
+            moe = dict(
+                # transformers >= 5 writes num_local_experts (its attribute_map alias of num_experts)
+                num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0))
+                if model_type == "qwen2_moe"
+                else 0,
+            )
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -207,6 +300,7 @@ class ModelConfig:
             qk_norm=qk_norm,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             extra_json=json.dumps(extra, sort_keys=True),
+            **moe,
         )
 
     def to_hf_dict(self, *, dtype: str = "float32") -> dict[str, Any]:
@@ -241,6 +335,12 @@ class ModelConfig:
                 raise ValueError(
                     "a qwen2 config must have qkv_bias=True and o_bias=False (transformers fixes them)"
                 )
+        elif self.model_type == "qwen2_moe":
+            if self.o_bias:
+                raise ValueError(
+                    "a qwen2_moe config must have o_bias=False (transformers has no o_proj bias)"
+                )
+            out.update(use_sliding_window=False, qkv_bias=self.qkv_bias)
         else:
             if self.qkv_bias != self.o_bias:
                 raise ValueError(
@@ -250,6 +350,17 @@ class ModelConfig:
             out.update(attention_bias=self.qkv_bias)
         if self.model_type == "llama":
             out.update(mlp_bias=self.mlp_bias)
+        if self.is_moe:
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+            if self.model_type == "qwen2_moe":
+                out.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return out
 
 

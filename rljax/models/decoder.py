@@ -1,4 +1,4 @@
-"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama families.
+"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama families and their MoE variants (Qwen2-MoE, Qwen3-MoE).
 
 Pre-norm transformer (Llama architecture, Touvron et al. 2023)::
 
@@ -7,7 +7,9 @@ Pre-norm transformer (Llama architecture, Touvron et al. 2023)::
                      h = h + down(silu(gate(n2(h))) * up(n2(h)))                      # SwiGLU MLP
     logits = norm(h) @ W_out          (W_out = embed^T when tie_word_embeddings)
 
-Qwen2 adds biases on q/k/v; Qwen3 adds a per-head RMSNorm on q and k before RoPE.
+Qwen2 adds biases on q/k/v; Qwen3 adds a per-head RMSNorm on q and k before RoPE. The MoE
+families replace the MLP of the layers in ``config.moe_layers`` by a routed mixture of experts
+(:mod:`rljax.models.moe`).
 Packed rows: attention is causal and never crosses ``segment_ids`` (0 = padding); ``positions``
 restart per sample (default: derived from ``segment_ids``). Parameters are stored in
 ``param_dtype`` and computed in ``dtype`` (float32 default; bfloat16 option); norms, softmax and
@@ -38,67 +40,10 @@ from rljax.models.attention import (
 )
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.kv_cache import KVCache
+from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
+from rljax.models.moe import Routing, SparseMoeBlock
 
-_INIT_STD = 0.02
 DEFAULT_ATTENTION_CHUNK_SIZE = 1024
-
-
-class RMSNorm(nnx.Module):
-    """``y = w * x / sqrt(mean(x^2) + eps)`` over the last axis (Zhang & Sennrich 2019), in float32.
-
-    >>> y = RMSNorm(2, eps=0.0, dtype=jnp.float32, param_dtype=jnp.float32)(jnp.array([3.0, 4.0]))
-    >>> [round(float(v), 4) for v in y]
-    [0.8485, 1.1314]
-    """
-
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return y.astype(self.dtype) * self.weight[...].astype(self.dtype)
-
-
-class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with ``kernel`` stored ``[in, out]`` (HF stores ``[out, in]``)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        use_bias: bool,
-        logical_axes: tuple[str, str],
-        dtype: jnp.dtype,
-        param_dtype: jnp.dtype,
-        precision: jax.lax.PrecisionLike,
-        rngs: nnx.Rngs,
-    ) -> None:
-        init = jax.nn.initializers.normal(_INIT_STD)
-        self.kernel = nnx.Param(
-            init(rngs.params(), (in_features, out_features), param_dtype), logical_axes=logical_axes
-        )
-        self.bias = (
-            nnx.Param(jnp.zeros((out_features,), param_dtype), logical_axes=(logical_axes[1],))
-            if use_bias
-            else None
-        )
-        self.dtype = dtype
-        self.precision = precision
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # One 2-D matmul over the flattened leading axes: the kernel gradient then contracts a single
-        # (token) axis, a plain matmul for XLA:CPU. Contracting [B, T] as two axes sent it to a slow
-        # generic dot fed by a transposed copy of the output gradient (~20 % of a CPU train step).
-        x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(x2, self.kernel[...].astype(self.dtype), precision=self.precision)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
 
 
 class Attention(nnx.Module):
@@ -201,30 +146,12 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
 
-class MLP(nnx.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        dtype: jnp.dtype,
-        param_dtype: jnp.dtype,
-        precision: jax.lax.PrecisionLike,
-        rngs: nnx.Rngs,
-    ) -> None:
-        c = config
-        kw = dict(use_bias=c.mlp_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, logical_axes=("embed", "mlp"), **kw)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, logical_axes=("embed", "mlp"), **kw)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, logical_axes=("mlp", "embed"), **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+    """Pre-norm transformer block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``.
+
+    ``sparse``: the MLP is a :class:`rljax.models.moe.SparseMoeBlock`; the block then also returns
+    its router ``(logits, experts)`` (else ``None``) and accepts ``routed_experts`` (replay).
+    """
 
     def __init__(
         self,
@@ -234,18 +161,28 @@ class Block(nnx.Module):
         param_dtype: jnp.dtype,
         precision: jax.lax.PrecisionLike,
         rngs: nnx.Rngs,
+        sparse: bool = False,
+        moe_impl: str = "auto",
     ) -> None:
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
         self.self_attn = Attention(config, precision=precision, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
-        self.mlp = MLP(config, precision=precision, rngs=rngs, **kw)
+        if sparse:
+            self.mlp = SparseMoeBlock(config, precision=precision, impl=moe_impl, rngs=rngs, **kw)
+        else:
+            self.mlp = MLP(config, precision=precision, rngs=rngs, **kw)
+        self.sparse = sparse
 
-    def __call__(self, x: jax.Array, **attn_kwargs) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    def __call__(
+        self, x: jax.Array, *, routed_experts: jax.Array | None = None, **attn_kwargs
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, tuple[jax.Array, jax.Array] | None]:
         attn_out, new_cache = self.self_attn(self.input_layernorm(x), **attn_kwargs)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+        if self.sparse:
+            y, logits, experts = self.mlp(self.post_attention_layernorm(x), routed_experts=routed_experts)
+            return x + y, new_cache, (logits, experts)
+        return x + self.mlp(self.post_attention_layernorm(x)), new_cache, None
 
 
 class Decoder(nnx.Module):
@@ -261,7 +198,13 @@ class Decoder(nnx.Module):
         ``O(chunk * L)``); None = no bound. The training forward cuts rows into causal blocks of
         :func:`rljax.models.attention.causal_block_size` queries (at most 8 per row, each attending
         only to the keys before its end, see :func:`rljax.models.attention.causal_attention`).
+      moe_impl: grouped expert compute of MoE layers ("auto", "ragged", "tiled", "dense"; see
+        :mod:`rljax.models.moe`).
       rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
+
+    MoE families (qwen2_moe / qwen3_moe): the layers in ``config.moe_layers`` have a
+    :class:`rljax.models.moe.SparseMoeBlock`; :meth:`hidden_states_and_routing` also returns their
+    router statistics and every forward accepts ``routed_experts`` (router replay).
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
@@ -279,6 +222,7 @@ class Decoder(nnx.Module):
         remat: bool = False,
         precision: jax.lax.PrecisionLike = None,
         attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+        moe_impl: str = "auto",
         rngs: nnx.Rngs,
     ) -> None:
         if attention_chunk_size is not None and attention_chunk_size <= 0:
@@ -298,7 +242,13 @@ class Decoder(nnx.Module):
             logical_axes=("vocab", "embed"),
         )
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision)
-        self.layers = nnx.List([Block(config, rngs=rngs, **kw) for _ in range(config.num_layers)])
+        moe_layers = set(config.moe_layers)
+        self.layers = nnx.List(
+            [
+                Block(config, rngs=rngs, sparse=i in moe_layers, moe_impl=moe_impl, **kw)
+                for i in range(config.num_layers)
+            ]
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = (
             None
@@ -329,31 +279,76 @@ class Decoder(nnx.Module):
         *,
         positions: chex.Array | None = None,
         segment_ids: chex.Array | None = None,
+        routed_experts: chex.Array | None = None,
     ) -> jax.Array:
         """Final-normed hidden states ``[B, L, hidden]`` (compute dtype) of a packed batch.
 
         ``segment_ids`` default: all ones (one sample per row); ``positions`` default: restart at 0
-        in every segment (:func:`rljax.models.attention.segment_positions`).
+        in every segment (:func:`rljax.models.attention.segment_positions`). ``routed_experts``:
+        see :meth:`hidden_states_and_routing`.
+        """
+        return self.hidden_states_and_routing(
+            tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
+        )[0]
+
+    def hidden_states_and_routing(
+        self,
+        tokens: chex.Array,
+        *,
+        positions: chex.Array | None = None,
+        segment_ids: chex.Array | None = None,
+        routed_experts: chex.Array | None = None,
+    ) -> tuple[jax.Array, Routing | None]:
+        """``(hidden [B, L, hidden], routing)``; ``routing`` is None for dense models.
+
+        For MoE models ``routing`` is a :class:`rljax.models.moe.Routing` with ``logits`` float32
+        ``[B, L, M, E]`` and ``experts`` int32 ``[B, L, M, k]`` of the ``M = len(config.moe_layers)``
+        sparse layers. ``routed_experts`` (int ``[B, L, M, k]``, replay): dispatch every token to
+        these experts, gate weights recomputed from the current router (gradients reach it).
         """
         chex.assert_rank(tokens, 2)
         segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
+        routed_experts = self._check_routed(tokens, routed_experts)
         inv_freq = self._inv_freq()
 
-        def run_block(block: Block, x: jax.Array) -> jax.Array:
-            return block(
+        def run_block(block: Block, x: jax.Array, routed: jax.Array | None):
+            out, _, router = block(
                 x,
+                routed_experts=routed,
                 positions=positions,
                 segment_ids=segment_ids,
                 inv_freq=inv_freq,
                 chunk_size=self.attention_chunk_size,
-            )[0]
+            )
+            return out, router
 
         if self.remat:
             run_block = nnx.remat(run_block)
         x = self._embed(tokens, segment_ids)
+        routers = []
         for block in self.layers:
-            x = run_block(block, x)
-        return self.norm(x)
+            routed = None
+            if block.sparse and routed_experts is not None:
+                routed = routed_experts[:, :, len(routers)]
+            x, router = run_block(block, x, routed)
+            if router is not None:
+                routers.append(router)
+        return self.norm(x), _stack_routing(routers)
+
+    def _check_routed(self, tokens: chex.Array, routed_experts: chex.Array | None) -> jax.Array | None:
+        if routed_experts is None:
+            return None
+        c = self.config
+        if not c.is_moe:
+            raise ValueError(f"routed_experts is only for MoE models; this one is {c.model_type!r}")
+        routed_experts = jnp.asarray(routed_experts)
+        expected = (*tokens.shape, len(c.moe_layers), c.num_experts_per_tok)
+        if routed_experts.shape != expected:
+            raise ValueError(
+                f"routed_experts must be [B, L, num_moe_layers, top_k] = {expected}, "
+                f"got {routed_experts.shape}"
+            )
+        return routed_experts.astype(jnp.int32)
 
     def decode(
         self,
@@ -362,11 +357,15 @@ class Decoder(nnx.Module):
         *,
         positions: chex.Array | None = None,
         segment_ids: chex.Array | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+        routed_experts: chex.Array | None = None,
+        return_routing: bool = False,
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, Routing | None]:
         """Writes ``tokens [B, T]`` into ``cache`` slots ``[index, index+T)``; returns their hidden states.
 
         ``segment_ids`` default all ones (0 marks padding, which is stored but masked);
         ``positions`` default ``cache.lengths + (number of earlier valid new tokens in the row)``.
+        MoE: ``routed_experts`` ``[B, T, M, k]`` replays routing; ``return_routing`` appends the
+        :class:`rljax.models.moe.Routing` of the new tokens (None for dense models) to the result.
         """
         chex.assert_rank(tokens, 2)
         cache.check_capacity(tokens.shape[1])
@@ -377,15 +376,20 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.maximum(cache.lengths[:, None] + jnp.cumsum(valid, axis=1) - 1, 0)
         chex.assert_equal_shape([tokens, segment_ids, positions])
+        routed_experts = self._check_routed(tokens, routed_experts)
         cache_segment_ids = jax.lax.dynamic_update_slice_in_dim(
             cache.segment_ids, segment_ids, cache.index, axis=1
         )
         inv_freq = self._inv_freq()
         x = self._embed(tokens, segment_ids)
-        keys, values = [], []
+        keys, values, routers = [], [], []
         for i, block in enumerate(self.layers):
-            x, (k, v) = block(
+            routed = None
+            if block.sparse and routed_experts is not None:
+                routed = routed_experts[:, :, len(routers)]
+            x, (k, v), router = block(
                 x,
+                routed_experts=routed,
                 positions=positions,
                 segment_ids=segment_ids,
                 inv_freq=inv_freq,
@@ -396,6 +400,8 @@ class Decoder(nnx.Module):
             )
             keys.append(k)
             values.append(v)
+            if router is not None:
+                routers.append(router)
         new_cache = KVCache(
             keys=tuple(keys),
             values=tuple(values),
@@ -403,6 +409,8 @@ class Decoder(nnx.Module):
             lengths=cache.lengths + jnp.sum(valid, axis=1),
             index=cache.index + tokens.shape[1],
         )
+        if return_routing:
+            return self.norm(x), new_cache, _stack_routing(routers)
         return self.norm(x), new_cache
 
     def unembedding(self) -> jax.Array:
@@ -424,9 +432,23 @@ class Decoder(nnx.Module):
         *,
         positions: chex.Array | None = None,
         segment_ids: chex.Array | None = None,
+        routed_experts: chex.Array | None = None,
     ) -> jax.Array:
         """Full float32 logits ``[B, L, vocab]`` (for small inputs; use sequence_logprobs for training)."""
-        return self.logits(self.hidden_states(tokens, positions=positions, segment_ids=segment_ids))
+        hidden = self.hidden_states(
+            tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
+        )
+        return self.logits(hidden)
+
+
+def _stack_routing(routers: list[tuple[jax.Array, jax.Array]]) -> Routing | None:
+    """Per-layer ``(logits [B, L, E], experts [B, L, k])`` -> one Routing with a layer axis at -2."""
+    if not routers:
+        return None
+    return Routing(
+        logits=jnp.stack([r[0] for r in routers], axis=-2),
+        experts=jnp.stack([r[1] for r in routers], axis=-2),
+    )
 
 
 def _packing_defaults(

@@ -2,7 +2,9 @@
 
 The mapping between HF tensor names and rljax parameter paths is the table :data:`HF_NAME_MAP`
 (``{i}`` = layer index). HF ``nn.Linear`` weights are ``[out, in]`` and rljax kernels ``[in, out]``,
-so those entries are transposed on the way in and out. What :func:`save_pretrained` writes loads
+so those entries are transposed on the way in and out. MoE expert weights are stored per expert
+in HF checkpoints (:data:`HF_EXPERT_NAME_MAP`, ``mlp.experts.{e}.gate_proj.weight``) and stacked
+``[E, in, out]`` in rljax. What :func:`save_pretrained` writes loads
 in transformers and vLLM: tied embeddings are saved once (no ``lm_head.weight``) with
 ``tie_word_embeddings: true`` in ``config.json``.
 """
@@ -48,8 +50,34 @@ HF_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
     ("model.layers.{i}.mlp.up_proj.bias", "layers.{i}.mlp.up_proj.bias", False),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True),
     ("model.layers.{i}.mlp.down_proj.bias", "layers.{i}.mlp.down_proj.bias", False),
+    # MoE layers (qwen2_moe / qwen3_moe): router and, for qwen2_moe, the gated shared expert.
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.gate.kernel", True),
+    (
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "layers.{i}.mlp.shared_expert.gate_proj.kernel",
+        True,
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "layers.{i}.mlp.shared_expert.up_proj.kernel",
+        True,
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "layers.{i}.mlp.shared_expert.down_proj.kernel",
+        True,
+    ),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.kernel", True),
     ("model.norm.weight", "norm.weight", False),
     ("lm_head.weight", "lm_head.kernel", True),
+)
+
+# Per-expert HF tensors ``{e}`` = expert index; rljax stacks them along a leading expert axis, so the
+# rljax side names one slice ``path[e]`` of a stacked ``[E, in, out]`` parameter.
+HF_EXPERT_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers.{i}.mlp.experts.gate_proj[{e}]", True),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers.{i}.mlp.experts.up_proj[{e}]", True),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "layers.{i}.mlp.experts.down_proj[{e}]", True),
 )
 
 # Checkpoint entries that carry no parameters of their own and are skipped on load.
@@ -60,8 +88,19 @@ def _path_str(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _split_expert(path: str) -> tuple[str, int | None]:
+    """``"a.b[3]"`` -> ``("a.b", 3)``; a path without an index -> ``(path, None)``."""
+    if path.endswith("]"):
+        base, index = path[:-1].split("[")
+        return base, int(index)
+    return path, None
+
+
 def hf_name_map(model: Decoder) -> dict[str, tuple[str, bool]]:
     """``{hf_name: (rljax_path, transpose)}`` for every parameter of ``model`` (table expanded per layer).
+
+    Stacked expert weights appear once per expert, as ``"layers.{i}.mlp.experts.gate_proj[{e}]"``
+    (slice ``e`` of the ``[E, ...]`` parameter); ``transpose`` then applies to that slice.
 
     >>> cfg = ModelConfig(model_type="qwen2", vocab_size=8, hidden_size=4, intermediate_size=8,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, qkv_bias=True)
@@ -77,7 +116,13 @@ def hf_name_map(model: Decoder) -> dict[str, tuple[str, bool]]:
             hf_i, path_i = hf_name.format(i=i), path.format(i=i)
             if path_i in have:
                 out[hf_i] = (path_i, transpose)
-    unmapped = have - {p for p, _ in out.values()}
+    for hf_name, path, transpose in HF_EXPERT_NAME_MAP:
+        for i in range(model.config.num_layers):
+            if _split_expert(path.format(i=i, e=0))[0] not in have:
+                continue
+            for e in range(model.config.num_experts):
+                out[hf_name.format(i=i, e=e)] = (path.format(i=i, e=e), transpose)
+    unmapped = have - {_split_expert(p)[0] for p, _ in out.values()}
     if unmapped:
         raise ValueError(f"parameters with no HF name in HF_NAME_MAP: {sorted(unmapped)}")
     return out
@@ -95,8 +140,12 @@ def to_hf_state_dict(model: Decoder, *, dtype: jnp.dtype | None = None) -> dict[
     dtype = jnp.dtype(model.param_dtype if dtype is None else dtype)
     values = {_path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     out = {}
+    host: dict[str, np.ndarray] = {}
     for hf_name, (path, transpose) in hf_name_map(model).items():
-        arr = np.asarray(jax.device_get(values[path].astype(dtype)))
+        base, expert = _split_expert(path)
+        if base not in host:
+            host[base] = np.asarray(jax.device_get(values[base].astype(dtype)))
+        arr = host[base] if expert is None else host[base][expert]
         out[hf_name] = np.ascontiguousarray(arr.T if transpose else arr)
     return out
 
@@ -110,6 +159,7 @@ def from_hf_state_dict(
     remat: bool = False,
     precision: jax.lax.PrecisionLike = None,
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+    moe_impl: str = "auto",
 ) -> Decoder:
     """Builds a :class:`Decoder` from HF-named tensors without random initialization.
 
@@ -133,6 +183,7 @@ def from_hf_state_dict(
             remat=remat,
             precision=precision,
             attention_chunk_size=attention_chunk_size,
+            moe_impl=moe_impl,
             rngs=nnx.Rngs(0),
         )
     )
@@ -149,21 +200,30 @@ def from_hf_state_dict(
             f"{' ...' if len(unexpected) > 8 else ''}"
         )
     graphdef, state = nnx.split(abstract)
-    by_path = {path: (hf_name, transpose) for hf_name, (path, transpose) in names.items()}
+    by_path: dict[str, list[tuple[str, bool, int | None]]] = {}
+    for hf_name, (path, transpose) in names.items():
+        base, expert = _split_expert(path)
+        by_path.setdefault(base, []).append((hf_name, transpose, expert))
     flat = []
     for path, var in nnx.to_flat_state(state):
         key = _path_str(path)
         if key not in by_path:
             flat.append((path, var))
             continue
-        hf_name, transpose = by_path[key]
-        arr = np.asarray(tensors[hf_name])
-        arr = arr.T if transpose else arr
-        if arr.shape != var.get_value().shape:
-            raise ValueError(
-                f"tensor {hf_name} has shape {tuple(tensors[hf_name].shape)}, but the config needs "
-                f"{var.get_value().shape[::-1] if transpose else var.get_value().shape}"
-            )
+        shape = var.get_value().shape
+        entries = by_path[key]
+        slices = []
+        for hf_name, transpose, expert in sorted(entries, key=lambda t: -1 if t[2] is None else t[2]):
+            arr = np.asarray(tensors[hf_name])
+            arr = arr.T if transpose else arr
+            want = shape if expert is None else shape[1:]
+            if arr.shape != want:
+                raise ValueError(
+                    f"tensor {hf_name} has shape {tuple(tensors[hf_name].shape)}, but the config needs "
+                    f"{want[::-1] if transpose else want}"
+                )
+            slices.append(arr)
+        arr = slices[0] if entries[0][2] is None else np.stack(slices)
         flat.append((path, var.replace(jnp.asarray(arr, dtype=param_dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -222,6 +282,7 @@ def from_pretrained(
     remat: bool = False,
     precision: jax.lax.PrecisionLike = None,
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
+    moe_impl: str = "auto",
 ) -> Decoder:
     """Loads a HF checkpoint directory (``config.json`` + safetensors, sharded or not) as a Decoder.
 
@@ -243,6 +304,7 @@ def from_pretrained(
         remat=remat,
         precision=precision,
         attention_chunk_size=attention_chunk_size,
+        moe_impl=moe_impl,
     )
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from rljax.models.decoder import Decoder
+    from rljax.models.moe import Routing
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -113,6 +114,7 @@ def sequence_logprobs_and_entropy(
     segment_ids: chex.Array | None = None,
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    routed_experts: chex.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token ``(logp, entropy)``, float32 ``[B, L]`` each, from one forward pass (jitted).
 
@@ -127,6 +129,8 @@ def sequence_logprobs_and_entropy(
       segment_ids: ``int32 [B, L]``, 0 = padding; default all ones.
       temperature: scalar or ``float [B, L]`` (the temperature each token was sampled with).
       chunk_size: tokens per logits chunk (memory ``O(chunk_size * vocab)``).
+      routed_experts: MoE router replay, ``int32 [B, L, num_moe_layers, top_k]`` (see
+        :meth:`rljax.models.Decoder.hidden_states_and_routing`).
 
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
@@ -138,6 +142,45 @@ def sequence_logprobs_and_entropy(
     >>> (lp[0] < 0).astype(int).tolist(), (ent[0] > 0).astype(int).tolist()
     ([0, 1, 0, 1], [0, 1, 0, 1])
     """
+    logp, entropy, _ = _logprobs_entropy_routing(
+        model, tokens, positions, segment_ids, temperature, chunk_size, routed_experts
+    )
+    return logp, entropy
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def sequence_logprobs_entropy_and_routing(
+    model: Decoder,
+    tokens: chex.Array,
+    *,
+    positions: chex.Array | None = None,
+    segment_ids: chex.Array | None = None,
+    temperature: float | chex.Array = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    routed_experts: chex.Array | None = None,
+) -> tuple[jax.Array, jax.Array, Routing | None]:
+    """:func:`sequence_logprobs_and_entropy` plus the MoE router statistics of the same forward pass.
+
+    Returns ``(logp, entropy, routing)``; ``routing`` is a :class:`rljax.models.moe.Routing`
+    (``logits [B, L, M, E]``, ``experts [B, L, M, k]``: those used, i.e. ``routed_experts`` when
+    replaying) or None for a dense model. Feed it to :func:`rljax.models.moe.load_balancing_loss`,
+    :func:`rljax.models.moe.router_z_loss`, :func:`rljax.models.moe.routing_metrics` and
+    :func:`rljax.models.moe.flip_fraction` (mask with ``segment_ids != 0``).
+    """
+    return _logprobs_entropy_routing(
+        model, tokens, positions, segment_ids, temperature, chunk_size, routed_experts
+    )
+
+
+def _logprobs_entropy_routing(
+    model: Decoder,
+    tokens: chex.Array,
+    positions: chex.Array | None,
+    segment_ids: chex.Array | None,
+    temperature: float | chex.Array,
+    chunk_size: int,
+    routed_experts: chex.Array | None,
+) -> tuple[jax.Array, jax.Array, Routing | None]:
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
     if segment_ids is None:
@@ -149,10 +192,12 @@ def sequence_logprobs_and_entropy(
         raise ValueError(
             f"temperature must be a scalar or shaped like tokens {tokens.shape}, got {temperature.shape}"
         )
+    hidden, routing = model.hidden_states_and_routing(
+        tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
+    )
     if length < 2:
         zeros = jnp.zeros(tokens.shape, jnp.float32)
-        return zeros, zeros
-    hidden = model.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
+        return zeros, zeros, routing
     n = batch * (length - 1)
     logp, entropy = token_logprobs_and_entropy(
         hidden[:, :-1].reshape(n, hidden.shape[-1]),
@@ -166,7 +211,7 @@ def sequence_logprobs_and_entropy(
     pad = jnp.zeros((batch, 1), jnp.float32)
     logp = jnp.where(mask, jnp.concatenate([pad, logp.reshape(batch, length - 1)], axis=1), 0.0)
     entropy = jnp.where(mask, jnp.concatenate([pad, entropy.reshape(batch, length - 1)], axis=1), 0.0)
-    return logp, entropy
+    return logp, entropy, routing
 
 
 def sequence_logprobs(
@@ -177,6 +222,7 @@ def sequence_logprobs(
     segment_ids: chex.Array | None = None,
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    routed_experts: chex.Array | None = None,
 ) -> jax.Array:
     """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (SPEC §5).
 
@@ -198,4 +244,5 @@ def sequence_logprobs(
         segment_ids=segment_ids,
         temperature=temperature,
         chunk_size=chunk_size,
+        routed_experts=routed_experts,
     )[0]

@@ -1,4 +1,5 @@
-"""Logical-axis sharding of decoder parameters onto a ``(data, fsdp, tensor)`` mesh.
+"""Logical-axis sharding of decoder parameters onto a ``(data, fsdp, tensor)`` mesh (MoE: optionally
+``(data, fsdp, expert, tensor)``).
 
 Every parameter of :class:`rljax.models.Decoder` carries ``logical_axes`` metadata, one name per
 dimension. :data:`DEFAULT_RULES` maps names to mesh axes (Megatron-style tensor parallelism over
@@ -13,8 +14,15 @@ heads      tensor      q_proj columns / o_proj rows (num_heads*head_dim)
 kv_heads   tensor      k_proj, v_proj columns
 mlp        tensor      gate/up columns, down rows
 norm       (none)      RMSNorm weights (replicated)
-batch      data, fsdp  activations (for the train step's inputs)
+expert     expert      leading axis of stacked MoE expert weights
+moe_mlp    tensor      expert gate/up columns, down rows
+batch      data, fsdp, activations (for the train step's inputs); the
+           expert      expert axis also splits rows (expert parallelism
+                       borrows from data parallelism outside MoE layers)
 =========  ==========  =============================================
+
+Expert parallelism: MoE layers run under an ambient mesh (``jax.set_mesh``) with an ``expert`` axis
+exchange tokens with all-to-all (:func:`rljax.models.moe.expert_parallel_ffn`).
 
 A dimension whose size is not divisible by its mesh axes' total size is replicated instead (so tiny
 test models and odd vocabularies still shard); mesh axes missing from the mesh are dropped, and a
@@ -30,17 +38,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+#: Mesh axes with expert parallelism (MoE models).
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("norm", None),
+    ("expert", "expert"),
+    ("moe_mlp", "tensor"),
 )
 
 

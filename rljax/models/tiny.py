@@ -37,11 +37,21 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3": dict(qk_norm=True),
     "qwen2": dict(qkv_bias=True),
     "llama": dict(),
+    # MoE: 8 experts, top-2 (qwen2_moe also has a gated shared expert).
+    "qwen3_moe": dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(
+        qkv_bias=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
 }
 
 
 def tiny_config(model_type: str = "qwen3", **overrides: Any) -> ModelConfig:
-    """A tiny :class:`ModelConfig` of ``model_type`` ("qwen3", "qwen2", "llama"); any field overridable."""
+    """A tiny :class:`ModelConfig` of ``model_type`` ("qwen3", "qwen2", "llama", "qwen3_moe",
+    "qwen2_moe"); any field overridable."""
     if model_type not in _FAMILY:
         raise ValueError(f"tiny_config knows {sorted(_FAMILY)}, got {model_type!r}")
     return ModelConfig(model_type=model_type, **{**TINY_DEFAULTS, **_FAMILY[model_type], **overrides})

@@ -26,17 +26,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from rljax.models.sharding import DEFAULT_RULES, MESH_AXES, Rules, param_shardings
+from rljax.models.sharding import DEFAULT_RULES, EXPERT_MESH_AXES, MESH_AXES, Rules, param_shardings
 
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+# Row axes of a batch; "expert" exists only on expert-parallel meshes (filtered by mesh.shape).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
 def make_mesh(
-    *, data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+    *,
+    data: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    expert: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh with ``Auto`` axis types over ``devices`` (default: all).
 
-    Raises ``ValueError`` unless ``data * fsdp * tensor`` equals the number of devices.
+    ``expert`` (MoE expert parallelism): when given, the mesh is ``(data, fsdp, expert, tensor)``;
+    experts are sharded over ``expert`` and batch rows over ``(data, fsdp, expert)``. MoE layers
+    exchange tokens over it when the step runs under ``jax.set_mesh(mesh)``.
+    Raises ``ValueError`` unless the axis sizes multiply to the number of devices.
 
     >>> mesh = make_mesh(data=1, devices=jax.devices()[:1])
     >>> dict(mesh.shape)
@@ -44,21 +53,25 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if expert is not None:
+        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
     for name, size in sizes.items():
         if not (isinstance(size, int) and size >= 1):
             raise ValueError(f"mesh axis {name} must be a positive int, got {size!r}")
-    if data * fsdp * tensor != len(devices):
+    total = int(np.prod(list(sizes.values())))
+    if total != len(devices):
         raise ValueError(
-            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {data * fsdp * tensor} devices, but "
+            f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} = {total} devices, but "
             f"{len(devices)} devices are given; choose axis sizes whose product is {len(devices)}"
         )
+    axes = MESH_AXES if expert is None else EXPERT_MESH_AXES
     return jax.make_mesh(
-        (data, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+        tuple(sizes.values()), axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices
     )
 
 
 def batch_parallelism(mesh: Mesh) -> int:
-    """Number of row shards of a batch: ``data * fsdp`` of ``mesh``.
+    """Number of row shards of a batch: ``data * fsdp`` (``* expert``) of ``mesh``.
 
     >>> batch_parallelism(make_mesh(devices=jax.devices()[:1]))
     1
