@@ -283,10 +283,12 @@ def from_pretrained(
     precision: jax.lax.PrecisionLike = None,
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
     moe_impl: str = "auto",
+    adapter: str | os.PathLike | None = None,
 ) -> Decoder:
     """Loads a HF checkpoint directory (``config.json`` + safetensors, sharded or not) as a Decoder.
 
     ``dtype`` is the compute dtype; parameters are stored in ``param_dtype`` (default ``dtype``);
+    ``adapter``: a PEFT LoRA adapter directory to attach (:func:`rljax.models.lora.load_adapter`);
     the other keyword arguments are those of :class:`rljax.models.Decoder`.
 
     >>> import tempfile
@@ -296,7 +298,7 @@ def from_pretrained(
     >>> from_pretrained(d).config == cfg
     True
     """
-    return from_hf_state_dict(
+    model = from_hf_state_dict(
         load_config(path),
         load_hf_tensors(path),
         dtype=dtype,
@@ -306,6 +308,11 @@ def from_pretrained(
         attention_chunk_size=attention_chunk_size,
         moe_impl=moe_impl,
     )
+    if adapter is not None:
+        from rljax.models.lora import load_adapter  # lora imports the layers, not hf_io
+
+        load_adapter(model, adapter)
+    return model
 
 
 def save_pretrained(

@@ -70,6 +70,11 @@ class Linear(nnx.Module):
         # generic dot fed by a transposed copy of the output gradient (~20 % of a CPU train step).
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         y = jnp.dot(x2, self.kernel[...].astype(self.dtype), precision=self.precision)
+        lora_a = getattr(self, "lora_a", None)  # a LoRA adapter (rljax.models.lora): + (alpha/r) x A B
+        if lora_a is not None:
+            xa = jnp.dot(x2, lora_a[...].astype(self.dtype), precision=self.precision)
+            delta = jnp.dot(xa, self.lora_b[...].astype(self.dtype), precision=self.precision)
+            y = y + delta * self.lora_scale
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
