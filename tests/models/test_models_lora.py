@@ -109,3 +109,31 @@ def test_rljax_adapter_loads_in_peft_and_merges(helpers, tmp_path, name):
 def test_bad_lora_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lora.LoRAConfig(**kwargs)
+
+
+def test_embedded_sampler_samples_with_the_adapter():
+    import asyncio
+
+    from rljax.inference import EmbeddedSampler
+    from rljax.inference.engine import SamplingParams
+
+    model = models.tiny_model(vocab_size=64, seed=0)
+    lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))
+    for _, var in nnx.to_flat_state(lora.lora_state(model)):
+        var.set_value(var.get_value() + 0.5)  # an adapter that changes the distribution
+    prompt = [1, 2, 3, 4]
+    out = asyncio.run(EmbeddedSampler(model).generate(prompt, SamplingParams(max_tokens=6, seed=3)))
+    seq = np.asarray([prompt + list(out.ids)])
+    with_adapter = np.asarray(models.sequence_logprobs(model, seq))[0, len(prompt) :]
+    np.testing.assert_allclose(out.logprobs, with_adapter, **LOGPROB_TOL)
+    without = np.asarray(models.sequence_logprobs(_strip(model), seq))
+    assert np.abs(without[0, len(prompt) :] - with_adapter).max() > 1e-3
+
+
+def _strip(model):
+    """The base model alone (adapter removed) — for the can-fail check above."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    for _, lin in lora._targeted(copy, lora.DEFAULT_TARGETS):
+        del lin.lora_a, lin.lora_b, lin.lora_scale
+    return copy
