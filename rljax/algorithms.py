@@ -5,7 +5,10 @@ algorithm uses, which loss component the sampled action tokens feed (``rl``, ``r
 ``ce``, §3.3/§3.5), what happens to observation tokens (echo: cross-entropy on the tokens of
 configured roles, one weight per role), where samples come from (the live ``policy`` or a
 ``frozen`` model) and what the run must provide (a value head, a teacher endpoint,
-demonstrations). It holds no code: the trainer reads these fields.
+demonstrations). It holds no code: the trainer reads these fields. Estimator and policy-loss
+names, their hyperparameters and the estimator rules (group-relative or token-level, critic)
+come from the registries of :mod:`rljax.core.advantages` and :mod:`rljax.core.losses`, so an
+estimator or loss registered there is accepted here like a built-in one.
 
 Built-in entries:
 
@@ -35,12 +38,12 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rljax.data.validate import OUTCOME_ESTIMATORS, REWARD_MODES, check_estimator_reward_mode
+from rljax.core import advantages as core_advantages
+from rljax.core import losses as core_losses
+from rljax.core.advantages import REWARD_MODES, check_estimator_reward_mode
 
 __all__ = [
     "ACTION_COMPONENTS",
-    "ESTIMATOR_KWARGS",
-    "POLICY_LOSS_KWARGS",
     "SAMPLING_SOURCES",
     "Algorithm",
     "AlgorithmConfig",
@@ -57,25 +60,6 @@ __all__ = [
 ACTION_COMPONENTS: tuple[str, ...] = ("rl", "ref_kl", "ce")
 #: Where rollouts are sampled from.
 SAMPLING_SOURCES: tuple[str, ...] = ("policy", "frozen")
-#: Keyword hyperparameters of each estimator (SPEC §3.6b signatures).
-ESTIMATOR_KWARGS: Mapping[str, frozenset[str]] = {
-    "grpo": frozenset({"norm_by_std", "eps"}),
-    "rloo": frozenset(),
-    "max_rl": frozenset(),
-    "reinforce_pp": frozenset({"gamma"}),
-    "gae": frozenset({"gamma", "lam"}),
-}
-#: Keyword hyperparameters of each per-token policy loss (SPEC §3.6b signatures).
-POLICY_LOSS_KWARGS: Mapping[str, frozenset[str]] = {
-    "ppo_clip": frozenset({"eps_low", "eps_high"}),
-    "dual_clip": frozenset({"eps_low", "eps_high", "clip_ratio_c"}),
-    "gspo": frozenset({"eps_low", "eps_high"}),
-    "cispo": frozenset({"eps_low", "eps_high"}),
-    "dppo": frozenset({"mask_low", "mask_high", "adv_tau", "kl_tau"}),
-    "sapo": frozenset({"tau_pos", "tau_neg"}),
-    "rollout_is": frozenset({"eps_low", "eps_high"}),
-    "importance_sampling": frozenset(),
-}
 _POLICY_TEACHER = "policy"
 
 
@@ -150,10 +134,12 @@ class Algorithm:
     Attributes:
       name: registry key (also the value of ``Step.algorithm``).
       action_component: loss component of the sampled (action) tokens: "rl", "ref_kl" or "ce".
-      estimator: advantage estimator (SPEC §3.1) for "rl"; None otherwise.
+      estimator: a registered advantage estimator (SPEC §3.1,
+        :func:`rljax.core.advantages.register_estimator`) for "rl"; None otherwise.
       estimator_kwargs: its keyword hyperparameters.
-      policy_loss: per-token policy loss (SPEC §3.2) for "rl"; None otherwise.
-      policy_loss_kwargs: its keyword hyperparameters.
+      policy_loss: a registered per-token policy loss (SPEC §3.2,
+        :func:`rljax.core.losses.register_policy_loss`) for "rl"; None otherwise.
+      policy_loss_kwargs: its keyword hyperparameters (and input choices, e.g. cispo's ``behavior``).
       observation_ce: role -> alpha; observation tokens of these roles get ce weight alpha.
       sampling: "policy" (the model being trained) or "frozen" (a fixed model).
       teacher: the frozen model this algorithm learns from, by name (a key of the run's
@@ -212,8 +198,8 @@ class Algorithm:
             raise ValueError(
                 f"{p}: reward_mode must be one of {list(REWARD_MODES)}, got {self.reward_mode!r}"
             )
-        _check_named_kwargs(p, "estimator", self.estimator, self.estimator_kwargs, ESTIMATOR_KWARGS)
-        _check_named_kwargs(p, "policy_loss", self.policy_loss, self.policy_loss_kwargs, POLICY_LOSS_KWARGS)
+        _check_estimator(p, self.estimator, self.estimator_kwargs)
+        _check_policy_loss(p, self.policy_loss, self.policy_loss_kwargs)
         for role, alpha in self.observation_ce.items():
             if not isinstance(role, str) or not role:
                 raise ValueError(f"{p}: observation_ce keys must be role names (str), got {role!r}")
@@ -250,13 +236,14 @@ class Algorithm:
 
     @property
     def group_relative(self) -> bool:
-        """True when the estimator baselines within prompt groups (grpo, rloo, max_rl)."""
-        return self.estimator in OUTCOME_ESTIMATORS
+        """True when the estimator baselines within prompt groups (registered ``kind="group"``:
+        grpo, rloo, max_rl, user group estimators)."""
+        return self.estimator is not None and core_advantages.is_group_estimator(self.estimator)
 
     @property
     def needs_critic(self) -> bool:
-        """A value head is needed (gae)."""
-        return self.estimator == "gae"
+        """A value head is needed (the registered estimator says so: gae)."""
+        return self.estimator is not None and core_advantages.get_estimator(self.estimator).needs_critic
 
     @property
     def needs_teacher(self) -> bool:
@@ -275,20 +262,40 @@ class Algorithm:
 
 
 def _check_named_kwargs(
-    prefix: str, what: str, name: str | None, kwargs: Mapping[str, Any], table: Mapping[str, frozenset[str]]
-) -> None:
+    prefix: str, what: str, name: str | None, kwargs: Mapping[str, Any], registered: Mapping[str, Any]
+) -> Mapping[str, Any] | None:
+    """Checks ``name`` against a core registry view and ``kwargs`` against its hyperparameters."""
     if name is None:
         if kwargs:
             raise ValueError(f"{prefix}: {what}_kwargs {dict(kwargs)} given but {what} is None; drop them")
-        return
-    if name not in table:
-        raise ValueError(f"{prefix}: unknown {what} {name!r}; choose one of {sorted(table)}")
-    unknown = sorted(set(kwargs) - table[name])
+        return None
+    if not isinstance(name, str) or name not in registered:
+        raise ValueError(f"{prefix}: unknown {what} {name!r}; choose one of {sorted(registered)}")
+    accepted = registered[name]
+    accepted = accepted.hyperparameters if isinstance(accepted, core_losses.PolicyLoss) else accepted.defaults
+    unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ValueError(
             f"{prefix}: {what} {name!r} has no hyperparameter(s) {unknown}; "
-            f"it accepts {sorted(table[name]) or 'none'}"
+            f"it accepts {sorted(accepted) or 'none'}"
         )
+    return accepted
+
+
+def _check_estimator(prefix: str, name: str | None, kwargs: Mapping[str, Any]) -> None:
+    """``name`` must be registered in :data:`rljax.core.advantages.ESTIMATORS`, kwargs among its own."""
+    _check_named_kwargs(prefix, "estimator", name, kwargs, core_advantages.ESTIMATORS)
+
+
+def _check_policy_loss(prefix: str, name: str | None, kwargs: Mapping[str, Any]) -> None:
+    """``name`` must be registered in :data:`rljax.core.losses.POLICY_LOSSES`; kwargs (and choice
+    values such as cispo's ``behavior``) are checked by the registration itself."""
+    if _check_named_kwargs(prefix, "policy_loss", name, kwargs, core_losses.POLICY_LOSSES) is None:
+        return
+    try:
+        core_losses.validate_policy_loss(name, kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"{prefix}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -481,9 +488,10 @@ def validate_algorithm(
     if a.observation_filter is not None and not a.observation_ce:
         raise ValueError(f"{p}: observation_filter narrows echo's observation tokens; set observation_ce too")
     if a.length_penalty is not None and not a.group_relative:
+        groups = [n for n in core_advantages.list_estimators() if core_advantages.is_group_estimator(n)]
         raise ValueError(
-            f"{p}: length_penalty shapes group-relative rewards and needs estimator in "
-            f"{sorted(OUTCOME_ESTIMATORS)}, got estimator={a.estimator!r}"
+            f"{p}: length_penalty shapes group-relative rewards and needs estimator in {groups} (the "
+            f"registered kind='group' estimators), got estimator={a.estimator!r}"
         )
     if group_size is not None:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:

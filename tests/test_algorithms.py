@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import pickle
 import warnings
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 
@@ -17,6 +20,11 @@ from rljax.algorithms import (
     validate_algorithm,
     validate_algorithm_config,
 )
+from rljax.core import advantages as core_advantages
+from rljax.core import losses as core_losses
+from rljax.core.objective import ObjectiveConfig
+from rljax.data.step_advantages import compute_step_advantages
+from rljax.types import Step, TrajectoryID
 
 
 @pytest.fixture
@@ -319,3 +327,119 @@ def test_config_dict_inputs():
     cfg = validate_algorithm_config(cd, env_overrides=over)
     assert dict(cfg.default.estimator_kwargs) == {"gamma": 1.0, "lam": 0.9}
     assert dict(cfg.for_env("web").observation_ce) == {"tool": 0.1, "user": 0.3}
+
+
+# --------------------------------------------------------------------------------------
+# the core registries: user estimators and losses work like built-in ones
+# --------------------------------------------------------------------------------------
+@pytest.fixture
+def core_registries():
+    est, loss = dict(core_advantages.ESTIMATORS), dict(core_losses.POLICY_LOSSES)
+    yield
+    core_advantages._ESTIMATORS._values.clear()
+    core_advantages._ESTIMATORS._values.update(est)
+    core_losses._POLICY_LOSSES._values.clear()
+    core_losses._POLICY_LOSSES._values.update(loss)
+
+
+def _scaled_centered(rewards, group_ids, num_groups, *, scale):
+    """scale * (r - mean_g): a user group estimator (no degenerate-group rule)."""
+    total = jax.ops.segment_sum(rewards, group_ids, num_groups)
+    count = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_groups)
+    return scale * (rewards - (total / jnp.maximum(count, 1.0))[group_ids])
+
+
+def test_user_estimator_works_like_a_builtin(core_registries, clean_registry):
+    core_advantages.register_estimator(
+        "centered_test", core_advantages.Estimator(_scaled_centered, "group", {"scale": 2.0})
+    )
+    a = Algorithm("centered", estimator="centered_test", estimator_kwargs={"scale": 3.0})
+    assert a.group_relative and not a.needs_critic
+    validate_algorithm(a.replace(length_penalty=LengthPenalty()), group_size=4)  # group estimators only
+    with pytest.warns(UserWarning, match="group-relative but group_size=1"):
+        validate_algorithm(a, group_size=1)
+    with pytest.raises(ValueError, match=r"estimator 'centered_test' has no hyperparameter\(s\) \['lam'\]"):
+        a.replace(estimator_kwargs={"lam": 1.0})
+    alg.register_algorithm(a)
+    assert validate_algorithm_config("centered").default.estimator == "centered_test"
+
+    # through the host step-wise path: trajectory q#0 has two steps (the last one's reward counts)
+    steps = [
+        Step([1], [2, 3], TrajectoryID("q", 0), loss_mask=[1, 1], reward=5.0, is_last_step=False),
+        Step([1], [4], TrajectoryID("q", 1), reward=0.0),
+        Step([1, 2, 3, 9], [5, 6], TrajectoryID("q", 0), loss_mask=[0, 1], reward=1.0),
+        Step([1], [7], TrajectoryID("q", 2), reward=0.5),
+        Step([8], [9], TrajectoryID("p", 0), reward=3.0),
+    ]
+    # group q: R = [1, 0, 0.5], mean 0.5 -> 2 * [0.5, -0.5, 0]; group p (one trajectory): 0
+    got = compute_step_advantages(steps, "centered_test")
+    want = [[1.0, 1.0], [-1.0], [0.0, 1.0], [0.0], [0.0]]
+    assert [g.tolist() for g in got] == want
+    got = compute_step_advantages(steps, "centered_test", scale=1.0)
+    assert [g.tolist() for g in got] == [[0.5, 0.5], [-0.5], [0.0, 0.5], [0.0], [0.0]]
+    with pytest.raises(ValueError, match=r"unknown hyperparameters \['gamma'\]"):
+        compute_step_advantages(steps, "centered_test", gamma=1.0)
+
+
+def test_user_token_estimator_follows_the_token_rules(core_registries):
+    core_advantages.register_estimator(
+        "critic_test", core_advantages.Estimator(core_advantages.gae, "token", {"gamma": 1.0, "lam": 0.9},
+                                                 needs_critic=True)
+    )
+    a = Algorithm("critic", estimator="critic_test", estimator_kwargs={"lam": 0.5}, step_wise=False)
+    assert a.needs_critic and not a.group_relative
+    validate_algorithm(a, group_size=1)
+    with pytest.raises(ValueError, match="reward_mode='per_step'"):
+        validate_algorithm(a.replace(step_wise=True))
+    with pytest.raises(ValueError, match="length_penalty shapes group-relative rewards"):
+        validate_algorithm(a.replace(length_penalty=LengthPenalty()))
+    steps = [Step([1], [2], TrajectoryID("q", 0), reward=1.0)]
+    with pytest.raises(ValueError, match="critic values"):
+        compute_step_advantages(steps, "critic_test", reward_mode="per_step")
+
+
+def test_user_policy_loss_works_like_a_builtin(core_registries):
+    def reinforce(logp, adv, mask, *, scale):
+        return -scale * adv * logp * mask
+
+    core_losses.register_policy_loss(
+        "reinforce_test", core_losses.PolicyLoss(reinforce, ("logp", "adv", "mask"), {"scale": 1.0})
+    )
+    a = Algorithm("mine", estimator="rloo", policy_loss="reinforce_test", policy_loss_kwargs={"scale": 0.5})
+    validate_algorithm(a, group_size=4)
+    assert dict(get_algorithm("grpo", policy_loss="reinforce_test").policy_loss_kwargs) == {}
+    match = r"policy_loss 'reinforce_test' has no hyperparameter\(s\) \['eps'\]"
+    with pytest.raises(ValueError, match=match):
+        a.replace(policy_loss_kwargs={"eps": 0.2})
+    # the objective of such an algorithm computes it (trainer builds ObjectiveConfig from these fields)
+    cfg = ObjectiveConfig(policy_loss=a.policy_loss, policy_loss_kwargs=dict(a.policy_loss_kwargs))
+    assert cfg.policy_loss_kwargs == (("scale", 0.5),)
+
+
+@pytest.mark.parametrize(
+    "loss,kwargs",
+    [
+        ("clip_cov", {"clip_ratio": 0.01, "clip_cov_lb": 0.5, "clip_cov_ub": 4.0, "eps_high": 0.28}),
+        ("kl_cov", {"kl_cov_frac": 0.002, "ppo_kl_coef": 0.5}),
+        ("cispo", {"behavior": "inference", "eps_high": 5.0}),
+    ],
+)
+def test_registered_losses_and_their_options(loss, kwargs):
+    a = get_algorithm("grpo", policy_loss=loss, policy_loss_kwargs=kwargs)
+    assert dict(validate_algorithm(a).policy_loss_kwargs) == kwargs
+
+
+def test_choice_values_are_checked_at_config_time():
+    match = r"algorithm 'grpo': .*behavior must be one of \('old', 'inference'\)"
+    with pytest.raises(ValueError, match=match):
+        get_algorithm("grpo", policy_loss="cispo", policy_loss_kwargs={"behavior": "teacher"})
+    with pytest.raises(ValueError, match=r"has no hyperparameter\(s\) \['behavior'\]"):
+        get_algorithm("grpo", policy_loss="ppo_clip", policy_loss_kwargs={"behavior": "old"})
+
+
+def test_algorithms_reads_the_core_registries_only():
+    """No estimator / loss vocabulary of its own, and nothing imported from rljax.data."""
+    source = pathlib.Path(alg.__file__).read_text()
+    assert "rljax.data" not in source
+    for gone in ("ESTIMATOR_KWARGS", "POLICY_LOSS_KWARGS", "OUTCOME_ESTIMATORS"):
+        assert not hasattr(alg, gone)

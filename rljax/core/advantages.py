@@ -3,8 +3,14 @@
 Group-relative estimators (:func:`grpo`, :func:`rloo`, :func:`max_rl`) map one scalar
 reward per trajectory to one scalar advantage, grouped by a dense prompt-group id with a
 static ``num_groups`` (SPEC §3.1). They share the signature
-``fn(rewards, group_ids, num_groups, **kwargs) -> [N]`` and are listed in
-:data:`ESTIMATORS`; any user function with that signature plugs into the host code.
+``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
+
+**Registry.** Every estimator is registered as one :class:`Estimator` value (function,
+hyperparameter defaults, kind ``"group"`` or ``"token"``, ``needs_critic``); see
+:data:`ESTIMATORS`. ``rljax.algorithms``, config validation and the host step-wise
+advantages read it, and the estimator / reward-mode rule
+(:func:`check_estimator_reward_mode`) is derived from it, so an estimator added with
+:func:`register_estimator` works everywhere a built-in one does.
 
 Shared conventions:
 
@@ -26,18 +32,29 @@ References are given per function; the formulas are SPEC §2.3, §2.4 and §3.1.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from rljax.core import segments
+from rljax.core import registry, segments
 
 __all__ = [
     "ESTIMATORS",
+    "ESTIMATOR_KINDS",
+    "REWARD_MODES",
+    "Estimator",
     "broadcast_to_steps",
+    "check_estimator_reward_mode",
+    "get_estimator",
+    "is_group_estimator",
+    "list_estimators",
+    "register_estimator",
     "gae",
     "grpo",
     "length_penalty",
@@ -169,10 +186,6 @@ def max_rl(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.
     mean, _, degenerate = _group_stats(rewards, group_ids, num_groups)
     adv = _safe_div(rewards - mean, mean, (mean > 0) & ~degenerate)
     return adv
-
-
-ESTIMATORS: dict[str, Callable[..., chex.Array]] = {"grpo": grpo, "rloo": rloo, "max_rl": max_rl}
-"""Group estimators by name; each is ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,3 +488,181 @@ def turn_returns(
 
     _, returns_t = jax.lax.scan(step, jnp.zeros(num_trajectories, grid.dtype), grid.T, reverse=True)
     return segments.segment_gather(returns_t.T.reshape(-1), flat)
+
+
+
+# --------------------------------------------------------------------------------------------
+# registry: an estimator is a value (function + hyperparameter defaults + kind)
+# --------------------------------------------------------------------------------------------
+#: Estimator kinds: ``"group"`` = one scalar per trajectory baselined within its prompt group
+#: (outcome estimators); ``"token"`` = per-token returns along each sequence.
+ESTIMATOR_KINDS: tuple[str, ...] = ("group", "token")
+#: Reward modes of step-wise training (SPEC §2.3 ``"outcome"``, §2.4 ``"per_step"``).
+REWARD_MODES: tuple[str, ...] = ("outcome", "per_step")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Estimator:
+    """An advantage estimator as one value: function, hyperparameter defaults, kind, needs.
+
+    Attributes:
+      fn: the estimator. ``kind="group"``: ``fn(rewards [N], group_ids [N], num_groups,
+        **hyperparameters) -> [N]`` (group-relative, outcome rewards, SPEC §2.3/§3.1).
+        ``kind="token"``: ``fn(token_rewards [B, L], mask [B, L], **hyperparameters) -> [B, L]``,
+        or with ``needs_critic`` ``fn(token_rewards, values, mask, **hyperparameters) ->
+        (advantages, returns)``.
+      kind: ``"group"`` or ``"token"`` (:data:`ESTIMATOR_KINDS`).
+      defaults: hyperparameter name -> default; calling the value passes every one of them
+        (the registry's defaults are the ones that apply).
+      needs_critic: the estimator reads value-head predictions (gae).
+      name: set by :func:`register_estimator` (used in error messages).
+
+    Calling an ``Estimator`` calls ``fn`` with the positional arguments unchanged and the
+    defaults updated by the keyword arguments (unknown names raise ``ValueError``).
+
+    >>> import jax.numpy as jnp
+    >>> est = get_estimator("grpo")
+    >>> est.kind, est.defaults["norm_by_std"], est.needs_critic
+    ('group', True, False)
+    >>> est(jnp.array([1.0, 0.0]), jnp.array([0, 0]), 1, norm_by_std=False).tolist()
+    [0.5, -0.5]
+    """
+
+    fn: Callable[..., Any]
+    kind: str
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    needs_critic: bool = False
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        what = f"estimator {self.label!r}"
+        if not callable(self.fn):
+            raise ValueError(f"{what}: fn must be callable, got {self.fn!r}")
+        if self.kind not in ESTIMATOR_KINDS:
+            raise ValueError(f"{what}: kind must be one of {ESTIMATOR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.needs_critic, bool):
+            raise ValueError(f"{what}: needs_critic must be a bool, got {self.needs_critic!r}")
+        if self.needs_critic and self.kind != "token":
+            raise ValueError(f"{what}: a critic gives per-token values, so needs_critic needs kind='token'")
+        object.__setattr__(self, "defaults", registry.freeze_defaults(self.defaults, what))
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.fn, "__name__", repr(self.fn))
+
+    @property
+    def group_relative(self) -> bool:
+        """True for ``kind="group"`` (baselines within prompt groups)."""
+        return self.kind == "group"
+
+    def resolve(self, kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Validates ``kwargs``; returns every hyperparameter (defaults updated by ``kwargs``).
+
+        >>> get_estimator("gae").resolve({"lam": 0.95})
+        {'gamma': 1.0, 'lam': 0.95}
+        """
+        kw = dict(kwargs or {})
+        registry.check_hyperparameters(f"estimator {self.label!r}", kw, self.defaults)
+        return {**self.defaults, **kw}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **self.resolve(kwargs))
+
+
+_ESTIMATORS: registry.Registry[Estimator] = registry.Registry("estimator")
+
+ESTIMATORS: Mapping[str, Estimator] = _ESTIMATORS.view
+"""Read-only live view: name -> :class:`Estimator` (add entries with :func:`register_estimator`)."""
+
+
+def register_estimator(name: str, estimator: Estimator, *, overwrite: bool = False) -> Estimator:
+    """Registers ``estimator`` under ``name`` and returns the registered value (its ``name`` set).
+
+    A ``kind="group"`` estimator then works wherever grpo does: ``Algorithm(...,
+    estimator=name)`` (group-relative rules included), step-wise advantages
+    (``rljax.data.step_advantages.compute_step_advantages``), length shaping.
+
+    >>> import jax.numpy as jnp
+    >>> def centered(rewards, group_ids, num_groups, *, scale):
+    ...     return scale * (rewards - segments.segment_gather(
+    ...         segments.segment_mean(rewards, group_ids, num_groups), group_ids))
+    >>> _ = register_estimator("centered", Estimator(centered, "group", {"scale": 1.0}), overwrite=True)
+    >>> get_estimator("centered")(jnp.array([1.0, 0.0]), jnp.array([0, 0]), 1, scale=2.0).tolist()
+    [1.0, -1.0]
+    >>> is_group_estimator("centered")
+    True
+    """
+    if not isinstance(estimator, Estimator):
+        raise ValueError(f"register_estimator expects an Estimator, got {type(estimator).__name__}")
+    if estimator.name != name:
+        estimator = dataclasses.replace(estimator, name=name)
+    return _ESTIMATORS.register(name, estimator, overwrite=overwrite)
+
+
+def get_estimator(name: str) -> Estimator:
+    """The registered :class:`Estimator` ``name`` (``ValueError`` listing the names if unknown).
+
+    >>> get_estimator("gae").needs_critic
+    True
+    """
+    return _ESTIMATORS.get(name)
+
+
+def list_estimators() -> list[str]:
+    """Registered estimator names, sorted.
+
+    >>> {"gae", "grpo", "max_rl", "reinforce_pp", "rloo"} <= set(list_estimators())
+    True
+    """
+    return _ESTIMATORS.names()
+
+
+def is_group_estimator(name: str) -> bool:
+    """True when ``name`` is a registered group-relative (``kind="group"``) estimator.
+
+    >>> is_group_estimator("rloo"), is_group_estimator("gae"), is_group_estimator("nope")
+    (True, False, False)
+    """
+    est = ESTIMATORS.get(name) if isinstance(name, str) else None
+    return est is not None and est.kind == "group"
+
+
+def check_estimator_reward_mode(estimator: str, reward_mode: str, step_wise: bool) -> None:
+    """Config-time rule of SPEC §2.2/§2.4: step-wise training with a token-level estimator.
+
+    Token-level estimators (``kind="token"``: gae, reinforce_pp) need a reward per token (or
+    per turn); with step-wise samples and outcome rewards (SPEC §2.3) they would see one
+    reward at the end of each trajectory only and silently mis-credit earlier turns, so they
+    are rejected unless ``reward_mode="per_step"`` (SPEC §2.4). Group estimators (grpo, rloo,
+    max_rl and any registered ``kind="group"`` one) work in either mode.
+
+    >>> check_estimator_reward_mode("gae", "per_step", True)
+    >>> try:
+    ...     check_estimator_reward_mode("gae", "outcome", True)
+    ... except ValueError as e:
+    ...     print(str(e)[:58])
+    estimator 'gae' is not an outcome estimator and cannot run
+    """
+    est = get_estimator(estimator)
+    if reward_mode not in REWARD_MODES:
+        raise ValueError(f"unknown reward_mode {reward_mode!r}; choose one of {list(REWARD_MODES)}")
+    if not isinstance(step_wise, (bool, np.bool_)):
+        raise ValueError(f"step_wise must be a bool, got {step_wise!r}")
+    if step_wise and est.kind == "token" and reward_mode != "per_step":
+        groups = [n for n in list_estimators() if is_group_estimator(n)]
+        raise ValueError(
+            f"estimator {estimator!r} is not an outcome estimator and cannot run step-wise with "
+            f"reward_mode={reward_mode!r}: set reward_mode='per_step' (SPEC §2.4), or use an outcome "
+            f"estimator ({groups}), or train non-step-wise"
+        )
+
+
+for _name, _est in {
+    "grpo": Estimator(grpo, "group", {"norm_by_std": True, "eps": 1e-6}),
+    "rloo": Estimator(rloo, "group"),
+    "max_rl": Estimator(max_rl, "group"),
+    "reinforce_pp": Estimator(reinforce_pp, "token", {"gamma": 1.0}),
+    "gae": Estimator(gae, "token", {"gamma": 1.0, "lam": 1.0}, needs_critic=True),
+}.items():
+    register_estimator(_name, _est)
+del _name, _est

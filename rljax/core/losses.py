@@ -10,20 +10,34 @@ and a static ``num_segments``.
 Importance ratios are computed in float32 as ``exp(clip(logp - ref, -20, 20))`` so a
 wild log-ratio never overflows. ``sg`` below is ``jax.lax.stop_gradient``.
 
-Policy losses can be called by name through :func:`policy_loss`, which routes the
-uniform arguments ``(logp, old_logp, inference_logp, adv, mask, segment_ids,
-num_segments)`` to each loss by parameter name (see :data:`POLICY_LOSSES`).
+Only :func:`clip_cov` and :func:`kl_cov` use statistics of the whole array passed in
+(covariances over its masked tokens); see their docstrings.
+
+**Registry.** Each policy loss is registered as one :class:`PolicyLoss` value that carries
+its function, the uniform inputs it takes (from :data:`LOSS_INPUTS`: ``logp, old_logp,
+inference_logp/rollout_logp, adv, mask, segment_ids, num_segments, rng``), its
+hyperparameters with their defaults, its clip rule (for the ``rl/clip_frac`` metric) and its
+input choices (cispo's ``behavior``: old or inference logprobs). :func:`policy_loss` and
+:func:`clipped_tokens` call a loss by name with the uniform inputs; the objective,
+:func:`validate_policy_loss` and ``rljax.algorithms`` read the same registration, so a loss
+added with :func:`register_policy_loss` works everywhere a built-in one does.
+
+>>> sorted(get_policy_loss("dppo").defaults.items())
+[('adv_tau', 1.0), ('kl_tau', 0.001), ('mask_high', 0.2), ('mask_low', 0.2)]
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from rljax.core import registry
 
 _LOG_RATIO_CLIP = 20.0
 _GSPO_LOG_WEIGHT_MAX = 10.0
@@ -321,6 +335,187 @@ def importance_sampling(logp: chex.Array, old_logp: chex.Array, adv: chex.Array)
     return -_ratio(logp, old_logp) * _f32(adv)
 
 
+def _masked_mean(x: jax.Array, on: jax.Array) -> jax.Array:
+    """Scalar mean of ``x`` over entries with ``on > 0`` (0 when there are none)."""
+    return jnp.sum(jnp.where(on > 0, x, 0.0)) / jnp.maximum(jnp.sum(on), 1.0)
+
+
+def _covariance(logp: chex.Array, adv: chex.Array, on: jax.Array) -> jax.Array:
+    """Per-token ``(A - mean(A)) (sg(logp) - mean(sg(logp)))``, means over tokens with ``on > 0``."""
+    lp = jax.lax.stop_gradient(_f32(logp))
+    a = jax.lax.stop_gradient(_f32(adv))
+    return (a - _masked_mean(a, on)) * (lp - _masked_mean(lp, on))
+
+
+def _ranks(priority: jax.Array) -> jax.Array:
+    """Rank of each entry in ascending ``priority`` over the whole array (ties: lower flat index first)."""
+    flat = priority.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    ranks = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return ranks.reshape(priority.shape)
+
+
+def _count(fraction: float, on: jax.Array) -> jax.Array:
+    """``max(floor(fraction * #on), 1)`` in float32 (SkyRL's ``max(int(frac * n), 1)``)."""
+    return jnp.maximum(jnp.floor(fraction * jnp.sum(on)), 1.0)
+
+
+def _data_key(on: jax.Array, *arrays: chex.Array) -> jax.Array:
+    """A PRNG key hashed from the bits of ``arrays`` on the tokens with ``on > 0`` (deterministic)."""
+    pos = jnp.arange(on.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(1)
+    keep = on.reshape(-1) > 0
+    h = jnp.uint32(0x811C9DC5)
+    for i, x in enumerate(arrays):
+        bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(_f32(x)), jnp.uint32).reshape(-1)
+        mixed = jnp.where(keep, bits * (pos + jnp.uint32(2 * i)), jnp.uint32(0))
+        h = h * jnp.uint32(0x01000193) + jnp.sum(mixed, dtype=jnp.uint32)
+    return jax.random.PRNGKey(h)
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, (int, float)) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1]; got {value}")
+
+
+def _clip_cov_selected(
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    rng: jax.Array | None,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+) -> jax.Array:
+    """Boolean: the tokens clip_cov removes from the loss (see :func:`clip_cov`)."""
+    _check_fraction("clip_cov: clip_ratio", clip_ratio)
+    numbers = isinstance(clip_cov_lb, (int, float)) and isinstance(clip_cov_ub, (int, float))
+    if numbers and clip_cov_lb >= clip_cov_ub:
+        raise ValueError(f"clip_cov needs clip_cov_lb < clip_cov_ub; got {clip_cov_lb} >= {clip_cov_ub}")
+    on = _is_on(mask)
+    a = _f32(adv)
+    ppo_hit = _surrogate_clipped(_ratio(logp, old_logp), a, eps_low, eps_high) > 0
+    cov = _covariance(logp, a, on)
+    eligible = (on > 0) & ~ppo_hit & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    key = _data_key(on, logp, old_logp, adv) if rng is None else rng
+    u = jax.random.uniform(key, jnp.shape(cov), jnp.float32)
+    rank = _ranks(jnp.where(eligible, u, jnp.inf))
+    return eligible & (rank < _count(clip_ratio, on))
+
+
+def clip_cov(
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    rng: jax.Array | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+) -> jax.Array:
+    """Clip-Cov: PPO clipping plus removal of a random few high-covariance tokens, per token.
+
+    With ``on = mask != 0`` and means over the tokens with ``on`` in the array passed in::
+
+        cov_t    = (A_t - mean(A)) (sg(logp_t) - mean(sg(logp)))
+        eligible = on and not ppo_clipped and clip_cov_lb < cov_t < clip_cov_ub
+        n_clip   = max(floor(clip_ratio * sum(on)), 1)
+        S        = a uniformly random subset of min(n_clip, #eligible) eligible tokens
+        loss_t   = 0 if t in S else ppo_clip(logp, old_logp, A; eps_low, eps_high)_t
+
+    ``ppo_clipped`` = the PPO clip branch is active (``A > 0, r > 1 + eps_high`` or
+    ``A < 0, r < 1 - eps_low``). Tokens in ``S`` contribute neither loss nor gradient (as in
+    SkyRL and verl, which multiply the loss by a 0/1 correction); a large positive
+    covariance between log-probability and advantage is what drives the policy entropy
+    down, so cutting those updates keeps entropy from collapsing.
+
+    **Randomness (Decision).** SkyRL draws ``S`` with ``torch.randperm``. Here ``S`` is the
+    ``n_clip`` eligible tokens with the smallest ``uniform(key)`` draw, which is a uniform
+    random subset under ``jit``. ``key`` is ``rng`` when given (the objective forwards its
+    ``rng=``); with ``rng=None`` it is hashed from the bits of ``logp``, ``old_logp`` and
+    ``adv`` on the tokens in ``mask``: deterministic for the same inputs (reproducible runs
+    and resumes), different whenever the batch or the policy changes.
+
+    **Batch statistics.** The means, ``sum(on)`` and the subset are taken over the array
+    passed in, so with micro-batching they are per micro-batch (as in SkyRL, where they are
+    per micro-batch and per worker); results then differ from one big batch.
+
+    Reference: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models" (arXiv:2505.22617), Clip-Cov; SkyRL ``clip_cov`` policy loss
+    (defaults ``clip_ratio=0.0002``, ``clip_cov_lb=1``, ``clip_cov_ub=5``, eps 0.2/0.2).
+
+    >>> import jax.numpy as jnp
+    >>> lp = jnp.log(jnp.array([0.9, 0.5, 0.5, 0.1]))   # on-policy: r = 1, no PPO clipping
+    >>> adv = jnp.array([4.0, 1.0, 1.0, -4.0])          # cov = [2.95, 0.13, 0.13, 6.09]
+    >>> loss = clip_cov(lp, lp, adv, jnp.ones(4), clip_ratio=0.25)   # n_clip = 1, eligible: token 0
+    >>> [round(float(x), 4) for x in loss]
+    [0.0, -1.0, -1.0, 4.0]
+    """
+    _check([logp, old_logp, adv], (mask,))
+    hyper = dict(eps_low=eps_low, eps_high=eps_high, clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb,
+                 clip_cov_ub=clip_cov_ub)
+    removed = _clip_cov_selected(logp, old_logp, adv, mask, rng, **hyper)
+    base = _clipped_surrogate(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high)
+    return jnp.where(removed, 0.0, base)
+
+
+def _kl_cov_selected(logp: chex.Array, adv: chex.Array, mask: chex.Array, kl_cov_frac: float) -> jax.Array:
+    """Boolean: the ``max(floor(kl_cov_frac * n), 1)`` masked tokens of largest covariance."""
+    _check_fraction("kl_cov: kl_cov_frac", kl_cov_frac)
+    on = _is_on(mask)
+    cov = _covariance(logp, adv, on)
+    rank = _ranks(jnp.where(on > 0, -cov, jnp.inf))
+    return (on > 0) & (rank < _count(kl_cov_frac, on))
+
+
+def kl_cov(
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    *,
+    kl_cov_frac: float = 0.2,
+    ppo_kl_coef: float = 1.0,
+) -> jax.Array:
+    """KL-Cov: importance-sampled policy gradient plus a KL penalty on the highest-covariance tokens.
+
+    With ``on = mask != 0``, means over the tokens with ``on`` in the array passed in and
+    ``r = exp(clip(logp - old_logp, -20, 20))``::
+
+        cov_t  = (A_t - mean(A)) (sg(logp_t) - mean(sg(logp)))
+        k      = max(floor(kl_cov_frac * sum(on)), 1)
+        top    = the k tokens with ``on`` of largest cov (ties: lower flat index first)
+        loss_t = -A_t r_t + [t in top] ppo_kl_coef |logp_t - old_logp_t|
+
+    There is no ratio clipping: the penalty pulls the high-covariance tokens (which drive
+    the entropy down) back towards the old policy. The selection is deterministic.
+
+    **Batch statistics.** The means, ``sum(on)`` and the top-k are taken over the array
+    passed in, so with micro-batching they are per micro-batch (as in SkyRL); results then
+    differ from one big batch.
+
+    Reference: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models" (arXiv:2505.22617), KL-Cov; SkyRL ``kl_cov`` policy loss
+    (defaults ``kl_cov_frac=0.2``, ``ppo_kl_coef=1``).
+
+    >>> import jax.numpy as jnp
+    >>> lp, old = jnp.log(jnp.array([0.9, 0.5, 0.5, 0.1])), jnp.log(jnp.array([0.6, 0.5, 0.5, 0.2]))
+    >>> loss = kl_cov(lp, old, jnp.array([4.0, 0.0, 0.0, -4.0]), jnp.ones(4), kl_cov_frac=0.25)
+    >>> [round(float(x), 4) for x in loss]   # token 3 has the largest covariance: + |log(0.1/0.2)|
+    [-6.0, 0.0, 0.0, 2.6931]
+    """
+    _check([logp, old_logp, adv], (mask,))
+    penalized = _kl_cov_selected(logp, adv, mask, kl_cov_frac)
+    pg = -_f32(adv) * _ratio(logp, old_logp)
+    return pg + jnp.where(penalized, ppo_kl_coef * jnp.abs(_f32(logp) - _f32(old_logp)), 0.0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Other components
 # ------------------------------------------------------------------------------------------------
@@ -424,78 +619,256 @@ def entropy_from_logits(logits: chex.Array, temperature: chex.Numeric | chex.Arr
 
 
 # ------------------------------------------------------------------------------------------------
-# Registry and uniform adapter
+# Registry: a policy loss is a value (function + inputs + hyperparameter defaults + clip rule)
 # ------------------------------------------------------------------------------------------------
 
-POLICY_LOSSES: dict[str, Callable[..., jax.Array]] = {
-    "ppo_clip": ppo_clip,
-    "dual_clip": dual_clip,
-    "gspo": gspo,
-    "cispo": cispo,
-    "dppo": dppo,
-    "sapo": sapo,
-    "rollout_is": rollout_is,
-    "importance_sampling": importance_sampling,
-}
-"""Policy losses by name. A registered function's positional parameters must be named
-from ``logp, old_logp, inference_logp, rollout_logp, behavior_logp, adv, mask, segment_ids,
-num_segments``; :func:`policy_loss` fills them by name, so users may register their own."""
-
-_DEFAULT_LOSSES: dict[str, Callable[..., jax.Array]] = dict(POLICY_LOSSES)
-_ROUTED = ("logp", "old_logp", "inference_logp", "rollout_logp", "behavior_logp", "adv", "mask",
-           "segment_ids", "num_segments")
-_BEHAVIORS = ("old", "inference")
+#: The uniform inputs a policy loss can declare (see :class:`PolicyLoss`).
+LOSS_INPUTS: tuple[str, ...] = (
+    "logp", "old_logp", "inference_logp", "rollout_logp", "adv", "mask", "segment_ids", "num_segments", "rng",
+)
+_SEGMENT_INPUTS = ("segment_ids", "num_segments")
 
 
-def _clip_ppo(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    r = _ratio(args["logp"], args["old_logp"])
-    return _surrogate_clipped(r, _f32(args["adv"]), kw.get("eps_low", 0.2), kw.get("eps_high", 0.2))
+@dataclasses.dataclass(frozen=True, eq=False)
+class InputChoice:
+    """A hyperparameter that picks which uniform input fills one argument of a loss.
+
+    Attributes:
+      slot: the name of the argument in :attr:`PolicyLoss.inputs` (e.g. ``"behavior_logp"``).
+      options: hyperparameter value -> uniform input of :data:`LOSS_INPUTS` that fills it.
+      default: the value used when the hyperparameter is not given.
+
+    >>> c = InputChoice("behavior_logp", {"old": "old_logp", "inference": "inference_logp"}, "old")
+    >>> c.options[c.default]
+    'old_logp'
+    """
+
+    slot: str
+    options: Mapping[str, str]
+    default: str
+
+    def __post_init__(self) -> None:
+        options = dict(self.options)
+        if not options or any(v not in LOSS_INPUTS for v in options.values()):
+            raise ValueError(f"InputChoice {self.slot!r}: options must map values to inputs of "
+                             f"{LOSS_INPUTS}; got {options}")
+        if self.default not in options:
+            raise ValueError(f"InputChoice {self.slot!r}: default {self.default!r} is not one of "
+                             f"{sorted(options)}")
+        object.__setattr__(self, "options", MappingProxyType(options))
 
 
-def _clip_dual(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    a = _f32(args["adv"])
-    ppo = _clipped_surrogate(_ratio(args["logp"], args["old_logp"]), a, kw.get("eps_low", 0.2),
-                             kw.get("eps_high", 0.2))
-    dual = _dual_bound_active(ppo, a, kw.get("clip_ratio_c", 3.0))
-    return jnp.maximum(_clip_ppo(args, kw), dual.astype(jnp.float32))
+@dataclasses.dataclass(frozen=True, eq=False)
+class PolicyLoss:
+    """A per-token policy loss as one value: function, inputs, hyperparameter defaults, clip rule.
+
+    Like an optax ``GradientTransformation`` bundles ``init``/``update``, a ``PolicyLoss``
+    bundles everything a caller needs, so the objective, config validation and
+    ``rljax.algorithms`` all read the same registration (:func:`register_policy_loss`).
+
+    Attributes:
+      fn: ``fn(*inputs, **hyperparameters) -> per-token loss`` shaped like ``logp``.
+      inputs: the uniform inputs ``fn`` takes positionally, in order, from
+        :data:`LOSS_INPUTS` (``logp``; ``old_logp`` = trainer logprobs before the update;
+        ``inference_logp`` or its alias ``rollout_logp`` = the sampler's logprobs; ``adv``;
+        ``mask`` = trainable tokens; ``segment_ids``/``num_segments`` = the sample of each
+        token and a static bound, for sequence-level losses; ``rng`` = an optional PRNG key,
+        ``None`` unless the caller passes one), or the ``slot`` of one of ``choices``.
+      defaults: hyperparameter name -> default; ``fn`` is always called with every one of
+        them (the registry's defaults are the ones that apply).
+      clipped: optional ``clipped(*inputs, **hyperparameters) -> bool/0-1 per token``: where
+        the loss's trust-region rule cut the token (the objective's ``rl/clip_frac``).
+        ``None``: the loss has no such rule.
+      choices: hyperparameter name -> :class:`InputChoice`, e.g. cispo's ``behavior``.
+      name: set by :func:`register_policy_loss` (used in error messages).
+
+    >>> import jax.numpy as jnp
+    >>> def reinforce(logp, adv, *, scale):
+    ...     return -scale * adv * logp
+    >>> loss = PolicyLoss(reinforce, inputs=("logp", "adv"), defaults={"scale": 1.0})
+    >>> lp = jnp.log(jnp.array([0.5, 0.25]))
+    >>> [round(float(x), 4) for x in loss(lp, lp, lp, jnp.ones(2), jnp.ones(2), scale=2.0)]
+    [1.3863, 2.7726]
+    """
+
+    fn: Callable[..., jax.Array]
+    inputs: tuple[str, ...]
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    clipped: Callable[..., jax.Array] | None = None
+    choices: Mapping[str, InputChoice] = dataclasses.field(default_factory=dict)
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        what = f"policy loss {self.label!r}"
+        if not callable(self.fn):
+            raise ValueError(f"{what}: fn must be callable, got {self.fn!r}")
+        if self.clipped is not None and not callable(self.clipped):
+            raise ValueError(f"{what}: clipped must be callable or None, got {self.clipped!r}")
+        if isinstance(self.inputs, str) or not all(isinstance(i, str) for i in self.inputs):
+            raise ValueError(f"{what}: inputs must be a tuple of input names, got {self.inputs!r}")
+        inputs = tuple(self.inputs)
+        choices = dict(self.choices)
+        for k, c in choices.items():
+            if not isinstance(c, InputChoice):
+                raise ValueError(f"{what}: choices[{k!r}] must be an InputChoice, got {c!r}")
+        slots = {c.slot: k for k, c in choices.items()}
+        unknown = [i for i in inputs if i not in LOSS_INPUTS and i not in slots]
+        if unknown or len(set(inputs)) != len(inputs) or not inputs:
+            raise ValueError(f"{what}: inputs {list(inputs)} must be distinct names from {LOSS_INPUTS} "
+                             f"(or the slot of a declared choice); unknown: {unknown}")
+        unused = sorted(s for s in slots if s not in inputs)
+        if unused:
+            raise ValueError(f"{what}: choice slot(s) {unused} are not among inputs {list(inputs)}")
+        defaults = registry.freeze_defaults(self.defaults, what)
+        clash = sorted((set(defaults) & set(choices)) | ((set(defaults) | set(choices)) & set(LOSS_INPUTS)))
+        if clash:
+            raise ValueError(f"{what}: hyperparameter name(s) {clash} clash with choices or input names")
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "defaults", defaults)
+        object.__setattr__(self, "choices", MappingProxyType(choices))
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.fn, "__name__", repr(self.fn))
+
+    @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """Every accepted keyword with its default (``defaults`` plus each choice's default).
+
+        >>> get_policy_loss("cispo").hyperparameters
+        {'eps_low': 1.0, 'eps_high': 4.0, 'behavior': 'old'}
+        """
+        return {**self.defaults, **{k: c.default for k, c in self.choices.items()}}
+
+    def resolve(self, kwargs: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+        """Validates ``kwargs``; returns (hyperparameters for ``fn``, slot -> chosen uniform input).
+
+        >>> get_policy_loss("cispo").resolve({"behavior": "inference"})
+        ({'eps_low': 1.0, 'eps_high': 4.0}, {'behavior_logp': 'inference_logp'})
+        """
+        kw = dict(kwargs or {})
+        registry.check_hyperparameters(f"policy loss {self.label!r}", kw, self.hyperparameters)
+        routes = {}
+        for k, c in self.choices.items():
+            value = kw.pop(k, c.default)
+            if not isinstance(value, str) or value not in c.options:
+                raise ValueError(f"policy loss {self.label!r}: {k} must be one of {tuple(c.options)} (which "
+                                 f"input fills {c.slot}); got {value!r}")
+            routes[c.slot] = c.options[value]
+        return {**self.defaults, **kw}, routes
+
+    def _arguments(
+        self,
+        logp: chex.Array,
+        old_logp: chex.Array,
+        inference_logp: chex.Array,
+        adv: chex.Array,
+        mask: chex.Array,
+        segment_ids: chex.Array | None,
+        num_segments: int | None,
+        rng: jax.Array | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[list[Any], dict[str, Any]]:
+        hyper, routes = self.resolve(kwargs)
+        available = {
+            "logp": logp, "old_logp": old_logp, "inference_logp": inference_logp,
+            "rollout_logp": inference_logp, "adv": adv, "mask": mask, "segment_ids": segment_ids,
+            "num_segments": num_segments, "rng": rng,
+        }
+        names = [routes.get(i, i) for i in self.inputs]
+        if any(n in _SEGMENT_INPUTS for n in names) and (segment_ids is None or num_segments is None):
+            raise ValueError(
+                f"policy loss {self.label!r} is sequence-level: pass segment_ids and a static num_segments"
+            )
+        return [available[n] for n in names], hyper
+
+    def __call__(
+        self,
+        logp: chex.Array,
+        old_logp: chex.Array,
+        inference_logp: chex.Array,
+        adv: chex.Array,
+        mask: chex.Array,
+        segment_ids: chex.Array | None = None,
+        num_segments: int | None = None,
+        *,
+        rng: jax.Array | None = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        """The per-token loss from the uniform inputs; ``kwargs`` are hyperparameters/choices."""
+        args, hyper = self._arguments(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
+                                      rng, kwargs)
+        return self.fn(*args, **hyper)
+
+    def clip_indicator(
+        self,
+        logp: chex.Array,
+        old_logp: chex.Array,
+        inference_logp: chex.Array,
+        adv: chex.Array,
+        mask: chex.Array,
+        segment_ids: chex.Array | None = None,
+        num_segments: int | None = None,
+        *,
+        rng: jax.Array | None = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        """Float32 0/1 per token: where the clip rule was active (zeros when ``clipped`` is None)."""
+        args, hyper = self._arguments(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
+                                      rng, kwargs)
+        if self.clipped is None:
+            return jnp.zeros(jnp.shape(logp), jnp.float32)
+        return (jnp.asarray(self.clipped(*args, **hyper)) != 0).astype(jnp.float32)
 
 
-def _clip_gspo(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    log_w = _gspo_log_weight(args["logp"], args["old_logp"], args["mask"], args["segment_ids"],
-                             args["num_segments"])
-    eps_low, eps_high = kw.get("eps_low", 0.2), kw.get("eps_high", 0.2)
-    return _surrogate_clipped(jnp.exp(log_w), _f32(args["adv"]), eps_low, eps_high)
+_POLICY_LOSSES: registry.Registry[PolicyLoss] = registry.Registry("policy loss")
+
+POLICY_LOSSES: Mapping[str, PolicyLoss] = _POLICY_LOSSES.view
+"""Read-only live view: name -> :class:`PolicyLoss` (add entries with :func:`register_policy_loss`)."""
 
 
-def _clip_cispo(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    r = _ratio(args["logp"], args["behavior_logp"])
-    out = (r < 1.0 - kw.get("eps_low", 1.0)) | (r > 1.0 + kw.get("eps_high", 4.0))
-    return out.astype(jnp.float32)
+def register_policy_loss(name: str, loss: PolicyLoss, *, overwrite: bool = False) -> PolicyLoss:
+    """Registers ``loss`` under ``name`` and returns the registered value (its ``name`` set).
+
+    Everything that accepts a built-in loss name then accepts ``name``: ``Algorithm(...,
+    policy_loss=name)``, ``ObjectiveConfig(policy_loss=name)``, :func:`policy_loss`. Replacing
+    a loss (``overwrite=True``) does not retrace a train step already compiled with the name.
+
+    >>> import jax.numpy as jnp
+    >>> def reinforce(logp, adv, mask, *, scale):
+    ...     return -scale * adv * logp * mask
+    >>> mine = PolicyLoss(reinforce, inputs=("logp", "adv", "mask"), defaults={"scale": 1.0})
+    >>> _ = register_policy_loss("my_reinforce", mine, overwrite=True)
+    >>> lp = jnp.log(jnp.array([0.5]))
+    >>> [round(float(x), 4) for x in policy_loss("my_reinforce", lp, lp, lp, jnp.ones(1), jnp.ones(1))]
+    [0.6931]
+    """
+    if not isinstance(loss, PolicyLoss):
+        raise ValueError(f"register_policy_loss expects a PolicyLoss, got {type(loss).__name__}")
+    if loss.name != name:
+        loss = dataclasses.replace(loss, name=name)
+    return _POLICY_LOSSES.register(name, loss, overwrite=overwrite)
 
 
-def _clip_dppo(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    dropped = _dppo_masked(args["logp"], args["inference_logp"], args["adv"], kw.get("mask_low", 0.2),
-                           kw.get("mask_high", 0.2))
-    return dropped.astype(jnp.float32)
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered :class:`PolicyLoss` ``name`` (``ValueError`` listing the names if unknown).
+
+    >>> get_policy_loss("ppo_clip").defaults["eps_high"]
+    0.2
+    """
+    return _POLICY_LOSSES.get(name)
 
 
-def _clip_rollout_is(args: dict[str, Any], kw: dict[str, Any]) -> jax.Array:
-    r = _ratio(args["logp"], args["rollout_logp"])
-    inside = (r > 1.0 - kw.get("eps_low", 0.2)) & (r < 1.0 + kw.get("eps_high", 0.2))
-    return 1.0 - inside.astype(jnp.float32)
+def list_policy_losses() -> list[str]:
+    """Registered policy loss names, sorted.
+
+    >>> {"dppo", "clip_cov", "kl_cov"} <= set(list_policy_losses())
+    True
+    """
+    return _POLICY_LOSSES.names()
 
 
-_CLIP_INDICATORS: dict[str, Callable[[dict[str, Any], dict[str, Any]], jax.Array]] = {
-    "ppo_clip": _clip_ppo,
-    "dual_clip": _clip_dual,
-    "gspo": _clip_gspo,
-    "cispo": _clip_cispo,
-    "dppo": _clip_dppo,
-    "rollout_is": _clip_rollout_is,
-}
-
-
-def validate_policy_loss(name: str, kwargs: dict[str, Any] | None = None) -> None:
+def validate_policy_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> None:
     """Raises ``ValueError`` unless ``name`` is registered and accepts ``kwargs``.
 
     Used at config time so a typo fails before anything is traced.
@@ -503,59 +876,7 @@ def validate_policy_loss(name: str, kwargs: dict[str, Any] | None = None) -> Non
     >>> validate_policy_loss("dppo", {"kl_tau": 0.0})
     >>> validate_policy_loss("cispo", {"behavior": "inference", "eps_high": 2.0})
     """
-    _validated(name, dict(kwargs or {}))
-
-
-def _validated(name: str, kwargs: dict[str, Any]) -> tuple[Callable[..., jax.Array], dict[str, Any], str]:
-    """Checks name, parameter names and hyperparameters; returns (fn, hyperparameters, behavior)."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    fn = POLICY_LOSSES[name]
-    kw = dict(kwargs)
-    params = inspect.signature(fn).parameters
-    behavior = kw.pop("behavior", "old") if "behavior_logp" in params else "old"
-    if behavior not in _BEHAVIORS:
-        raise ValueError(f"{name}: behavior must be one of {_BEHAVIORS} (which logprobs r_b uses); "
-                         f"got {behavior!r}")
-    positional = [p for p in params.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    unknown_pos = [p.name for p in positional if p.name not in _ROUTED]
-    if unknown_pos:
-        raise ValueError(f"policy loss {name!r} has parameters {unknown_pos} that policy_loss cannot fill; "
-                         f"name them from {_ROUTED}")
-    hyper = {p.name for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    bad = sorted(set(kw) - hyper)
-    if bad:
-        raise ValueError(f"policy loss {name!r} got unknown hyperparameters {bad}; it accepts {sorted(hyper)}"
-                         + (" and 'behavior'" if "behavior_logp" in params else ""))
-    return fn, kw, behavior
-
-
-def _route(
-    name: str,
-    logp: chex.Array,
-    old_logp: chex.Array,
-    inference_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    segment_ids: chex.Array,
-    num_segments: int,
-    kwargs: dict[str, Any],
-) -> tuple[Callable[..., jax.Array], dict[str, Any], dict[str, Any]]:
-    """Validates ``name``/``kwargs``; returns (fn, routed positional args, hyperparameters)."""
-    fn, kw, behavior = _validated(name, kwargs)
-    params = inspect.signature(fn).parameters
-    available = {
-        "logp": logp, "old_logp": old_logp, "inference_logp": inference_logp, "rollout_logp": inference_logp,
-        "behavior_logp": old_logp if behavior == "old" else inference_logp, "adv": adv, "mask": mask,
-        "segment_ids": segment_ids, "num_segments": num_segments,
-    }
-    positional = [p for p in params.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    needs_segments = "segment_ids" in params or "num_segments" in params
-    if needs_segments and (segment_ids is None or num_segments is None):
-        raise ValueError(
-            f"policy loss {name!r} is sequence-level: pass segment_ids and a static num_segments"
-        )
-    return fn, {p.name: available[p.name] for p in positional}, kw
+    get_policy_loss(name).resolve(kwargs)
 
 
 def policy_loss(
@@ -567,15 +888,15 @@ def policy_loss(
     mask: chex.Array,
     segment_ids: chex.Array | None = None,
     num_segments: int | None = None,
+    *,
+    rng: jax.Array | None = None,
     **kwargs: Any,
 ) -> jax.Array:
-    """Calls the policy loss ``name`` of :data:`POLICY_LOSSES` with uniform arguments.
+    """Calls the registered policy loss ``name`` with the uniform inputs.
 
-    Each loss receives the arguments its parameters name: ``old_logp`` (trainer logprobs
-    before the update), ``inference_logp``/``rollout_logp`` (the sampler's logprobs),
-    ``behavior_logp`` (``old_logp``, or ``inference_logp`` with ``behavior="inference"``;
-    used by ``cispo``), ``adv``, ``mask``, ``segment_ids``, ``num_segments``. ``kwargs``
-    are the loss's keyword hyperparameters; unknown names raise ``ValueError``.
+    Each loss receives the inputs its registration declares (:class:`PolicyLoss`); ``kwargs``
+    are its hyperparameters and choices (e.g. cispo's ``behavior="inference"``); unknown
+    names raise ``ValueError``. ``rng`` reaches losses that declare it (``clip_cov``).
 
     >>> import jax.numpy as jnp
     >>> lp = jnp.log(jnp.array([0.5, 0.5]))
@@ -583,8 +904,8 @@ def policy_loss(
     >>> [round(float(x), 4) for x in loss]
     [-1.0, -1.0]
     """
-    fn, args, kw = _route(name, logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments, kwargs)
-    return fn(**args, **kw)
+    return get_policy_loss(name)(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
+                                 rng=rng, **kwargs)
 
 
 def clipped_tokens(
@@ -596,24 +917,95 @@ def clipped_tokens(
     mask: chex.Array,
     segment_ids: chex.Array | None = None,
     num_segments: int | None = None,
+    *,
+    rng: jax.Array | None = None,
     **kwargs: Any,
 ) -> jax.Array:
     """Float32 0/1 per token: where the policy loss ``name`` clipped or masked the token.
 
     Same arguments as :func:`policy_loss`. "Clipped" means the loss's trust-region rule
     was active: PPO/GSPO clip branch taken, dual-clip bound taken, CISPO weight clipped,
-    DPPO token dropped, rollout-IS weight zeroed. Losses without such a rule (``sapo``,
-    ``importance_sampling``, user losses) give zeros. The objective turns this into a
-    clip fraction over trainable tokens.
+    DPPO token dropped, rollout-IS weight zeroed, Clip-Cov PPO clip or covariance removal.
+    Losses registered without a ``clipped`` rule (``sapo``, ``importance_sampling``,
+    ``kl_cov``) give zeros. The objective turns this into a clip fraction over rl tokens.
 
     >>> import jax.numpy as jnp
     >>> lp, old = jnp.log(jnp.array([0.9, 0.5])), jnp.log(jnp.array([0.5, 0.5]))
     >>> [float(x) for x in clipped_tokens("ppo_clip", lp, old, old, jnp.ones(2), jnp.ones(2))]
     [1.0, 0.0]
     """
-    fn, args, kw = _route(name, logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments, kwargs)
-    indicator = _CLIP_INDICATORS.get(name) if POLICY_LOSSES.get(name) is _DEFAULT_LOSSES.get(name) else None
-    if indicator is None:
-        return jnp.zeros(jnp.shape(logp), jnp.float32)
-    return indicator(args, kw)
+    return get_policy_loss(name).clip_indicator(logp, old_logp, inference_logp, adv, mask, segment_ids,
+                                                num_segments, rng=rng, **kwargs)
 
+
+# Clip rules of the built-in losses: same inputs and hyperparameters as the loss itself.
+_A = chex.Array
+
+
+def _ppo_clipped(logp: _A, old_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
+    return _surrogate_clipped(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high) > 0
+
+
+def _dual_clip_clipped(
+    logp: _A, old_logp: _A, adv: _A, *, eps_low: float, eps_high: float, clip_ratio_c: float
+) -> jax.Array:
+    a = _f32(adv)
+    base = _clipped_surrogate(_ratio(logp, old_logp), a, eps_low, eps_high)
+    ppo = _ppo_clipped(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high)
+    return ppo | _dual_bound_active(base, a, clip_ratio_c)
+
+
+def _gspo_clipped(
+    logp: _A, old_logp: _A, adv: _A, mask: _A, segment_ids: _A, num_segments: int, *, eps_low: float,
+    eps_high: float,
+) -> jax.Array:
+    w = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments))
+    return _surrogate_clipped(w, _f32(adv), eps_low, eps_high) > 0
+
+
+def _cispo_clipped(logp: _A, behavior_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
+    r = _ratio(logp, behavior_logp)
+    return (r < 1.0 - eps_low) | (r > 1.0 + eps_high)
+
+
+def _dppo_clipped(logp: _A, inference_logp: _A, adv: _A, mask: _A, *, mask_low: float, mask_high: float,
+                  **_: float) -> jax.Array:
+    return _dppo_masked(logp, inference_logp, adv, mask_low, mask_high)
+
+
+def _rollout_is_clipped(logp: _A, rollout_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
+    r = _ratio(logp, rollout_logp)
+    return ~((r > 1.0 - eps_low) & (r < 1.0 + eps_high))
+
+
+def _clip_cov_clipped(
+    logp: _A, old_logp: _A, adv: _A, mask: _A, rng: jax.Array | None, **hyper: float
+) -> jax.Array:
+    ppo = _ppo_clipped(logp, old_logp, adv, eps_low=hyper["eps_low"], eps_high=hyper["eps_high"])
+    return ppo | _clip_cov_selected(logp, old_logp, adv, mask, rng, **hyper)
+
+
+_PPO_EPS = {"eps_low": 0.2, "eps_high": 0.2}
+_BEHAVIOR = InputChoice("behavior_logp", {"old": "old_logp", "inference": "inference_logp"}, "old")
+
+for _name, _loss in {
+    "ppo_clip": PolicyLoss(ppo_clip, ("logp", "old_logp", "adv"), _PPO_EPS, _ppo_clipped),
+    "dual_clip": PolicyLoss(dual_clip, ("logp", "old_logp", "adv"), {**_PPO_EPS, "clip_ratio_c": 3.0},
+                            _dual_clip_clipped),
+    "gspo": PolicyLoss(gspo, ("logp", "old_logp", "adv", "mask", "segment_ids", "num_segments"), _PPO_EPS,
+                       _gspo_clipped),
+    "cispo": PolicyLoss(cispo, ("logp", "behavior_logp", "adv"), {"eps_low": 1.0, "eps_high": 4.0},
+                        _cispo_clipped, choices={"behavior": _BEHAVIOR}),
+    "dppo": PolicyLoss(dppo, ("logp", "inference_logp", "adv", "mask"),
+                       {"mask_low": 0.2, "mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 1e-3}, _dppo_clipped),
+    "sapo": PolicyLoss(sapo, ("logp", "old_logp", "adv"), {"tau_pos": 1.0, "tau_neg": 1.05}),
+    "rollout_is": PolicyLoss(rollout_is, ("logp", "rollout_logp", "adv"), _PPO_EPS, _rollout_is_clipped),
+    "importance_sampling": PolicyLoss(importance_sampling, ("logp", "old_logp", "adv")),
+    "clip_cov": PolicyLoss(clip_cov, ("logp", "old_logp", "adv", "mask", "rng"),
+                           {**_PPO_EPS, "clip_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+                           _clip_cov_clipped),
+    "kl_cov": PolicyLoss(kl_cov, ("logp", "old_logp", "adv", "mask"),
+                         {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0}),
+}.items():
+    register_policy_loss(_name, _loss)
+del _name, _loss

@@ -71,9 +71,11 @@ class ObjectiveConfig:
     """Static configuration of :func:`objective` (hashable: usable as a jit static argument).
 
     Attributes:
-      policy_loss: name in :data:`rljax.core.losses.POLICY_LOSSES` (default ``"dppo"``).
-      policy_loss_kwargs: hyperparameters of the policy loss, a mapping or ``(key, value)``
-        pairs (stored as sorted pairs); ``cispo`` also takes ``behavior``.
+      policy_loss: a registered policy loss (:func:`rljax.core.losses.register_policy_loss`,
+        built-ins in :data:`rljax.core.losses.POLICY_LOSSES`; default ``"dppo"``).
+      policy_loss_kwargs: hyperparameters (and input choices, e.g. cispo's ``behavior``) of
+        the policy loss, a mapping or ``(key, value)`` pairs (stored as sorted pairs);
+        checked against its registration.
       reduction: one of :data:`REDUCTIONS`.
       max_len: the constant of ``seq_mean_token_sum_norm`` (required for it).
       off_policy: off-policy correction config (mapping, ConfigDict or pairs; see
@@ -343,6 +345,7 @@ def objective(
     config: ObjectiveConfig,
     *,
     entropy: chex.Array | None = None,
+    rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scalar loss of one micro-batch and its metrics (module docstring has the math).
 
@@ -352,6 +355,8 @@ def objective(
       counts: :func:`global_counts` of the whole mini-batch.
       config: static :class:`ObjectiveConfig`.
       entropy: optional ``[R, L]`` per-token entropy (needed when ``entropy_coef != 0``).
+      rng: optional PRNG key for policy losses that draw random numbers (``clip_cov``);
+        with None they use their documented deterministic fallback.
 
     Returns:
       ``(loss, metrics)``. Every metric is normalized by a global count, so each one is
@@ -398,10 +403,11 @@ def objective(
     candidates = jnp.zeros(lp.shape, bool) if raw["rl"] is None else raw["rl"] != 0
     clipped = jnp.zeros(lp.shape, jnp.float32)
     if raw["rl"] is not None:
+        policy = losses.get_policy_loss(config.policy_loss)
         args = (lp, _f32(old), _f32(inference), adv, candidates, keys, num)
         kwargs = dict(config.policy_loss_kwargs)
-        rl_loss = losses.policy_loss(config.policy_loss, *args, **kwargs)
-        clipped = losses.clipped_tokens(config.policy_loss, *args, **kwargs)
+        rl_loss = policy(*args, rng=rng, **kwargs)
+        clipped = policy.clip_indicator(*args, rng=rng, **kwargs)
         rl_loss, rl_mask, off_metrics = _rl_correction(
             rl_loss, batch, candidates, config, counts.rl_candidate_tokens
         )

@@ -50,13 +50,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.core import advantages as core_adv
-from rljax.data.validate import check_estimator_reward_mode, validate_steps
+from rljax.data.validate import validate_steps
 from rljax.types import ERROR_STOP_REASONS, Step
 
 __all__ = ["bucket_size", "compute_step_advantages", "dense_ids"]
 
 _LENGTH_PENALTY_KEYS = ("w_out", "w_in", "w_turn")
-_TOKEN_LEVEL = ("reinforce_pp", "gae")
+_STEP_TOKEN_LEVEL = "reinforce_pp"  # the one token-level estimator step-wise batches run
 
 
 def dense_ids(keys: Sequence[Hashable]) -> tuple[np.ndarray, int]:
@@ -169,22 +169,26 @@ def _resolve_estimator(estimator: str | Callable[..., Any], reward_mode: str) ->
         return estimator
     if not isinstance(estimator, str):
         raise ValueError(f"estimator must be a name or a callable, got {estimator!r}")
-    if estimator in _TOKEN_LEVEL:
-        check_estimator_reward_mode(estimator, reward_mode, True)
-        if estimator == "gae":
-            raise ValueError(
-                "estimator 'gae' needs critic values for every token, which a StepBatch does not carry; "
-                "compute them with your value head and call rljax.core.advantages.gae on the packed rows, "
-                f"or use a critic-free estimator ({sorted(core_adv.ESTIMATORS)} or 'reinforce_pp')"
-            )
-        return estimator
-    if estimator not in core_adv.ESTIMATORS:
+    if estimator not in core_adv.ESTIMATORS:  # the core registry (user-registered ones included)
         raise ValueError(
-            f"unknown estimator {estimator!r}; choose one of "
-            f"{sorted(core_adv.ESTIMATORS) + ['reinforce_pp']} "
+            f"unknown estimator {estimator!r}; choose one of {core_adv.list_estimators()} "
             "or pass a callable fn(rewards, group_ids, num_groups, **kwargs) -> advantages"
         )
-    return core_adv.ESTIMATORS[estimator]
+    est = core_adv.get_estimator(estimator)
+    if est.group_relative:
+        return est  # calling it applies the registered defaults and checks the kwargs
+    core_adv.check_estimator_reward_mode(estimator, reward_mode, True)
+    if estimator != _STEP_TOKEN_LEVEL:
+        groups = [n for n in core_adv.list_estimators() if core_adv.is_group_estimator(n)]
+        why = (
+            "needs critic values for every token, which a StepBatch does not carry; compute them with "
+            f"your value head and call rljax.core.advantages.get_estimator({estimator!r}) on the packed rows"
+            if est.needs_critic
+            else "is token-level; step-wise batches run group estimators and 'reinforce_pp' only"
+        )
+        raise ValueError(f"estimator {estimator!r} {why}, or use a critic-free estimator "
+                         f"({groups} or 'reinforce_pp')")
+    return estimator
 
 
 def _length_penalty_weights(length_penalty: Any) -> dict[str, float] | None:
@@ -226,7 +230,8 @@ def compute_step_advantages(
     Args:
       batch: a validated :class:`~rljax.data.batch.StepBatch` (any other sequence of Steps is
         validated first).
-      estimator: ``"grpo"``, ``"rloo"``, ``"max_rl"`` (:data:`rljax.core.advantages.ESTIMATORS`),
+      estimator: the name of a registered group estimator (``"grpo"``, ``"rloo"``, ``"max_rl"``
+        or one added with :func:`rljax.core.advantages.register_estimator`),
         ``"reinforce_pp"`` (per_step mode only), or a jit-compatible callable
         ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
       reward_mode: ``"outcome"`` or ``"per_step"`` (see the module docstring).

@@ -34,20 +34,9 @@ from rljax.types import Step, TrajectoryID
 __all__ = [
     "AllMaskedWarning",
     "batch_metrics",
-    "check_estimator_reward_mode",
     "check_generator_output",
     "validate_steps",
-    "OUTCOME_ESTIMATORS",
-    "TOKEN_LEVEL_ESTIMATORS",
-    "REWARD_MODES",
 ]
-
-#: Estimators that turn one scalar per trajectory into one advantage (group-relative).
-OUTCOME_ESTIMATORS: frozenset[str] = frozenset({"grpo", "rloo", "max_rl"})
-#: Estimators that need per-token rewards along one sequence (non-outcome).
-TOKEN_LEVEL_ESTIMATORS: frozenset[str] = frozenset({"gae", "reinforce_pp"})
-#: Reward modes of step-wise training (SPEC §2.3 "outcome", §2.4 "per_step").
-REWARD_MODES: tuple[str, ...] = ("outcome", "per_step")
 
 _NONFINITE = "NaN/inf is an error, not a zero"
 _GENERATOR_REQUIRED = ("prompt_token_ids", "response_ids", "rewards", "loss_masks")
@@ -512,34 +501,3 @@ def batch_metrics(steps: Sequence[Step]) -> dict[str, float | int | bool]:
         "trainable_fraction": trainable / response_tokens if response_tokens else 0.0,
         "all_masked": bool(tids) and trainable == 0,
     }
-
-
-def check_estimator_reward_mode(estimator: str, reward_mode: str, step_wise: bool) -> None:
-    """Config-time rule of SPEC §2.2/§2.4: step-wise training with a non-outcome estimator.
-
-    ``gae`` and ``reinforce_pp`` need a reward per token (or per turn); with step-wise samples
-    and outcome rewards (SPEC §2.3) they would see one reward at the end of each trajectory
-    only and silently mis-credit earlier turns, so they are rejected unless
-    ``reward_mode="per_step"`` (SPEC §2.4). Outcome estimators (grpo, rloo, max_rl) work in
-    either mode.
-
-    >>> check_estimator_reward_mode("gae", "per_step", True)
-    >>> try:
-    ...     check_estimator_reward_mode("gae", "outcome", True)
-    ... except ValueError as e:
-    ...     print(str(e)[:58])
-    estimator 'gae' is not an outcome estimator and cannot run
-    """
-    known = sorted(OUTCOME_ESTIMATORS | TOKEN_LEVEL_ESTIMATORS)
-    if estimator not in known:
-        raise ValueError(f"unknown estimator {estimator!r}; choose one of {known}")
-    if reward_mode not in REWARD_MODES:
-        raise ValueError(f"unknown reward_mode {reward_mode!r}; choose one of {list(REWARD_MODES)}")
-    if not isinstance(step_wise, (bool, np.bool_)):
-        raise ValueError(f"step_wise must be a bool, got {step_wise!r}")
-    if step_wise and estimator in TOKEN_LEVEL_ESTIMATORS and reward_mode != "per_step":
-        raise ValueError(
-            f"estimator {estimator!r} is not an outcome estimator and cannot run step-wise with "
-            f"reward_mode={reward_mode!r}: set reward_mode='per_step' (SPEC §2.4), or use an outcome "
-            f"estimator ({sorted(OUTCOME_ESTIMATORS)}), or train non-step-wise"
-        )

@@ -251,11 +251,100 @@ class GroupEstimatorTest(parameterized.TestCase):
         assert np.all(np.isfinite(np.asarray(grad)))
 
     def test_registry(self):
-        assert set(adv.ESTIMATORS) == {"grpo", "rloo", "max_rl"}
-        for fn in adv.ESTIMATORS.values():
-            params = list(inspect.signature(fn).parameters.values())
-            assert [p.name for p in params[:3]] == ["rewards", "group_ids", "num_groups"]
-            assert all(p.kind is p.KEYWORD_ONLY for p in params[3:])
+        builtin = {"grpo": ("group", False), "rloo": ("group", False), "max_rl": ("group", False),
+                   "reinforce_pp": ("token", False), "gae": ("token", True)}
+        assert set(builtin) <= set(adv.ESTIMATORS)
+        for name, (kind, critic) in builtin.items():
+            est = adv.get_estimator(name)
+            got = (est.kind, est.needs_critic, est.name, est.group_relative)
+            assert got == (kind, critic, name, kind == "group")
+            params = list(inspect.signature(est.fn).parameters.values())
+            positional = ["rewards", "group_ids", "num_groups"] if kind == "group" else (
+                ["token_rewards", "values", "mask"] if critic else ["token_rewards", "mask"])
+            assert [p.name for p in params[: len(positional)]] == positional
+            keyword = {p.name: p.default for p in params[len(positional):]}
+            assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional):])
+            # the registration states exactly the function's keyword defaults (SPEC §3.6b)
+            assert dict(est.defaults) == keyword, name
+        assert dict(adv.get_estimator("grpo").defaults) == {"norm_by_std": True, "eps": 1e-6}
+        assert dict(adv.get_estimator("gae").defaults) == {"gamma": 1.0, "lam": 1.0}
+        with pytest.raises(TypeError):
+            adv.ESTIMATORS["x"] = adv.get_estimator("grpo")  # read-only view
+
+    def test_registered_estimator_defaults_and_kwargs(self):
+        r, g = jnp.array([1.0, 0.0, 0.0, 3.0]), jnp.array([0, 0, 1, 1])
+        grpo = adv.get_estimator("grpo")
+        np.testing.assert_allclose(grpo(r, g, 2), ref_grpo(np.asarray(r), np.asarray(g), 2), rtol=1e-5)
+        np.testing.assert_allclose(grpo(r, g, 2, norm_by_std=False), [0.5, -0.5, -1.5, 1.5], rtol=1e-6)
+        with pytest.raises(ValueError, match=r"estimator 'grpo' got unknown hyperparameters \['gamma'\]"):
+            grpo(r, g, 2, gamma=1.0)
+        with pytest.raises(ValueError, match="unknown estimator 'vtrace'"):
+            adv.get_estimator("vtrace")
+
+    def test_register_estimator(self):
+        def scaled_mean_baseline(rewards, group_ids, num_groups, *, scale):
+            mean = jax.ops.segment_sum(rewards, group_ids, num_groups) / jax.ops.segment_sum(
+                jnp.ones_like(rewards), group_ids, num_groups)
+            return scale * (rewards - mean[group_ids])
+
+        mine = adv.Estimator(scaled_mean_baseline, "group", {"scale": 2.0})
+        saved = dict(adv.ESTIMATORS)
+        try:
+            got = adv.register_estimator("scaled_test", mine)
+            assert got.name == "scaled_test" and adv.get_estimator("scaled_test") is got
+            assert adv.is_group_estimator("scaled_test") and "scaled_test" in adv.list_estimators()
+            r, g = jnp.array([1.0, 0.0, 4.0, 2.0]), jnp.array([0, 0, 1, 1])
+            # defaults from the registration: 2 * (r - mean_g) = [1, -1, 2, -2]
+            np.testing.assert_allclose(got(r, g, 2), [1.0, -1.0, 2.0, -2.0], rtol=1e-6)
+            np.testing.assert_allclose(jax.jit(got, static_argnums=2)(r, g, 2, scale=1.0),
+                                       [0.5, -0.5, 1.0, -1.0], rtol=1e-6)
+            adv.check_estimator_reward_mode("scaled_test", "outcome", True)  # group estimators: any mode
+            with pytest.raises(ValueError, match="already registered; pass overwrite=True"):
+                adv.register_estimator("scaled_test", mine)
+            adv.register_estimator("tok_test", adv.Estimator(adv.reinforce_pp, "token", {"gamma": 1.0}))
+            assert not adv.is_group_estimator("tok_test")
+            with pytest.raises(ValueError, match="reward_mode='per_step'"):
+                adv.check_estimator_reward_mode("tok_test", "outcome", True)
+            adv.check_estimator_reward_mode("tok_test", "per_step", True)
+        finally:
+            adv._ESTIMATORS._values.clear()
+            adv._ESTIMATORS._values.update(saved)
+        assert "scaled_test" not in adv.ESTIMATORS
+
+    @parameterized.parameters(
+        (dict(fn=1, kind="group"), "callable"),
+        (dict(fn=adv.rloo, kind="outcome"), "kind must be one of"),
+        (dict(fn=adv.gae, kind="group", needs_critic=True), "needs_critic needs kind='token'"),
+        (dict(fn=adv.rloo, kind="group", defaults={"x": [1]}), "hashable"),
+        (dict(fn=adv.rloo, kind="group", defaults={"1x": 1}), "identifiers"),
+    )
+    def test_estimator_value_errors(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            adv.Estimator(**kwargs)
+        with pytest.raises(ValueError, match="expects an Estimator"):
+            adv.register_estimator("bad_test", adv.rloo)
+
+    @parameterized.parameters(
+        ("grpo", "outcome", True, True), ("rloo", "per_step", True, True), ("max_rl", "outcome", False, True),
+        ("gae", "outcome", True, False), ("reinforce_pp", "outcome", True, False),
+        ("gae", "per_step", True, True), ("reinforce_pp", "per_step", True, True),
+        ("gae", "outcome", False, True), ("reinforce_pp", "outcome", False, True),
+    )
+    def test_estimator_reward_mode_rule(self, estimator, mode, step_wise, ok):
+        if ok:
+            adv.check_estimator_reward_mode(estimator, mode, step_wise)
+        else:
+            with pytest.raises(ValueError, match="reward_mode='per_step'"):
+                adv.check_estimator_reward_mode(estimator, mode, step_wise)
+
+    def test_estimator_reward_mode_errors(self):
+        with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
+            adv.check_estimator_reward_mode("ppo", "outcome", True)
+        with pytest.raises(ValueError, match="unknown reward_mode 'turn'"):
+            adv.check_estimator_reward_mode("grpo", "turn", True)
+        with pytest.raises(ValueError, match="step_wise must be a bool"):
+            adv.check_estimator_reward_mode("grpo", "outcome", "yes")
+        assert adv.REWARD_MODES == ("outcome", "per_step")
 
     def test_errors(self):
         with pytest.raises(ValueError, match="num_groups"):

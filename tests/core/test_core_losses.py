@@ -2,6 +2,7 @@
 
 import doctest
 import functools
+import inspect
 
 import chex
 import jax
@@ -100,6 +101,27 @@ def np_ref_kl(lp, inf, ref, mask, mask_low=0.2, kl_tau=1e-3):
     return -keep * (ref - lp) * r + kl_tau * m * log_r**2, -keep * (ref - lp) * r + 2 * kl_tau * m * log_r
 
 
+def np_cov(lp, a, mask):
+    """(A - mean A)(logp - mean logp), means over the tokens with mask != 0 (SkyRL clip_cov/kl_cov)."""
+    m = mask != 0
+    if not m.any():
+        return np.zeros_like(lp)
+    return (a - a[m].mean()) * (lp - lp[m].mean())
+
+
+def np_kl_cov(lp, old, a, mask, kl_cov_frac=0.2, ppo_kl_coef=1.0):
+    """kl_cov: -A r, plus coef |logp - old| on the max(int(frac n), 1) masked tokens of largest cov."""
+    m = (mask != 0).reshape(-1)
+    k = max(int(kl_cov_frac * m.sum()), 1)
+    order = np.argsort(-np.where(m, np_cov(lp, a, mask).reshape(-1), -np.inf), kind="stable")
+    top = np.zeros(m.size, bool)
+    top[order[:k]] = True
+    top = (top & m).reshape(lp.shape)
+    r, d = np_ratio(lp, old), lp - old
+    value = -a * r + top * ppo_kl_coef * np.abs(d)
+    return value, -a * r * np_inside(lp, old) + top * ppo_kl_coef * np.sign(d)
+
+
 def np_kl(lp, ref, kind):
     d = lp - ref
     if kind == "k1":
@@ -145,6 +167,8 @@ def grad_of(fn, lp, *args):
 
 
 TOL = dict(rtol=2e-5, atol=2e-6)
+BUILTIN_LOSSES = {"ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo", "rollout_is",
+                  "importance_sampling", "clip_cov", "kl_cov"}
 
 # ------------------------------------------------------------------------------------------------
 # Spec reference values
@@ -357,10 +381,30 @@ class AdapterTest(chex.TestCase):
             "sapo": np_sapo(lp, old, adv)[0],
             "rollout_is": np_rollout_is(lp, inf, adv)[0],
             "importance_sampling": np_is(lp, old, adv)[0],
+            "kl_cov": np_kl_cov(lp, old, adv, mask)[0],
         }
-        self.assertEqual(set(want), set(losses.POLICY_LOSSES))
+        self.assertEqual(set(want) | {"clip_cov"}, BUILTIN_LOSSES)
+        self.assertLessEqual(BUILTIN_LOSSES, set(losses.POLICY_LOSSES))
         for name, value in want.items():
             np.testing.assert_allclose(self.call(name), value, err_msg=name, **TOL)
+        # clip_cov with an empty covariance band removes nothing: plain PPO
+        np.testing.assert_allclose(self.call("clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7),
+                                   np_ppo(lp, old, adv)[0], **TOL)
+
+    def test_registered_defaults_are_the_function_defaults(self):
+        """The registry states each built-in's keyword defaults once, equal to its SPEC §3.6b signature."""
+        for name in BUILTIN_LOSSES:
+            loss = losses.get_policy_loss(name)
+            params = inspect.signature(loss.fn).parameters.values()
+            keyword = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+            self.assertEqual(dict(loss.defaults), keyword, name)
+            positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+            self.assertEqual(list(loss.inputs), positional, name)
+            self.assertEqual(loss.name, name)
+        self.assertEqual(losses.get_policy_loss("cispo").hyperparameters,
+                         {"eps_low": 1.0, "eps_high": 4.0, "behavior": "old"})
+        clipped = {n for n in BUILTIN_LOSSES if losses.get_policy_loss(n).clipped is not None}
+        self.assertEqual(clipped, BUILTIN_LOSSES - {"sapo", "importance_sampling", "kl_cov"})
 
     def test_cispo_behavior_and_kwargs(self):
         lp, _, inf, adv, _, _ = self.np
@@ -389,20 +433,84 @@ class AdapterTest(chex.TestCase):
             losses.validate_policy_loss("nope")
 
     def test_user_registered_loss(self):
-        def reinforce(logp, adv, mask, *, scale=1.0):
+        def reinforce(logp, adv, mask, *, scale):
             return -scale * adv * logp * mask
 
-        losses.POLICY_LOSSES["reinforce_test"] = reinforce
+        def big_adv(logp, adv, mask, *, scale):  # a clip rule: same inputs and hyperparameters
+            return jnp.abs(adv) * scale > 1.0
+
+        saved = dict(losses.POLICY_LOSSES)
         try:
+            mine = losses.PolicyLoss(reinforce, ("logp", "adv", "mask"), {"scale": 1.0})
+            got = losses.register_policy_loss("reinforce_test", mine)
+            self.assertIs(losses.get_policy_loss("reinforce_test"), got)
             lp, _, _, adv, mask, _ = self.np
+            # the registry's default scale=1.0 applies
+            np.testing.assert_allclose(self.call("reinforce_test"), -adv * lp * mask, **TOL)
             np.testing.assert_allclose(self.call("reinforce_test", scale=2.0), -2 * adv * lp * mask, **TOL)
             np.testing.assert_array_equal(losses.clipped_tokens("reinforce_test", *self.j, 4), 0.0)
-            losses.POLICY_LOSSES["bad_test"] = lambda logp, weird: logp
-            with self.assertRaisesRegex(ValueError, "weird"):
-                self.call("bad_test")
+            with self.assertRaisesRegex(ValueError, r"unknown hyperparameters \['eps'\]"):
+                self.call("reinforce_test", eps=0.1)
+            with self.assertRaisesRegex(ValueError, "already registered; pass overwrite=True"):
+                losses.register_policy_loss("reinforce_test", mine)
+            clipped = losses.PolicyLoss(reinforce, ("logp", "adv", "mask"), {"scale": 1.0}, clipped=big_adv)
+            losses.register_policy_loss("reinforce_test", clipped, overwrite=True)
+            got = losses.clipped_tokens("reinforce_test", *self.j, 4, scale=0.5)
+            np.testing.assert_array_equal(got, (np.abs(adv) * 0.5 > 1.0).astype(np.float32))
+            losses.validate_policy_loss("reinforce_test", {"scale": 3.0})
         finally:
-            losses.POLICY_LOSSES.pop("reinforce_test")
-            losses.POLICY_LOSSES.pop("bad_test", None)
+            losses._POLICY_LOSSES._values.clear()
+            losses._POLICY_LOSSES._values.update(saved)
+        with self.assertRaisesRegex(ValueError, "unknown policy loss 'reinforce_test'"):
+            self.call("reinforce_test")
+
+    def test_user_loss_with_input_choice_and_segments(self):
+        def seq_reinforce(logp, behavior_logp, adv, segment_ids, num_segments, *, scale):
+            d = (logp - behavior_logp).reshape(-1)
+            total = jax.ops.segment_sum(d, segment_ids.reshape(-1), num_segments)
+            return -scale * adv * total[segment_ids]
+
+        choice = losses.InputChoice("behavior_logp", {"old": "old_logp", "sampler": "rollout_logp"}, "old")
+        inputs = ("logp", "behavior_logp", "adv", "segment_ids", "num_segments")
+        loss = losses.PolicyLoss(seq_reinforce, inputs, {"scale": 1.0}, choices={"source": choice})
+        lp, old, inf, adv, _, seg = self.np
+
+        def want(beh):
+            d = lp - beh
+            total = np.array([d[seg == j].sum() for j in range(4)])
+            return -adv * total[seg]
+
+        np.testing.assert_allclose(loss(*self.j, 4), want(old), **TOL)
+        np.testing.assert_allclose(loss(*self.j, 4, source="sampler"), want(inf), **TOL)
+        with self.assertRaisesRegex(ValueError, r"source must be one of \('old', 'sampler'\)"):
+            loss(*self.j, 4, source="inference")
+        with self.assertRaisesRegex(ValueError, "sequence-level"):
+            loss(*self.j[:5])
+
+    @parameterized.parameters(
+        (dict(fn=1, inputs=("logp",)), "callable"),
+        (dict(fn=losses.ppo_clip, inputs=("logp", "weird")), r"unknown: \['weird'\]"),
+        (dict(fn=losses.ppo_clip, inputs=("logp", "logp")), "distinct"),
+        (dict(fn=losses.ppo_clip, inputs="logp"), "tuple of input names"),
+        (dict(fn=losses.ppo_clip, inputs=("logp",), defaults={"mask": 1.0}), "clash"),
+        (dict(fn=losses.ppo_clip, inputs=("logp",), defaults={"e": [1]}), "hashable"),
+        (dict(fn=losses.ppo_clip, inputs=("logp",), clipped=3), "clipped must be callable"),
+        (dict(fn=losses.ppo_clip, inputs=("logp",),
+              choices={"b": losses.InputChoice("x", {"o": "old_logp"}, "o")}), "not among inputs"),
+    )
+    def test_policy_loss_value_errors(self, kwargs, match):
+        with self.assertRaisesRegex(ValueError, match):
+            losses.PolicyLoss(**kwargs)
+
+    def test_input_choice_errors(self):
+        with self.assertRaisesRegex(ValueError, "options must map"):
+            losses.InputChoice("b", {"o": "teacher_logp"}, "o")
+        with self.assertRaisesRegex(ValueError, "default 'x'"):
+            losses.InputChoice("b", {"o": "old_logp"}, "x")
+        with self.assertRaisesRegex(ValueError, "expects a PolicyLoss"):
+            losses.register_policy_loss("bad_test", losses.ppo_clip)
+        with self.assertRaises(TypeError):
+            losses.POLICY_LOSSES["x"] = losses.get_policy_loss("dppo")  # read-only view
 
     def test_clip_indicators(self):
         lp, old, inf, adv, mask, seg = self.np
@@ -427,6 +535,7 @@ class AdapterTest(chex.TestCase):
             "sapo": np.zeros_like(lp, bool),
             "rollout_is": ~((r_inf > 0.8) & (r_inf < 1.2)),
             "importance_sampling": np.zeros_like(lp, bool),
+            "kl_cov": np.zeros_like(lp, bool),
         }
         for name, expected in want.items():
             got = losses.clipped_tokens(name, *self.j, 4)
@@ -456,6 +565,160 @@ def test_k3_nonnegative_and_zero_on_policy(seed):
     k3 = np.asarray(losses.kl(*f32(lp, ref)))
     assert (k3 >= 0).all()
     np.testing.assert_array_equal(losses.kl(*f32(lp, lp)), 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Clip-Cov and KL-Cov (Cui et al. 2025, arXiv:2505.22617; SkyRL clip_cov / kl_cov)
+# ------------------------------------------------------------------------------------------------
+
+# Hand case: p = [.9, .5, .5, .1], A = [4, 1, 1, -4]. mean(A) = 0.5, mean(log p) = -0.9485600, so
+# cov = (A - 0.5)(log p + 0.9485600) = [2.9511982, 0.1277064, 0.1277064, 6.0931130].
+# old = [.6, .5, .5, .2]: r = [1.5, 1, 1, 0.5], -A r = [-6, -1, -1, 2],
+# |log r| = [0.4054651, 0, 0, 0.6931472].
+HAND_P, HAND_OLD = np.array([0.9, 0.5, 0.5, 0.1]), np.array([0.6, 0.5, 0.5, 0.2])
+HAND_A = np.array([4.0, 1, 1, -4])
+
+
+def np_clip_cov_eligible(lp, old, a, mask, eps_low=0.2, eps_high=0.2, clip_cov_lb=1.0, clip_cov_ub=5.0):
+    """Tokens clip_cov may remove: masked in, PPO clip inactive, lb < cov < ub (SkyRL semantics)."""
+    r = np_ratio(lp, old)
+    ppo_clipped = -a * np.clip(r, 1 - eps_low, 1 + eps_high) > -a * r
+    cov = np_cov(lp, a, mask)
+    return (mask != 0) & ~ppo_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub), ppo_clipped
+
+
+class CovLossesTest(chex.TestCase):
+    def test_spec_defaults(self):
+        """SkyRL's defaults (ppo_base_config: clip_cov.*, kl_cov.*; eps_clip_low/high 0.2)."""
+        self.assertEqual(dict(losses.get_policy_loss("clip_cov").defaults),
+                         {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio": 2e-4, "clip_cov_lb": 1.0,
+                          "clip_cov_ub": 5.0})
+        self.assertEqual(dict(losses.get_policy_loss("kl_cov").defaults),
+                         {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0})
+        self.assertEqual(losses.get_policy_loss("clip_cov").inputs,
+                         ("logp", "old_logp", "adv", "mask", "rng"))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kl_cov_hand_values(self):
+        lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
+        # default kl_cov_frac=0.2: k = max(int(0.8), 1) = 1 -> token 3 (cov 6.09) gets +|log(.1/.2)|
+        got = self.variant(losses.kl_cov)(lp, old, a, jnp.ones(4))
+        np.testing.assert_allclose(got, [-6.0, -1.0, -1.0, 2.6931472], rtol=1e-6)
+        # kl_cov_frac=0.5: k = 2 -> tokens 3 and 0 (cov 2.95); ppo_kl_coef scales the penalty
+        fn = functools.partial(losses.kl_cov, kl_cov_frac=0.5, ppo_kl_coef=2.0)
+        got = self.variant(fn)(lp, old, a, jnp.ones(4))
+        np.testing.assert_allclose(got, [-6.0 + 0.8109302, -1.0, -1.0, 2.0 + 1.3862944], rtol=1e-6)
+        # token 3 masked out: means over tokens 0-2 give cov = [0.7837, 0.1959, 0.1959], k = 1 -> token 0;
+        # the masked token keeps its plain -A r value (the objective drops it) and no penalty
+        got = self.variant(losses.kl_cov)(lp, old, a, jnp.array([1.0, 1, 1, 0]))
+        np.testing.assert_allclose(got, [-6.0 + 0.4054651, -1.0, -1.0, 2.0], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clip_cov_hand_values(self):
+        lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
+        on = jnp.ones(4)
+        # on-policy (r = 1, no PPO clip): only token 0 has 1 < cov < 5; n_clip = max(int(4 * 2e-4), 1) = 1
+        got = self.variant(losses.clip_cov)(lp, lp, a, on)
+        np.testing.assert_allclose(got, [0.0, -1.0, -1.0, 4.0], rtol=1e-6)
+        # clip_cov_ub=7 makes token 3 eligible too; clip_ratio=0.5 -> n_clip = 2 removes both
+        fn = functools.partial(losses.clip_cov, clip_ratio=0.5, clip_cov_ub=7.0)
+        np.testing.assert_allclose(self.variant(fn)(lp, lp, a, on), [0.0, -1.0, -1.0, 0.0], rtol=1e-6)
+        # off-policy: tokens 0 (A > 0, r = 1.5) and 3 (A < 0, r = 0.5) are PPO-clipped, hence never
+        # removed: plain PPO [-1.2 * 4, -1, -1, 0.8 * 4]
+        np.testing.assert_allclose(self.variant(fn)(lp, old, a, on), [-4.8, -1.0, -1.0, 3.2], rtol=1e-6)
+        ind = losses.clipped_tokens("clip_cov", lp, old, old, a, on, clip_ratio=0.5, clip_cov_ub=7.0)
+        np.testing.assert_array_equal(ind, [1.0, 0.0, 0.0, 1.0])
+        ind = losses.clipped_tokens("clip_cov", lp, lp, lp, a, on)
+        np.testing.assert_array_equal(ind, [1.0, 0.0, 0.0, 0.0])  # the covariance removal counts as clipped
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kl_cov_random_against_numpy(self):
+        for seed in range(3):
+            lp, old, _, _, adv, mask, _ = random_inputs(seed, extreme=False)
+            for kw in ({}, {"kl_cov_frac": 0.5, "ppo_kl_coef": 0.3}):
+                value, grad = np_kl_cov(lp, old, adv, mask, **kw)
+                fn = functools.partial(losses.kl_cov, **kw)
+                jl, jo, ja = f32(lp, old, adv)
+                np.testing.assert_allclose(self.variant(fn)(jl, jo, ja, jnp.asarray(mask)), value, **TOL)
+                g = self.variant(jax.grad(lambda x: jnp.sum(fn(x, jo, ja, jnp.asarray(mask)))))(jl)  # noqa: B023
+                np.testing.assert_allclose(g, grad, **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clip_cov_random_against_numpy_when_every_eligible_token_is_removed(self):
+        """clip_ratio=1: n_clip = #masked >= #eligible, so the random subset is all of them."""
+        for seed in range(3):
+            lp, old, _, _, adv, mask, _ = random_inputs(seed, extreme=False)
+            kw = dict(clip_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=2.0)
+            eligible, ppo_clipped = np_clip_cov_eligible(lp, old, adv, mask, clip_cov_lb=0.05,
+                                                         clip_cov_ub=2.0)
+            self.assertGreater(eligible.sum(), 2)
+            ppo_value, ppo_grad = np_ppo(lp, old, adv)
+            fn = functools.partial(losses.clip_cov, **kw)
+            jl, jo, ja = f32(lp, old, adv)
+            m = jnp.asarray(mask)
+            want = np.where(eligible, 0.0, ppo_value)
+            np.testing.assert_allclose(self.variant(fn)(jl, jo, ja, m), want, **TOL)
+            g = self.variant(jax.grad(lambda x: jnp.sum(fn(x, jo, ja, m))))(jl)  # noqa: B023
+            np.testing.assert_allclose(g, np.where(eligible, 0.0, ppo_grad), **TOL)
+            ind = losses.clipped_tokens("clip_cov", jl, jo, jo, ja, m, **kw)
+            np.testing.assert_array_equal(ind, (eligible | ppo_clipped).astype(np.float32))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clip_cov_random_subset(self):
+        lp, old, _, _, adv, mask, _ = random_inputs(7, shape=(6, 20), extreme=False)
+        adv[0, 0] = 0.3  # every PPO value is nonzero, so a removed token is one whose value is 0
+        kw = dict(clip_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=10.0)
+        eligible, _ = np_clip_cov_eligible(lp, old, adv, mask, clip_cov_lb=0.0, clip_cov_ub=10.0)
+        n_clip = max(int(0.05 * (mask != 0).sum()), 1)
+        self.assertGreater(eligible.sum(), n_clip + 5)
+        jl, jo, ja = f32(lp, old, adv)
+        m = jnp.asarray(mask)
+        fn = self.variant(functools.partial(losses.clip_cov, **kw))
+        ppo_value = np_ppo(lp, old, adv)[0]
+
+        def removed(rng):
+            got = np.asarray(fn(jl, jo, ja, m, rng))
+            out = (got == 0) & (ppo_value != 0)
+            np.testing.assert_allclose(got[~out], ppo_value[~out], **TOL)
+            return out
+
+        subsets = [removed(jax.random.PRNGKey(k)) for k in range(4)]
+        for s in subsets:
+            self.assertEqual(int(s.sum()), n_clip)
+            self.assertTrue(np.all(eligible[s]))
+        np.testing.assert_array_equal(removed(jax.random.PRNGKey(0)), subsets[0])  # same key, same subset
+        self.assertGreater(len({s.tobytes() for s in subsets}), 1)  # different keys, different subsets
+        # rng=None: a key hashed from the inputs -> deterministic, and the same with and without jit
+        default = removed(None)
+        self.assertEqual(int(default.sum()), n_clip)
+        np.testing.assert_array_equal(default, np.asarray(losses.clip_cov(jl, jo, ja, m, **kw)) == 0)
+        np.testing.assert_array_equal(default, removed(None))
+
+    def test_clip_cov_subset_is_uniform(self):
+        """Over many keys every eligible token is removed with probability n_clip / #eligible."""
+        lp, a = f32(np.log(HAND_P), HAND_A)
+        lp, a = jnp.tile(lp, 3), jnp.tile(a, 3)  # 12 tokens: 3 copies of token 0 eligible (1 < cov < 5)
+        fn = jax.jit(jax.vmap(lambda k: losses.clip_cov(lp, lp, a, jnp.ones(12), k, clip_ratio=1 / 12)))
+        keys = jax.random.split(jax.random.PRNGKey(0), 3000)
+        freq = np.mean(np.asarray(fn(keys)) == 0, axis=0)  # n_clip = 1 of 3 eligible
+        np.testing.assert_allclose(freq[[0, 4, 8]], 1 / 3, atol=5 * np.sqrt(2 / 9 / 3000))
+        np.testing.assert_array_equal(freq[[1, 2, 3, 5, 6, 7, 9, 10, 11]], 0.0)
+
+    def test_value_checks(self):
+        lp, a = f32(np.log(HAND_P), HAND_A)
+        with self.assertRaisesRegex(ValueError, "clip_cov_lb < clip_cov_ub"):
+            losses.clip_cov(lp, lp, a, jnp.ones(4), clip_cov_lb=5.0, clip_cov_ub=1.0)
+        with self.assertRaisesRegex(ValueError, r"clip_ratio must be a fraction in \[0, 1\]"):
+            losses.clip_cov(lp, lp, a, jnp.ones(4), clip_ratio=2.0)
+        with self.assertRaisesRegex(ValueError, "kl_cov_frac must be a fraction"):
+            losses.kl_cov(lp, lp, a, jnp.ones(4), kl_cov_frac=-0.1)
+
+    def test_all_masked_gives_plain_values(self):
+        lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
+        zero = jnp.zeros(4)
+        np.testing.assert_allclose(losses.kl_cov(lp, old, a, zero), [-6.0, -1.0, -1.0, 2.0], rtol=1e-6)
+        np.testing.assert_allclose(losses.clip_cov(lp, old, a, zero), np_ppo(np.log(HAND_P), np.log(HAND_OLD),
+                                                                            HAND_A)[0], rtol=1e-6)
 
 
 def test_doctests():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rljax.core import losses
 from rljax.core import objective as obj
 from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
 from rljax.types import PackedBatch
@@ -111,6 +112,23 @@ def np_policy(name, kw, lp, old, inf, adv, cand, sample_of):
             u, c = w * adv[sel], np.clip(w, 0.8, 1.2) * adv[sel]
             value[sel], grad[sel] = -np.minimum(u, c), np.where(u <= c, -adv[sel] * w, 0.0)
         return value, grad
+    if name in ("kl_cov", "clip_cov"):  # batch statistics over the rl candidate tokens of this array
+        m = cand > 0
+        cov = (adv - adv[m].mean()) * (lp - lp[m].mean())
+        r = ratio(lp, old)
+        if name == "kl_cov":
+            k = max(int(kw["kl_cov_frac"] * m.sum()), 1)
+            order = np.argsort(-np.where(m, cov, -np.inf).reshape(-1), kind="stable")
+            top = np.zeros(m.size, bool)
+            top[order[:k]] = True
+            top = top.reshape(m.shape) & m
+            d = lp - old
+            return -adv * r + top * np.abs(d), -adv * r + top * np.sign(d)
+        assert kw["clip_ratio"] == 1.0  # every eligible token removed: no randomness left
+        u, c = r * adv, np.clip(r, 0.8, 1.2) * adv
+        removed = m & ~(-c > -u) & (cov > kw["clip_cov_lb"]) & (cov < kw["clip_cov_ub"])
+        assert removed.any()
+        return np.where(removed, 0.0, -np.minimum(u, c)), np.where(removed | (u > c), 0.0, -adv * r)
     raise AssertionError(name)
 
 
@@ -187,6 +205,10 @@ CONFIGS = {
                           off_policy=OFF_POLICY),
     "gspo_offpolicy": dict(policy_loss="gspo", off_policy=OFF_POLICY),
     "cispo_inference": dict(policy_loss="cispo", policy_loss_kwargs={"behavior": "inference"}),
+    # batch-statistics losses: not in COMBOS (their statistics are per micro-batch by design)
+    "kl_cov": dict(policy_loss="kl_cov", policy_loss_kwargs={"kl_cov_frac": 0.3}),
+    "clip_cov": dict(policy_loss="clip_cov", policy_loss_kwargs={"clip_ratio": 1.0, "clip_cov_lb": 0.02,
+                                                                 "clip_cov_ub": 1.0}),
 }
 REDUCTION_KW = {
     "token_mean": {},
@@ -453,6 +475,88 @@ def test_data_parallel_sharding_matches_single_device():
     (s_loss, _), s_grad = value_and_grad(s_logp, s_batch, s_counts, cfg, s_ent)
     np.testing.assert_allclose(s_loss, loss, rtol=1e-6)
     np.testing.assert_allclose(s_grad, grad, rtol=1e-6, atol=1e-8)
+
+
+class CovLossesThroughObjectiveTest(chex.TestCase):
+    """clip_cov / kl_cov via ObjectiveConfig: numpy reference with statistics over the rl tokens passed in."""
+
+    @parameterized.named_parameters(("kl_cov", "kl_cov", "token_mean"),
+                                    ("clip_cov", "clip_cov", "sequence_mean"))
+    def test_matches_numpy(self, name, reduction):
+        cfg = make_config(name, reduction)
+        for seed in (0, 1):
+            batch, logp, entropy = make_batch(seed)
+            counts = counts_of(batch, cfg)
+            (loss, metrics), grad = value_and_grad(jnp.asarray(logp), batch, counts, cfg, entropy)
+            want_loss, want_grad = np_objective(batch, logp, cfg, entropy)
+            np.testing.assert_allclose(loss, want_loss, rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7)
+            if name == "kl_cov":
+                self.assertEqual(float(metrics["rl/clip_frac"]), 0.0)  # registered without a clip rule
+            else:
+                self.assertGreater(float(metrics["rl/clip_frac"]), 0.0)
+
+    def test_micro_batches_use_their_own_statistics(self):
+        """Documented: the covariance statistics are those of the micro-batch the loss sees."""
+        cfg = make_config("kl_cov", "token_mean", entropy_coef=0.0)
+        batch, logp, _ = make_batch(3)
+        zeros = np.zeros_like(batch.loss_mask)
+        batch = dataclasses.replace(batch, ce_weights=zeros, ref_kl_weights=zeros)  # rl only
+        counts = counts_of(batch, cfg)
+        rows = np.arange(R // 2)
+        micro = take_rows(batch, rows)
+        (m_loss, _), _ = value_and_grad(jnp.asarray(take_rows(logp, rows)), micro, counts, cfg, None)
+        per_token, _ = np_objective(micro, take_rows(logp, rows), cfg)  # token_mean over the micro rows
+        n_micro = float(counts_of(micro, cfg).tokens[0])
+        np.testing.assert_allclose(float(m_loss), per_token * n_micro / float(counts.tokens[0]), rtol=2e-5)
+
+    def test_rng_reaches_clip_cov(self):
+        kw = {"clip_ratio": 0.05, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0}
+        cfg = ObjectiveConfig(policy_loss="clip_cov", policy_loss_kwargs=kw)
+        batch, logp, _ = make_batch(4)
+        counts = counts_of(batch, cfg)
+        run = jax.jit(lambda lp, key: objective(lp, batch, counts, cfg, rng=key), static_argnums=())
+        lp = jnp.asarray(logp)
+        by_key = {float(run(lp, jax.random.PRNGKey(k))[0]) for k in range(6)}
+        self.assertGreater(len(by_key), 1)  # the key picks the removed tokens
+        same = [float(objective(lp, batch, counts, cfg)[0]) for _ in range(2)]
+        self.assertEqual(same[0], same[1])  # rng=None: deterministic fallback
+
+
+class RegisteredLossThroughObjectiveTest(chex.TestCase):
+    def test_user_loss_with_clip_rule(self):
+        def scaled_reinforce(logp, inference_logp, adv, *, scale):
+            return -scale * adv * jnp.exp(logp - inference_logp)
+
+        def big_ratio(logp, inference_logp, adv, *, scale):
+            return jnp.exp(logp - inference_logp) > 1.1
+
+        saved = dict(losses.POLICY_LOSSES)
+        try:
+            losses.register_policy_loss(
+                "scaled_test", losses.PolicyLoss(scaled_reinforce, ("logp", "inference_logp", "adv"),
+                                                 {"scale": 1.0}, clipped=big_ratio))
+            cfg = ObjectiveConfig(policy_loss="scaled_test", policy_loss_kwargs={"scale": 2.0},
+                                  components=("rl",))
+            with pytest.raises(ValueError, match=r"unknown hyperparameters \['eps'\]"):
+                ObjectiveConfig(policy_loss="scaled_test", policy_loss_kwargs={"eps": 2.0})
+            batch, logp, _ = make_batch(5)
+            counts = counts_of(batch, cfg)
+            (loss, metrics), grad = value_and_grad(jnp.asarray(logp), batch, counts, cfg, None)
+            b = {k: np.asarray(v, np.float64) for k, v in dataclasses.asdict(batch).items()}
+            lp = np.asarray(logp, np.float64)
+            v = b["rl_weights"] * b["loss_mask"]
+            nz = v != 0
+            r = np.exp(lp - b["inference_logprobs"])
+            per_token = -2.0 * b["advantages"] * r
+            np.testing.assert_allclose(loss, (v * per_token).sum() / nz.sum(), rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(grad, v * per_token / nz.sum(), rtol=2e-5, atol=1e-7)
+            want_frac = (r[nz] > 1.1).mean()
+            self.assertGreater(want_frac, 0.0)
+            np.testing.assert_allclose(metrics["rl/clip_frac"], want_frac, rtol=1e-5)
+        finally:
+            losses._POLICY_LOSSES._values.clear()
+            losses._POLICY_LOSSES._values.update(saved)
 
 
 def test_doctests():

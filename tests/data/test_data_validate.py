@@ -10,6 +10,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
+from rljax.core import advantages as core_advantages
 from rljax.data import StepBatch, validate
 from rljax.types import Step, TrajectoryID
 
@@ -306,10 +307,10 @@ def test_batch_metrics_hand_counted():
 )
 def test_estimator_reward_mode(estimator, mode, step_wise, ok):
     if ok:
-        validate.check_estimator_reward_mode(estimator, mode, step_wise)
+        core_advantages.check_estimator_reward_mode(estimator, mode, step_wise)
     else:
         with pytest.raises(ValueError, match="reward_mode='per_step'"):
-            validate.check_estimator_reward_mode(estimator, mode, step_wise)
+            core_advantages.check_estimator_reward_mode(estimator, mode, step_wise)
 
 
 @pytest.mark.parametrize(
@@ -318,7 +319,7 @@ def test_estimator_reward_mode(estimator, mode, step_wise, ok):
 )
 def test_estimator_reward_mode_unknown(args, match):
     with pytest.raises(ValueError, match=match):
-        validate.check_estimator_reward_mode(*args)
+        core_advantages.check_estimator_reward_mode(*args)
 
 
 # --------------------------------------------------------------------------------------
