@@ -362,11 +362,13 @@ def gae(
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
+    segment_ids: chex.Array | None = None,
 ) -> tuple[chex.Array, chex.Array]:
     """Generalized advantage estimation over trainable positions of each row.
 
     With ``t'`` the next position with ``mask = 1`` in the row (``V_{t'} = A_{t'} = 0`` past
-    the row end)::
+    the row end, and, when ``segment_ids`` is given, past the end of the position's segment:
+    samples packed into one row never bootstrap from each other)::
 
         delta_t = r_t + gamma * V_{t'} - V_t
         A_t     = delta_t + gamma * lam * A_{t'}
@@ -391,16 +393,23 @@ def gae(
     chex.assert_equal_shape([token_rewards, values, mask])
     chex.assert_type([token_rewards, values], float)
     m = mask.astype(bool)
+    segs = jnp.zeros(mask.shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    chex.assert_equal_shape([segs, mask])
 
     def step(carry, col):
-        next_value, next_adv = carry
-        r, v, keep = col
+        next_value, next_adv, next_seg = carry
+        r, v, keep, seg = col
+        same = seg == next_seg  # a new segment (read right to left) starts from zeros
+        next_value = jnp.where(same, next_value, 0.0)
+        next_adv = jnp.where(same, next_adv, 0.0)
         adv = r + gamma * next_value - v + gamma * lam * next_adv
-        carry = (jnp.where(keep, v, next_value), jnp.where(keep, adv, next_adv))
+        carry = (jnp.where(keep, v, next_value), jnp.where(keep, adv, next_adv), seg)
         return carry, jnp.where(keep, adv, jnp.zeros_like(adv))
 
     zeros = jnp.zeros(token_rewards.shape[:1], token_rewards.dtype)
-    raw_adv = _reverse_scan_rows(step, (zeros, zeros), token_rewards, values.astype(token_rewards.dtype), m)
+    init = (zeros, zeros, jnp.zeros(token_rewards.shape[:1], jnp.int32) if segment_ids is None else
+            jnp.full(token_rewards.shape[:1], -1, jnp.int32))  # fmt: skip
+    raw_adv = _reverse_scan_rows(step, init, token_rewards, values.astype(token_rewards.dtype), m, segs)
     returns = (raw_adv + values) * m.astype(values.dtype)
     return masked_whiten(raw_adv, mask), returns
 

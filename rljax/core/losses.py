@@ -521,6 +521,85 @@ def kl_cov(
 # ------------------------------------------------------------------------------------------------
 
 
+def value_loss(
+    values: chex.Array,
+    old_values: chex.Array,
+    returns: chex.Array,
+    *,
+    value_clip: float | None = None,
+) -> jax.Array:
+    """PPO critic loss per token (the objective applies masks and normalizers).
+
+    ``0.5 (V - R)^2``; with ``value_clip = c``, the pessimistic clipped form of PPO's value
+    function (``V_c = V_old + clip(V - V_old, -c, c)``)::
+
+        0.5 * max((V - R)^2, (V_c - R)^2)
+
+    ``V_old`` are the critic's values at sampling time, ``R`` the GAE returns. In float32.
+    Reference: Schulman et al. 2017 (PPO); the clipped form as in OpenAI baselines / verl / SkyRL.
+
+    >>> import jax.numpy as jnp
+    >>> v, old, ret = jnp.array([2.0, 0.0]), jnp.array([0.0, 0.0]), jnp.array([0.0, 1.0])
+    >>> value_loss(v, old, ret).tolist(), value_loss(v, old, ret, value_clip=0.5).tolist()
+    ([2.0, 0.5], [2.0, 0.5])
+    """
+    _check([values, old_values, returns])
+    v, r = _f32(values), _f32(returns)
+    loss = 0.5 * jnp.square(v - r)
+    if value_clip is None:
+        return loss
+    _check_value_clip(value_clip)
+    old = _f32(old_values)
+    clipped = old + jnp.clip(v - old, -value_clip, value_clip)
+    return jnp.maximum(loss, 0.5 * jnp.square(clipped - r))
+
+
+def value_clipped_tokens(
+    values: chex.Array, old_values: chex.Array, returns: chex.Array, *, value_clip: float | None = None
+) -> jax.Array:
+    """Float32 0/1 per token: the clipped branch of :func:`value_loss` is strictly larger (its
+    gradient is cut). All zeros without ``value_clip``.
+
+    >>> import jax.numpy as jnp
+    >>> value_clipped_tokens(jnp.array([2.0]), jnp.array([0.0]), jnp.array([3.0]), value_clip=0.5).tolist()
+    [1.0]
+    """
+    _check([values, old_values, returns])
+    if value_clip is None:
+        return jnp.zeros(jnp.shape(values), jnp.float32)
+    _check_value_clip(value_clip)
+    v, r, old = _f32(values), _f32(returns), _f32(old_values)
+    clipped = old + jnp.clip(v - old, -value_clip, value_clip)
+    return (jnp.square(clipped - r) > jnp.square(v - r)).astype(jnp.float32)
+
+
+def _check_value_clip(value_clip: float) -> None:
+    if isinstance(value_clip, (int, float)) and not value_clip > 0:
+        raise ValueError(f"value_clip must be > 0 (or None for no clipping), got {value_clip}")
+
+
+def explained_variance(values: chex.Array, returns: chex.Array, mask: chex.Array) -> jax.Array:
+    """``1 - Var(R - V) / Var(R)`` over tokens with ``mask != 0`` (population variances; 0 if Var(R) = 0).
+
+    1 = the critic predicts the returns exactly; 0 = no better than their mean; < 0 = worse.
+
+    >>> import jax.numpy as jnp
+    >>> float(explained_variance(jnp.array([1.0, 2.0]), jnp.array([1.0, 3.0]), jnp.ones(2)))
+    0.75
+    """
+    _check([values, returns])
+    m = _is_on(mask)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    r, v = _f32(returns), _f32(values)
+
+    def var(x: jax.Array) -> jax.Array:
+        mean = jnp.sum(x * m) / n
+        return jnp.sum(jnp.square(x - mean) * m) / n
+
+    var_r = var(r)
+    return jnp.where(var_r > 0, 1.0 - var(r - v) / jnp.where(var_r > 0, var_r, 1.0), 0.0)
+
+
 def cross_entropy(logp: chex.Array) -> jax.Array:
     """Negative log-likelihood of the target token: ``loss = -logp`` (SFT, distillation).
 
