@@ -39,7 +39,7 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nnx.Module):
-    """The backbone (a :class:`~rljax.models.Decoder`) + a value head (kernel ``[hidden, 1]``, bias ``[1]``)."""
+    """The backbone (a :class:`~rljax.models.Decoder`) + a value head (kernel ``[H, 1]``, bias ``[1]``)."""
 
     def __init__(self, backbone: Decoder, *, rngs: nnx.Rngs) -> None:
         del rngs  # the fresh head is zeros (deterministic); kept for the NNX constructor convention
