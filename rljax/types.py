@@ -78,6 +78,10 @@ class Step:
       prompt_roles: optional, one entry per prompt token: the role of the message whose BODY
         the token is (e.g. "tool", "user"), None for template scaffolding; the rollout records
         it from the renderer, and the echo algorithm reads it (:mod:`rljax.data.echo`).
+      routed_experts: optional, MoE router replay (R3): int ``[num_tokens - 1, num_moe_layers,
+        top_k]`` with ``num_tokens = len(prompt_ids) + len(response_ids)`` (vLLM's layout): row p
+        holds the experts the sampler routed token p to in each MoE layer (the last token was
+        never processed). SkyRL's ``rollout_expert_indices``.
     """
 
     prompt_ids: Sequence[int]
@@ -93,6 +97,7 @@ class Step:
     temperature: float = 1.0
     policy_version: int = 0
     prompt_roles: Sequence[str | None] | None = None
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trajectory_id", TrajectoryID.coerce(self.trajectory_id))
@@ -133,7 +138,9 @@ class PackedBatch:
     are the trainer's logprobs before this batch's first update (equal to
     ``inference_logprobs`` until the trainer recomputes them). Entry ``t`` of the
     per-token streams refers to predicting ``tokens[t]`` from ``tokens[<t]``: the
-    loss mask is 0 on prompt tokens and padding.
+    loss mask is 0 on prompt tokens and padding. ``routed_experts`` (MoE router replay, or None):
+    int32 ``[rows, seq_len, num_moe_layers, top_k]``, the experts the sampler routed each token to,
+    -1 where none was recorded (padding, the last token of a sample).
     """
 
     tokens: Any
@@ -150,6 +157,7 @@ class PackedBatch:
     rl_weights: Any
     ce_weights: Any
     ref_kl_weights: Any
+    routed_experts: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

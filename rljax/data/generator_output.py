@@ -3,7 +3,8 @@
 A generator written for SkyRL returns a dict of parallel per-step lists::
 
     prompt_token_ids, response_ids, rewards, loss_masks            (required)
-    stop_reasons, rollout_logprobs, trajectory_ids, is_last_step   (optional)
+    stop_reasons, rollout_logprobs, trajectory_ids, is_last_step,
+    rollout_expert_indices                                          (optional; MoE router replay)
 
 :func:`steps_from_generator_output` checks the dict's shape (every list one entry per step,
 :func:`rljax.data.validate.check_generator_output`) and builds one :class:`~rljax.types.Step`
@@ -39,6 +40,7 @@ GENERATOR_KEYS = (
     "rollout_logprobs",
     "trajectory_ids",
     "is_last_step",
+    "rollout_expert_indices",
 )
 
 
@@ -54,6 +56,7 @@ def steps_from_generator_output(d: Mapping[str, Any], **defaults: Any) -> list[S
     last = d.get("is_last_step")
     logprobs = d.get("rollout_logprobs")
     stops = d.get("stop_reasons")
+    experts = d.get("rollout_expert_indices")
     steps = []
     for i in range(n):
         reward = d["rewards"][i]
@@ -67,6 +70,7 @@ def steps_from_generator_output(d: Mapping[str, Any], **defaults: Any) -> list[S
                 trajectory_id=TrajectoryID.coerce(traj[i]) if traj is not None else TrajectoryID(str(i), 0),
                 is_last_step=True if last is None else bool(last[i]),
                 stop_reason="stop" if stops is None else str(stops[i]),
+                routed_experts=None if experts is None or experts[i] is None else np.asarray(experts[i]),
                 **defaults,
             )
         )
@@ -76,10 +80,11 @@ def steps_from_generator_output(d: Mapping[str, Any], **defaults: Any) -> list[S
 def to_generator_output(steps: Sequence[Step]) -> dict[str, list[Any] | None]:
     """The ``GeneratorOutput`` dict of ``steps`` (inverse of :func:`steps_from_generator_output`).
 
-    ``rollout_logprobs`` is None when no step has logprobs, else one list (or None) per step.
+    ``rollout_logprobs`` is None when no step has logprobs, else one list (or None) per step;
+    ``rollout_expert_indices`` is present only when a step carries MoE routing.
     """
     has_lp = any(s.response_logprobs is not None for s in steps)
-    return {
+    out: dict[str, list[Any] | None] = {
         "prompt_token_ids": [list(s.prompt_ids) for s in steps],
         "response_ids": [list(s.response_ids) for s in steps],
         "rewards": [list(s.reward) if s.per_token_reward else s.reward for s in steps],
@@ -93,3 +98,8 @@ def to_generator_output(steps: Sequence[Step]) -> dict[str, list[Any] | None]:
         "trajectory_ids": [s.trajectory_id for s in steps],
         "is_last_step": [s.is_last_step for s in steps],
     }
+    if any(s.routed_experts is not None for s in steps):  # MoE router replay (absent otherwise)
+        out["rollout_expert_indices"] = [
+            None if s.routed_experts is None else np.asarray(s.routed_experts).tolist() for s in steps
+        ]
+    return out

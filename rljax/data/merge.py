@@ -37,6 +37,12 @@ Decisions (beyond SPEC §2.5):
   ``prompt_roles`` is the first turn's, so it stays aligned with the merged sample's prompt;
   the roles of the gap tokens are the tails of the later turns' ``prompt_roles``
   (:func:`rljax.data.echo.response_roles`).
+* MoE routing (``routed_experts``, rows = positions): a merged sample's row for position p is
+  the routing recorded by the FIRST of its turns that processed p (each later turn contributes the
+  rows past what earlier turns covered). That is the routing the sampler's KV cache reflects under
+  prefix caching; an engine that re-processes the prefix each turn (the embedded sampler) may route
+  the prefix slightly differently in later turns. A sample gets routing only when all its turns
+  carry it (else None: no replay for that sample).
 * Output order: each merged sample takes the batch position of its last merged turn, so
   the sample holding a trajectory's final turn is the trajectory's last sample and the
   merged batch is again a valid :class:`~rljax.data.batch.StepBatch`.
@@ -183,8 +189,17 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
     logprobs = list(_as_list(first.response_logprobs)) if has_lp else None
     per_token = first.per_token_reward
     rewards = list(_as_list(first.reward)) if per_token else None
+    # MoE routing: each position keeps the routing of the first turn that processed it (a later
+    # turn's prefill re-processes the prefix; with prefix caching its KV is the first turn's)
+    routed = all(steps[i].routed_experts is not None for i in idx)
+    routing = [np.asarray(first.routed_experts)] if routed else None
+    covered = len(first.prompt_ids) + len(first.response_ids)
     for i, g in zip(idx[1:], gaps[1:], strict=True):
         s = steps[i]
+        if routing is not None:
+            full = len(s.prompt_ids) + len(s.response_ids)
+            routing.append(np.asarray(s.routed_experts)[covered - 1 : full - 1])
+            covered = full
         if g:
             prompt = _as_list(s.prompt_ids)
             response.extend(prompt[len(prompt) - g :])
@@ -207,6 +222,7 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
         is_last_step=any(steps[i].is_last_step for i in idx),
         stop_reason=last.stop_reason,
         policy_version=min(steps[i].policy_version for i in idx),
+        routed_experts=None if routing is None else np.concatenate(routing, axis=0),
     )
 
 

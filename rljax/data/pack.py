@@ -310,6 +310,31 @@ def _response_stream(
     return out
 
 
+def _routed_experts(
+    steps: Sequence[Step], lengths: np.ndarray, dest: np.ndarray, size: int, num_rows: int, seq_len: int
+) -> np.ndarray | None:
+    """``[rows, seq_len, layers, top_k]`` int32 routing of every packed token (MoE router replay).
+
+    Sample ``k``'s packed token at position ``p`` gets row ``p`` of its ``routed_experts`` (which
+    has one row per position but the last); -1 where nothing was recorded (the last token, padding,
+    samples without routing). None when no sample carries routing.
+    """
+    first = next((s.routed_experts for s in steps if s.routed_experts is not None), None)
+    if first is None:
+        return None
+    layers, top_k = np.shape(first)[1:]
+    flat = np.full((int(lengths.sum()), layers, top_k), -1, np.int32)
+    start = 0
+    for s, n in zip(steps, lengths.tolist(), strict=True):
+        if s.routed_experts is not None:
+            rows = np.asarray(s.routed_experts)[:n]
+            flat[start : start + rows.shape[0]] = rows
+        start += n
+    out = np.full((size, layers, top_k), -1, np.int32)
+    out[dest] = flat
+    return out.reshape(num_rows, seq_len, layers, top_k)
+
+
 def _pack_steps(
     steps: Sequence[Step],
     source: np.ndarray,
@@ -432,6 +457,7 @@ def _pack_steps(
         old_logprobs=scatter(inference_lp, resp_dest, np.float32),
         temperatures=scatter(np.repeat(temps, lengths), dest, np.float32, fill=1.0),
         **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
+        routed_experts=_routed_experts(steps, lengths, dest, size, num_rows, seq_len),
     )
     metrics = {
         "num_samples": n,

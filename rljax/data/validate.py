@@ -40,7 +40,13 @@ __all__ = [
 
 _NONFINITE = "NaN/inf is an error, not a zero"
 _GENERATOR_REQUIRED = ("prompt_token_ids", "response_ids", "rewards", "loss_masks")
-_GENERATOR_OPTIONAL = ("stop_reasons", "rollout_logprobs", "trajectory_ids", "is_last_step")
+_GENERATOR_OPTIONAL = (
+    "stop_reasons",
+    "rollout_logprobs",
+    "trajectory_ids",
+    "is_last_step",
+    "rollout_expert_indices",
+)
 
 
 class AllMaskedWarning(UserWarning):
@@ -141,6 +147,27 @@ def _check_prompt_roles(roles: Any, num_prompt: int, where: str) -> None:
     )
 
 
+def _check_routed_experts(
+    routed: Any, num_tokens: int, where: str, expected: tuple[int, int] | None
+) -> tuple[int, int]:
+    """``routed_experts``: ints ``>= 0`` of shape ``[num_tokens - 1, layers, top_k]``, the same
+    ``(layers, top_k)`` on every step of the batch; returns ``(layers, top_k)``."""
+    a = np.asarray(routed)
+    if a.ndim != 3 or a.shape[0] != num_tokens - 1 or a.dtype.kind not in "iu":
+        raise ValueError(
+            f"{where}: routed_experts must be ints of shape [num_tokens - 1, num_moe_layers, top_k] = "
+            f"[{num_tokens - 1}, L, k] (prompt + response tokens, minus the last), got "
+            f"{a.dtype.name}{list(a.shape)}"
+        )
+    if a.size and a.min() < 0:
+        raise ValueError(f"{where}: routed_experts has a negative expert id {int(a.min())}")
+    if expected is not None and a.shape[1:] != expected:
+        raise ValueError(
+            f"{where}: routed_experts has (layers, top_k) = {a.shape[1:]}, other steps have {expected}"
+        )
+    return a.shape[1], a.shape[2]
+
+
 class _Flat:
     """Concatenation of one per-token field over steps, with the owning step of each token."""
 
@@ -202,6 +229,7 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
         raise ValueError(f"steps must be a sequence of Step, got {type(steps).__name__}")
 
     tids: list[Any] = []
+    routing_shape: tuple[int, int] | None = None
     prompts: list[np.ndarray] = []
     responses: list[np.ndarray] = []
     masks: list[np.ndarray] = []
@@ -242,6 +270,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
         r = _to_array(s.response_ids, "response_ids", w, "iu")
         _check_id_types(s.response_ids, "response_ids", w)
         n = r.shape[0]
+        if s.routed_experts is not None:
+            routing_shape = _check_routed_experts(s.routed_experts, p.shape[0] + n, w, routing_shape)
         prompts.append(p)
         responses.append(r)
 

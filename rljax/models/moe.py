@@ -88,7 +88,9 @@ def route(
     ``experts`` = top-k of ``softmax(logits)`` (ties: lower index first), or ``routed_experts`` when
     given (replay). Weights are ``softmax(logits)`` at those experts, renormalized to sum 1 when
     ``norm_topk_prob`` (= a softmax over the selected logits); either way a differentiable function
-    of the current logits. A replayed id outside ``[0, E)`` gives NaN weights (loud).
+    of the current logits. A replay row whose ids are all negative means "not recorded" (padding, or
+    the last token of a sample, which the sampler never processed): that token routes by its own
+    top-k. A replayed id ``>= E`` (or a row mixing negative and valid ids) gives NaN weights (loud).
 
     >>> ids, w = route(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), 2, norm_topk_prob=True)
     >>> ids.tolist(), [round(float(v), 4) for v in w[0]]
@@ -97,13 +99,17 @@ def route(
     ...                routed_experts=jnp.array([[0, 2]]))
     >>> ids.tolist(), [round(float(v), 4) for v in w[0]]
     ([[0, 2]], [0.1, 0.3])
+    >>> route(jnp.log(jnp.array([[0.1, 0.6, 0.3]])), 2, norm_topk_prob=True,
+    ...       routed_experts=jnp.array([[-1, -1]]))[0].tolist()  # not recorded: own top-k
+    [[1, 2]]
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if routed_experts is None:
-        _, experts = jax.lax.top_k(probs, top_k)
-    else:
+    _, experts = jax.lax.top_k(probs, top_k)
+    if routed_experts is not None:
         chex.assert_shape(routed_experts, (*logits.shape[:-1], top_k))
-        experts = jnp.asarray(routed_experts)
+        replay = jnp.asarray(routed_experts).astype(jnp.int32)
+        recorded = jnp.any(replay >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(recorded, replay, experts)
     experts = experts.astype(jnp.int32)
     weights = jnp.take_along_axis(probs, experts, axis=-1, mode="fill", fill_value=jnp.nan)
     if norm_topk_prob:

@@ -110,7 +110,7 @@ def shard_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
 
     def place(x: Any) -> jax.Array:
         x = np.asarray(x)
-        if x.ndim != row_axis + 2:
+        if x.ndim < row_axis + 2:  # [R, L] (+ trailing dims, e.g. MoE routing [R, L, layers, k])
             raise ValueError(
                 f"batch arrays must be {'[k, R, L] (stacked)' if stacked else '[R, L]'}; got shape {x.shape}"
             )
