@@ -2,7 +2,7 @@
 
     python -m launch.eval --config=configs/reasoning_gym.py --checkpoint=/tmp/rg
     python -m launch.eval --config=configs/reasoning_gym.py --checkpoint=/tmp/rg/checkpoints/step_0 \\
-        --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --out=/tmp/rg_step0.json
+        --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --metrics_out=/tmp/rg_step0.json
 
 ``--checkpoint`` is a run's workdir (its ``checkpoints/``), a checkpoint directory (the ``latest``
 step) or one ``step_N``. The run is rebuilt from ``--config`` exactly as ``launch.train`` builds it (a
@@ -16,7 +16,7 @@ logged for that step: ``eval/reward_mean``, ``eval/pass@k`` (unbiased, Chen et a
 (``eval/data_source/<source>/...``), for ``config.eval.pass_k`` (default ``(1, group_size)``).
 Overrides such as ``--config.eval.group_size=16`` evaluate with more samples.
 
-They are printed and written as JSON (``--out``; default ``<workdir>/eval_step_<N>.json`` next to
+They are printed and written as JSON (``--metrics_out``; default ``<workdir>/eval_step_<N>.json`` next to
 the checkpoint directory): ``{"checkpoint", "step", "num_eval_tasks", "group_size", "metrics"}``.
 No warm start runs, nothing is trained and the checkpoint directory is not modified.
 """
@@ -45,7 +45,7 @@ _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A run's workdir, its checkpoints/ directory, or one checkpoints/step_N directory."
 )
 _STEP = flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
-_OUT = flags.DEFINE_string("out", None, "JSON output file (default: <workdir>/eval_step_<N>.json).")
+_OUT = flags.DEFINE_string("metrics_out", None, "JSON output file (default: <workdir>/eval_step_<N>.json).")
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 

@@ -67,7 +67,7 @@ def test_launch_eval_cli_reproduces_the_logged_eval(run, tmp_path):
     env.pop("XLA_FLAGS", None)
     r = subprocess.run(
         [sys.executable, "-m", "launch.eval", "--config=configs/smoke.py", f"--checkpoint={workdir}",
-         f"--out={out}", *_flags()],
+         f"--metrics_out={out}", *_flags()],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
