@@ -409,6 +409,7 @@ async def _episode(
                     "response_logprobs": list(completion.logprobs),
                     "stop_reason": completion.finish_reason,
                     "policy_version": completion.weight_version,
+                    "routed_experts": getattr(completion, "routed_experts", None),
                     "reward": 0.0,
                 }
             )
@@ -477,6 +478,7 @@ def _steps_of(rec: TrajectoryRecord, config: RolloutConfig) -> list[Step]:
                 temperature=temperature,
                 policy_version=s["policy_version"],
                 prompt_roles=s["prompt_roles"],
+                routed_experts=s.get("routed_experts"),
             )
         )
     return out

@@ -81,12 +81,15 @@ class Completion:
         distribution; one per id, each finite and <= 0.
       finish_reason: one of :data:`FINISH_REASONS`.
       weight_version: the policy version that produced every token of this completion.
+      routed_experts: MoE engines that record routing: int ``[len(prompt) + len(ids) - 1,
+        layers, top_k]``, the experts every processed token was routed to (router replay); else None.
     """
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     weight_version: int
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         ids = tuple(int(t) for t in self.ids)

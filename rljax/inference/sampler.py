@@ -257,11 +257,12 @@ class _Carry:
     logprobs: jax.Array
     num_tokens: jax.Array
     finish: jax.Array
+    routing: Any = None  # MoE: int32 [B, M, layers, k] experts of each fed (generated) token
 
 
 jax.tree_util.register_dataclass(
     _Carry,
-    data_fields=["step", "logits", "cache", "ids", "logprobs", "num_tokens", "finish"],
+    data_fields=["step", "logits", "cache", "ids", "logprobs", "num_tokens", "finish", "routing"],
     meta_fields=[],
 )
 
@@ -279,7 +280,7 @@ def generate_tokens(
     seeds: chex.Array,
     max_new_tokens: int,
     pad_id: int = 0,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Samples up to ``max_new_tokens`` tokens per row in one ``lax.while_loop`` (jit-safe).
 
     Prefills the left-padded prompts into a cache of ``P + max_new_tokens`` slots, then each step
@@ -302,8 +303,11 @@ def generate_tokens(
       pad_id: id written after a row finishes.
 
     Returns:
-      ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B])`` with
-      ``finish`` in {:data:`FINISH_STOP`, :data:`FINISH_LENGTH`} (0 for idle rows).
+      ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B], routing)``
+      with ``finish`` in {:data:`FINISH_STOP`, :data:`FINISH_LENGTH`} (0 for idle rows). ``routing``
+      is None for dense models; for MoE models ``(prompt_experts int32 [B, P, layers, k],
+      generated_experts int32 [B, M, layers, k])``: the experts every prompt token and every fed
+      generated token was routed to (router replay, R3).
     """
     chex.assert_rank([prompt, prompt_segment_ids, stop_ids], 2)
     chex.assert_rank([temperature, top_k, top_p, max_new, seeds], 1)
@@ -312,9 +316,14 @@ def generate_tokens(
     greedy = temperature < GREEDY_EPS
     temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     uniforms = step_uniforms(seeds, max_new_tokens)  # [B, M], drawn once, outside the loop
-    logits, cache = prefill(
-        model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids
-    )
+    record = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models record routing
+    logits, cache, prompt_routing = prefill(
+        model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids,
+        return_routing=True,
+    )  # fmt: skip
+    gen_routing = None
+    if record:
+        gen_routing = jnp.full((batch, max_new_tokens, *prompt_routing.experts.shape[2:]), -1, jnp.int32)
     idle = max_new <= 0
     init = _Carry(
         step=jnp.zeros((), jnp.int32),
@@ -324,6 +333,7 @@ def generate_tokens(
         logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
         num_tokens=jnp.zeros((batch,), jnp.int32),
         finish=jnp.where(idle, FINISH_LENGTH, FINISH_RUNNING).astype(jnp.int32),
+        routing=gen_routing,
     )
 
     def cond(c: _Carry) -> jax.Array:
@@ -346,11 +356,20 @@ def generate_tokens(
             FINISH_STOP,
             jnp.where(active & (num_tokens >= max_new), FINISH_LENGTH, c.finish),
         )
-        next_logits, cache = decode_step(model, token, c.cache)
-        return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish.astype(jnp.int32))
+        routing = c.routing
+        if record:
+            next_logits, cache, fed = decode_step(model, token, c.cache, return_routing=True)
+            routing = jax.lax.dynamic_update_slice_in_dim(
+                routing, fed.experts.astype(jnp.int32), c.step, axis=1
+            )
+        else:
+            next_logits, cache = decode_step(model, token, c.cache)
+        return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish.astype(jnp.int32),
+                      routing)  # fmt: skip
 
     out = jax.lax.while_loop(cond, body, init)
-    return out.ids, out.logprobs, out.num_tokens, out.finish
+    routing = (prompt_routing.experts.astype(jnp.int32), out.routing) if record else None
+    return out.ids, out.logprobs, out.num_tokens, out.finish, routing
 
 
 def _generate_program(
@@ -366,7 +385,7 @@ def _generate_program(
     seeds: jax.Array,
     max_new_tokens: int,
     pad_id: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
     model = nnx.merge(graphdef, state)
     return generate_tokens(
         model,
@@ -617,7 +636,7 @@ class EmbeddedSampler:
             max_new[i] = budgets[i]
             stop_ids[i, : len(s.stop_token_ids)] = s.stop_token_ids
             seeds[i] = self._seed(s)
-        ids, logprobs, num_tokens, finish = _JITTED_GENERATE(
+        ids, logprobs, num_tokens, finish, routing = _JITTED_GENERATE(
             graphdef,
             state,
             tokens,
@@ -631,7 +650,9 @@ class EmbeddedSampler:
             new_len,
             self.pad_id,
         )
-        ids, logprobs, num_tokens, finish = jax.device_get((ids, logprobs, num_tokens, finish))
+        ids, logprobs, num_tokens, finish, routing = jax.device_get(
+            (ids, logprobs, num_tokens, finish, routing)
+        )
         self.num_batches += 1
         self.num_requests += n
         out = []
@@ -643,12 +664,17 @@ class EmbeddedSampler:
                     "the sampler produced a non-finite logprob (NaN parameters or logits?); "
                     "check the model weights"
                 )
+            routed = None
+            if routing is not None:  # rows of prompt + generated tokens but the last (vLLM's layout)
+                prompt_rows = routing[0][i, prompt_len - len(prompts[i]) :]
+                routed = np.concatenate([prompt_rows, routing[1][i, : max(k - 1, 0)]], axis=0)
             out.append(
                 Completion(
                     ids=tuple(int(t) for t in ids[i, :k]),
                     logprobs=tuple(float(x) for x in lp),
                     finish_reason=_FINISH_NAMES[int(finish[i])],
                     weight_version=version,
+                    routed_experts=routed,
                 )
             )
         return out

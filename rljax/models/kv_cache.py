@@ -24,7 +24,7 @@ outside ``jit`` it is checked and a ``ValueError`` is raised.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import chex
 import flax.struct
@@ -140,8 +140,12 @@ def prefill(
     segment_ids: chex.Array | None = None,
     positions: chex.Array | None = None,
     cache_dtype: jnp.dtype | None = None,
-) -> tuple[chex.Array, KVCache]:
+    return_routing: bool = False,
+) -> tuple[chex.Array, KVCache] | tuple[chex.Array, KVCache, Any]:
     """Runs the prompts through the model into a fresh cache (jitted; shape checks run eagerly).
+
+    ``return_routing`` (MoE): also return the :class:`rljax.models.moe.Routing` of the prompt
+    tokens (None for dense models).
 
     Args:
       model: a :class:`rljax.models.Decoder`.
@@ -169,10 +173,12 @@ def prefill(
         raise ValueError(f"prompt length {tokens.shape[1]} exceeds the cache max_length {max_length}")
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
-    return _prefill(model, tokens, segment_ids, positions, max_length=max_length, cache_dtype=cache_dtype)
+    out = _prefill(model, tokens, segment_ids, positions, max_length=max_length, cache_dtype=cache_dtype,
+                   return_routing=return_routing)  # fmt: skip
+    return out if return_routing else out[:2]
 
 
-@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype", "return_routing"))
 def _prefill(
     model: Decoder,
     tokens: jax.Array,
@@ -181,16 +187,25 @@ def _prefill(
     *,
     max_length: int,
     cache_dtype: jnp.dtype | None,
-) -> tuple[jax.Array, KVCache]:
+    return_routing: bool = False,
+) -> tuple[jax.Array, KVCache, Any]:
     cache = init_cache(model.config, batch_size=tokens.shape[0], max_length=max_length,
                        dtype=cache_dtype or model.dtype)  # fmt: skip
-    hidden, cache = model.decode(tokens, cache, positions=positions, segment_ids=segment_ids)
+    if return_routing:
+        hidden, cache, routing = model.decode(
+            tokens, cache, positions=positions, segment_ids=segment_ids, return_routing=True
+        )
+    else:
+        hidden, cache = model.decode(tokens, cache, positions=positions, segment_ids=segment_ids)
+        routing = None
     last = last_valid_index(segment_ids)
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return model.logits(last_hidden), cache
+    return model.logits(last_hidden), cache, routing
 
 
-def decode_step(model: Decoder, tokens: chex.Array, cache: KVCache) -> tuple[chex.Array, KVCache]:
+def decode_step(
+    model: Decoder, tokens: chex.Array, cache: KVCache, *, return_routing: bool = False
+) -> tuple[chex.Array, KVCache] | tuple[chex.Array, KVCache, Any]:
     """Feeds one token per row (``int32 [B]``) at position ``cache.lengths`` (jitted after a capacity check).
 
     The input ``cache`` is donated: its buffers become the returned cache's (each layer's keys and
@@ -213,6 +228,8 @@ def decode_step(model: Decoder, tokens: chex.Array, cache: KVCache) -> tuple[che
     """
     chex.assert_rank(tokens, 1)
     cache.check_capacity(1)
+    if return_routing:  # MoE: also the Routing of the fed tokens ([B, 1, M, ...]; None if dense)
+        return _decode_step_routing(model, tokens, cache)
     return _decode_step(model, tokens, cache)
 
 
@@ -220,3 +237,9 @@ def decode_step(model: Decoder, tokens: chex.Array, cache: KVCache) -> tuple[che
 def _decode_step(model: Decoder, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     hidden, cache = model.decode(tokens[:, None], cache)
     return model.logits(hidden[:, 0]), cache
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _decode_step_routing(model: Decoder, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache, Any]:
+    hidden, cache, routing = model.decode(tokens[:, None], cache, return_routing=True)
+    return model.logits(hidden[:, 0]), cache, routing

@@ -410,3 +410,58 @@ def test_z_loss_entropy_load_and_flip_metrics_against_numpy():
         np.asarray(models.flip_fraction(jnp.asarray(experts), jnp.asarray(other), mask, per_layer=True)),
         [1 / 13, 0],
     )
+
+
+# ------------------------------------------------------------------ the embedded sampler records routing
+
+
+def test_embedded_sampler_records_the_routing_it_used():
+    """R3 capture: the sampler's recorded experts are those of a full forward over the sampled
+    sequence (prompt + completion, all but the last token), and replaying them reproduces the
+    sampled logprobs; the rollout puts them on its Steps, which validate, merge and pack."""
+    import asyncio
+
+    from rljax.chat import make_renderer, toy_tokenizer
+    from rljax.data import StepBatch
+    from rljax.data.merge import merge_steps
+    from rljax.data.pack import pack
+    from rljax.envs import make_env, make_tasks
+    from rljax.inference import EmbeddedSampler
+    from rljax.inference.engine import SamplingParams
+    from rljax.rollout import RolloutConfig, run_rollout
+
+    model = _rljax_moe("qwen3_moe", seed=4)
+    sampler = EmbeddedSampler(model, min_batch_bucket=2)
+    prompts = [[5, 9, 2, 7], [3, 4]]
+    outs = [
+        asyncio.run(sampler.generate(p, SamplingParams(max_tokens=5, seed=11 + i)))
+        for i, p in enumerate(prompts)
+    ]
+    for p, c in zip(prompts, outs, strict=True):
+        seq = jnp.asarray([p + list(c.ids)])
+        _, routing = model.hidden_states_and_routing(seq)
+        n = seq.shape[1]
+        assert c.routed_experts.shape == (
+            n - 1,
+            len(model.config.moe_layers),
+            model.config.num_experts_per_tok,
+        )
+        np.testing.assert_array_equal(c.routed_experts, np.asarray(routing.experts)[0, : n - 1])
+        replay = np.concatenate([c.routed_experts, -np.ones_like(c.routed_experts[:1])])[None]
+        lp = np.asarray(models.sequence_logprobs(model, seq, routed_experts=jnp.asarray(replay)))[0, len(p) :]
+        np.testing.assert_allclose(lp, c.logprobs, **LOGPROB_TOL)
+
+    tok = toy_tokenizer("chatml")
+    moe = _rljax_moe("qwen3_moe", seed=5)
+    assert moe.config.vocab_size >= len(tok)  # the toy tokenizer's ids are in the model's vocabulary
+    result = run_rollout(
+        make_tasks("lookup", 2, seed=0),
+        engine=EmbeddedSampler(moe),
+        renderer=make_renderer("chatml", tok),
+        make_env=lambda: make_env("lookup", compact=True, system_prompt=""),
+        config=RolloutConfig(group_size=2, max_tokens=8, max_turns=2),
+    )
+    steps = list(result.batch)
+    assert all(s.routed_experts is not None for s in steps)
+    merged = merge_steps(StepBatch(steps))
+    assert pack(merged, seq_len=512, truncate=True).batch.routed_experts is not None
