@@ -89,7 +89,7 @@ class Completion:
     logprobs: tuple[float, ...]
     finish_reason: str
     weight_version: int
-    routed_experts: Any = None
+    routed_experts: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = tuple(int(t) for t in self.ids)
