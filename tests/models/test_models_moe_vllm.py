@@ -5,29 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import LOGPROB_TOL
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
+import inference_helpers  # noqa: E402  (the shared skip-locally / fail-under-CI lookup)
+
 from rljax import models
-from rljax.inference.vllm import ServerConfig, VLLMClient, VLLMServer, find_vllm_python, write_checkpoint
+from rljax.inference.vllm import ServerConfig, VLLMClient, VLLMServer, write_checkpoint
 from rljax.inference.vllm.weight_sync import WeightSyncError
 from rljax.models.tiny import random_decoder
 
 pytestmark = pytest.mark.integration
 
 VOCAB = 256
-
-
-def _require_vllm_python() -> str:
-    python = find_vllm_python()
-    if python is None:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail("CI=true but no vLLM venv: run .ci/install_vllm.sh or set RLJAX_VLLM_PYTHON")
-        pytest.skip("no vLLM venv: run .ci/install_vllm.sh (creates .vllm-venv) or set RLJAX_VLLM_PYTHON")
-    return python
 
 
 def _tiny_qwen3_moe(seed: int) -> models.Decoder:
@@ -46,7 +42,7 @@ def _rljax_logprobs(model, ids) -> np.ndarray:
 
 
 def test_vllm_serves_rljax_qwen3_moe_with_equal_logprobs(tmp_path):
-    python = _require_vllm_python()
+    python = inference_helpers.require_vllm_python()
     a, b = _tiny_qwen3_moe(0), _tiny_qwen3_moe(1)
     write_checkpoint(a, tmp_path / "ckpt")
     config = ServerConfig(
