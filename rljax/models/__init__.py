@@ -12,7 +12,7 @@ logprobs and KV cache (SPEC §5).
 
 from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
-from rljax.models.decoder import Decoder, num_params
+from rljax.models.decoder import REMAT_POLICIES, Decoder, cast_model, num_params
 from rljax.models.hf_io import (
     HF_EXPERT_NAME_MAP,
     HF_NAME_MAP,
@@ -62,6 +62,8 @@ __all__ = [
     "KVCache",
     "MESH_AXES",
     "Decoder",
+    "REMAT_POLICIES",
+    "cast_model",
     "ModelConfig",
     "Routing",
     "decode_step",

@@ -24,6 +24,7 @@ Parameter names follow the HF checkpoint layout (``layers.{i}.self_attn.q_proj.k
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import chex
 import jax
@@ -44,6 +45,13 @@ from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
 from rljax.models.moe import Routing, SparseMoeBlock
 
 DEFAULT_ATTENTION_CHUNK_SIZE = 1024
+
+#: ``Decoder(remat=...)`` policies and their ``jax.checkpoint`` policy (None = save nothing but inputs).
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+_REMAT_POLICY_FNS = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class Attention(nnx.Module):
@@ -192,7 +200,10 @@ class Decoder(nnx.Module):
       config: the architecture.
       dtype: compute dtype of activations and matmuls (float32 default, or bfloat16).
       param_dtype: storage dtype of parameters; default ``dtype``.
-      remat: recompute each block in the backward pass (``nnx.remat``) to save activation memory.
+      remat: activation recomputation of each block in the backward pass (``nnx.remat``): one of
+        :data:`REMAT_POLICIES` (``"none"``; ``"full"``: keep only each block's input;
+        ``"dots_saveable"``: also keep matmul outputs without batch dimensions,
+        ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``), or a bool (True = "full").
       precision: matmul precision passed to every dot (e.g. ``"highest"`` for float32 parity on GPU/TPU).
       attention_chunk_size: at most this many queries per attention block (bounds attention memory to
         ``O(chunk * L)``); None = no bound. The training forward cuts rows into causal blocks of
@@ -219,12 +230,13 @@ class Decoder(nnx.Module):
         *,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype | None = None,
-        remat: bool = False,
+        remat: bool | str = False,
         precision: jax.lax.PrecisionLike = None,
         attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
         moe_impl: str = "auto",
         rngs: nnx.Rngs,
     ) -> None:
+        remat = _remat_policy_name(remat)
         if attention_chunk_size is not None and attention_chunk_size <= 0:
             raise ValueError(
                 f"attention_chunk_size must be a positive int or None, got {attention_chunk_size}"
@@ -322,8 +334,9 @@ class Decoder(nnx.Module):
             )
             return out, router
 
-        if self.remat:
-            run_block = nnx.remat(run_block)
+        remat = _remat_policy_name(self.remat)
+        if remat != "none":
+            run_block = nnx.remat(run_block, policy=_REMAT_POLICY_FNS[remat])
         x = self._embed(tokens, segment_ids)
         routers = []
         for block in self.layers:
@@ -462,6 +475,43 @@ def _packing_defaults(
     positions = jnp.asarray(positions)
     chex.assert_equal_shape([tokens, segment_ids, positions])
     return segment_ids, positions
+
+
+def _remat_policy_name(remat: bool | str) -> str:
+    if remat is True or remat is False:
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be a bool or one of {REMAT_POLICIES}, got {remat!r}")
+    return remat
+
+
+def cast_model(model: Decoder, dtype: Any) -> Decoder:
+    """A copy of ``model`` whose parameters are stored AND computed in ``dtype`` (for serving).
+
+    What an engine serving ``dtype`` weights computes: every parameter (adapters included) cast to
+    ``dtype``, activations in ``dtype`` (logits and log-softmax still float32). ``model`` is
+    unchanged; the copy shares nothing with it. Returns ``model`` itself when it already stores and
+    computes in ``dtype``.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> m = cast_model(tiny_model(), jnp.bfloat16)
+    >>> m.dtype, m.embed_tokens[...].dtype
+    (dtype(bfloat16), dtype(bfloat16))
+    """
+    dtype = jnp.dtype(dtype)
+    if model.dtype == dtype and model.param_dtype == dtype:
+        return model
+    copy = nnx.clone(model)
+    for _, module in copy.iter_modules():
+        if hasattr(module, "dtype"):
+            module.dtype = dtype
+        if hasattr(module, "param_dtype"):
+            module.param_dtype = dtype
+    state = nnx.state(copy)
+    nnx.update(
+        copy, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    )
+    return copy
 
 
 def num_params(model: nnx.Module, *, exclude: Sequence[str] = ()) -> int:

@@ -22,7 +22,7 @@ from rljax.train.tasks import EnvTasks
 
 __all__ = ["DTYPE_OF", "build_model", "build_tokenizer", "check_algorithm_needs", "objective_config"]
 
-#: config.model.dtype -> jnp dtype (the only dtypes the run config accepts).
+#: config.model.param_dtype / compute_dtype / engine.dtype -> jnp dtype (the dtypes a run accepts).
 DTYPE_OF = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -36,10 +36,14 @@ def build_tokenizer(cfg: TokenizerSection) -> Any:
 
 
 def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
-    """A Decoder from ``cfg.hf_path`` (HF safetensors) or a fresh one of ``cfg.init``, in ``cfg.dtype``."""
-    dtype = DTYPE_OF[cfg.dtype]
+    """A Decoder from ``cfg.hf_path`` (HF safetensors) or a fresh one of ``cfg.init``.
+
+    Parameters are held in ``cfg.param_dtype`` whatever the checkpoint stores (a bfloat16 checkpoint
+    is upcast to float32 master weights by default), activations computed in ``cfg.compute_dtype``.
+    """
+    kw = dict(dtype=DTYPE_OF[cfg.compute_dtype], param_dtype=DTYPE_OF[cfg.param_dtype], remat=cfg.remat)
     if cfg.hf_path:
-        return from_pretrained(cfg.hf_path, dtype=dtype)
+        return from_pretrained(cfg.hf_path, **kw)
     fields = dict(cfg.init)
     if not fields.get("vocab_size"):
         fields["vocab_size"] = int(vocab_size)
@@ -51,7 +55,7 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
         raise ValueError(
             f"config.model.init.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab_size} ids"
         )
-    return Decoder(mcfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    return Decoder(mcfg, rngs=nnx.Rngs(seed), **kw)
 
 
 def objective_config(algorithm: Algorithm, cfg: ObjectiveSection) -> ObjectiveConfig:

@@ -21,6 +21,7 @@ from typing import Any
 
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models_from_config
+from rljax.train.builders import DTYPE_OF
 from rljax.train.run_config import EngineSection
 from rljax.train.worker import Worker
 
@@ -58,6 +59,9 @@ class EngineSet:
       workdir: where a locally launched vLLM server's initial weights are written.
       seed: the embedded sampler's seed.
       engine_override: an engine object to use as the policy engine (tests, custom engines).
+      dtype: the dtype the policy engine serves (``"float32"`` / ``"bfloat16"``): every model put on
+        it is cast with :func:`rljax.models.cast_model` (a no-op when the model already stores and
+        computes in it), so the trainer's master weights stay untouched.
     """
 
     def __init__(
@@ -68,8 +72,10 @@ class EngineSet:
         workdir: pathlib.Path,
         seed: int,
         engine_override: Any = None,
+        dtype: str = "float32",
     ) -> None:
         self.config = engine
+        self.dtype = dtype
         self.frozen_configs = dict(frozen)
         self.workdir = workdir
         self.seed = seed
@@ -83,6 +89,7 @@ class EngineSet:
         """Creates the policy engine on ``model``'s weights (unless one was given); returns it."""
         if self.policy is not None:
             return self.policy
+        model = self.served(model)
         e = self.config
         if e.kind == "embedded":
             from rljax.inference.sampler import EmbeddedSampler
@@ -102,7 +109,7 @@ class EngineSet:
         return self.policy
 
     def _start_vllm(self, model: Any) -> Any:
-        from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
+        from rljax.inference.vllm import ServerConfig, ServerGroup, SyncConfig, VLLMClient
         from rljax.models import save_pretrained
 
         e = self.config
@@ -110,15 +117,22 @@ class EngineSet:
         if not urls:  # launch local servers on the initial weights
             model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
             save_pretrained(model, model_dir)
-            configs = [ServerConfig(model=model_dir, **dict(e.server)) for _ in range(e.num_servers)]
+            server = {"dtype": self.dtype, **dict(e.server)}
+            configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls
-        return VLLMClient(urls, **dict(e.client))
+        return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **dict(e.client))
+
+    def served(self, model: Any) -> Any:
+        """``model`` as the policy engine serves it (cast to :attr:`dtype`)."""
+        from rljax.models import cast_model
+
+        return cast_model(model, DTYPE_OF[self.dtype])
 
     async def serve(self, version: int, model: Any) -> None:
         """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does)."""
         if self._served_version != version:
-            await self.policy.update_weights(model, version=version)
+            await self.policy.update_weights(self.served(model), version=version)
             self._served_version = version
 
     # -- frozen models -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any
 from rljax.data.filters import make_filter
 from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
+from rljax.inference.vllm.weight_sync import SyncConfig
 from rljax.rollout import RolloutConfig
 from rljax.train.optim import OptimizerConfig
 from rljax.train.warmstart import WarmStartConfig
@@ -57,6 +58,12 @@ __all__ = [
 
 #: Model dtypes a run accepts (compute and parameter storage).
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: Weight dtypes an engine can serve: a dtype, or "auto" (= model.compute_dtype).
+ENGINE_DTYPES: tuple[str, ...] = ("auto", *DTYPES)
+#: Remat policies of ``model.remat`` (see :class:`rljax.models.Decoder`).
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+#: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
+SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -119,10 +126,17 @@ DEFAULT_INIT = dict(
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """``hf_path``: an HF checkpoint directory to load; empty = a fresh model of ``init`` (ModelConfig
-    fields). ``dtype``: compute and parameter dtype (one of :data:`DTYPES`), with or without hf_path."""
+    fields). Precision (each one of :data:`DTYPES`): ``param_dtype`` stores the master weights, their
+    gradients and the optimizer state (float32 default, whatever the checkpoint's dtype: a bf16
+    checkpoint is upcast on load); ``compute_dtype`` is the dtype of activations and matmuls (logits,
+    log-probs, ratios and every loss stay float32). ``remat``: activation recomputation of each
+    block in the backward pass, one of :data:`REMAT_POLICIES` (``none``, ``full``: save only block
+    inputs, ``dots_saveable``: also keep matmul outputs without batch dims)."""
 
     hf_path: str = ""
-    dtype: str = "float32"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
     init: dict = _field(DEFAULT_INIT)
 
 
@@ -165,9 +179,15 @@ class EngineSection:
     """The policy's inference engine. ``embedded``: the in-process JAX sampler (its batching fields).
     ``vllm``: servers at ``urls``, or ``num_servers`` launched locally on the initial weights from the
     vLLM virtual environment ``python`` (empty: found automatically); ``server`` holds
-    :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments."""
+    :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments,
+    ``sync`` :class:`rljax.inference.vllm.SyncConfig` fields (weight-sync probe length / seed,
+    ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" | "warn").
+    ``dtype``: the dtype weights are served in (cast from the master weights on every sync; "auto" =
+    ``model.compute_dtype``); a launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
+    is set."""
 
     kind: str = "embedded"
+    dtype: str = "auto"
     max_batch_size: int = 128
     min_batch_bucket: int = 8
     batch_wait_ms: float = 0.0
@@ -179,6 +199,7 @@ class EngineSection:
     python: str = ""
     server: dict = _field({})
     client: dict = _field({})
+    sync: dict = _field({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +287,7 @@ class TrainerSection:
     filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
     dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
     row_buckets: Any = None
+    micro_batch_tokens: int = 0
     eval_every: int = 10
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
@@ -312,6 +334,11 @@ class RunConfig:
     warmstart: WarmStartSection = _field(WarmStartSection())
     trainer: TrainerSection = _field(TrainerSection())
     mesh: dict = _field(dict(data=1, fsdp=1, tensor=1))  # product 1 = no mesh (one device)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the policy engine serves: ``engine.dtype``, "auto" = ``model.compute_dtype``."""
+        return self.model.compute_dtype if self.engine.dtype == "auto" else self.engine.dtype
 
     def optimizer_config(self, **overrides: Any) -> OptimizerConfig:
         return OptimizerConfig(**{**self.optimizer, **overrides})
@@ -390,10 +417,21 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     raise TypeError(f"{path}: no coercion for {hint!r}")  # a bug in this module, not in the config
 
 
+#: Keys that were replaced, with what to write instead (an error, not a silent default).
+RENAMED_KEYS: Mapping[str, Mapping[str, str]] = {
+    "config.model": {
+        "dtype": "was split into model.param_dtype (master weights + optimizer state, default float32) "
+        "and model.compute_dtype (activations); e.g. compute_dtype='bfloat16' for bf16 compute",
+    },
+}
+
+
 def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in value:
+        if key in RENAMED_KEYS.get(path, {}):
+            raise _fail(f"{path}.{key}", RENAMED_KEYS[path][key])
         if key not in names:
             raise _fail(f"{path}.{key}", f"unknown key; known keys of {path}: {names}")
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
@@ -420,10 +458,33 @@ def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
         raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
 
 
+def _validate_sync(engine: EngineSection) -> None:
+    _check_known("config.engine.sync", engine.sync, _dataclass_fields(SyncConfig), "SyncConfig")
+    if "sync" in engine.client:
+        raise _fail(
+            "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"
+        )
+    try:
+        SyncConfig(**engine.sync)
+    except (TypeError, ValueError) as e:
+        raise _fail("config.engine.sync", str(e)) from None
+
+
 def _validate(cfg: RunConfig) -> RunConfig:
     """Cross-field rules and the value ranges of every section (each error names its key)."""
     t = cfg.trainer
-    _one_of("config.model.dtype", cfg.model.dtype, DTYPES)
+    _one_of("config.model.param_dtype", cfg.model.param_dtype, DTYPES)
+    _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
+    _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
+    _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
+    _validate_sync(cfg.engine)
+    _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
+    if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
+        raise _fail(
+            "config.trainer.micro_batch_tokens",
+            f"{t.micro_batch_tokens} is smaller than one packed row (trainer.seq_len={t.seq_len}); a "
+            "micro-batch holds whole rows: use a multiple of seq_len, or 0 for no micro-batching",
+        )
     _one_of("config.trainer.mode", t.mode, MODES)
     _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)

@@ -56,6 +56,7 @@ from rljax.chat import make_renderer
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.batch import StepBatch
 from rljax.data.filters import make_filter
+from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import make_mini_batches
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
 from rljax.envs.base import Task
@@ -65,11 +66,12 @@ from rljax.train import metrics as metrics_lib
 from rljax.train import sharding as train_sharding
 from rljax.train.builders import build_model, build_tokenizer, check_algorithm_needs, objective_config
 from rljax.train.engines import EngineSet, resolve_frozen_models
+from rljax.train.memory import device_peak_bytes, step_memory_metrics
 from rljax.train.references import ReferenceScorers
 from rljax.train.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.train.run_config import config_differences, parse_run_config
 from rljax.train.scheduler import RolloutScheduler, derive_seed
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
 from rljax.train.tasks import TaskIterator, build_env_tasks
 from rljax.train.warmstart import run_warm_start
 from rljax.train.worker import Worker
@@ -150,6 +152,7 @@ class Trainer:
             workdir=self.workdir,
             seed=cfg.seed,
             engine_override=engine,
+            dtype=cfg.engine_dtype,
         )
         self.rollout_worker = Worker("rljax-rollout")
         self.scoring_worker = Worker("rljax-scoring")  # teacher scoring, beside the rollouts
@@ -171,6 +174,7 @@ class Trainer:
         )
         self.np_rng = np.random.default_rng(derive_seed(cfg.seed, 0xB47C))
         self.history: list[dict[str, Any]] = []
+        self._step_memory: dict[Any, dict[str, float]] = {}
 
     # -- small helpers ---------------------------------------------------------------------------------
     def model_of(self, params: Any) -> nnx.Module:
@@ -273,9 +277,12 @@ class Trainer:
                 shuffle_seed=shuffle_seed,
                 **prep.streams(),
             ):
-                packed = mb.batch if self.mesh is None else train_sharding.shard_batch(mb.batch, self.mesh)
-                self.state, m = train_step(self.state, packed, mini_batch_counts(packed, tcfg.objective))
+                step_fn, packed = self._place(mb.batch)
+                counts = mini_batch_counts(packed, tcfg.objective)
+                memory = self._memory_metrics(step_fn, packed, counts)
+                self.state, m = step_fn(self.state, packed, counts)
                 row = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
+                row.update(memory)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
                 train_rows.append({f"{k}/{name}" if multi else k: v for k, v in row.items()} | row)
@@ -283,6 +290,33 @@ class Trainer:
             metrics[key] = float(np.mean([r[key] for r in train_rows if key in r]))
         metrics["optimizer_steps"] = float(len(train_rows))
         return metrics
+
+    def _place(self, batch: Any) -> tuple[Callable[..., Any], Any]:
+        """The jitted step for one packed mini-batch and the batch as it takes it: the whole
+        ``[R, L]`` batch (``train_step``), or ``[k, r, L]`` micro-batches of at most
+        ``trainer.micro_batch_tokens`` tokens per data-parallel shard, accumulated in one scan
+        (``train_mini_batch``)."""
+        budget = self.cfg.trainer.micro_batch_tokens
+        rows, seq_len = np.shape(batch.tokens)
+        stacked = bool(budget) and micro_batch_rows(
+            seq_len=seq_len, micro_batch_tokens=budget, data_parallel=self.data_parallel
+        ) < rows
+        if stacked:
+            batch = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=self.data_parallel)
+        if self.mesh is not None:
+            batch = train_sharding.shard_batch(batch, self.mesh, stacked=stacked)
+        return (train_mini_batch if stacked else train_step), batch
+
+    def _memory_metrics(self, step_fn: Callable[..., Any], batch: Any, counts: Any) -> dict[str, float]:
+        """``memory/*`` of this step (XLA's estimate per shape, cached; the device peak where reported)."""
+        key = (step_fn is train_mini_batch, self.state.config, jax.tree.map(np.shape, batch))
+        if key not in self._step_memory:
+            self._step_memory[key] = step_memory_metrics(step_fn, self.state, batch, counts)
+        out = {k: v for k, v in self._step_memory[key].items() if k != "memory/peak_bytes"}
+        peak = device_peak_bytes()
+        if peak is not None:
+            out["memory/peak_bytes"] = peak
+        return out
 
     def _eval_result(self, step: int, future: concurrent.futures.Future) -> dict[str, float]:
         result: RolloutResult = future.result()
@@ -409,9 +443,6 @@ def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algo
         if a.name == name:
             return a
     raise ValueError(f"a step names algorithm {name!r}, which this run lacks ({algorithms.names})")
-
-
-
 
 
 def _advantage_metrics(prep: Any, alg: algos.Algorithm, name: str) -> dict[str, float]:

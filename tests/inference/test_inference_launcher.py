@@ -62,6 +62,29 @@ def test_command_line_and_environment(monkeypatch):
         server_command(ServerConfig(model="/m"), python="/py")
     with pytest.raises(ValueError, match="port"):
         ServerConfig(model="/m", port=70000)
+    # GPU knobs: flags only when set
+    gpu = server_command(
+        ServerConfig(model="/m", gpu_memory_utilization=0.85, tensor_parallel_size=2, max_num_seqs=128),
+        python="/py",
+        port=1,
+    )
+    gflags = dict(zip(gpu[3::2], gpu[4::2], strict=False))
+    tail = dict(
+        zip(
+            gpu[gpu.index("--no-enable-chunked-prefill") + 1 :: 2],
+            gpu[gpu.index("--no-enable-chunked-prefill") + 2 :: 2],
+            strict=False,
+        )
+    )
+    assert tail == {
+        "--gpu-memory-utilization": "0.85",
+        "--tensor-parallel-size": "2",
+        "--max-num-seqs": "128",
+    }
+    assert "--gpu-memory-utilization" not in gflags and "--tensor-parallel-size" not in cmd
+    for bad in (dict(gpu_memory_utilization=1.5), dict(tensor_parallel_size=0), dict(max_num_seqs=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerConfig(model="/m", **bad)
 
 
 def test_find_vllm_python(monkeypatch, tmp_path):

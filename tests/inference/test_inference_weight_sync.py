@@ -14,7 +14,14 @@ import safetensors.numpy
 
 from rljax import models
 from rljax.inference.engine import SamplingParams
-from rljax.inference.vllm import SyncConfig, VLLMClient, WeightSyncError, probe_sequence, write_checkpoint
+from rljax.inference.vllm import (
+    SYNC_ATOL,
+    SyncConfig,
+    VLLMClient,
+    WeightSyncError,
+    probe_sequence,
+    write_checkpoint,
+)
 from rljax.inference.vllm.weight_sync import LM_HEAD_FILE
 
 SYNC_PATHS = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
@@ -182,6 +189,50 @@ def test_requests_wait_during_a_sync_and_in_flight_ones_keep_the_old_version(two
         assert all(t > resumed for t in gens)
 
 
+def test_tolerance_follows_the_served_dtype(two_fakes):
+    """A server 1e-3 off: a float32 sync fails (limit 1e-4), a bfloat16 sync passes (limit 1.0),
+    and an explicit atol overrides both."""
+    a, b = two_fakes
+    a.mode = b.mode = "offset_scores"
+
+    async def main(model, config):
+        async with VLLMClient([a.url, b.url], sync=config) as client:
+            await client.update_weights(model, reference_logprobs=fake_reference)
+            return client.last_sync.max_abs_diff
+
+    f32, bf16 = small_model(), models.cast_model(small_model(), jnp.bfloat16)
+    with pytest.raises(WeightSyncError, match="by more than 0.0001"):
+        run(main(f32, SyncConfig(probe_length=8)))
+    np.testing.assert_allclose(run(main(bf16, SyncConfig(probe_length=8))), [1e-3, 1e-3], rtol=1e-3)
+    with pytest.raises(WeightSyncError, match="by more than 1e-05"):
+        run(main(bf16, SyncConfig(probe_length=8, atol=1e-5)))
+    assert SyncConfig().tolerance(jnp.bfloat16) == SYNC_ATOL["bfloat16"] == 1.0
+    assert SyncConfig().tolerance(np.float32) == 1e-4 and SyncConfig(atol=0.5).tolerance(np.float32) == 0.5
+
+
+@pytest.mark.parametrize("policy", ["retry", "warn"])
+def test_on_mismatch_policies(two_fakes, policy):
+    a, b = two_fakes
+    b.mode = "offset_scores"
+
+    async def main():
+        async with VLLMClient([a.url, b.url], sync=SyncConfig(probe_length=8, on_mismatch=policy)) as c:
+            if policy == "retry":  # reloads once more, verifies again, still off: raises
+                with pytest.raises(WeightSyncError, match="by more than"):
+                    await c.update_weights(small_model(), reference_logprobs=fake_reference)
+                return c.weight_version, None
+            version = await c.update_weights(small_model(), reference_logprobs=fake_reference)
+            return version, c.last_sync.max_abs_diff
+
+    version, diffs = run(main())
+    reloads = b.paths().count("/collective_rpc")
+    if policy == "retry":
+        assert version == 0 and reloads == 2
+    else:  # warn: keeps the servers, reports the measured differences, the version advances
+        assert version == 1 and reloads == 1
+        assert diffs[0] == 0.0 and abs(diffs[1] - 1e-3) < 1e-6
+
+
 def test_sync_config_validation():
     with pytest.raises(ValueError, match="pause_mode"):
         SyncConfig(pause_mode="later")
@@ -189,3 +240,5 @@ def test_sync_config_validation():
         SyncConfig(probe_ids=(1,))
     with pytest.raises(ValueError, match="atol"):
         SyncConfig(atol=0)
+    with pytest.raises(ValueError, match="on_mismatch"):
+        SyncConfig(on_mismatch="ignore")

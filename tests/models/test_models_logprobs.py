@@ -185,12 +185,13 @@ def test_chunked_gradients_equal_unchunked_and_remat_and_attention_blocks(model)
         m = nnx.merge(graphdef, p)
         m.remat = remat
         m.attention_chunk_size = 4 if remat else None  # 10 tokens -> 3 query blocks, one padded
+        # remat: False / True ("full") / "dots_saveable" (keep matmul outputs, recompute the rest)
         lp, ent = models.sequence_logprobs_and_entropy(m, tokens, chunk_size=chunk)
         return jnp.sum(lp) + 0.1 * jnp.sum(ent)
 
     grads = {
         key: jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))(params, *key)
-        for key in [(20, False), (3, True)]
+        for key in [(20, False), (3, True), (3, "dots_saveable")]
     }
     ref_val, ref_grad = grads[(20, False)]
     for val, grad in grads.values():

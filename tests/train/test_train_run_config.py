@@ -66,7 +66,15 @@ def test_every_recipe_parses(name):
         ({"optimizer": {"lr": 1.0}}, r"config.optimizer.lr: unknown key"),
         ({"warmstart": {"optimizer": {"lr": 1.0}}}, r"config.warmstart.optimizer.lr"),
         ({"mesh": {"expert": 2}}, r"config.mesh.expert: unknown key"),
-        ({"model": {"dtype": "float16"}}, r"config.model.dtype: expected one of"),
+        ({"model": {"compute_dtype": "float16"}}, r"config.model.compute_dtype: expected one of"),
+        ({"model": {"param_dtype": "int8"}}, r"config.model.param_dtype: expected one of"),
+        ({"model": {"dtype": "bfloat16"}}, r"config.model.dtype: was split into model.param_dtype"),
+        ({"model": {"remat": "some"}}, r"config.model.remat: expected one of"),
+        ({"engine": {"dtype": "float16"}}, r"config.engine.dtype: expected one of"),
+        ({"engine": {"sync": {"probe_len": 3}}}, r"config.engine.sync.probe_len: unknown key"),
+        ({"engine": {"sync": {"on_mismatch": "ignore"}}}, r"config.engine.sync: SyncConfig.on_mismatch"),
+        ({"engine": {"client": {"sync": {}}}}, r"config.engine.client.sync: set the weight sync in"),
+        ({"trainer": {"micro_batch_tokens": 100}}, r"config.trainer.micro_batch_tokens: 100 is smaller"),
         ({"objective": {"reduction": "mean"}}, r"config.objective.reduction"),
         ({"trainer": {"prompts_per_step": 6, "mini_batch_prompts": 4}}, r"config.trainer.mini_batch_prompts"),
         ({"frozen_models": {"t": {"url": "x"}}}, r"config.frozen_models"),
@@ -90,16 +98,21 @@ def test_mini_batch_prompts_dividing_the_step_is_accepted():
 # -- honoured keys ---------------------------------------------------------------------------------------
 
 
-def test_model_dtype_is_honoured_without_hf_path(tmp_path):
+def test_model_dtypes_are_honoured_without_hf_path(tmp_path):
     c = _recipe("smoke")
-    c.model.dtype = "bfloat16"
+    c.model.update(param_dtype="bfloat16", compute_dtype="bfloat16")
     t = Trainer(c, tmp_path)
-    dtypes = {x.dtype for x in jax.tree.leaves(t.state.params)}
-    assert dtypes == {jnp.dtype(jnp.bfloat16)}
-    c.model.dtype = "float32"
-    assert {x.dtype for x in jax.tree.leaves(Trainer(c, tmp_path / "f32").state.params)} == {
-        jnp.dtype(jnp.float32)
-    }
+    assert {x.dtype for x in jax.tree.leaves(t.state.params)} == {jnp.dtype(jnp.bfloat16)}
+    c.model.update(param_dtype="float32", compute_dtype="bfloat16")  # fp32 master, bf16 compute
+    t = Trainer(c, tmp_path / "mixed")
+    assert {x.dtype for x in jax.tree.leaves(t.state.params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(t.state.opt_state) if x.ndim} == {jnp.dtype(jnp.float32)}
+    assert t.current_model().dtype == jnp.bfloat16
+    # the engine serves compute_dtype weights by default ("auto"), float32 when asked
+    assert t.engines.served(t.current_model()).embed_tokens[...].dtype == jnp.bfloat16
+    c.engine.dtype = "float32"
+    t = Trainer(c, tmp_path / "serve32")
+    assert t.engines.served(t.current_model()).embed_tokens[...].dtype == jnp.float32
 
 
 def test_rollout_seed_is_honoured(tmp_path):

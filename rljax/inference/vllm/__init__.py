@@ -25,6 +25,7 @@ from rljax.inference.vllm.launcher import (
     free_port,
 )
 from rljax.inference.vllm.weight_sync import (
+    SYNC_ATOL,
     SyncConfig,
     SyncReport,
     WeightSyncError,
@@ -36,6 +37,7 @@ from rljax.inference.vllm.weight_sync import (
 )
 
 __all__ = [
+    "SYNC_ATOL",
     "MalformedResponseError",
     "RequestRejectedError",
     "ServerConfig",

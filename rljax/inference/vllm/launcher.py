@@ -96,7 +96,13 @@ class ServerConfig:
       logprobs_mode: ``processed_logprobs`` returns logprobs of the temperature-scaled distribution
         (what the trainer recomputes); ``raw_logprobs`` ignores temperature.
       skip_tokenizer_init: serve a model directory without a tokenizer (token ids in and out only).
-      kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU).
+      kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU; CPU builds only).
+      gpu_memory_utilization: ``--gpu-memory-utilization``, the share of each GPU's memory vLLM may
+        use for weights + KV cache (GPU builds; None = vLLM's default, 0.9). Lower it when the
+        trainer shares the GPU.
+      tensor_parallel_size: ``--tensor-parallel-size`` (GPUs per server; 1 = no flag).
+      max_num_seqs: ``--max-num-seqs``, the most sequences a server batches at once (None = vLLM's
+        default); bounds KV-cache pressure with many concurrent rollouts.
       dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/collective_rpc routes for weight sync).
       chunked_prefill: let vLLM split long prefills into chunks. Off by default: vLLM 0.32's CPU engine
         dies ("CPU Generator does not use offset") when a SEEDED request's prefill is chunked, and every
@@ -119,6 +125,9 @@ class ServerConfig:
     logprobs_mode: str = "processed_logprobs"
     skip_tokenizer_init: bool = False
     kv_cache_gib: float = 1
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None
     dev_mode: bool = True
     chunked_prefill: bool = False
     extra_args: tuple[str, ...] = ()
@@ -134,6 +143,16 @@ class ServerConfig:
             raise ValueError(
                 f"ServerConfig.port must be in 1..65535 or None (pick a free one), got {self.port}"
             )
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"ServerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"ServerConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"ServerConfig.max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"ServerConfig.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -156,6 +175,12 @@ def server_command(config: ServerConfig, *, python: str, port: int | None = None
     ]  # fmt: skip
     if not config.chunked_prefill:
         cmd.append("--no-enable-chunked-prefill")
+    if config.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}"]
+    if config.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+    if config.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(config.max_num_seqs)]
     cmd += list(config.extra_args)
     if config.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
