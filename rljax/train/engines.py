@@ -121,7 +121,10 @@ class EngineSet:
             configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls
-        return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **dict(e.client))
+        client = dict(e.client)
+        if model.config.moe_layers:  # MoE: routed experts (if the servers return them) in rljax's layout
+            client.setdefault("routed_layers", tuple(model.config.moe_layers))
+        return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **client)
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`)."""

@@ -1,6 +1,8 @@
 """VLLMClient against in-process fake vLLM servers: exact parsing, clear errors, routing, failover."""
 
 import asyncio
+import base64
+import io
 import math
 import threading
 import time
@@ -80,6 +82,37 @@ def test_parse_completion_valid():
     c = parse_completion(_choice(finish_reason="abort", token_ids=[], logprobs={"token_logprobs": []}),
                          prompt_ids=[1, 2], weight_version=0)  # fmt: skip
     assert c.finish_reason == "abort" and c.ids == ()
+
+
+def _npy_b64(array) -> str:
+    """vLLM's encoding of routed experts (its docs: base64 of the ``.npy`` bytes)."""
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def test_parse_completion_routed_experts():
+    """A recorded-shape answer of a 4-layer MoE server (layers 1 and 3 sparse, top-2, uint8):
+    prompt [1, 2] + completion [7, 8] -> 3 routed rows; rljax keeps its MoE layers in order."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 8, size=(3, 4, 2)).astype(np.uint8)
+    body = _choice(routed_experts=_npy_b64(raw))
+    c = parse_completion(body, prompt_ids=[1, 2], weight_version=0, routed_layers=(1, 3))
+    assert c.routed_experts.dtype == np.int32 and c.routed_experts.shape == (3, 2, 2)
+    np.testing.assert_array_equal(c.routed_experts[:, 0], raw[:, 1])
+    np.testing.assert_array_equal(c.routed_experts[:, 1], raw[:, 3])
+    whole = parse_completion(body, prompt_ids=[1, 2], weight_version=0)
+    np.testing.assert_array_equal(whole.routed_experts, raw)
+    assert parse_completion(_choice(), prompt_ids=[1, 2], weight_version=0).routed_experts is None
+    for bad, match in [
+        (_npy_b64(raw[:2]), r"shape \(3, layers, top_k\)"),
+        (_npy_b64(raw.astype(np.float32)), "int array"),
+        ("not base64!", "not base64"),
+    ]:
+        with pytest.raises(MalformedResponseError, match=match):
+            parse_completion(_choice(routed_experts=bad), prompt_ids=[1, 2], weight_version=0)
+    with pytest.raises(MalformedResponseError, match="cannot select MoE layers"):
+        parse_completion(body, prompt_ids=[1, 2], weight_version=0, routed_layers=(1, 4))
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,11 @@ Completion(ids=(5,), logprobs=(-0.5,), finish_reason='stop', weight_version=3)
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
 import dataclasses
+import io
 import json
 import math
 import tempfile
@@ -128,11 +131,55 @@ def _check_prompt_echo(choice: Mapping[str, Any], prompt_ids: Sequence[int]) -> 
         )
 
 
-def parse_completion(body: Any, *, prompt_ids: Sequence[int], weight_version: int) -> Completion:
+def decode_routed_experts(
+    encoded: str, *, num_rows: int, routed_layers: Sequence[int] | None = None
+) -> np.ndarray:
+    """vLLM's ``routed_experts`` field -> int32 ``[num_rows, layers, top_k]`` (router replay, R3).
+
+    vLLM (``--enable-return-routed-experts``) returns base64 of a ``.npy`` array of shape
+    ``(num_tokens - 1, num_hidden_layers, top_k)``, uint8/uint16/int32: the experts every processed
+    token (prompt and completion, but the last sampled token) was routed to, one row per layer of
+    the model (rows of dense layers are meaningless). ``routed_layers`` keeps those layers in that
+    order (rljax's layout: the model's ``config.moe_layers``); None keeps every layer.
+
+    >>> import base64, io
+    >>> buf = io.BytesIO(); np.save(buf, np.arange(12, dtype=np.uint8).reshape(2, 3, 2))
+    >>> decode_routed_experts(base64.b64encode(buf.getvalue()).decode(), num_rows=2, routed_layers=[1, 2])[0]
+    array([[2, 3],
+           [4, 5]], dtype=int32)
+    """
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, OSError, binascii.Error) as e:
+        raise MalformedResponseError(f"routed_experts is not base64 of a .npy array: {e}") from None
+    if array.ndim != 3 or array.shape[0] != num_rows or not np.issubdtype(array.dtype, np.integer):
+        raise MalformedResponseError(
+            f"routed_experts must be an int array of shape ({num_rows}, layers, top_k) (one row per "
+            f"processed token but the last); got {array.dtype} {array.shape}"
+        )
+    if routed_layers is not None:
+        layers = [int(i) for i in routed_layers]
+        if layers and max(layers) >= array.shape[1]:
+            raise MalformedResponseError(
+                f"routed_experts has {array.shape[1]} layers; cannot select MoE layers {layers}"
+            )
+        array = array[:, layers]
+    return array.astype(np.int32)
+
+
+def parse_completion(
+    body: Any,
+    *,
+    prompt_ids: Sequence[int],
+    weight_version: int,
+    routed_layers: Sequence[int] | None = None,
+) -> Completion:
     """Validates a ``/v1/completions`` answer and returns its :class:`Completion`.
 
     Raises :class:`MalformedResponseError` when ids or logprobs are missing, of different lengths,
-    not finite, or when the echoed prompt differs from ``prompt_ids``.
+    not finite, or when the echoed prompt differs from ``prompt_ids``. A ``routed_experts`` field
+    (MoE servers with ``--enable-return-routed-experts``) becomes ``Completion.routed_experts``
+    (:func:`decode_routed_experts`, keeping ``routed_layers``).
     """
     choice = _first_choice(body)
     _check_prompt_echo(choice, prompt_ids)
@@ -168,11 +215,17 @@ def parse_completion(body: Any, *, prompt_ids: Sequence[int], weight_version: in
         raise MalformedResponseError(
             f"unknown finish_reason {reason!r}; expected one of {sorted(r for r in _FINISH_REASONS if r)}"
         )
+    routed = choice.get("routed_experts")
+    if routed is not None:
+        routed = decode_routed_experts(
+            routed, num_rows=len(prompt_ids) + len(ids) - 1, routed_layers=routed_layers
+        )
     return Completion(
         ids=tuple(ids),
         logprobs=tuple(float(x) for x in token_logprobs),
         finish_reason=_FINISH_REASONS[reason],
         weight_version=weight_version,
+        routed_experts=routed,
     )
 
 
@@ -229,6 +282,9 @@ class VLLMClient:
     """An :class:`rljax.inference.engine.Engine` over one or more vLLM servers.
 
     Use it inside the event loop that will run the requests (``async with VLLMClient(urls) as c``).
+    ``routed_layers``: for MoE servers started with ``--enable-return-routed-experts``, the model's
+    MoE layer indices (``config.moe_layers``): completions then carry ``routed_experts`` in rljax's
+    layout ``[tokens - 1, len(routed_layers), top_k]`` (router replay); None keeps vLLM's layers.
 
     >>> client = VLLMClient(["http://127.0.0.1:8000", "http://127.0.0.1:8001/"], max_concurrency=4)
     >>> client.urls, client.weight_version
@@ -250,6 +306,7 @@ class VLLMClient:
         max_sessions: int = 100_000,
         weight_version: int = 0,
         sync: weight_sync.SyncConfig | None = None,
+        routed_layers: Sequence[int] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -275,6 +332,7 @@ class VLLMClient:
         self.max_sessions = int(max_sessions)
         self.weight_version = int(weight_version)
         self.sync_config = sync or weight_sync.SyncConfig()
+        self.routed_layers = None if routed_layers is None else tuple(int(i) for i in routed_layers)
         self.last_sync: weight_sync.SyncReport | None = None
         self._clock = clock
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -462,7 +520,9 @@ class VLLMClient:
             "/v1/completions",
             completion_payload(prompt, sampling, model=self.model),
             session_id=session_id,
-            parse=lambda body, version: parse_completion(body, prompt_ids=prompt, weight_version=version),
+            parse=lambda body, version: parse_completion(
+                body, prompt_ids=prompt, weight_version=version, routed_layers=self.routed_layers
+            ),
         )
 
     async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
