@@ -62,12 +62,14 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ENGINE_DTYPES: tuple[str, ...] = ("auto", *DTYPES)
 #: Remat policies of ``model.remat`` (see :class:`rljax.models.Decoder`).
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+#: ``model.router_replay`` values (MoE models).
+ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
 #: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")  # expert: MoE expert parallelism
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
 
@@ -131,12 +133,16 @@ class ModelSection:
     checkpoint is upcast on load); ``compute_dtype`` is the dtype of activations and matmuls (logits,
     log-probs, ratios and every loss stay float32). ``remat``: activation recomputation of each
     block in the backward pass, one of :data:`REMAT_POLICIES` (``none``, ``full``: save only block
-    inputs, ``dots_saveable``: also keep matmul outputs without batch dims)."""
+    inputs, ``dots_saveable``: also keep matmul outputs without batch dims). ``router_replay`` (MoE
+    models): ``"r3"`` replays the experts the sampler routed every token to in the train forward
+    (gates recomputed from the current router); ``"off"`` routes afresh. ``routing/flip_fraction``
+    (the share of tokens whose trainer top-k differs from the sampler's) is logged either way."""
 
     hf_path: str = ""
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    router_replay: str = "off"
     init: dict = _field(DEFAULT_INIT)
 
 
@@ -214,12 +220,16 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSection:
-    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus."""
+    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
+    auxiliary losses (``moe_aux_loss_coef`` x Switch load balancing, ``router_z_loss_coef`` x
+    router z-loss; 0 = off, metrics are logged anyway)."""
 
     reduction: str = "token_mean"
     off_policy: dict = _field({})
     entropy_coef: float = 0.0
     max_len: int | None = None
+    moe_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,6 +486,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.model.param_dtype", cfg.model.param_dtype, DTYPES)
     _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
     _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
+    _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
+    for key in ("moe_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(cfg.objective, key) < 0:
+            raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
     _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
     _validate_sync(cfg.engine)
     _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)

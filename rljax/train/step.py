@@ -44,7 +44,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_logprobs_and_entropy
+from rljax.models.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    sequence_logprobs_and_entropy,
+    sequence_logprobs_entropy_and_routing,
+)
+from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules
 from rljax.train import sharding as train_sharding
 from rljax.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -71,6 +76,17 @@ class TrainConfig:
       objective: the loss (:class:`rljax.core.objective.ObjectiveConfig`).
       optimizer: AdamW / schedule / clipping (:class:`rljax.train.optim.OptimizerConfig`).
       chunk_size: tokens per logits chunk of the chunked logprobs (memory ``O(chunk * vocab)``).
+      router_replay: MoE models: dispatch every token to the experts recorded in
+        ``batch.routed_experts`` (R3; gates recomputed from the current router). Rows of -1 (no
+        record) route afresh.
+      moe_aux_loss_coef: weight of the Switch load-balancing loss in the objective (MoE; 0 = off).
+      router_z_loss_coef: weight of the router z-loss in the objective (MoE; 0 = off).
+
+    MoE models always report ``routing/*`` metrics (expert load, router entropy, both auxiliary
+    losses) over the real tokens of the batch and, when the batch records the sampler's routing,
+    ``routing/flip_fraction``: the share of recorded tokens whose trainer top-k set differs from
+    the sampler's (computed from the trainer's own router, replay or not). Micro-batches combine
+    them (and the auxiliary losses) weighted by their share of the mini-batch's trained tokens.
 
     >>> TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5)).optimizer.learning_rate
     1e-05
@@ -79,6 +95,9 @@ class TrainConfig:
     objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    router_replay: bool = False
+    moe_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.objective, ObjectiveConfig):
@@ -187,17 +206,58 @@ def _loss(
     tokens = jnp.asarray(batch.tokens)
     chex.assert_rank(tokens, 2)
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
-    logp, entropy = sequence_logprobs_and_entropy(
-        model,
-        tokens,
+    kwargs = dict(
         positions=batch.positions,
         segment_ids=batch.segment_ids,
         temperature=temperature,
         chunk_size=config.chunk_size,
     )
+    routing = None
+    if getattr(model.config, "moe_layers", ()):
+        replay = batch.routed_experts if config.router_replay else None
+        logp, entropy, routing = sequence_logprobs_entropy_and_routing(
+            model, tokens, routed_experts=replay, **kwargs
+        )
+    else:
+        logp, entropy = sequence_logprobs_and_entropy(model, tokens, **kwargs)
     if config.objective.entropy_coef == 0.0:
         entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
-    return objective(logp, batch, counts, config.objective, entropy=entropy)
+    loss, metrics = objective(logp, batch, counts, config.objective, entropy=entropy)
+    if routing is not None:
+        loss, metrics = _add_routing(loss, metrics, routing, batch, counts, model.config, config)
+    return loss, metrics
+
+
+def _add_routing(
+    loss: jax.Array,
+    metrics: dict[str, jax.Array],
+    routing: Any,
+    batch: PackedBatch,
+    counts: Counts,
+    model_config: Any,
+    config: TrainConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """MoE auxiliary losses and routing metrics of one (micro-)batch, weighted by its share of the
+    mini-batch's trained tokens (so micro-batch sums are token-weighted averages)."""
+    real = jnp.asarray(batch.segment_ids) != 0
+    share = jnp.sum(jnp.asarray(batch.loss_mask) != 0) / jnp.maximum(counts.loss_tokens, 1.0)
+    share = share.astype(jnp.float32)
+    stats = routing_metrics(routing, real)
+    aux = (
+        config.moe_aux_loss_coef * stats["routing/aux_loss"]
+        + config.router_z_loss_coef * stats["routing/z_loss"]
+    )
+    out = dict(metrics)
+    out.update({k: jax.lax.stop_gradient(v) * share for k, v in stats.items()})
+    if batch.routed_experts is not None:
+        recorded = jnp.asarray(batch.routed_experts)
+        has_record = real & jnp.all(recorded >= 0, axis=(-2, -1))
+        chosen = top_k_experts(jax.lax.stop_gradient(routing.logits), model_config.num_experts_per_tok)
+        flips = flip_fraction(chosen, recorded, has_record)
+        out["routing/flip_fraction"] = flips * share
+    out["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux) * share
+    out["loss/moe_aux"] = jax.lax.stop_gradient(aux) * share
+    return loss + aux * share, out
 
 
 def loss_and_grads(
@@ -219,9 +279,7 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
-    grads, metrics = jax.grad(_loss, has_aux=True)(
-        state.params, state.graphdef, batch, counts, state.config
-    )
+    grads, metrics = jax.grad(_loss, has_aux=True)(state.params, state.graphdef, batch, counts, state.config)
     return _constrain(state, grads, like="params"), metrics
 
 

@@ -127,9 +127,18 @@ class Trainer:
         self.algorithms = algos.validate_algorithm_config(
             cfg.algorithm, env_overrides=cfg.env_algorithms, group_size=cfg.rollout["group_size"]
         )
+        if cfg.model.router_replay != "off" and not model.config.moe_layers:
+            raise ValueError(
+                f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "
+                f"model ({model.config.model_type}) has no MoE layers; set it to 'off'"
+            )
         self.train_configs = {
             a.name: TrainConfig(
-                objective=objective_config(a, cfg.objective), optimizer=cfg.optimizer_config()
+                objective=objective_config(a, cfg.objective),
+                optimizer=cfg.optimizer_config(),
+                router_replay=cfg.model.router_replay == "r3",
+                moe_aux_loss_coef=cfg.objective.moe_aux_loss_coef,
+                router_z_loss_coef=cfg.objective.router_z_loss_coef,
             )
             for a in self.algorithms.algorithms
         }

@@ -47,7 +47,7 @@ def test_default_recipe_is_the_run_config_defaults():
     assert parse_run_config({"trainer": {"mode": "async"}}).trainer.num_steps == 120
 
 
-@pytest.mark.parametrize("name", ["default", "smoke", "vllm_local", "qwen3_gpu"])
+@pytest.mark.parametrize("name", ["default", "smoke", "vllm_local", "qwen3_gpu", "qwen3_moe_gpu"])
 def test_every_recipe_parses(name):
     cfg = parse_run_config(_recipe(name))
     assert isinstance(cfg, RunConfig) and cfg.envs
@@ -65,7 +65,9 @@ def test_every_recipe_parses(name):
         ({"rollout": {"group_sizes": 2}}, r"config.rollout.group_sizes: unknown key"),
         ({"optimizer": {"lr": 1.0}}, r"config.optimizer.lr: unknown key"),
         ({"warmstart": {"optimizer": {"lr": 1.0}}}, r"config.warmstart.optimizer.lr"),
-        ({"mesh": {"expert": 2}}, r"config.mesh.expert: unknown key"),
+        ({"mesh": {"pipeline": 2}}, r"config.mesh.pipeline: unknown key"),
+        ({"model": {"router_replay": "r2"}}, r"config.model.router_replay: expected one of"),
+        ({"objective": {"moe_aux_loss_coef": -1.0}}, r"config.objective.moe_aux_loss_coef: must be >= 0"),
         ({"model": {"compute_dtype": "float16"}}, r"config.model.compute_dtype: expected one of"),
         ({"model": {"param_dtype": "int8"}}, r"config.model.param_dtype: expected one of"),
         ({"model": {"dtype": "bfloat16"}}, r"config.model.dtype: was split into model.param_dtype"),
