@@ -18,7 +18,7 @@ name     sampling component notes
 grpo     policy   rl        grpo(norm_by_std=False) + dppo (the default), optional length penalty
 max_rl   policy   rl        max_rl + dppo
 rloo     policy   rl        rloo + dppo
-ppo      policy   rl        gae + ppo_clip, needs a value head, non-step-wise
+ppo      policy   rl        gae + ppo_clip with a learned critic (rljax.train.critic), per-step rewards
 opd      policy   ref_kl    needs a frozen teacher endpoint (``teacher="policy"`` is rejected)
 opsd     policy   ref_kl    teacher = live policy scored on the demonstration-conditioned prompt
 sft      frozen   ce        samples from a frozen model; sampling from the policy is rejected
@@ -382,7 +382,7 @@ def _builtin() -> None:
             estimator="gae",
             estimator_kwargs={"gamma": 1.0, "lam": 1.0},
             policy_loss="ppo_clip",
-            step_wise=False,
+            reward_mode="per_step",  # each step's reward on its last token; GAE credits earlier turns
         ),
         Algorithm("opd", action_component="ref_kl", estimator=None, policy_loss=None),
         Algorithm(

@@ -140,7 +140,8 @@ class PackedBatch:
     per-token streams refers to predicting ``tokens[t]`` from ``tokens[<t]``: the
     loss mask is 0 on prompt tokens and padding. ``routed_experts`` (MoE router replay, or None):
     int32 ``[rows, seq_len, num_moe_layers, top_k]``, the experts the sampler routed each token to,
-    -1 where none was recorded (padding, the last token of a sample).
+    -1 where none was recorded (padding, the last token of a sample). ``token_rewards`` (PPO, or
+    None): float32 rewards per token (a step's reward on its last response token), 0 elsewhere.
     """
 
     tokens: Any
@@ -158,6 +159,7 @@ class PackedBatch:
     ce_weights: Any
     ref_kl_weights: Any
     routed_experts: Any = None
+    token_rewards: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -66,14 +66,14 @@ def test_builtin_details():
     assert dict(grpo.estimator_kwargs) == {"norm_by_std": False}
     assert grpo.length_penalty is None and grpo.group_relative and not grpo.needs_critic
     ppo = get_algorithm("ppo")
-    assert ppo.needs_critic and ppo.step_wise is False and not ppo.group_relative
+    assert ppo.needs_critic and ppo.step_wise and ppo.reward_mode == "per_step" and not ppo.group_relative
     assert get_algorithm("opd").needs_teacher and get_algorithm("opd").teacher is None
     opsd = get_algorithm("opsd")
     assert opsd.teacher == "policy" and opsd.needs_demonstrations and not opsd.needs_teacher
     assert dict(get_algorithm("echo").observation_ce) == {"tool": 0.1}
     assert dict(get_algorithm("grpo").observation_ce) == {}
     for name in alg.list_algorithms():
-        assert get_algorithm(name).reward_mode == "outcome"
+        assert get_algorithm(name).reward_mode == ("per_step" if name == "ppo" else "outcome")
 
 
 def test_algorithms_are_immutable_and_picklable():
@@ -182,7 +182,7 @@ INVALID = [
     ("opd_no_teacher", get_algorithm("opd"), "needs a teacher: set teacher=<frozen teacher endpoint>"),
     ("opd_policy_teacher", get_algorithm("opd", teacher="policy"), "opd needs a frozen teacher endpoint"),
     ("opsd_no_demos", get_algorithm("opsd", needs_demonstrations=False), "without demonstrations"),
-    ("ppo_step_wise", get_algorithm("ppo", step_wise=True), "set reward_mode='per_step'"),
+    ("ppo_step_wise", get_algorithm("ppo", reward_mode="outcome"), "set reward_mode='per_step'"),
     (
         "reinforce_pp_step_wise",
         get_algorithm("grpo", estimator="reinforce_pp"),

@@ -7,8 +7,9 @@ A mini-batch of ``R`` packed rows of ``L`` tokens is cut into ``k`` micro-batche
 
 The budget is per data-parallel shard (what one device, or one tensor-parallel group, holds at a
 time): each shard gets at most ``micro_batch_tokens`` tokens of every micro-batch (at least one
-row, even when a row is longer than the budget). The micro-batch shape depends only on ``(L, budget, data_parallel)``, and the
-stacked ``[k, r, L]`` shape takes one value per row bucket of the packer (bounded recompiles).
+row, even when a row is longer than the budget). The micro-batch shape depends only on
+``(L, budget, data_parallel)``, and the stacked ``[k, r, L]`` shape takes one value per row
+bucket of the packer (bounded recompiles).
 Padding rows are empty (segment 0, every mask and weight 0, temperature 1, no routed experts), so
 they add nothing to any count, loss or gradient.
 
@@ -76,7 +77,8 @@ def split_by_token_budget(
     batch: PackedBatch, *, micro_batch_tokens: int, data_parallel: int = 1
 ) -> PackedBatch:
     """``[R, L]`` -> ``[k, r, L]`` micro-batches of at most ``micro_batch_tokens`` tokens per
-    data-parallel shard (see the module docstring); consecutive rows per micro-batch, empty rows padding the last.
+    data-parallel shard (see the module docstring); consecutive rows per micro-batch, empty rows
+    padding the last.
 
     ``data_parallel`` must divide ``R`` (the packer's ``data_parallel``), so sharding rows of each
     micro-batch over the data-parallel devices stays exact.

@@ -82,14 +82,20 @@ STREAM_DEFAULTS: Mapping[str, float] = {
     "ce_weights": 0.0,
     "ref_kl_weights": 0.0,
 }
+#: Optional per-step streams: packed only when given (their PackedBatch field is None otherwise).
+OPTIONAL_STREAMS: Mapping[str, float] = {"token_rewards": 0.0}
 
 
 def check_streams(streams: Mapping[str, PerStep]) -> dict[str, PerStep]:
-    """Every stream of :data:`STREAM_DEFAULTS` (absent ones None); unknown names raise ValueError."""
-    unknown = sorted(set(streams) - set(STREAM_DEFAULTS))
+    """Every stream of :data:`STREAM_DEFAULTS` (absent ones None) and the given
+    :data:`OPTIONAL_STREAMS`; unknown names raise ValueError."""
+    known = {**STREAM_DEFAULTS, **OPTIONAL_STREAMS}
+    unknown = sorted(set(streams) - set(known))
     if unknown:
-        raise ValueError(f"unknown per-step stream(s) {unknown}; streams are {list(STREAM_DEFAULTS)}")
-    return {name: streams.get(name) for name in STREAM_DEFAULTS}
+        raise ValueError(f"unknown per-step stream(s) {unknown}; streams are {list(known)}")
+    out = {name: streams.get(name) for name in STREAM_DEFAULTS}
+    out.update({name: streams[name] for name in OPTIONAL_STREAMS if streams.get(name) is not None})
+    return out
 
 _RESPONSE_STREAMS = (
     "loss_mask",
@@ -442,9 +448,11 @@ def _pack_steps(
         out[where] = values
         return out.reshape(num_rows, seq_len)
 
+    optional = {k: v for k, v in OPTIONAL_STREAMS.items() if streams.get(k) is not None}
+    defaults = {**STREAM_DEFAULTS, **optional}
     streams = {
         name: _response_stream(name, streams.get(name), steps, source, resp_lens, keep_lens, default)
-        for name, default in STREAM_DEFAULTS.items()
+        for name, default in defaults.items()
     }
     batch = PackedBatch(
         tokens=scatter(flat_tokens, dest, np.int32),
@@ -562,10 +570,12 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     ([1, 2], [3, 4], [1.0, 0.0])
     """
     dest, _, _ = layout.flat_index()
+    optional = tuple(n for n in OPTIONAL_STREAMS if getattr(packed, n) is not None)
+    response_streams = _RESPONSE_STREAMS + optional
     gathered = {
         name: np.asarray(getattr(packed, name)).reshape(-1)[dest]
         for name in ("tokens", "positions", "segment_ids", "sample_index", "group_index", "temperatures")
-        + _RESPONSE_STREAMS
+        + response_streams
     }
     lengths = layout.lengths
     offsets = np.cumsum(lengths) - lengths
@@ -583,7 +593,7 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
             "row": int(layout.rows[k]),
             "source_index": int(layout.source_index[k]),
         }
-        for name in _RESPONSE_STREAMS:
+        for name in response_streams:
             sample[name] = gathered[name][mid:hi]
         out.append(sample)
     return out

@@ -69,6 +69,8 @@ class PreparedSamples:
       advantages: per-token advantages (zeros for non-rl algorithms).
       rl_weights, ce_weights, ref_kl_weights, ref_logprobs: component streams, None = absent
         (the packer's default: rl weight 1, the others 0).
+      token_rewards: critic algorithms (ppo): per-token rewards (:func:`token_rewards`); their
+        advantages are computed on packed rows from the critic's values (zeros here).
       metrics: filter, merge and echo metrics, keys prefixed by their stage.
     """
 
@@ -78,11 +80,36 @@ class PreparedSamples:
     ce_weights: list[np.ndarray] | None = None
     ref_kl_weights: list[np.ndarray] | None = None
     ref_logprobs: list[np.ndarray] | None = None
+    token_rewards: list[np.ndarray] | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def streams(self) -> dict[str, list[np.ndarray] | None]:
-        """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`) for packing."""
-        return {name: getattr(self, name) for name in STREAM_DEFAULTS}
+        """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`, plus ``token_rewards``
+        when set) for packing."""
+        out = {name: getattr(self, name) for name in STREAM_DEFAULTS}
+        if self.token_rewards is not None:
+            out["token_rewards"] = self.token_rewards
+        return out
+
+
+def token_rewards(steps: Sequence[Step]) -> list[np.ndarray]:
+    """Per-response-token rewards of each step, for token-level estimators (GAE): a scalar
+    ``Step.reward`` on the step's last response token, per-token rewards as given; 0 elsewhere.
+
+    >>> [r.tolist() for r in token_rewards([Step([1], [2, 3], ("q", 0), reward=1.5)])]
+    [[0.0, 1.5]]
+    """
+    out = []
+    for s in steps:
+        n = len(s.response_ids)
+        if s.per_token_reward:
+            out.append(np.asarray(s.reward, np.float32).reshape(n))
+            continue
+        r = np.zeros(n, np.float32)
+        if n:
+            r[-1] = float(s.reward)
+        out.append(r)
+    return out
 
 
 def split_by_algorithm(batch: StepBatch) -> dict[str, StepBatch]:
@@ -177,7 +204,10 @@ def prepare_samples(
     comp = algorithm.action_component
     errored = sum(s.is_last_step and s.stop_reason in ERROR_STOP_REASONS for s in batch)
     metrics: dict[str, float] = {"advantages/errored_excluded": float(errored)} if comp == "rl" else {}
-    if comp == "rl":
+    critic = algorithm.needs_critic
+    if critic:  # advantages come later, from the critic's values on packed rows
+        adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
+    elif comp == "rl":
         lp = None if algorithm.length_penalty is None else dataclasses.asdict(algorithm.length_penalty)
         adv = compute_step_advantages(
             batch,
@@ -188,11 +218,12 @@ def prepare_samples(
         )
     else:
         adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
-    if comp != "rl":  # no advantages, no group baseline: these filters would mask every token
+    if comp != "rl" or critic:  # no advantages (yet) or no group baseline: these would mask every token
         filters = [f for f in filters if not isinstance(f, (ZeroAdvantageFilter, ZeroVarianceGroupFilter))]
     if filters:
         batch, fm = apply_filters(batch, filters, advantages=adv)
         metrics.update(fm)
+    rewards = token_rewards(batch.steps) if critic else None
     echo = bool(algorithm.observation_ce) and comp == "rl"
     if echo and not merge:
         raise ValueError(
@@ -208,6 +239,8 @@ def prepare_samples(
 
             roles = response_roles(plan, batch.steps)
         adv = plan.merge_arrays(adv)
+        if rewards is not None:
+            rewards = plan.merge_arrays(rewards)
         metrics.update({f"merge/{k}": float(v) for k, v in merge_metrics(batch, merged).items()})
         samples = list(merged.steps)
     else:
@@ -215,7 +248,7 @@ def prepare_samples(
     adv = [np.asarray(a, np.float32) for a in adv]
 
     if comp == "rl" and not echo:
-        return PreparedSamples(samples, adv, metrics=metrics)
+        return PreparedSamples(samples, adv, token_rewards=rewards, metrics=metrics)
     if echo:
         from rljax.data.echo import echo_streams
 

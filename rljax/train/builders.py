@@ -60,11 +60,6 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
 
 def objective_config(algorithm: Algorithm, cfg: ObjectiveSection) -> ObjectiveConfig:
     """The objective that trains ``algorithm``'s samples (its components, loss and the run's reduction)."""
-    if algorithm.needs_critic:
-        raise ValueError(
-            f"algorithm {algorithm.name!r} needs a value head (gae); the trainer has none yet: use a "
-            "critic-free algorithm (grpo, rloo, max_rl, opd, opsd, sft, echo)"
-        )
     if not algorithm.step_wise:
         raise ValueError(
             f"algorithm {algorithm.name!r} is not step-wise (step_wise=False); the trainer trains one sample "

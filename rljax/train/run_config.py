@@ -38,6 +38,7 @@ from rljax.train.optim import OptimizerConfig
 from rljax.train.warmstart import WarmStartConfig
 
 __all__ = [
+    "CriticSection",
     "DTYPES",
     "DynamicSamplingSection",
     "EngineSection",
@@ -233,6 +234,27 @@ class ObjectiveSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticSection:
+    """PPO's critic, built when an env's algorithm needs one (``ppo``); see :mod:`rljax.train.critic`.
+
+    ``hf_path``: a value model to start from (:func:`rljax.models.value.load_value_model`; HF
+    checkpoint + ``value_head.safetensors``); empty = a copy of the policy's initial weights with a
+    fresh zero head. ``learning_rate`` (None = the run's) and ``optimizer`` field overrides give the
+    critic its own AdamW. GAE: ``gamma``, ``lam``, ``whiten_advantages``; ``value_clip`` (None =
+    unclipped value loss); ``warmup_steps``: RL steps that train only the critic.
+    """
+
+    hf_path: str = ""
+    learning_rate: float | None = None
+    optimizer: dict = _field({})
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_advantages: bool = True
+    value_clip: float | None = 0.2
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmStartSection:
     """Cross-entropy warm start on environment demonstrations before RL (0 steps = off).
 
@@ -342,6 +364,7 @@ class RunConfig:
     objective: ObjectiveSection = _field(ObjectiveSection())
     optimizer: dict = _field(DEFAULT_OPTIMIZER)  # OptimizerConfig fields
     warmstart: WarmStartSection = _field(WarmStartSection())
+    critic: CriticSection = _field(CriticSection())
     trainer: TrainerSection = _field(TrainerSection())
     mesh: dict = _field(dict(data=1, fsdp=1, tensor=1))  # product 1 = no mesh (one device)
 
@@ -352,6 +375,11 @@ class RunConfig:
 
     def optimizer_config(self, **overrides: Any) -> OptimizerConfig:
         return OptimizerConfig(**{**self.optimizer, **overrides})
+
+    def critic_optimizer_config(self) -> OptimizerConfig:
+        """The run's optimizer with the critic's overrides (``critic.optimizer``, ``learning_rate``)."""
+        lr = {} if self.critic.learning_rate is None else {"learning_rate": self.critic.learning_rate}
+        return self.optimizer_config(**{**self.critic.optimizer, **lr})
 
     @property
     def uses_mesh(self) -> bool:
@@ -468,6 +496,19 @@ def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
         raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
 
 
+def critic_config(section: CriticSection) -> Any:
+    """The :class:`rljax.train.critic.CriticConfig` of ``config.critic``."""
+    from rljax.train.critic import CriticConfig
+
+    return CriticConfig(
+        gamma=section.gamma,
+        lam=section.lam,
+        whiten_advantages=section.whiten_advantages,
+        value_clip=section.value_clip,
+        warmup_steps=section.warmup_steps,
+    )
+
+
 def _validate_sync(engine: EngineSection) -> None:
     _check_known("config.engine.sync", engine.sync, _dataclass_fields(SyncConfig), "SyncConfig")
     if "sync" in engine.client:
@@ -538,6 +579,14 @@ def _validate(cfg: RunConfig) -> RunConfig:
         _dataclass_fields(OptimizerConfig),
         "OptimizerConfig",
     )
+    _check_known(
+        "config.critic.optimizer", cfg.critic.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig"
+    )
+    try:
+        cfg.critic_optimizer_config()
+        critic_config(cfg.critic)
+    except (TypeError, ValueError) as e:
+        raise _fail("config.critic", str(e)) from None
     try:
         cfg.optimizer_config()
         cfg.warmstart.warm_start_config()

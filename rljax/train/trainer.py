@@ -60,16 +60,24 @@ from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import make_mini_batches
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
 from rljax.envs.base import Task
+from rljax.models.value import ValueModel, load_value_model
 from rljax.rollout import RolloutResult
 from rljax.train import checkpoint as ckpt
 from rljax.train import metrics as metrics_lib
 from rljax.train import sharding as train_sharding
-from rljax.train.builders import build_model, build_tokenizer, check_algorithm_needs, objective_config
+from rljax.train.builders import (
+    DTYPE_OF,
+    build_model,
+    build_tokenizer,
+    check_algorithm_needs,
+    objective_config,
+)
+from rljax.train.critic import critic_step, critic_values, ppo_advantages
 from rljax.train.engines import EngineSet, resolve_frozen_models
 from rljax.train.memory import device_peak_bytes, step_memory_metrics
 from rljax.train.references import ReferenceScorers
 from rljax.train.report import RunSinks, eval_metrics, rollout_step_metrics
-from rljax.train.run_config import config_differences, parse_run_config
+from rljax.train.run_config import config_differences, critic_config, parse_run_config
 from rljax.train.scheduler import RolloutScheduler, derive_seed
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
 from rljax.train.tasks import TaskIterator, build_env_tasks
@@ -154,7 +162,10 @@ class Trainer:
         self.mesh = train_sharding.make_mesh(**cfg.mesh) if cfg.uses_mesh else None
         self.data_parallel = 1 if self.mesh is None else train_sharding.batch_parallelism(self.mesh)
         default = self.train_configs[self.algorithms.default.name]
+        self.critic_config = critic_config(cfg.critic)
+        self.critic = self._build_critic(model) if self.algorithms.needs_critic else None
         self.state = TrainState.create(model, default, mesh=self.mesh)
+        self.rl_step = 0
         self.engines = EngineSet(
             cfg.engine,
             resolve_frozen_models(cfg.frozen_models, self.algorithms),
@@ -185,6 +196,20 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self._step_memory: dict[Any, dict[str, float]] = {}
 
+    def _build_critic(self, policy: nnx.Module) -> TrainState:
+        """PPO's critic: ``critic.hf_path`` or the policy's initial weights with a zero value head."""
+        c = self.cfg
+        if c.critic.hf_path:
+            vm = load_value_model(
+                c.critic.hf_path,
+                dtype=DTYPE_OF[c.model.compute_dtype],
+                param_dtype=DTYPE_OF[c.model.param_dtype],
+                remat=c.model.remat,
+            )
+        else:
+            vm = ValueModel.from_policy(policy, rngs=nnx.Rngs(c.seed))
+        return TrainState.create(vm, TrainConfig(optimizer=c.critic_optimizer_config()), mesh=self.mesh)
+
     # -- small helpers ---------------------------------------------------------------------------------
     def model_of(self, params: Any) -> nnx.Module:
         return nnx.merge(self.state.graphdef, params)
@@ -201,8 +226,13 @@ class Trainer:
         ckpt.save(
             self.ckpt_dir,
             step,
-            params={"policy": self.state.params, "behavior": behavior},
-            opt_state={"opt": self.state.opt_state, "step": self.state.step, "skipped": self.state.skipped},
+            params={"policy": self.state.params, "behavior": behavior, **self._critic_params()},
+            opt_state={
+                "opt": self.state.opt_state,
+                "step": self.state.step,
+                "skipped": self.state.skipped,
+                **self._critic_opt_state(),
+            },
             data_state={"tasks": self.scheduler.data_state(step), "step": step},
             rng={"minibatch": self.np_rng},
             config=dataclasses.asdict(self.cfg),
@@ -220,8 +250,13 @@ class Trainer:
         behavior = {str(v): self.state.params for v in self.scheduler.needed_versions(step)}
         r = ckpt.restore(
             self.ckpt_dir,
-            params={"policy": self.state.params, "behavior": behavior},
-            opt_state={"opt": self.state.opt_state, "step": self.state.step, "skipped": self.state.skipped},
+            params={"policy": self.state.params, "behavior": behavior, **self._critic_params()},
+            opt_state={
+                "opt": self.state.opt_state,
+                "step": self.state.step,
+                "skipped": self.state.skipped,
+                **self._critic_opt_state(),
+            },
             step=step,
         )
         self._check_resumed_config(r.config, step)
@@ -232,11 +267,28 @@ class Trainer:
             step=r.opt_state["step"],
             skipped=r.opt_state["skipped"],
         )
+        if self.critic is not None:
+            self.critic = dataclasses.replace(
+                self.critic,
+                params=r.params["critic"],
+                opt_state=r.opt_state["critic_opt"],
+                step=r.opt_state["critic_step"],
+                skipped=r.opt_state["critic_skipped"],
+            )
         for v, p in r.params["behavior"].items():
             self.scheduler.behavior[int(v)] = p
         self.scheduler.restore(r.data_state)
         self.np_rng = r.rng["minibatch"]
         return step
+
+    def _critic_params(self) -> dict[str, Any]:
+        return {} if self.critic is None else {"critic": self.critic.params}
+
+    def _critic_opt_state(self) -> dict[str, Any]:
+        if self.critic is None:
+            return {}
+        c = self.critic
+        return {"critic_opt": c.opt_state, "critic_step": c.step, "critic_skipped": c.skipped}
 
     def _check_resumed_config(self, saved: Any, step: int) -> None:
         if not saved or self.allow_config_change:
@@ -257,6 +309,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         multi = self.multi_algorithm
         train_rows: list[dict[str, float]] = []
+        critic_rows: list[dict[str, float]] = []
         shuffle_seed = int(self.np_rng.integers(0, 2**31 - 1))
         for name, part in split_by_algorithm(batch).items():
             alg = _algorithm_named(self.algorithms, name)
@@ -276,7 +329,7 @@ class Trainer:
                 per_mb = num_groups  # mixed envs: this algorithm's share of the groups; one mini-batch
             tcfg = self.train_configs[name]
             self.state = dataclasses.replace(self.state, config=tcfg)
-            for mb in make_mini_batches(
+            mini_batches = make_mini_batches(
                 prep.samples,
                 mini_batch_prompts=per_mb,
                 seq_len=self.cfg.trainer.seq_len,
@@ -285,7 +338,10 @@ class Trainer:
                 truncate=self.cfg.trainer.truncate,
                 shuffle_seed=shuffle_seed,
                 **prep.streams(),
-            ):
+            )
+            if alg.needs_critic:
+                mini_batches = self._with_critic(list(mini_batches), critic_rows, name if multi else None)
+            for mb in mini_batches:
                 step_fn, packed = self._place(mb.batch)
                 counts = mini_batch_counts(packed, tcfg.objective)
                 memory = self._memory_metrics(step_fn, packed, counts)
@@ -297,8 +353,39 @@ class Trainer:
                 train_rows.append({f"{k}/{name}" if multi else k: v for k, v in row.items()} | row)
         for key in sorted({k for r in train_rows for k in r}):
             metrics[key] = float(np.mean([r[key] for r in train_rows if key in r]))
+        for key in sorted({k for r in critic_rows for k in r}):
+            metrics[key] = float(np.mean([r[key] for r in critic_rows if key in r]))
         metrics["optimizer_steps"] = float(len(train_rows))
+        if critic_rows:
+            metrics["critic/optimizer_steps"] = float(len(critic_rows))
         return metrics
+
+    def _with_critic(
+        self, mini_batches: list[Any], rows: list[dict[str, float]], suffix: str | None
+    ) -> list[Any]:
+        """PPO: old values and GAE advantages of every mini-batch (all before any update), then one
+        critic step per mini-batch; returns the mini-batches with their advantages for the policy
+        steps (none during the critic warm-up)."""
+        cc = self.critic_config
+        staged = []
+        for mb in mini_batches:
+            placed = mb.batch if self.mesh is None else train_sharding.shard_batch(mb.batch, self.mesh)
+            old_values = critic_values(self.critic, placed)
+            advantages, returns = ppo_advantages(old_values, placed, cc)
+            staged.append((mb, placed, old_values, advantages, returns))
+        out = []
+        for mb, placed, old_values, advantages, returns in staged:
+            self.critic, m = critic_step(self.critic, placed, old_values, returns, cc)
+            row = {k: float(v) for k, v in jax.device_get(m).items()}
+            mask = np.asarray(mb.batch.loss_mask) != 0
+            adv = np.asarray(jax.device_get(advantages), np.float32)
+            if mask.any():
+                row["advantage/mean"] = float(adv[mask].mean())
+                row["advantage/abs_mean"] = float(np.abs(adv[mask]).mean())
+            rows.append({f"{k}/{suffix}": v for k, v in row.items()} | row if suffix else row)
+            if self.rl_step >= cc.warmup_steps:
+                out.append(dataclasses.replace(mb, batch=mb.batch.replace(advantages=adv)))
+        return out
 
     def _place(self, batch: Any) -> tuple[Callable[..., Any], Any]:
         """The jitted step for one packed mini-batch and the batch as it takes it: the whole
@@ -307,9 +394,11 @@ class Trainer:
         (``train_mini_batch``)."""
         budget = self.cfg.trainer.micro_batch_tokens
         rows, seq_len = np.shape(batch.tokens)
-        stacked = bool(budget) and micro_batch_rows(
-            seq_len=seq_len, micro_batch_tokens=budget, data_parallel=self.data_parallel
-        ) < rows
+        stacked = (
+            bool(budget)
+            and micro_batch_rows(seq_len=seq_len, micro_batch_tokens=budget, data_parallel=self.data_parallel)
+            < rows
+        )
         if stacked:
             batch = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=self.data_parallel)
         if self.mesh is not None:
@@ -419,6 +508,7 @@ class Trainer:
             rollout_wait = time.perf_counter() - step_start
             sched.fill(n + 1 + sched.lag)  # async: rollouts n+1..n+lag start now, sampling theta_{<= n}
             train_start = time.perf_counter()
+            self.rl_step = n
             metrics = self._train_on(result.batch)
             jax.block_until_ready(self.state.params)
             train_time = time.perf_counter() - train_start
@@ -456,7 +546,7 @@ def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algo
 
 def _advantage_metrics(prep: Any, alg: algos.Algorithm, name: str) -> dict[str, float]:
     """Mean and mean |A| over the rl-weighted trainable tokens of one algorithm's samples."""
-    if alg.action_component != "rl" or not prep.samples:
+    if alg.action_component != "rl" or alg.needs_critic or not prep.samples:  # ppo: from the critic
         return {}
     adv = np.concatenate(prep.advantages)
     weights = prep.rl_weights or [1.0] * len(prep.samples)

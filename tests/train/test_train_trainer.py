@@ -201,7 +201,6 @@ def test_default_and_smoke_configs_build(tmp_path):
         ),
         (lambda c: c.update(algorithm={"name": "echo", "observation_ce": {"assistant": 1.0}}), "'assistant'"),
         (lambda c: c.update(algorithm={"name": "grpo", "step_wise": False}), "set step_wise=True"),
-        (lambda c: c.update(algorithm="ppo"), "needs a value head"),
         (lambda c: c.engine.update(kind="magic"), "engine.kind"),
         # silent surprises of the old trainer, now errors naming the key
         (lambda c: c.trainer.update(prompts_per_step=4, mini_batch_prompts=3), "mini_batch_prompts"),
