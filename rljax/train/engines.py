@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models_from_config
 from rljax.train.builders import DTYPE_OF
@@ -127,9 +129,14 @@ class EngineSet:
         return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **client)
 
     def served(self, model: Any) -> Any:
-        """``model`` as the policy engine serves it (cast to :attr:`dtype`)."""
+        """``model`` as the policy engine serves it (cast to :attr:`dtype`). vLLM engines get LoRA
+        adapters folded into the base weights (a full-weight sync); the embedded sampler applies
+        them as they are."""
         from rljax.models import cast_model
+        from rljax.models.lora import lora_state, merge_lora
 
+        if self.config.kind == "vllm" and jax.tree.leaves(lora_state(model)):
+            model = merge_lora(model)
         return cast_model(model, DTYPE_OF[self.dtype])
 
     async def serve(self, version: int, model: Any) -> None:

@@ -365,6 +365,7 @@ class RunConfig:
     optimizer: dict = _field(DEFAULT_OPTIMIZER)  # OptimizerConfig fields
     warmstart: WarmStartSection = _field(WarmStartSection())
     critic: CriticSection = _field(CriticSection())
+    lora: dict = _field({})  # LoRAConfig fields (rank, alpha, targets, dropout); empty = full training
     trainer: TrainerSection = _field(TrainerSection())
     mesh: dict = _field(dict(data=1, fsdp=1, tensor=1))  # product 1 = no mesh (one device)
 

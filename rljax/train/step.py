@@ -10,12 +10,19 @@ One optimizer step on a mini-batch ``B`` split into micro-batches ``B_1..B_k`` (
     theta, opt <- AdamW(clip(g))       if loss and ||g|| are finite
     theta, opt <- theta, opt           otherwise (skipped; ``skipped`` += 1)
 
-Everything device-side is pure: :class:`TrainState` is a pytree whose data are the parameters,
-the optax state and two counters, and whose static metadata are the NNX graph definition, the
-:class:`TrainConfig`, and the mesh + sharding rules. :data:`train_step` and
-:data:`train_mini_batch` are ``jax.jit`` functions of ``(state, batch, counts)`` that DONATE
-``state`` (use the returned one). With a mesh, parameters and optimizer moments are constrained
-to the rule shardings of :mod:`rljax.models.sharding` and batches are sharded by rows
+Everything device-side is pure: :class:`TrainState` is a pytree whose data are the trained
+parameters, the optax state, two counters and the frozen weights, and whose static metadata are
+the NNX graph definition, the :class:`TrainConfig`, and the mesh + sharding rules.
+:data:`train_step` and :data:`train_mini_batch` are ``jax.jit`` functions of
+``(state, batch, counts)`` that DONATE ``state`` except ``state.frozen`` (use the returned one).
+
+Adapter-only training (LoRA, :mod:`rljax.models.lora`): for a model with ``LoRAParam`` variables,
+``TrainState.create`` trains only those (``params``: gradients and optimizer state cover the adapter
+alone) and keeps the base weights in ``state.frozen``: an input of the jitted step that is neither
+differentiated, updated nor donated (the returned state holds the very same arrays, so they may be
+shared, e.g. with a reference policy). The base may be bfloat16 while the adapter is float32.
+
+With a mesh, parameters and optimizer moments are constrained to the rule shardings of :mod:`rljax.models.sharding` and batches are sharded by rows
 (:func:`rljax.train.sharding.shard_batch`); XLA inserts the collectives, so sharded results equal
 single-device results up to float reassociation.
 
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
 from rljax.models.logprobs import (
@@ -49,22 +56,26 @@ from rljax.models.logprobs import (
     sequence_logprobs_and_entropy,
     sequence_logprobs_entropy_and_routing,
 )
+from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
-from rljax.models.sharding import DEFAULT_RULES, Rules
+from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
 from rljax.train import sharding as train_sharding
 from rljax.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from rljax.types import PackedBatch
 
 __all__ = [
+    "WEIGHT_TYPES",
     "TrainConfig",
     "TrainState",
     "apply_gradients",
     "loss_and_grads",
+    "merge_model",
     "mini_batch_counts",
     "split_micro_batches",
     "stack_micro_batches",
     "train_mini_batch",
     "train_step",
+    "variable_shardings",
 ]
 
 
@@ -112,20 +123,98 @@ def _zero() -> jax.Array:
     return jnp.zeros((), jnp.int32)  # a fresh buffer each call (donated buffers must be distinct)
 
 
+def _no_frozen() -> nnx.State:
+    return nnx.State({})
+
+
+#: The variable types a :class:`TrainState` holds (trained or frozen); anything else is refused.
+WEIGHT_TYPES = (nnx.Param, LoRAParam)
+
+
+def _variable_report(state: nnx.State) -> list[str]:
+    return sorted(f"{'.'.join(map(str, p))} ({type(v).__name__})" for p, v in nnx.to_flat_state(state))
+
+
+def _canonical(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """``spec`` as XLA reports output shardings (size-1 mesh axes and trailing Nones dropped)."""
+    entries: list[Any] = []
+    for entry in spec:
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def variable_shardings(tree: nnx.State, mesh: Mesh, *, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """``NamedSharding`` per variable of ``tree`` from its ``logical_axes`` metadata (replicated
+    without); the specs are canonical like :func:`rljax.train.sharding.params_shardings`.
+
+    Works for any variable type (``nnx.Param``, ``LoRAParam``) and on tracers.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> from rljax.train.sharding import make_mesh
+    >>> mesh = make_mesh(devices=jax.devices()[:1])
+    >>> out = variable_shardings(nnx.state(tiny_model(), nnx.Param), mesh)
+    >>> out["embed_tokens"].get_value().spec == PartitionSpec()
+    True
+    """
+    flat = []
+    for path, var in nnx.to_flat_state(tree):
+        axes = var.get_metadata().get("logical_axes")
+        shape = np.shape(var.get_value())
+        spec = PartitionSpec() if axes is None else logical_to_spec(axes, shape, mesh, rules=rules)
+        flat.append((path, var.replace(NamedSharding(mesh, _canonical(spec, mesh)))))
+    return nnx.from_flat_state(flat)
+
+
+def _params_shardings(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State, mesh: Mesh,
+                      rules: Rules) -> nnx.State:  # fmt: skip
+    if not jax.tree.leaves(frozen):  # full training: exactly the shardings it always had
+        return train_sharding.params_shardings(graphdef, params, mesh, rules=rules)
+    return variable_shardings(params, mesh, rules=rules)
+
+
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
+    """``nnx.merge(graphdef, params, frozen)``; ``frozen`` None or empty (full training) is left out.
+
+    Traceable: the jitted steps build the model from the state's trained and frozen weights with it.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> graphdef, params = nnx.split(tiny_model(), nnx.Param)
+    >>> type(merge_model(graphdef, params, nnx.State({}))).__name__
+    'Decoder'
+    """
+    if frozen is None or not jax.tree.leaves(frozen):
+        return nnx.merge(graphdef, params)
+    return nnx.merge(graphdef, params, frozen)
+
+
+def _place(tree: nnx.State, shardings: nnx.State) -> nnx.State:
+    if jax.process_count() > 1:  # every process holds the same full copy: place it from host memory
+        tree = jax.tree.map(np.asarray, tree)
+    return jax.device_put(tree, shardings)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     """Parameters, optimizer state and counters of a run (a pytree; metadata is static).
 
     Attributes:
-      params: ``nnx.State`` of the model's ``nnx.Param`` variables.
-      opt_state: optax state of :func:`rljax.train.optim.make_optimizer`.
+      params: ``nnx.State`` of the trained variables (all ``nnx.Param`` of the model; for a LoRA
+        model only its ``LoRAParam`` adapter).
+      opt_state: optax state of :func:`rljax.train.optim.make_optimizer` (covers ``params`` only).
       step: int32, optimizer updates applied so far (the schedule's step).
       skipped: int32, updates skipped because the loss or a gradient was not finite.
       graphdef: the model's NNX graph definition (static).
       config: :class:`TrainConfig` (static).
       mesh: the device mesh, or None for unsharded single-device training (static).
       rules: logical-axis sharding rules of the parameters (static).
+      frozen: ``nnx.State`` of the weights that are not trained (empty for full training; the
+        base ``nnx.Param`` weights of a LoRA model). The jitted steps pass it through unchanged and
+        do not donate it: the returned state holds the same arrays.
     """
 
     params: nnx.State
@@ -136,6 +225,7 @@ class TrainState:
     config: TrainConfig = dataclasses.field(metadata=dict(static=True))
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
     rules: Rules = dataclasses.field(default=DEFAULT_RULES, metadata=dict(static=True))
+    frozen: nnx.State = dataclasses.field(default_factory=_no_frozen)
 
     @classmethod
     def create(
@@ -145,43 +235,78 @@ class TrainState:
         *,
         mesh: Mesh | None = None,
         rules: Rules = DEFAULT_RULES,
+        trainable: nnx.filterlib.Filter | None = None,
     ) -> TrainState:
-        """Splits ``model`` into graph + params, places params (and fresh Adam moments) on ``mesh``.
+        """Splits ``model`` into graph + trained params + frozen weights, places them (and fresh
+        Adam moments of the trained params) on ``mesh``.
 
-        ``model`` must hold only ``nnx.Param`` state (raises ``ValueError`` otherwise).
+        ``trainable`` selects the trained variables (an NNX filter); the other ``nnx.Param`` /
+        ``LoRAParam`` variables become ``frozen``. Default: ``LoRAParam`` when the model has a LoRA
+        adapter (:func:`rljax.models.lora.apply_lora`), else ``nnx.Param`` (full training). Raises
+        ``ValueError`` when the model holds other variable types (e.g. batch statistics, RNG
+        state) or when ``trainable`` selects nothing.
 
         >>> from rljax.models import Decoder, ModelConfig
         >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
         >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
-        >>> int(state.step), int(state.skipped)
-        (0, 0)
+        >>> int(state.step), int(state.skipped), len(jax.tree.leaves(state.frozen))
+        (0, 0, 0)
+
+        A LoRA model trains its adapter only (here: q_proj and v_proj of the one layer):
+
+        >>> from rljax.models.lora import LoRAConfig, apply_lora
+        >>> lora = LoRAConfig(rank=2, targets=("q_proj", "v_proj"))
+        >>> model = apply_lora(Decoder(cfg, rngs=nnx.Rngs(0)), lora, rngs=nnx.Rngs(1))
+        >>> state = TrainState.create(model)
+        >>> len(jax.tree.leaves(state.params)), len(jax.tree.leaves(state.frozen))
+        (4, 12)
         """
         config = TrainConfig() if config is None else config
         rules = tuple((name, target) for name, target in rules)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if trainable is None:
+            trainable = LoRAParam if jax.tree.leaves(nnx.state(model, LoRAParam)) else nnx.Param
+        graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Any(*WEIGHT_TYPES), ...)
         if jax.tree.leaves(rest):
             raise ValueError(
-                "TrainState needs a model whose state is all nnx.Param; found other variables: "
-                f"{sorted('.'.join(map(str, p)) for p, _ in nnx.to_flat_state(rest))}"
+                "TrainState needs a model whose state is nnx.Param (and LoRAParam adapter) variables only; "
+                f"found other variables: {_variable_report(rest)}"
             )
+        unknown = [(p, v) for p, v in nnx.to_flat_state(params) if not isinstance(v, WEIGHT_TYPES)]
+        if unknown:
+            raise ValueError(
+                f"trainable={trainable!r} selects variables that are not nnx.Param / LoRAParam: "
+                f"{_variable_report(nnx.from_flat_state(unknown))}"
+            )
+        if not jax.tree.leaves(params):
+            raise ValueError(f"trainable={trainable!r} selects no variable of the model: nothing to train")
         tx = make_optimizer(config.optimizer)
         if mesh is None:
-            return cls(params, tx.init(params), _zero(), _zero(), graphdef, config, None, rules)
-        shardings = train_sharding.params_shardings(graphdef, params, mesh, rules=rules)
-        if jax.process_count() > 1:  # every process holds the same full copy: place it from host memory
-            params = jax.tree.map(np.asarray, params)
-        params = jax.device_put(params, shardings)
+            return cls(params, tx.init(params), _zero(), _zero(), graphdef, config, None, rules, frozen)
+        shardings = _params_shardings(graphdef, params, frozen, mesh, rules)
+        params = _place(params, shardings)
+        frozen = _place(frozen, variable_shardings(frozen, mesh, rules=rules))
         opt_shapes = jax.eval_shape(tx.init, params)
         opt_shardings = train_sharding.like_params_shardings(opt_shapes, params, shardings, mesh)
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         step, skipped = jax.device_put((_zero(), _zero()), train_sharding.replicated(mesh))
-        return cls(params, opt_state, step, skipped, graphdef, config, mesh, rules)
+        return cls(params, opt_state, step, skipped, graphdef, config, mesh, rules, frozen)
+
+    def model_of(self, params: nnx.State | None = None) -> nnx.Module:
+        """A fresh NNX model of ``params`` (default: the state's) and the state's frozen weights.
+
+        >>> from rljax.models.tiny import tiny_model
+        >>> state = TrainState.create(tiny_model())
+        >>> type(state.model_of(state.params)).__name__
+        'Decoder'
+        """
+        return merge_model(self.graphdef, self.params if params is None else params, self.frozen)
 
     @property
     def model(self) -> nnx.Module:
-        """A fresh NNX model holding the current parameters."""
-        return nnx.merge(self.graphdef, self.params)
+        """A fresh NNX model holding the current parameters (and the frozen weights: for a LoRA
+        state, the base with its adapter; :func:`rljax.models.lora.merge_lora` folds it in)."""
+        return self.model_of(self.params)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,16 +318,22 @@ def _constrain(state: TrainState, tree: Any, *, like: str) -> Any:
     """Pins ``tree`` (params-shaped or opt-state-shaped) to the state's rule shardings on its mesh."""
     if state.mesh is None:
         return tree
-    shardings = train_sharding.params_shardings(state.graphdef, state.params, state.mesh, rules=state.rules)
+    shardings = _params_shardings(state.graphdef, state.params, state.frozen, state.mesh, state.rules)
     if like == "opt_state":
         shardings = train_sharding.like_params_shardings(tree, state.params, shardings, state.mesh)
     return jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def _loss(
-    params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch, counts: Counts, config: TrainConfig
+    params: nnx.State,
+    graphdef: nnx.GraphDef,
+    batch: PackedBatch,
+    counts: Counts,
+    config: TrainConfig,
+    frozen: nnx.State | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    model = nnx.merge(graphdef, params)
+    """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``, not differentiated)."""
+    model = merge_model(graphdef, params, frozen)
     tokens = jnp.asarray(batch.tokens)
     chex.assert_rank(tokens, 2)
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
@@ -263,7 +394,8 @@ def _add_routing(
 def loss_and_grads(
     state: TrainState, batch: PackedBatch, counts: Counts
 ) -> tuple[nnx.State, dict[str, jax.Array]]:
-    """Gradient of the objective of one (micro-)batch w.r.t. ``state.params``, and its metrics.
+    """Gradient of the objective of one (micro-)batch w.r.t. ``state.params``, and its metrics
+    (``state.frozen`` enters the forward pass only).
 
     ``counts`` are the :func:`mini_batch_counts` of the whole mini-batch, so gradients and metrics
     of the micro-batches of a mini-batch ADD UP to those of the whole mini-batch.
@@ -279,7 +411,9 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
-    grads, metrics = jax.grad(_loss, has_aux=True)(state.params, state.graphdef, batch, counts, state.config)
+    grads, metrics = jax.grad(_loss, has_aux=True)(
+        state.params, state.graphdef, batch, counts, state.config, state.frozen
+    )
     return _constrain(state, grads, like="params"), metrics
 
 
@@ -402,8 +536,34 @@ def train_mini_batch(
     return apply_gradients(state, grads, metrics)
 
 
-train_step = jax.jit(train_step, donate_argnums=0)
-train_mini_batch = jax.jit(train_mini_batch, donate_argnums=0)
+def _jit_keeping_frozen(fn: Any) -> Any:
+    """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, aux)``, except that
+    ``state.frozen`` is a separate, NOT donated argument that is no output: the returned state holds
+    the caller's frozen arrays themselves (no copy, still valid). ``.lower(state, *args)`` and
+    ``._cache_size()`` are those of the underlying jitted function."""
+
+    def inner(state: TrainState, frozen: nnx.State, *args: Any) -> tuple[TrainState, Any]:
+        new, aux = fn(dataclasses.replace(state, frozen=frozen), *args)
+        return dataclasses.replace(new, frozen=_no_frozen()), aux
+
+    jitted = jax.jit(inner, donate_argnums=0)
+
+    def split(state: TrainState) -> tuple[TrainState, nnx.State]:
+        return dataclasses.replace(state, frozen=_no_frozen()), state.frozen
+
+    @functools.wraps(fn)
+    def call(state: TrainState, *args: Any) -> tuple[TrainState, Any]:
+        new, aux = jitted(*split(state), *args)
+        return dataclasses.replace(new, frozen=state.frozen), aux
+
+    call.lower = lambda state, *args: jitted.lower(*split(state), *args)
+    call._cache_size = jitted._cache_size
+    call.jitted = jitted
+    return call
+
+
+train_step = _jit_keeping_frozen(train_step)
+train_mini_batch = _jit_keeping_frozen(train_mini_batch)
 
 
 # ------------------------------------------------------------------------------------------------

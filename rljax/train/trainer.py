@@ -60,6 +60,7 @@ from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import make_mini_batches
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
 from rljax.envs.base import Task
+from rljax.models.lora import LoRAConfig, apply_lora, merge_lora
 from rljax.models.value import ValueModel, load_value_model
 from rljax.rollout import RolloutResult
 from rljax.train import checkpoint as ckpt
@@ -79,7 +80,14 @@ from rljax.train.references import ReferenceScorers
 from rljax.train.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.train.run_config import config_differences, critic_config, parse_run_config
 from rljax.train.scheduler import RolloutScheduler, derive_seed
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
+from rljax.train.step import (
+    TrainConfig,
+    TrainState,
+    merge_model,
+    mini_batch_counts,
+    train_mini_batch,
+    train_step,
+)
 from rljax.train.tasks import TaskIterator, build_env_tasks
 from rljax.train.warmstart import run_warm_start
 from rljax.train.worker import Worker
@@ -128,6 +136,8 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.renderer = make_renderer(cfg.renderer.name, self.tokenizer, **cfg.renderer.kwargs)
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), seed=cfg.seed)
+        if cfg.lora:  # adapter-only training: the base is frozen (TrainState.frozen)
+            apply_lora(model, LoRAConfig(**cfg.lora), rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))
         self.model_vocab = int(model.config.vocab_size)
 
         # environments, algorithms ------------------------------------------------------------------
@@ -206,13 +216,13 @@ class Trainer:
                 param_dtype=DTYPE_OF[c.model.param_dtype],
                 remat=c.model.remat,
             )
-        else:
-            vm = ValueModel.from_policy(policy, rngs=nnx.Rngs(c.seed))
+        else:  # a full critic (a LoRA policy's adapters are folded into its copy)
+            vm = ValueModel.from_policy(merge_lora(policy) if c.lora else policy, rngs=nnx.Rngs(c.seed))
         return TrainState.create(vm, TrainConfig(optimizer=c.critic_optimizer_config()), mesh=self.mesh)
 
     # -- small helpers ---------------------------------------------------------------------------------
     def model_of(self, params: Any) -> nnx.Module:
-        return nnx.merge(self.state.graphdef, params)
+        return merge_model(self.state.graphdef, params, self.state.frozen)
 
     def current_model(self) -> nnx.Module:
         return self.model_of(self.state.params)
