@@ -126,8 +126,10 @@ def apply_lora(
         fan_in, fan_out = lin.kernel.shape
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) as PEFT (torch nn.Linear default)
         a = jax.random.uniform(rngs.params(), (fan_in, config.rank), dtype, -bound, bound)
-        lin.lora_a = LoRAParam(a)
-        lin.lora_b = LoRAParam(jnp.zeros((config.rank, fan_out), dtype))
+        # Sharded like the kernel's in / out dimension (rljax.models.sharding); the rank is replicated.
+        axes = lin.kernel.get_metadata().get("logical_axes") or (None, None)
+        lin.lora_a = LoRAParam(a, logical_axes=(axes[0], None))
+        lin.lora_b = LoRAParam(jnp.zeros((config.rank, fan_out), dtype), logical_axes=(None, axes[1]))
         lin.lora_scale = config.scale
     model.lora_config = config
     return model

@@ -580,6 +580,16 @@ def _validate(cfg: RunConfig) -> RunConfig:
         _dataclass_fields(OptimizerConfig),
         "OptimizerConfig",
     )
+    if cfg.lora:
+        from rljax.models.lora import LoRAConfig
+
+        _check_known("config.lora", cfg.lora, _dataclass_fields(LoRAConfig), "LoRAConfig")
+        try:
+            LoRAConfig(**cfg.lora)
+        except (TypeError, ValueError) as e:
+            raise _fail("config.lora", str(e)) from None
+        if cfg.uses_mesh:
+            raise _fail("config.lora", "LoRA training on a device mesh is not supported yet (mesh product 1)")
     _check_known(
         "config.critic.optimizer", cfg.critic.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig"
     )

@@ -22,9 +22,10 @@ alone) and keeps the base weights in ``state.frozen``: an input of the jitted st
 differentiated, updated nor donated (the returned state holds the very same arrays, so they may be
 shared, e.g. with a reference policy). The base may be bfloat16 while the adapter is float32.
 
-With a mesh, parameters and optimizer moments are constrained to the rule shardings of :mod:`rljax.models.sharding` and batches are sharded by rows
-(:func:`rljax.train.sharding.shard_batch`); XLA inserts the collectives, so sharded results equal
-single-device results up to float reassociation.
+With a mesh, parameters and optimizer moments are constrained to the rule shardings of
+:mod:`rljax.models.sharding` and batches are sharded by rows (:func:`rljax.train.sharding.shard_batch`);
+XLA inserts the collectives, so sharded results equal single-device results up to float
+reassociation.
 
 Memory / speed options live on the model: ``Decoder(..., remat=True)`` recomputes each block in
 the backward pass; ``Decoder(..., dtype=jnp.bfloat16, param_dtype=jnp.float32)`` computes in
@@ -332,7 +333,7 @@ def _loss(
     config: TrainConfig,
     frozen: nnx.State | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``, not differentiated)."""
+    """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``: no gradient)."""
     model = merge_model(graphdef, params, frozen)
     tokens = jnp.asarray(batch.tokens)
     chex.assert_rank(tokens, 2)
