@@ -28,7 +28,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import shutil
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from launch.common import resolve_checkpoint, restore_policy
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "The ml_collections config file the checkpoint was trained with.", lock_config=True
 )
@@ -46,64 +47,6 @@ _CHECKPOINT = flags.DEFINE_string(
 )
 _STEP = flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
 _OUT = flags.DEFINE_string("metrics_out", None, "JSON output file (default: <workdir>/eval_step_<N>.json).")
-
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[pathlib.Path, int]:
-    """``(checkpoint directory, step)`` of a workdir, a checkpoint directory or a ``step_N`` directory.
-
-    Raises ``FileNotFoundError`` when there is no complete checkpoint there (or not the asked step).
-    """
-    from rljax.train import checkpoint as ckpt
-
-    p = pathlib.Path(path).absolute()
-    match = _STEP_DIR.fullmatch(p.name)
-    if match:
-        if step is not None and step != int(match.group(1)):
-            raise ValueError(f"--step={step} contradicts --checkpoint={p}")
-        root, step = p.parent, int(match.group(1))
-    else:
-        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        if step is None:
-            step = ckpt.latest_step(root)
-    if step is None or step not in ckpt.checkpoint_steps(root):
-        what = "complete checkpoint" if step is None else f"complete step_{step}"
-        raise FileNotFoundError(
-            f"{p} holds no {what} (complete steps in {root}: {ckpt.checkpoint_steps(root)}); pass a run's "
-            "workdir, its checkpoints/ directory or a checkpoints/step_N directory"
-        )
-    return root, step
-
-
-def _abstract_of_stored(directory: pathlib.Path, step: int, item: str) -> Any:
-    """``jax.ShapeDtypeStruct`` s with the structure of a stored array item (restored as host arrays)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = directory / f"step_{step}" / item
-    if not path.is_dir():
-        return None
-    meta = ocp.StandardCheckpointHandler().metadata(path)
-    tree = meta.tree if hasattr(meta, "tree") else meta
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
-
-
-def restore_policy(trainer: Any, directory: pathlib.Path, step: int) -> Any:
-    """The policy parameters of checkpoint ``step``, restored onto ``trainer.state.params``' structure,
-    shardings and dtypes (a mismatch with the trainer's model is a ``ValueError``). The behaviour
-    parameters and optimizer state saved beside them are read as host arrays and dropped."""
-    from rljax.train import checkpoint as ckpt
-
-    stored = _abstract_of_stored(directory, step, "params")
-    behavior = {} if stored is None else stored.get("behavior", {})
-    restored = ckpt.restore(
-        directory,
-        params={"policy": trainer.state.params, "behavior": behavior},
-        opt_state=_abstract_of_stored(directory, step, "opt_state"),
-        step=step,
-    )
-    return restored.params["policy"]
 
 
 def evaluate_checkpoint(

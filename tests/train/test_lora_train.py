@@ -56,7 +56,10 @@ def nonzero_adapter(model: models.Decoder, seed: int = 5, scale: float = 0.05) -
     """Draws B (zero-initialised) at random, so the adapter changes the outputs."""
     flat = nnx.to_flat_state(nnx.state(model, LoRAParam))
     keys = jax.random.split(jax.random.key(seed), len(flat))
-    new = [(p, v.replace(scale * jax.random.normal(k, v.shape, v.dtype))) for k, (p, v) in zip(keys, flat)]
+    new = [
+        (p, v.replace(scale * jax.random.normal(k, v.shape, v.dtype)))
+        for k, (p, v) in zip(keys, flat, strict=True)
+    ]
     nnx.update(model, nnx.from_flat_state(new))
     return model
 
@@ -93,7 +96,9 @@ def test_only_the_adapter_changes_and_the_base_is_the_same_arrays():
     assert not any(a.is_deleted() for a in frozen_arrays)
     for a, b in zip(numpy_leaves(state.frozen), base_before, strict=True):
         np.testing.assert_array_equal(a, b)
-    moved = [not np.array_equal(a, b) for a, b in zip(numpy_leaves(state.params), adapter_before, strict=True)]
+    moved = [
+        not np.array_equal(a, b) for a, b in zip(numpy_leaves(state.params), adapter_before, strict=True)
+    ]
     assert all(moved), moved
     # state.model is the base with the trained adapter in it
     assert len(jax.tree.leaves(nnx.state(state.model, LoRAParam))) == len(adapter_before)
@@ -166,7 +171,9 @@ def test_merged_weights_match_base_plus_adapter():
     merged = merge_lora(adapted)
     assert not jax.tree.leaves(nnx.state(merged, LoRAParam))
     with_adapter = np.asarray(models.sequence_logprobs(adapted, tokens))
-    np.testing.assert_allclose(np.asarray(models.sequence_logprobs(merged, tokens)), with_adapter, **LOGPROB_TOL)
+    np.testing.assert_allclose(
+        np.asarray(models.sequence_logprobs(merged, tokens)), with_adapter, **LOGPROB_TOL
+    )
     base = np.asarray(models.sequence_logprobs(tf.make_model(0), tokens))
     assert np.max(np.abs(base - with_adapter)) > 1e-2  # the adapter matters: the test is not blind
 
@@ -227,7 +234,9 @@ def test_trainable_filter_and_clear_errors():
 
     model = tf.make_model(0)
     model.layers[0].mlp.running_mean = nnx.BatchStat(jnp.zeros(4))
-    with pytest.raises(ValueError, match=r"found other variables: \['layers.0.mlp.running_mean \(BatchStat\)'\]"):
+    with pytest.raises(
+        ValueError, match=r"found other variables: \['layers.0.mlp.running_mean \(BatchStat\)'\]"
+    ):
         TrainState.create(model, CONFIG)
     with pytest.raises(ValueError, match="selects no variable"):
         TrainState.create(tf.make_model(0), CONFIG, trainable=LoRAParam)
