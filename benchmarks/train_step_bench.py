@@ -3,7 +3,8 @@
 One run prints the model's parameter count, the step time and tokens/s of the jitted
 :data:`rljax.train.step.train_step` (dppo objective on packed rows, per-token temperatures, chunked
 logprobs), this machine's measured matmul peak, and the model FLOPs utilization with its ratio to
-the goal (MFU >= 40 %).
+the goal (MFU >= 40 %); then (``--ppo``, default on) a PPO step on the same batches (critic values,
+GAE, the policy step and the critic's own step) and its ratio to the grpo step (goal <= 2.2x).
 
 Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B)::
 
@@ -176,6 +177,8 @@ def parse_args() -> argparse.Namespace:
                    "(Decoder attention_chunk_size; default: the model's default)")
     p.add_argument("--mesh", default=None, help="data,fsdp,tensor sizes over all devices, e.g. 1,8,1")
     p.add_argument("--quick", action="store_true", help="smaller rows and fewer steps (CI smoke run)")
+    p.add_argument("--ppo", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a PPO step (critic + GAE) on the same batches and print ppo/grpo")
     return p.parse_args()
 
 
@@ -274,6 +277,51 @@ def main() -> None:
     verdict = "PASS" if mfu >= MFU_GOAL else "FAIL"
     print(f"MFU: {100 * mfu:.1f} % best step (median {100 * mfu_median:.1f} %, strict {100 * strict:.1f} %)"
           f"  goal >= {100 * MFU_GOAL:.0f} %, ratio MFU/goal {mfu / MFU_GOAL:.3f}  {verdict}")  # fmt: skip
+    if args.ppo:
+        ppo_vs_grpo(state, batches, counts, best_s, steps=steps, mesh=mesh)
+
+
+def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps: int, mesh: Any) -> None:
+    """One PPO step on the same batches: critic values -> GAE -> policy step -> critic step, against
+    the grpo step timed above (its advantages are host-side and negligible). Goal <= 2.2x."""
+    from rljax.models.value import ValueModel
+    from rljax.train.critic import CriticConfig, critic_step, critic_values, ppo_advantages
+
+    rng = np.random.default_rng(1)
+    batches = [
+        b.replace(token_rewards=np.where(np.asarray(b.loss_mask) != 0, rng.normal(size=b.tokens.shape), 0.0)
+                  .astype(np.float32))
+        for b in (jax.device_get(b) for b in batches)
+    ]  # fmt: skip
+    if mesh is not None:
+        batches = [shard_batch(b, mesh) for b in batches]
+    critic = TrainState.create(
+        ValueModel.from_policy(state.model, rngs=nnx.Rngs(0)),
+        TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-6)),
+        mesh=mesh,
+    )
+    cc = CriticConfig()
+
+    def one(i: int) -> None:
+        nonlocal state, critic
+        b = batches[i % 2]
+        old = critic_values(critic, b)
+        adv, ret = ppo_advantages(old, b, cc)
+        state, _ = train_step(state, b.replace(advantages=adv), counts[i % 2])
+        critic, m = critic_step(critic, b, old, ret, cc)
+        jax.block_until_ready((state, critic, m))
+
+    one(0)  # compile
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        one(i)
+        times.append(time.perf_counter() - t0)
+    ppo_s = min(times)
+    ratio = ppo_s / grpo_s
+    verdict = "PASS" if ratio <= 2.2 else "FAIL"
+    print(f"ppo step (critic values + GAE + policy step + critic step): {ppo_s:.3f} s best of {steps}; "
+          f"grpo step {grpo_s:.3f} s; ppo/grpo {ratio:.2f}x (goal <= 2.2x: {verdict})")
 
 
 if __name__ == "__main__":
