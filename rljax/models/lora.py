@@ -141,15 +141,28 @@ def lora_state(model: nnx.Module) -> nnx.State:
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
-    """A copy of ``model`` with every adapter folded into its base kernel and removed (plain HF weights)."""
+    """A copy of ``model`` with every adapter folded into its base kernel and removed (plain HF weights).
+
+    ``model`` itself is left unchanged.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> m = apply_lora(tiny_model(), LoRAConfig(rank=2, targets=("q_proj",)), rngs=nnx.Rngs(0))
+    >>> m.layers[0].self_attn.q_proj.lora_b[...] = jnp.ones_like(m.layers[0].self_attn.q_proj.lora_b[...])
+    >>> merged = merge_lora(m)
+    >>> before = np.asarray(tiny_model().layers[0].self_attn.q_proj.kernel[...])
+    >>> bool(np.array_equal(m.layers[0].self_attn.q_proj.kernel[...], before)), hasattr(merged, "lora_config")
+    (True, False)
+    """
     graphdef, state = nnx.split(model)
-    merged = nnx.merge(graphdef, state)  # a copy
+    # A copy with its own Variables (merge alone would share them with ``model``, whose kernels an
+    # in-place write would then change too).
+    merged = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
     for _, lin in _targeted(merged, DEFAULT_TARGETS):
         if getattr(lin, "lora_a", None) is None:
             continue
         delta = (lin.lora_a[...].astype(jnp.float32) @ lin.lora_b[...].astype(jnp.float32)) * lin.lora_scale
         kernel = lin.kernel[...]
-        lin.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+        lin.kernel = lin.kernel.replace((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
         del lin.lora_a, lin.lora_b, lin.lora_scale
     if hasattr(merged, "lora_config"):
         del merged.lora_config

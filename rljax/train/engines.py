@@ -52,6 +52,28 @@ def resolve_frozen_models(
     return out
 
 
+#: ``--max-lora-rank`` values vLLM accepts.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(server: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``ServerConfig`` fields for runtime LoRA loading: ``--enable-lora --max-lora-rank R
+    --max-loras 2`` (R: vLLM's smallest allowed rank >= ``rank``; two adapters coexist during a
+    sync) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; flags already in ``extra_args`` are kept.
+
+    >>> lora_server_args({}, 4)["extra_args"]
+    ('--enable-lora', '--max-lora-rank', '8', '--max-loras', '2')
+    """
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+    extra = tuple(server.get("extra_args", ()))
+    if "--enable-lora" not in extra:
+        extra += ("--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2")
+    env = {**dict(server.get("env", {})), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    return {**server, "extra_args": extra, "env": env}
+
+
 class EngineSet:
     """The policy engine and the frozen models of a run, and their lifecycles.
 
@@ -118,8 +140,10 @@ class EngineSet:
         urls = list(e.urls)
         if not urls:  # launch local servers on the initial weights
             model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
-            save_pretrained(model, model_dir)
+            save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
             server = {"dtype": self.dtype, **dict(e.server)}
+            if self._adapter_sync(model):
+                server = lora_server_args(server, model.lora_config.rank)
             configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls
@@ -129,20 +153,33 @@ class EngineSet:
         return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **client)
 
     def served(self, model: Any) -> Any:
-        """``model`` as the policy engine serves it (cast to :attr:`dtype`). vLLM engines get LoRA
-        adapters folded into the base weights (a full-weight sync); the embedded sampler applies
-        them as they are."""
+        """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its
+        adapters (the embedded sampler applies them; vLLM gets adapter-only syncs), except with
+        ``engine.lora_sync="merged"``, where vLLM gets them folded into full weights."""
         from rljax.models import cast_model
         from rljax.models.lora import lora_state, merge_lora
 
-        if self.config.kind == "vllm" and jax.tree.leaves(lora_state(model)):
+        if (
+            self.config.kind == "vllm"
+            and jax.tree.leaves(lora_state(model))
+            and not self._adapter_sync(model)
+        ):
             model = merge_lora(model)
         return cast_model(model, DTYPE_OF[self.dtype])
+
+    def _adapter_sync(self, model: Any) -> bool:
+        from rljax.models.lora import lora_state
+
+        return self.config.lora_sync == "adapter" and bool(jax.tree.leaves(lora_state(model)))
 
     async def serve(self, version: int, model: Any) -> None:
         """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does)."""
         if self._served_version != version:
-            await self.policy.update_weights(self.served(model), version=version)
+            served = self.served(model)
+            if self.config.kind == "vllm" and self._adapter_sync(served):
+                await self.policy.update_adapter(served, version=version)  # adapter only, verified
+            else:
+                await self.policy.update_weights(served, version=version)
             self._served_version = version
 
     # -- frozen models -----------------------------------------------------------------------------

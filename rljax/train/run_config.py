@@ -189,6 +189,8 @@ class EngineSection:
     :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments,
     ``sync`` :class:`rljax.inference.vllm.SyncConfig` fields (weight-sync probe length / seed,
     ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" | "warn").
+    ``lora_sync`` (LoRA runs on vLLM): ``"adapter"`` loads each version's adapter at run time
+    (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
     ``dtype``: the dtype weights are served in (cast from the master weights on every sync; "auto" =
     ``model.compute_dtype``); a launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
     is set."""
@@ -207,6 +209,7 @@ class EngineSection:
     server: dict = _field({})
     client: dict = _field({})
     sync: dict = _field({})
+    lora_sync: str = "adapter"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +536,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
         if getattr(cfg.objective, key) < 0:
             raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
     _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
+    _one_of("config.engine.lora_sync", cfg.engine.lora_sync, ("adapter", "merged"))
     _validate_sync(cfg.engine)
     _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
     if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
@@ -588,8 +592,6 @@ def _validate(cfg: RunConfig) -> RunConfig:
             LoRAConfig(**cfg.lora)
         except (TypeError, ValueError) as e:
             raise _fail("config.lora", str(e)) from None
-        if cfg.uses_mesh:
-            raise _fail("config.lora", "LoRA training on a device mesh is not supported yet (mesh product 1)")
     _check_known(
         "config.critic.optimizer", cfg.critic.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig"
     )

@@ -180,6 +180,9 @@ def _params_shardings(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.Sta
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
     """``nnx.merge(graphdef, params, frozen)``; ``frozen`` None or empty (full training) is left out.
 
+    The model gets its own Variable objects (holding the same arrays), so writing into it
+    (``var[...] = x``) does not change ``params`` / ``frozen``.
+
     Traceable: the jitted steps build the model from the state's trained and frozen weights with it.
 
     >>> from rljax.models.tiny import tiny_model
@@ -187,9 +190,10 @@ def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | N
     >>> type(merge_model(graphdef, params, nnx.State({}))).__name__
     'Decoder'
     """
+    fresh = functools.partial(jax.tree.map, lambda x: x)  # own Variables: not shared with the states
     if frozen is None or not jax.tree.leaves(frozen):
-        return nnx.merge(graphdef, params)
-    return nnx.merge(graphdef, params, frozen)
+        return nnx.merge(graphdef, fresh(params))
+    return nnx.merge(graphdef, fresh(params), fresh(frozen))
 
 
 def _place(tree: nnx.State, shardings: nnx.State) -> nnx.State:
@@ -268,6 +272,8 @@ class TrainState:
         if trainable is None:
             trainable = LoRAParam if jax.tree.leaves(nnx.state(model, LoRAParam)) else nnx.Param
         graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Any(*WEIGHT_TYPES), ...)
+        # Own Variables (same arrays): later in-place writes into ``model`` do not reach the state.
+        params, frozen = jax.tree.map(lambda x: x, (params, frozen))
         if jax.tree.leaves(rest):
             raise ValueError(
                 "TrainState needs a model whose state is nnx.Param (and LoRAParam adapter) variables only; "

@@ -47,7 +47,9 @@ def test_default_recipe_is_the_run_config_defaults():
     assert parse_run_config({"trainer": {"mode": "async"}}).trainer.num_steps == 120
 
 
-@pytest.mark.parametrize("name", ["default", "smoke", "vllm_local", "qwen3_gpu", "qwen3_moe_gpu"])
+@pytest.mark.parametrize(
+    "name", ["default", "smoke", "vllm_local", "qwen3_gpu", "qwen3_moe_gpu", "lora", "lora_vllm"]
+)
 def test_every_recipe_parses(name):
     cfg = parse_run_config(_recipe(name))
     assert isinstance(cfg, RunConfig) and cfg.envs
@@ -69,7 +71,6 @@ def test_every_recipe_parses(name):
         ({"model": {"router_replay": "r2"}}, r"config.model.router_replay: expected one of"),
         ({"lora": {"rank": 0}}, r"config.lora: LoRAConfig.rank"),
         ({"lora": {"rnak": 4}}, r"config.lora.rnak: unknown key"),
-        ({"lora": {"rank": 4}, "mesh": {"data": 2}}, r"config.lora: LoRA training on a device mesh"),
         ({"critic": {"value_clip": 0.0}}, r"config.critic: value_clip"),
         ({"objective": {"moe_aux_loss_coef": -1.0}}, r"config.objective.moe_aux_loss_coef: must be >= 0"),
         ({"model": {"compute_dtype": "float16"}}, r"config.model.compute_dtype: expected one of"),

@@ -26,6 +26,10 @@ Weight versions: while :meth:`VLLMClient.update_weights` runs, new requests wait
 records the version its request was dispatched under (requests in flight when a sync starts finish
 on the old weights, see :mod:`rljax.inference.vllm.weight_sync`).
 
+LoRA adapters: with ``lora_name`` set (by :meth:`VLLMClient.update_adapter`, see
+:mod:`rljax.inference.vllm.adapter_sync`), requests name that adapter as their ``model``, and a
+completion records the version of the adapter its request was built for.
+
 >>> completion_payload([1, 2, 3], SamplingParams(temperature=0.7, max_tokens=4), model="m")["prompt"]
 [1, 2, 3]
 >>> parse_completion({"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]},
@@ -309,6 +313,7 @@ class VLLMClient:
         routed_layers: Sequence[int] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lora_name: str | None = None,
     ) -> None:
         if isinstance(urls, str):
             raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
@@ -334,6 +339,9 @@ class VLLMClient:
         self.sync_config = sync or weight_sync.SyncConfig()
         self.routed_layers = None if routed_layers is None else tuple(int(i) for i in routed_layers)
         self.last_sync: weight_sync.SyncReport | None = None
+        self.lora_name = lora_name  # a LoRA adapter loaded on the servers: requests ask for it
+        self.last_adapter_sync: Any = None  # adapter_sync.AdapterSyncReport of the last adapter sync
+        self._model_requests: collections.Counter[str] = collections.Counter()  # in flight, per model
         self._clock = clock
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._transport = transport
@@ -380,6 +388,30 @@ class VLLMClient:
     def in_flight(self) -> int:
         """Requests sent and not yet answered, over all servers."""
         return sum(s.outstanding for s in self.servers)
+
+    @property
+    def served_model(self) -> str:
+        """The ``model`` field of generate / score requests: ``lora_name`` if set, else ``model``.
+
+        >>> VLLMClient(["http://h:1"], model="base").served_model
+        'base'
+        >>> VLLMClient(["http://h:1"], model="base", lora_name="base-lora-v3").served_model
+        'base-lora-v3'
+        """
+        return self.model if self.lora_name is None else self.lora_name
+
+    def requests_for(self, model: str) -> int:
+        """generate / score calls naming ``model`` that have not returned yet (queued ones included)."""
+        return self._model_requests[model]
+
+    async def wait_for_model_idle(self, model: str, *, timeout_s: float, poll_s: float = 0.01) -> bool:
+        """Waits until no generate / score call names ``model`` (True), or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._model_requests[model] > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
     # ----------------------------------------------------------------------------------------------
     # routing
@@ -516,35 +548,81 @@ class VLLMClient:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("generate() needs a non-empty prompt_ids")
-        return await self.request(
-            "/v1/completions",
-            completion_payload(prompt, sampling, model=self.model),
-            session_id=session_id,
-            parse=lambda body, version: parse_completion(
-                body, prompt_ids=prompt, weight_version=version, routed_layers=self.routed_layers
-            ),
-        )
+        # A LoRA adapter's weights are fixed by its name: the completion gets the version of the
+        # adapter named in the request (even if a newer one is synced while it waits to be sent).
+        model, built_version = self.served_model, self.weight_version
+        adapter = self.lora_name is not None
+        self._model_requests[model] += 1
+        try:
+            return await self.request(
+                "/v1/completions",
+                completion_payload(prompt, sampling, model=model),
+                session_id=session_id,
+                parse=lambda body, version: parse_completion(
+                    body,
+                    prompt_ids=prompt,
+                    weight_version=built_version if adapter else version,
+                    routed_layers=self.routed_layers,
+                ),
+            )
+        finally:
+            self._release(model)
 
-    async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
+    def _release(self, model: str) -> None:
+        self._model_requests[model] -= 1
+        if self._model_requests[model] <= 0:
+            del self._model_requests[model]
+
+    async def score(
+        self,
+        ids: Sequence[int],
+        *,
+        server: int | None = None,
+        gated: bool = True,
+        model: str | None = None,
+    ) -> np.ndarray:
         """``out[t] = log p(ids[t] | ids[:t])`` (float64, ``out[0] = 0``) at temperature 1.
 
         ``server`` scores on that server index (no failover), e.g. to check each one after a sync;
-        ``gated=False`` runs even while a weight sync holds new requests back.
+        ``gated=False`` runs even while a weight sync holds new requests back. ``model`` names
+        another served model or adapter than :attr:`served_model` (e.g. a new adapter before the
+        client switches to it).
         """
         ids = [int(t) for t in ids]
         if len(ids) < 2:
             raise ValueError(f"score() needs at least 2 token ids, got {len(ids)}")
-        return await self.request(
-            "/v1/completions",
-            score_payload(ids, model=self.model),
-            server=server,
-            gated=gated,
-            parse=lambda body, version: parse_prompt_logprobs(body, ids=ids),
-        )
+        model = self.served_model if model is None else model
+        self._model_requests[model] += 1
+        try:
+            return await self.request(
+                "/v1/completions",
+                score_payload(ids, model=model),
+                server=server,
+                gated=gated,
+                parse=lambda body, version: parse_prompt_logprobs(body, ids=ids),
+            )
+        finally:
+            self._release(model)
 
     async def post_all(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
         """POSTs to every server at once (admin routes: ``/pause``, ``/collective_rpc``, ...); no retries."""
         return list(await asyncio.gather(*(self._post_json(s.url, path, body) for s in self.servers)))
+
+    async def post_each(
+        self, path: str, body: Mapping[str, Any] | None = None
+    ) -> list[tuple[int, str] | BaseException]:
+        """POSTs to every server at once and returns, per server, ``(status, text)`` of its answer
+        whatever the status (or the exception of a transport failure); no retries, nothing raised.
+
+        For admin routes that answer plain text (vLLM's ``/v1/load_lora_adapter``).
+        """
+        self._ensure_loop_state()
+
+        async def one(url: str) -> tuple[int, str]:
+            response = await self._http.post(url + path, json=body)
+            return response.status_code, response.text
+
+        return list(await asyncio.gather(*(one(s.url) for s in self.servers), return_exceptions=True))
 
     async def check_health(self) -> list[bool]:
         """``GET /health`` on every server; a failing one is put in its cool-down, a passing one out of it."""
@@ -607,4 +685,52 @@ class VLLMClient:
                 self.weight_version = new_version
             finally:
                 self._open.set()
+        return self.weight_version
+
+    async def update_adapter(
+        self,
+        model: Any,
+        *,
+        version: int | None = None,
+        directory: str | None = None,
+        base_name: str | None = None,
+        reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+        unload_previous: bool = True,
+    ) -> int:
+        """Syncs ``model``'s LoRA adapter to every server (:func:`.adapter_sync.sync_adapter`) and
+        routes later requests to it; returns the new version.
+
+        Requests are NOT held back (the previous adapter keeps serving until the switch). Syncs are
+        serialised with :meth:`update_weights`. ``directory`` (default ``sync.directory``, else a
+        temporary directory) receives ``v<version>/``; ``base_name`` defaults to ``self.model``.
+        When the sync or its verification fails this raises :class:`weight_sync.WeightSyncError`,
+        and every later request raises it too until a sync succeeds.
+        """
+        from rljax.inference.vllm import adapter_sync  # adapter_sync uses this module's client
+
+        self._ensure_loop_state()
+        async with self._sync_lock:
+            new_version = self.weight_version + 1 if version is None else int(version)
+            if directory is None and self.sync_config.directory is None and self._sync_dir is None:
+                self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+            try:
+                await adapter_sync.sync_adapter(
+                    self,
+                    model,
+                    version=new_version,
+                    directory=directory or self.sync_config.directory or self._sync_dir,
+                    base_name=base_name,
+                    config=self.sync_config,
+                    reference_logprobs=reference_logprobs,
+                    unload_previous=unload_previous,
+                )
+            except weight_sync.WeightSyncError as e:
+                self._sync_error = e
+                raise
+            except Exception as e:
+                self._sync_error = weight_sync.WeightSyncError(
+                    f"adapter sync failed: {type(e).__name__}: {e}"
+                )
+                raise self._sync_error from e
+            self._sync_error = None
         return self.weight_version

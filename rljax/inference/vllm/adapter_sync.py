@@ -1,0 +1,281 @@
+"""Push a trained LoRA adapter to running vLLM servers and prove it arrived (LoRA weight sync).
+
+Adapter-only training (:mod:`rljax.models.lora`) changes a few MB of adapter weights per step; the
+base stays as the servers loaded it. One sync (:func:`sync_adapter`) ships only the adapter:
+
+1. write it as a PEFT adapter directory ``<directory>/v<version>/`` (:func:`rljax.models.lora.save_adapter`);
+2. on every server: ``POST /v1/load_lora_adapter {"lora_name": "<base>-lora-v<version>", "lora_path": ...}``
+   (servers started with ``--enable-lora --max-lora-rank R`` and
+   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); a new name per version, so no cached KV block of an
+   older adapter is ever reused and nothing serving the old one is paused;
+3. verify: score a probe sequence on EVERY server under the new name and compare with the
+   trainer's logprobs of the same ids (:func:`rljax.inference.vllm.weight_sync.verify_weights`);
+   on a mismatch the new adapter is unloaded again and :class:`WeightSyncError` is raised;
+4. switch: the client's ``lora_name`` (the ``model`` of its generate / score requests) and
+   ``weight_version`` become the new ones, in one step;
+5. unload the previous adapter once no request naming it is pending (at most ``drain_timeout_s``)
+   and delete the files its sync wrote.
+
+Server flags (with :class:`rljax.inference.vllm.ServerConfig`)::
+
+    ServerConfig(..., extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+                 env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+
+(``--max-lora-rank`` is one of vLLM's 8, 16, 32, ... and at least the adapter's rank; two loaded
+adapters, the previous and the new one, coexist during a sync.)
+
+>>> adapter_name("qwen3", 7)
+'qwen3-lora-v7'
+>>> adapter_directory("/tmp/sync", 7).name
+'v7'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rljax.inference.vllm import weight_sync
+from rljax.inference.vllm.weight_sync import SyncConfig, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LOAD_PATH",
+    "UNLOAD_PATH",
+    "AdapterSyncReport",
+    "adapter_directory",
+    "adapter_name",
+    "directory_bytes",
+    "load_adapter_on_servers",
+    "sync_adapter",
+    "unload_adapter_on_servers",
+]
+
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSyncReport:
+    """What one adapter sync did and measured.
+
+    Attributes:
+      name: the adapter's name on the servers (requests now carry it as ``model``).
+      version: the weight version it serves.
+      directory: the PEFT adapter directory the servers loaded.
+      adapter_bytes: bytes of that directory (config + safetensors): what one sync ships.
+      write_s, load_s, verify_s: seconds to write, load on every server, verify.
+      max_abs_diff: per-server ``max |server - trainer|`` logprob on the probe (empty: no verify).
+      unloaded: the previous adapter's name, if it was unloaded.
+      drained: False when requests naming the previous adapter were still pending at its unload.
+    """
+
+    name: str
+    version: int
+    directory: str
+    adapter_bytes: int
+    write_s: float
+    load_s: float
+    verify_s: float
+    max_abs_diff: tuple[float, ...]
+    unloaded: str | None = None
+    drained: bool = True
+
+
+def adapter_name(base_name: str, version: int) -> str:
+    """The served name of version ``version`` of the adapter of ``base_name``."""
+    return f"{base_name}-lora-v{int(version)}"
+
+
+def adapter_directory(directory: str | os.PathLike, version: int) -> pathlib.Path:
+    """``<directory>/v<version>``: where version ``version`` of the adapter is written."""
+    return pathlib.Path(directory) / f"v{int(version)}"
+
+
+def directory_bytes(directory: str | os.PathLike) -> int:
+    """Total size in bytes of the files under ``directory``.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "a").write_bytes(b"12345")
+    >>> directory_bytes(d)
+    5
+    """
+    return sum(p.stat().st_size for p in pathlib.Path(directory).rglob("*") if p.is_file())
+
+
+def _failures(answers: list[Any], urls: list[str], ok: Callable[[int, str], bool]) -> list[str]:
+    out = []
+    for url, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, BaseException):
+            out.append(f"{url}: {type(answer).__name__}: {answer}")
+        elif not ok(*answer):
+            out.append(f"{url}: HTTP {answer[0]}: {answer[1][:300]}")
+    return out
+
+
+async def load_adapter_on_servers(client: Any, name: str, path: str | os.PathLike) -> None:
+    """``POST /v1/load_lora_adapter`` of the PEFT directory ``path`` as ``name`` on every server.
+
+    Raises :class:`WeightSyncError` naming every server that failed (a server without
+    ``--enable-lora`` / ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` answers 404 here).
+    """
+    body = {"lora_name": name, "lora_path": os.path.abspath(path)}
+    answers = await client.post_each(LOAD_PATH, body)
+    bad = _failures(answers, client.urls, lambda status, _: status == 200)
+    if bad:
+        raise WeightSyncError(
+            f"loading LoRA adapter {name!r} from {path} failed (servers need --enable-lora, "
+            "--max-lora-rank >= the adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): " + "; ".join(bad)
+        )
+
+
+async def unload_adapter_on_servers(client: Any, name: str, *, missing_ok: bool = False) -> None:
+    """``POST /v1/unload_lora_adapter`` of ``name`` on every server; raises :class:`WeightSyncError`
+    on a failure (a server that does not know the name is one unless ``missing_ok``)."""
+    answers = await client.post_each(UNLOAD_PATH, {"lora_name": name})
+    bad = _failures(answers, client.urls, lambda status, _: status == 200 or (missing_ok and status == 404))
+    if bad:
+        raise WeightSyncError(f"unloading LoRA adapter {name!r} failed: " + "; ".join(bad))
+
+
+class _NamedTarget:
+    """A :class:`weight_sync.SyncTarget` that scores under one adapter name (before the switch)."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.client = client
+        self.name = name
+        self.urls = client.urls
+
+    async def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
+        return await self.client.post_all(path, body)
+
+    async def score(self, ids: Any, *, server: int | None = None, gated: bool = True) -> np.ndarray:
+        return await self.client.score(ids, server=server, gated=gated, model=self.name)
+
+
+async def sync_adapter(
+    client: Any,
+    model: Any,
+    *,
+    version: int,
+    directory: str | os.PathLike,
+    base_name: str | None = None,
+    config: SyncConfig | None = None,
+    reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+    unload_previous: bool = True,
+    drain_timeout_s: float = 60.0,
+) -> str:
+    """Ships the LoRA adapter of ``model`` to every server of ``client`` and routes it there; returns
+    the adapter's served name (see the module docstring for the steps).
+
+    ``client``: a :class:`rljax.inference.vllm.VLLMClient` (its ``lora_name``, ``weight_version`` and
+    ``last_adapter_sync`` are set). ``model``: a decoder with an adapter
+    (:func:`rljax.models.lora.apply_lora` / ``TrainState.model``). ``directory`` must be readable by
+    the servers. ``base_name`` (default ``client.model``) prefixes the name. ``config`` supplies the
+    probe and the tolerance (``verify``, ``probe_*``, ``atol``; default :class:`SyncConfig`).
+    ``reference_logprobs(probe_ids) -> [L]`` gives the trainer's logprobs of the probe; None computes
+    them with ``rljax.models.sequence_logprobs`` on ``model`` (adapter applied).
+
+    This does not serialise against other syncs nor record a failure on the client; a trainer calls
+    :meth:`VLLMClient.update_adapter`, which does both.
+    """
+    from rljax.models.lora import save_adapter
+
+    config = SyncConfig() if config is None else config
+    if getattr(model, "lora_config", None) is None:
+        raise ValueError("sync_adapter needs a model with a LoRA adapter (rljax.models.lora.apply_lora)")
+    version = int(version)
+    base_name = client.model if base_name is None else base_name
+    name = adapter_name(base_name, version)
+    previous = client.lora_name
+    if name == previous:
+        raise ValueError(f"adapter {name!r} is the one being served; sync a new version")
+    path = adapter_directory(directory, version)
+
+    start = time.perf_counter()
+    await asyncio.to_thread(save_adapter, model, path, base_model_name_or_path=base_name)
+    write_s = time.perf_counter() - start
+    size = directory_bytes(path)
+
+    start = time.perf_counter()
+    await unload_adapter_on_servers(client, name, missing_ok=True)  # a failed earlier try of this version
+    await load_adapter_on_servers(client, name, path)
+    load_s = time.perf_counter() - start
+
+    diffs: tuple[float, ...] = ()
+    verify_s = 0.0
+    if config.verify:
+        start = time.perf_counter()
+        if config.probe_ids is not None:
+            probe = np.asarray(config.probe_ids, np.int64)
+        else:
+            probe = weight_sync.probe_sequence(
+                vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
+            )
+        reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
+        expected = await asyncio.to_thread(reference, probe)
+        atol = config.tolerance(getattr(model, "param_dtype", np.float32))
+        target = _NamedTarget(client, name)
+        try:
+            try:
+                diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+            except WeightSyncError as e:
+                if config.on_mismatch != "retry" or not e.diffs:
+                    raise
+                logger.warning("adapter sync verification failed (%s); loading %s once more", e, name)
+                await unload_adapter_on_servers(client, name, missing_ok=True)
+                await load_adapter_on_servers(client, name, path)
+                diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+        except WeightSyncError as e:
+            if config.on_mismatch != "warn" or not e.diffs:
+                try:  # never leave an unverified adapter loaded
+                    await unload_adapter_on_servers(client, name, missing_ok=True)
+                except WeightSyncError as cleanup:
+                    logger.warning("could not unload the unverified adapter %s: %s", name, cleanup)
+                raise
+            logger.warning("adapter sync verification failed; continuing (on_mismatch='warn'): %s", e)
+            diffs = e.diffs
+        verify_s = time.perf_counter() - start
+
+    last = getattr(client, "last_adapter_sync", None)
+    previous_dir = last.directory if isinstance(last, AdapterSyncReport) and last.name == previous else None
+    client.lora_name, client.weight_version = name, version  # one step: no request sees half of it
+
+    unloaded, drained = None, True
+    if unload_previous and previous is not None:
+        drained = await client.wait_for_model_idle(previous, timeout_s=drain_timeout_s)
+        if not drained:
+            logger.warning("requests naming adapter %s still pending after %ss; unloading it anyway",
+                           previous, drain_timeout_s)  # fmt: skip
+        try:
+            await unload_adapter_on_servers(client, previous, missing_ok=True)
+            unloaded = previous
+        except WeightSyncError as e:  # a leak, not a wrong sample: go on
+            logger.warning("could not unload the previous adapter %s: %s", previous, e)
+        else:
+            if previous_dir is not None and pathlib.Path(previous_dir) != path:
+                await asyncio.to_thread(shutil.rmtree, previous_dir, True)
+
+    client.last_adapter_sync = AdapterSyncReport(
+        name=name,
+        version=version,
+        directory=os.fspath(path),
+        adapter_bytes=size,
+        write_s=write_s,
+        load_s=load_s,
+        verify_s=verify_s,
+        max_abs_diff=diffs,
+        unloaded=unloaded,
+        drained=drained,
+    )
+    return name
