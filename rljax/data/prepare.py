@@ -94,7 +94,8 @@ class PreparedSamples:
 
 def token_rewards(steps: Sequence[Step]) -> list[np.ndarray]:
     """Per-response-token rewards of each step, for token-level estimators (GAE): a scalar
-    ``Step.reward`` on the step's last response token, per-token rewards as given; 0 elsewhere.
+    ``Step.reward`` on the step's last trained response token (``loss_mask`` 1; the last token
+    when none is), per-token rewards as given; 0 elsewhere.
 
     >>> [r.tolist() for r in token_rewards([Step([1], [2, 3], ("q", 0), reward=1.5)])]
     [[0.0, 1.5]]
@@ -106,8 +107,9 @@ def token_rewards(steps: Sequence[Step]) -> list[np.ndarray]:
             out.append(np.asarray(s.reward, np.float32).reshape(n))
             continue
         r = np.zeros(n, np.float32)
-        if n:
-            r[-1] = float(s.reward)
+        if n:  # on the last TRAINED token: GAE skips masked ones (e.g. a trailing observation)
+            trainable = np.flatnonzero(np.asarray(s.loss_mask))
+            r[int(trainable[-1]) if trainable.size else n - 1] = float(s.reward)
         out.append(r)
     return out
 
