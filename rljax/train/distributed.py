@@ -23,6 +23,8 @@ process; when one stops (``kill -9``, OOM, preemption), every survivor is told w
 ``heartbeat_timeout_s`` and JAX terminates it (SIGABRT, exit status 134, logging "Terminating
 process because the JAX distributed service detected fatal errors ... another task died").
 A survivor waiting in :func:`barrier` gets a ``RuntimeError`` naming the barrier first.
+JAX's preemption notifier catches SIGTERM in every process (to let a run checkpoint at a sync
+point), so a launcher that stops workers must follow SIGTERM with SIGKILL after a grace period.
 
 Example (one process; start two with ``num_processes=2, process_id=0 / 1`` and the same
 ``coordinator_address`` to run multi-process)::
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
+import time
 import zlib
 from collections.abc import Mapping
 
@@ -77,6 +81,8 @@ class DistributedConfig:
       initialization_timeout_s: seconds to wait for every process to connect.
       heartbeat_timeout_s: seconds without heartbeats after which a process counts as dead and
         the others are terminated (the upper bound on how long a survivor hangs).
+      shutdown_timeout_s: seconds a process exiting normally waits at JAX's shutdown barrier for
+        the others (a peer that is alive but stuck delays every exit by up to this much).
 
     >>> DistributedConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1).process_id
     1
@@ -92,6 +98,7 @@ class DistributedConfig:
     cpu_collectives: str = ""
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
+    shutdown_timeout_s: int = 300
 
     def __post_init__(self) -> None:
         address = self.coordinator_address
@@ -113,7 +120,7 @@ class DistributedConfig:
             raise ValueError(
                 f"cpu_collectives must be one of {CPU_COLLECTIVES}, got {self.cpu_collectives!r}"
             )
-        for name in ("initialization_timeout_s", "heartbeat_timeout_s"):
+        for name in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive int (seconds), got {getattr(self, name)!r}")
 
@@ -147,7 +154,9 @@ def initialize(config: DistributedConfig) -> bool:
 
     Raises:
       RuntimeError: JAX already computed something, the coordinator could not be reached within
-        ``initialization_timeout_s``, or the run was initialized differently.
+        ``initialization_timeout_s`` (probed over TCP by processes other than 0), or the run was
+        initialized differently. Failures inside JAX's runtime after that (e.g. a process that
+        never registers) abort the process with JAX's own ``DEADLINE_EXCEEDED`` message.
 
     >>> initialize(DistributedConfig(num_processes=1))
     False
@@ -184,6 +193,19 @@ def initialize(config: DistributedConfig) -> bool:
         f"process {config.process_id if config.process_id is not None else '?'} of "
         f"{config.num_processes or '?'}, coordinator {config.coordinator_address or '(auto-detected)'}"
     )
+    hint = (
+        "Check that every process was started with the same coordinator_address and num_processes, "
+        "distinct process ids, that process 0 can bind the port and the others reach it within "
+        f"initialization_timeout_s={config.initialization_timeout_s}s"
+    )
+    if config.coordinator_address is not None and config.process_id not in (None, 0):
+        # JAX aborts the process (C++ fatal error) when the coordinator cannot be reached:
+        # probe it first so that the common failure is a Python exception with context.
+        if not _reachable(config.coordinator_address, config.initialization_timeout_s):
+            raise RuntimeError(
+                f"jax.distributed.initialize failed ({where}): could not reach the coordinator "
+                f"{config.coordinator_address} (TCP) within {config.initialization_timeout_s}s. {hint}"
+            )
     try:
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
@@ -191,15 +213,26 @@ def initialize(config: DistributedConfig) -> bool:
             process_id=config.process_id,
             initialization_timeout=config.initialization_timeout_s,
             heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+            shutdown_timeout_seconds=config.shutdown_timeout_s,
         )
     except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise RuntimeError(
-            f"jax.distributed.initialize failed ({where}): {e}. Check that every process was started "
-            f"with the same coordinator_address and num_processes, distinct process ids, that process 0 "
-            f"can bind the port and the others reach it within initialization_timeout_s="
-            f"{config.initialization_timeout_s}s"
-        ) from e
+        raise RuntimeError(f"jax.distributed.initialize failed ({where}): {e}. {hint}") from e
     return True
+
+
+def _reachable(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``host:port`` succeeds within ``timeout_s`` (retrying)."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
 
 
 def _state():

@@ -51,6 +51,7 @@ def main() -> int:
     parser.add_argument("--wait", choices=["barrier", "collective"], default="barrier")
     parser.add_argument("--heartbeat_timeout_s", type=int, default=100)
     parser.add_argument("--initialization_timeout_s", type=int, default=120)
+    parser.add_argument("--shutdown_timeout_s", type=int, default=60)
     args = parser.parse_args()
 
     config = distributed.DistributedConfig(
@@ -60,6 +61,7 @@ def main() -> int:
         cpu_collectives="gloo",
         initialization_timeout_s=args.initialization_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
     if args.mode == "connect":
         try:
