@@ -58,17 +58,22 @@ def restore_policy(trainer: Any, directory: pathlib.Path, step: int) -> Any:
     return restore_params(trainer.state.params, directory, step)
 
 
-def restore_params(template: Any, directory: pathlib.Path, step: int) -> Any:
-    """The ``policy`` item of checkpoint ``step`` restored onto ``template`` (structure, shardings,
-    dtypes); everything saved beside it (behaviour versions, a PPO critic, optimizer state) is read
-    as host arrays and dropped."""
+def restore_params(
+    template: Any, directory: pathlib.Path, step: int, *, item: str = "policy", missing_ok: bool = False
+) -> Any:
+    """The ``item`` parameters (default the policy) of checkpoint ``step`` restored onto ``template``
+    (structure, shardings, dtypes); everything saved beside it (behaviour versions, a PPO critic, a
+    LoRA run's base, optimizer state) is read as host arrays and dropped. ``missing_ok``: None when
+    the checkpoint has no such item."""
     from rljax.train import checkpoint as ckpt
 
     stored = stored_abstract(directory, step, "params") or {}
+    if item not in stored and missing_ok:
+        return None
     restored = ckpt.restore(
         directory,
-        params={**stored, "policy": template},
+        params={**stored, item: template},
         opt_state=stored_abstract(directory, step, "opt_state"),
         step=step,
     )
-    return restored.params["policy"]
+    return restored.params[item]

@@ -83,6 +83,10 @@ def export_checkpoint(
         raise ValueError("--adapter_only: this run trained the full model (config.lora is empty)")
     trained = LoRAParam if cfg.lora else nnx.Param  # what the checkpoint's policy item holds
     nnx.update(model, restore_params(nnx.state(model, trained), directory, step))
+    if cfg.lora:  # a base the warm start trained is in the checkpoint; else it is the config's
+        base = restore_params(nnx.state(model, nnx.Param), directory, step, item="lora_base", missing_ok=True)
+        if base is not None:
+            nnx.update(model, base)
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:
         save_adapter(model, out, base_model_name_or_path=cfg.model.hf_path or None)

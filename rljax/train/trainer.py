@@ -176,6 +176,7 @@ class Trainer:
         self.critic = self._build_critic(model) if self.algorithms.needs_critic else None
         self.state = TrainState.create(model, default, mesh=self.mesh)
         self.rl_step = 0
+        self._base_in_checkpoint = bool(cfg.lora) and cfg.warmstart.num_steps > 0
         self.engines = EngineSet(
             cfg.engine,
             resolve_frozen_models(cfg.frozen_models, self.algorithms),
@@ -236,7 +237,7 @@ class Trainer:
         ckpt.save(
             self.ckpt_dir,
             step,
-            params={"policy": self.state.params, "behavior": behavior, **self._critic_params()},
+            params={"policy": self.state.params, "behavior": behavior, **self._extra_params()},
             opt_state={
                 "opt": self.state.opt_state,
                 "step": self.state.step,
@@ -260,7 +261,7 @@ class Trainer:
         behavior = {str(v): self.state.params for v in self.scheduler.needed_versions(step)}
         r = ckpt.restore(
             self.ckpt_dir,
-            params={"policy": self.state.params, "behavior": behavior, **self._critic_params()},
+            params={"policy": self.state.params, "behavior": behavior, **self._extra_params()},
             opt_state={
                 "opt": self.state.opt_state,
                 "step": self.state.step,
@@ -273,6 +274,7 @@ class Trainer:
         self.state = dataclasses.replace(
             self.state,
             params=r.params["policy"],
+            frozen=r.params["lora_base"] if self._base_in_checkpoint else self.state.frozen,
             opt_state=r.opt_state["opt"],
             step=r.opt_state["step"],
             skipped=r.opt_state["skipped"],
@@ -291,8 +293,13 @@ class Trainer:
         self.np_rng = r.rng["minibatch"]
         return step
 
-    def _critic_params(self) -> dict[str, Any]:
-        return {} if self.critic is None else {"critic": self.critic.params}
+    def _extra_params(self) -> dict[str, Any]:
+        """Parameter items saved beside the policy: PPO's critic; a LoRA run's base when the warm
+        start trained it (then it is not the checkpoint ``model.hf_path`` / ``model.init`` gives)."""
+        out = {} if self.critic is None else {"critic": self.critic.params}
+        if self._base_in_checkpoint:
+            out["lora_base"] = self.state.frozen
+        return out
 
     def _critic_opt_state(self) -> dict[str, Any]:
         if self.critic is None:
@@ -456,8 +463,10 @@ class Trainer:
             total_steps=None,
             warmup_steps=0,
         )
+        # the whole model learns (a LoRA run's adapters stay as they are, B = 0): LoRA then trains
+        # on top of the warm-started base, which its checkpoints carry (``lora_base``)
         ws_state = TrainState.create(
-            self.state.model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt)
+            self.state.model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt), trainable=nnx.Param
         )
         start = time.perf_counter()
 
