@@ -204,14 +204,23 @@ def test_default_and_smoke_configs_build(tmp_path):
         (lambda c: c.engine.update(kind="magic"), "engine.kind"),
         # silent surprises of the old trainer, now errors naming the key
         (lambda c: c.trainer.update(prompts_per_step=4, mini_batch_prompts=3), "mini_batch_prompts"),
-        (lambda c: c.model.update(compute_dtype="float16"), r"config.model.compute_dtype: expected one of \['float32'"),
+        (
+            lambda c: c.model.update(compute_dtype="float16"),
+            r"config.model.compute_dtype: expected one of \['float32'",
+        ),
         (lambda c: c.trainer.update(prompts_per_step=17), "prompts_per_step=17 exceeds the 16 train tasks"),
         (lambda c: c.rollout.update(top_k="x"), "config.rollout"),
         (lambda c: c.trainer.update(filters=[dict(name="nope")]), r"config.trainer.filters\[0\]"),
         (lambda c: c.trainer.update(filters=[dict(name="overlong", strength=2)]), "strength"),
         (lambda c: c.mesh.update(data=0), "config.mesh.data"),
-        (lambda c: c.engine.server.update(port="x") if "port" in c.engine.server else c.engine.update(
-            server={"bogus": 1}), "config.engine.server.bogus"),
+        (
+            lambda c: (
+                c.engine.server.update(port="x")
+                if "port" in c.engine.server
+                else c.engine.update(server={"bogus": 1})
+            ),
+            "config.engine.server.bogus",
+        ),
     ],
 )
 def test_config_errors_are_clear(tmp_path, edit, match):

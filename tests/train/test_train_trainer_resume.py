@@ -198,7 +198,12 @@ def test_ppo_trains_the_critic_and_resumes_bit_for_bit(tmp_path):
     assert ref[1]["optimizer_steps"] == 0 and ref[1]["critic/optimizer_steps"] == 1  # warm-up: critic only
     for s in (2, 3, 4):
         assert ref[s]["optimizer_steps"] == 1 and ref[s]["critic/optimizer_steps"] == 1
-        for key in ("critic/value_loss", "critic/explained_variance", "critic/clip_frac", "critic/value_mean"):
+        for key in (
+            "critic/value_loss",
+            "critic/explained_variance",
+            "critic/clip_frac",
+            "critic/value_mean",
+        ):
             assert math.isfinite(ref[s][key])
     Trainer(_ppo(num_steps=2), cut_dir).run()
     Trainer(_ppo(num_steps=4), cut_dir, resume=True).run()
