@@ -83,6 +83,7 @@ __all__ = [
     "RolloutError",
     "RolloutResult",
     "TrajectoryRecord",
+    "merge_rollout_results",
     "rollout",
     "run_rollout",
 ]
@@ -525,6 +526,27 @@ def rollout_metrics(records: Sequence[TrajectoryRecord], wall_time_s: float) -> 
         metrics[f"reward_mean/{env}"] = _mean([r.reward for r in ok if r.env == env])
     metrics.update(env_metrics(records))
     return metrics
+
+
+def merge_rollout_results(results: Sequence[RolloutResult]) -> RolloutResult:
+    """One result from the rollouts of disjoint task shares, in the order given.
+
+    Steps and records are concatenated (trajectories never span shares, so the batch stays
+    valid: each share's batch was validated), the metrics are recomputed over all records, and
+    the wall time is the slowest share's. The trainer of a multi-process run gathers every
+    process's share with it, so the step's batch equals a one-process rollout of all the tasks.
+    """
+    if not results:
+        raise ValueError("merge_rollout_results needs at least one result")
+    if len(results) == 1:
+        return results[0]
+    records = [r for res in results for r in res.trajectories]
+    metrics = rollout_metrics(records, max(res.metrics["wall_time_s"] for res in results))
+    steps = [s for res in results for s in res.batch]
+    first = results[0].batch
+    metadata = {**first.metadata, "rollout": metrics}
+    batch = StepBatch._trusted(steps, vocab_size=first.vocab_size, metadata=metadata)
+    return RolloutResult(batch, metrics, records)
 
 
 def env_metrics(records: Sequence[TrajectoryRecord]) -> dict[str, float]:

@@ -16,7 +16,11 @@ Host-side coordination helpers (all are cheap no-ops in a single process):
 * :func:`reduce_metrics`: weighted means of host metrics, bit-identical on every process;
 * :func:`barrier`: a named host barrier with a timeout; a dead or stuck peer fails it with a
   clear error instead of hanging;
-* :func:`is_main_process`: process 0 owns the sinks (logs, metrics files, reports).
+* :func:`is_main_process`: process 0 owns the sinks (logs, metrics files, reports);
+* :func:`allgather_objects`: every process's picklable host object (e.g. its rollout's Steps), in
+  process order, on every process;
+* :func:`host_local_copy`: the full value of (possibly cross-process sharded) arrays as host numpy
+  arrays on every process (e.g. the weights an in-process sampler serves).
 
 Failure model: the coordination service (run by process 0) expects a heartbeat from every
 process; when one stops (``kill -9``, OOM, preemption), every survivor is told within about
@@ -40,10 +44,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import socket
 import time
 import zlib
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,7 +59,9 @@ __all__ = [
     "CPU_COLLECTIVES",
     "DistributedConfig",
     "agree_max",
+    "allgather_objects",
     "barrier",
+    "host_local_copy",
     "initialize",
     "is_main_process",
     "process_share",
@@ -367,3 +375,45 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
             f"barrier {name!r} failed on process {jax.process_index()} of {jax.process_count()}: {why}. "
             f"Check the other processes' logs. Cause: {text}"
         ) from e
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's ``obj`` in process order, on every process (every process calls it).
+
+    ``obj`` is pickled, exchanged as bytes with ``multihost_utils.process_allgather`` (XLA's
+    collectives; nothing hand-made) and unpickled: one all-gather of the lengths, one of the
+    bytes padded to the longest. Use it for host data (a rollout's Steps, records), not for arrays
+    that already live on devices. Call it from the thread that runs the jitted steps: collectives
+    of every process must be issued in the same order.
+
+    >>> allgather_objects({"steps": 3})
+    [{'steps': 3}]
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray(data.size, np.int64))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [pickle.loads(gathered[p, : int(n)].tobytes()) for p, n in enumerate(lengths)]
+
+
+def host_local_copy(tree: Any) -> Any:
+    """``tree`` with every array replaced by its full value as a host numpy array, on every process.
+
+    Arrays sharded across processes are all-gathered (every process calls it, in the same order);
+    arrays this process holds whole are just copied to the host. Memory: the whole tree per host.
+
+    >>> host_local_copy({"w": jax.numpy.ones((2,))})["w"]
+    array([1., 1.], dtype=float32)
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    gathered = multihost_utils.process_allgather([leaves[i] for i in arrays], tiled=True) if arrays else []
+    out = list(jax.device_get([None if i in arrays else x for i, x in enumerate(leaves)]))
+    for i, value in zip(arrays, gathered, strict=True):
+        out[i] = np.asarray(value)
+    return jax.tree.unflatten(treedef, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,10 +24,11 @@ import jax
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models_from_config
 from rljax.train.builders import DTYPE_OF
+from rljax.train.distributed import process_share
 from rljax.train.run_config import EngineSection
 from rljax.train.worker import Worker
 
-__all__ = ["EngineSet", "resolve_frozen_models"]
+__all__ = ["EngineSet", "process_urls", "resolve_frozen_models"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,26 @@ def lora_server_args(server: dict[str, Any], rank: int) -> dict[str, Any]:
         extra += ("--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2")
     env = {**dict(server.get("env", {})), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     return {**server, "extra_args": extra, "env": env}
+
+
+def process_urls(urls: Sequence[str]) -> list[str]:
+    """This process's share of ``engine.urls``: a multi-process run splits the servers among its
+    processes (each process rolls out, syncs and verifies only its own), so there must be at least
+    one per process. One process keeps them all.
+
+    >>> process_urls(["http://a:8000", "http://b:8000"])
+    ['http://a:8000', 'http://b:8000']
+    """
+    urls = list(urls)
+    count = jax.process_count()
+    if count == 1 or not urls:
+        return urls
+    if len(urls) < count:
+        raise ValueError(
+            f"config.engine.urls lists {len(urls)} servers for {count} processes; a multi-process run gives "
+            "each process its own servers (at least one each), or leave urls empty to launch them per host"
+        )
+    return [urls[i] for i in process_share(len(urls))]
 
 
 class EngineSet:
@@ -137,8 +158,8 @@ class EngineSet:
         from rljax.models import save_pretrained
 
         e = self.config
-        urls = list(e.urls)
-        if not urls:  # launch local servers on the initial weights
+        urls = process_urls(e.urls)
+        if not urls:  # launch local servers on the initial weights (each process: its own)
             model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
             save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
             server = {"dtype": self.dtype, **dict(e.server)}

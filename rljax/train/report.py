@@ -84,9 +84,23 @@ class RunSinks:
     """The run's metrics: :class:`rljax.train.metrics.MetricsLogger` for RL steps (``workdir``: stdout
     table, ``metrics.jsonl``, TensorBoard, ``metrics.png``) and another for the warm start
     (``workdir/warmstart``). On resume, JSONL lines of steps after the checkpoint are dropped first,
-    so the file reads as one uninterrupted run; a fresh run starts a fresh file."""
+    so the file reads as one uninterrupted run; a fresh run starts a fresh file.
 
-    def __init__(self, workdir: pathlib.Path, *, resume_step: int | None, table_keys: Sequence[str]) -> None:
+    ``enabled=False`` (every process but 0 of a multi-process run) writes nothing anywhere."""
+
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        *,
+        resume_step: int | None,
+        table_keys: Sequence[str],
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self.workdir = workdir
+        self.warmstart: metrics_lib.MetricsLogger | None = None
+        if not enabled:
+            return
         path = workdir / metrics_lib.JSONL_NAME
         if resume_step is not None and path.exists():
             kept = []
@@ -100,11 +114,11 @@ class RunSinks:
             path.write_text("".join(k + "\n" for k in kept))
         elif path.exists():
             path.unlink()
-        self.workdir = workdir
         self.rl = metrics_lib.MetricsLogger(workdir, table_keys=table_keys)
-        self.warmstart: metrics_lib.MetricsLogger | None = None
 
     def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> None:
+        if not self.enabled:
+            return
         scalars = {k: v for k, v in metrics.items() if k not in metrics_lib.RESERVED_KEYS}
         if phase == "rl":
             self.rl.log(step, scalars)
@@ -119,6 +133,8 @@ class RunSinks:
         self.warmstart.log(step, scalars)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.rl.close()
         if self.warmstart is not None:
             self.warmstart.close()

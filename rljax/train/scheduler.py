@@ -8,6 +8,13 @@ max_off_policy_steps``; rollouts of steps ``n+1 .. n+k`` run while step ``n`` tr
 more than ``k`` versions stale is an error. It also runs DAPO dynamic sampling (extra rounds until
 enough groups have reward variance) and held-out evaluations.
 
+Several processes (a multi-host run): every process draws the same tasks for a step, rolls out its
+own contiguous share of them (:func:`~rljax.train.distributed.process_share`; whole groups stay on one
+process) on its own engine with a process-local copy of the behaviour weights, and
+:meth:`RolloutScheduler.result` gathers the shares (in process order) into the step's batch on every
+process, equal to a one-process rollout of all the tasks. Gathers run on the calling (main) thread,
+so every process issues its collectives in the same order; the rollout thread issues none.
+
 Determinism: request seeds derive from ``(rollout seed, step, ...)`` (``config.rollout.seed``, or
 ``config.seed`` when unset), extra dynamic-sampling rounds draw from a ``(seed, step, round)``
 stream, and the task iterator's position is checkpointed, so resumed runs sample what the
@@ -16,19 +23,22 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from rljax.algorithms import AlgorithmConfig
 from rljax.chat.base import Renderer
 from rljax.data.filters import DynamicSampler
 from rljax.envs.base import Task
-from rljax.rollout import RolloutConfig, RolloutResult, rollout, rollout_metrics
+from rljax.rollout import RolloutConfig, RolloutResult, merge_rollout_results, rollout, rollout_metrics
+from rljax.train.distributed import allgather_objects, barrier, process_share
 from rljax.train.engines import EngineSet
 from rljax.train.run_config import RunConfig
 from rljax.train.tasks import EnvTasks, TaskIterator
@@ -62,6 +72,9 @@ class RolloutScheduler:
       vocab_size: the model's vocabulary (Step validation).
       worker: the worker rollouts run on.
       to_model: builds a model from parameters (served to the policy engine).
+      localize: turns the trainer's parameters into what this process's engine serves (a
+        multi-process run: a process-local copy; default: the parameters themselves). Called on
+        the thread that calls :meth:`add_version`.
     """
 
     def __init__(
@@ -75,6 +88,7 @@ class RolloutScheduler:
         vocab_size: int,
         worker: Worker,
         to_model: Callable[[Any], Any],
+        localize: Callable[[Any], Any] | None = None,
     ) -> None:
         t = cfg.trainer
         self.num_steps = t.num_steps
@@ -87,6 +101,8 @@ class RolloutScheduler:
         self.vocab_size = vocab_size
         self.worker = worker
         self.to_model = to_model
+        self.localize = localize
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.seed = cfg.seed
         rollout_fields = dict(cfg.rollout)
         seed = rollout_fields.pop("seed", None)
@@ -103,6 +119,11 @@ class RolloutScheduler:
         )
         ds = t.dynamic_sampling
         self.dynamic_sampling = ds if ds.max_rounds > 0 else None
+        if self.dynamic_sampling is not None and self.process_count > 1:
+            raise ValueError(
+                "config.trainer.dynamic_sampling is not supported with several processes yet (its extra "
+                "rounds depend on the whole step's groups); set max_rounds=0"
+            )
         if self.dynamic_sampling is not None:
             not_grouped = [a.name for a in algorithms.algorithms if not a.group_relative]
             if not_grouped:
@@ -117,7 +138,9 @@ class RolloutScheduler:
             )
         self.tasks = TaskIterator(env_tasks.train, seed=cfg.seed)
         self.behavior: dict[int, Any] = {}  # version -> parameters the rollouts of that version use
+        self.served: dict[int, Any] = {}  # version -> those parameters as this process's engine serves them
         self.pending: list[PendingRollout] = []
+        self._serves = 0
         self.next_step = 0
         self.task_states: dict[int, dict[str, Any]] = {}  # step -> iterator state before its draw
 
@@ -133,8 +156,27 @@ class RolloutScheduler:
     def add_version(self, version: int, params: Any) -> None:
         """Records the parameters of ``version`` and forgets versions no future rollout needs."""
         self.behavior[version] = params
+        self.served[version] = params if self.localize is None else self.localize(params)
         for v in [v for v in self.behavior if v < version - self.lag]:
             del self.behavior[v]
+            del self.served[v]
+
+    def share(self, tasks: Sequence[Task]) -> list[Task]:
+        """This process's contiguous share of ``tasks`` (all of them in a one-process run)."""
+        return [tasks[i] for i in process_share(len(tasks), process_index=self.process_index,
+                                                process_count=self.process_count)]  # fmt: skip
+
+    def gather(self, result: RolloutResult) -> RolloutResult:
+        """Every process's share of a rollout merged in process order (call on the main thread)."""
+        if self.process_count == 1:
+            return result
+        return merge_rollout_results(allgather_objects(result))
+
+    async def _serve(self, version: int) -> None:
+        await self.engines.serve(version, self.to_model(self.served[version]))
+        if self.process_count > 1:  # every process's engine holds the version before any samples it
+            await asyncio.to_thread(barrier, f"rljax_serve_v{version}_{self._serves}")
+        self._serves += 1
 
     # -- submitting ------------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -158,8 +200,7 @@ class RolloutScheduler:
 
     def _submit(self, step: int) -> PendingRollout:
         version = self.version_for(step)
-        params = self.behavior[version]
-        tasks = self.tasks.take(self.prompts_per_step)
+        tasks = self.share(self.tasks.take(self.prompts_per_step))
         config = dataclasses.replace(self.rollout_config, seed=derive_seed(self.rollout_seed, step, 1))
         engines = {
             env: self.engines.sampler_for(self.algorithms.for_env(env), self.worker)
@@ -180,7 +221,7 @@ class RolloutScheduler:
             )
 
         async def job() -> RolloutResult:
-            await self.engines.serve(version, self.to_model(params))
+            await self._serve(version)
             result = await sample(tasks, 0)
             if self.dynamic_sampling is None:
                 return result
@@ -229,7 +270,7 @@ class RolloutScheduler:
         job = self.pending.pop(0)
         if job.step != step:
             raise RuntimeError(f"rollouts out of order: expected step {step}, got {job.step}")
-        result = job.future.result()
+        result = self.gather(job.future.result())
         frozen = {a.name for a in self.algorithms.algorithms if a.sampling == "frozen"}
         versions = [s.policy_version for s in result.batch if s.algorithm not in frozen]
         lag = step - min(versions) if versions else 0
@@ -249,14 +290,14 @@ class RolloutScheduler:
         return step % eval_every == 0 or step == self.num_steps
 
     def submit_eval(self, version: int) -> concurrent.futures.Future:
-        """Evaluates the weights of ``version`` on every eval task (its own seed stream)."""
+        """Evaluates the weights of ``version`` on every eval task (its own seed stream); this
+        process's share of them (:meth:`gather` the result)."""
         config = dataclasses.replace(self.eval_config, seed=derive_seed(self.seed, 0xE7A1))
-        params = self.behavior[version]
 
         async def job() -> RolloutResult:
-            await self.engines.serve(version, self.to_model(params))
+            await self._serve(version)
             return await rollout(
-                list(self.env_tasks.eval),
+                self.share(self.env_tasks.eval),
                 engine=self.engines.policy,
                 renderer=self.renderer,
                 make_env=self.env_tasks.factories,

@@ -126,6 +126,40 @@ def shard_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
     return jax.tree.map(place, batch)
 
 
+def shard_global_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
+    """Places a packed batch that EVERY process holds whole (the global batch) on ``mesh``.
+
+    Each process contributes exactly the slices its own devices hold
+    (``jax.make_array_from_callback``), so a multi-process mesh gets every row once, in the
+    order of ``batch``, whatever the mesh's device order. In one process it equals
+    :func:`shard_batch`. Use it when the host preparation runs on the whole step's data in every
+    process (the trainer's multi-process mode); :func:`shard_batch` when each process packed
+    only its own rows.
+
+    >>> out = shard_global_batch({"tokens": np.zeros((2, 4), np.int32)}, make_mesh(devices=jax.devices()[:1]))
+    >>> out["tokens"].shape
+    (2, 4)
+    """
+    sharding = batch_sharding(mesh, stacked=stacked)
+    row_axis = 1 if stacked else 0
+    shards = batch_parallelism(mesh)
+
+    def place(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        if x.ndim < row_axis + 2:
+            raise ValueError(
+                f"batch arrays must be {'[k, R, L] (stacked)' if stacked else '[R, L]'}; got shape {x.shape}"
+            )
+        if x.shape[row_axis] % shards:
+            raise ValueError(
+                f"the batch has {x.shape[row_axis]} rows, not a multiple of data*fsdp={shards}; "
+                f"pack with data_parallel={shards} (pads with fully masked rows)"
+            )
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, batch)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A fully replicated ``NamedSharding`` on ``mesh``.
 

@@ -74,6 +74,7 @@ from rljax.train.builders import (
     objective_config,
 )
 from rljax.train.critic import critic_step, critic_values, ppo_advantages
+from rljax.train.distributed import host_local_copy, is_main_process
 from rljax.train.engines import EngineSet, resolve_frozen_models
 from rljax.train.memory import device_peak_bytes, step_memory_metrics
 from rljax.train.references import ReferenceScorers
@@ -131,6 +132,11 @@ class Trainer:
         self.ckpt_dir = self.workdir / "checkpoints"
         self.resume = resume
         self.allow_config_change = allow_config_change
+        self.processes = jax.process_count()
+        self._frozen_local: Any = None  # a multi-process run: the frozen base, whole on this process
+        if self.processes > 1:
+            _check_multi_process(cfg)
+            _log_to_process_file(self.workdir)
 
         # model, tokenizer, renderer ----------------------------------------------------------------
         self.tokenizer = build_tokenizer(cfg.tokenizer)
@@ -201,7 +207,8 @@ class Trainer:
             self.algorithms,
             vocab_size=self.model_vocab,
             worker=self.rollout_worker,
-            to_model=self.model_of,
+            to_model=self._served_model,
+            localize=self._process_local if self.processes > 1 else None,
         )
         self.np_rng = np.random.default_rng(derive_seed(cfg.seed, 0xB47C))
         self.history: list[dict[str, Any]] = []
@@ -230,6 +237,22 @@ class Trainer:
 
     def _snapshot(self) -> Any:
         return jax.tree.map(jnp.copy, self.state.params)  # train_step donates: keep our own copy
+
+    # -- several processes -----------------------------------------------------------------------------
+    @staticmethod
+    def _process_local(tree: Any) -> Any:
+        """A copy of (cross-process sharded) arrays whole on this process's first device: what its
+        engine serves. Memory: the whole tree per host. Main thread only (it all-gathers)."""
+        return jax.device_put(host_local_copy(tree), jax.local_devices()[0])
+
+    def _served_model(self, params: Any) -> nnx.Module:
+        """The model the policy engine serves for behaviour ``params`` (:attr:`RolloutScheduler.served`)."""
+        frozen = self.state.frozen if self.processes == 1 else self._frozen_local
+        return merge_model(self.state.graphdef, params, frozen)
+
+    def _refresh_frozen_local(self) -> None:
+        if self.processes > 1:
+            self._frozen_local = self._process_local(self.state.frozen)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
@@ -287,8 +310,8 @@ class Trainer:
                 step=r.opt_state["critic_step"],
                 skipped=r.opt_state["critic_skipped"],
             )
-        for v, p in r.params["behavior"].items():
-            self.scheduler.behavior[int(v)] = p
+        for v, p in sorted(r.params["behavior"].items(), key=lambda item: int(item[0])):
+            self.scheduler.add_version(int(v), p)
         self.scheduler.restore(r.data_state)
         self.np_rng = r.rng["minibatch"]
         return step
@@ -386,7 +409,7 @@ class Trainer:
         cc = self.critic_config
         staged = []
         for mb in mini_batches:
-            placed = mb.batch if self.mesh is None else train_sharding.shard_batch(mb.batch, self.mesh)
+            placed = mb.batch if self.mesh is None else train_sharding.shard_global_batch(mb.batch, self.mesh)
             old_values = critic_values(self.critic, placed)
             advantages, returns = ppo_advantages(old_values, placed, cc)
             staged.append((mb, placed, old_values, advantages, returns))
@@ -395,7 +418,7 @@ class Trainer:
             self.critic, m = critic_step(self.critic, placed, old_values, returns, cc)
             row = {k: float(v) for k, v in jax.device_get(m).items()}
             mask = np.asarray(mb.batch.loss_mask) != 0
-            adv = np.asarray(jax.device_get(advantages), np.float32)
+            adv = np.asarray(host_local_copy(advantages), np.float32)
             if mask.any():
                 row["advantage/mean"] = float(adv[mask].mean())
                 row["advantage/abs_mean"] = float(np.abs(adv[mask]).mean())
@@ -419,7 +442,8 @@ class Trainer:
         if stacked:
             batch = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=self.data_parallel)
         if self.mesh is not None:
-            batch = train_sharding.shard_batch(batch, self.mesh, stacked=stacked)
+            # every process holds the whole mini-batch and feeds the rows of its own devices
+            batch = train_sharding.shard_global_batch(batch, self.mesh, stacked=stacked)
         return (train_mini_batch if stacked else train_step), batch
 
     def _memory_metrics(self, step_fn: Callable[..., Any], batch: Any, counts: Any) -> dict[str, float]:
@@ -434,7 +458,7 @@ class Trainer:
         return out
 
     def _eval_result(self, step: int, future: concurrent.futures.Future) -> dict[str, float]:
-        result: RolloutResult = future.result()
+        result: RolloutResult = self.scheduler.gather(future.result())
         return eval_metrics(result, step, tasks=self.env_tasks.eval, pass_k=self.cfg.eval.pass_k)
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -442,7 +466,12 @@ class Trainer:
         """Runs (or resumes) the job; returns this process's per-step metrics."""
         try:
             resumed = self._restore() if self.resume else None
-            self.sinks = RunSinks(self.workdir, resume_step=resumed, table_keys=self.cfg.trainer.table_keys)
+            self.sinks = RunSinks(
+                self.workdir,
+                resume_step=resumed,
+                table_keys=self.cfg.trainer.table_keys,
+                enabled=is_main_process(),
+            )
             try:
                 return self._run(resumed)
             finally:
@@ -473,7 +502,8 @@ class Trainer:
         def make(task: Task) -> Any:
             return self.env_tasks.factories[task.env]()
 
-        with metrics_lib.Progress(total=ws.num_steps, desc="warm start", unit="step") as bar:
+        show = None if is_main_process() else False
+        with metrics_lib.Progress(total=ws.num_steps, desc="warm start", unit="step", enabled=show) as bar:
             ws_state, hist = run_warm_start(
                 ws_state,
                 list(self.env_tasks.train),
@@ -500,6 +530,7 @@ class Trainer:
         self.engines.check_frozen_models(self.algorithms, self.rollout_worker)  # fails in seconds, not later
         if resumed is None:
             self._warm_start()
+            self._refresh_frozen_local()
             start = 0
             sched.add_version(0, self._snapshot())
             if t.checkpoint_every:
@@ -507,8 +538,9 @@ class Trainer:
         else:
             start = resumed
             print(f"resumed from step {resumed} ({self.ckpt_dir})", flush=True)
+        self._refresh_frozen_local()
         sched.add_version(start, self._snapshot())
-        self.engines.start_policy(self.current_model())
+        self.engines.start_policy(self._served_model(sched.served[start]))
         sched.start(start)
         eval_future: tuple[int, concurrent.futures.Future] | None = None
         if (
@@ -576,6 +608,29 @@ def _advantage_metrics(prep: Any, alg: algos.Algorithm, name: str) -> dict[str, 
         f"advantage/mean/{name}": float((adv * mask).sum() / mask.sum()),
         f"advantage/abs_mean/{name}": float((np.abs(adv) * mask).sum() / mask.sum()),
     }
+
+
+def _check_multi_process(cfg: Any) -> None:
+    """Config rules of a multi-process run (every process passes the same config)."""
+    n = jax.device_count()
+    if not cfg.uses_mesh:
+        raise ValueError(
+            f"this run has {jax.process_count()} processes ({n} devices in all) but config.mesh is one "
+            f"device; set config.mesh to span all {n} devices (e.g. --config.mesh.data={n})"
+        )
+
+
+def _log_to_process_file(workdir: pathlib.Path) -> None:
+    """Every process of a multi-process run logs to ``workdir/logs/process_<i>.log`` (process 0's
+    metrics go to the usual sinks too)."""
+    path = workdir / "logs" / f"process_{jax.process_index()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
 
 
 def train(config: Any, workdir: str | os.PathLike, *, resume: bool = False) -> list[dict[str, Any]]:

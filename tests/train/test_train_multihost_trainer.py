@@ -1,0 +1,188 @@
+"""The trainer across real processes: ``python -m launch.train`` twice (2 processes x 4 CPU devices,
+gloo collectives on 127.0.0.1) against the same command in one process with 8 devices.
+
+* equal runs: the same tasks, samples and rewards every step (rollouts split by process, gathered),
+  losses and parameters after 4 steps equal within float tolerance (only the order of cross-process
+  reductions differs); process 0 alone writes the metrics, every process its own log file;
+* ``kill -9`` of one process: the other exits non-zero within the heartbeat timeout; both restarted
+  with ``--resume`` finish the run with the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from launch.common import stored_abstract
+from rljax.train import checkpoint
+
+pytestmark = pytest.mark.integration
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+NUM_STEPS = 4
+RUN_TIMEOUT_S = 420
+HEARTBEAT_S = 10
+# opsd: ref_kl toward the live policy scored with the task's demonstration in the prompt, so every
+# step has real gradients (the smoke task's rewards are mostly 0, which leaves grpo with none);
+# mesh fsdp=2 x data=4.
+ARGS = (
+    "--config=configs/smoke.py",
+    f"--config.trainer.num_steps={NUM_STEPS}",
+    "--config.warmstart.num_steps=0",
+    "--config.algorithm=opsd",
+    "--config.mesh.data=4",
+    "--config.mesh.fsdp=2",
+)
+# metrics that count or sum samples: equal exactly when both runs sampled the same tokens
+EXACT = ("reward/mean", "rollout/response_tokens", "rollout/num_steps", "pack/rows", "optimizer_steps")
+CLOSE = ("loss", "loss/ref_kl", "grad_norm", "entropy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        CI="true",  # no progress bars in the logs
+    )
+    return env
+
+
+def start(workdir: pathlib.Path, *extra: str, processes: int = 2, port: int | None = None) -> list:
+    """Starts the run's processes (logs in ``workdir.parent/<name>.p<i>.log``)."""
+    port = port or free_port()
+    procs = []
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "launch.train", *ARGS, f"--workdir={workdir}", *extra]
+        if processes > 1:
+            cmd += [
+                "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
+                "--process_id", str(i), "--cpu_collectives=gloo", f"--heartbeat_timeout_s={HEARTBEAT_S}",
+            ]  # fmt: skip
+        log = open(workdir.parent / f"{workdir.name}.p{i}.log", "w")  # noqa: SIM115 - closed by the OS
+        env = env_with(4 if processes > 1 else 8)
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def logs(workdir: pathlib.Path, n: int) -> str:
+    return "\n".join(
+        f"--- {workdir.name} process {i} ---\n"
+        + (workdir.parent / f"{workdir.name}.p{i}.log").read_text(errors="replace")[-5000:]
+        for i in range(n)
+    )
+
+
+def finish(workdir: pathlib.Path, procs: list) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the run did not finish in {RUN_TIMEOUT_S}s:\n{logs(workdir, len(procs))}")
+    assert codes == [0] * len(procs), f"exit codes {codes}:\n{logs(workdir, len(procs))}"
+
+
+def metrics(workdir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def latest(workdir: pathlib.Path) -> int | None:
+    directory = workdir / "checkpoints"
+    return checkpoint.latest_step(directory) if directory.exists() else None
+
+
+def policy_params(workdir: pathlib.Path, step: int) -> list[np.ndarray]:
+    """The policy of checkpoint ``step`` as host arrays (whatever mesh saved it)."""
+    directory = workdir / "checkpoints"
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def abstract(item: str):
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+            stored_abstract(directory, step, item),
+        )
+
+    restored = checkpoint.restore(
+        directory, params=abstract("params"), opt_state=abstract("opt_state"), step=step
+    )
+    return [np.asarray(x) for x in jax.tree.leaves(restored.params["policy"])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted 2-process run and the 1-process, 8-device run of the same config."""
+    out = tmp_path_factory.mktemp("multihost_trainer")
+    two, one = out / "two", out / "one"
+    procs = start(two)
+    finish(two, procs)
+    finish(one, start(one, processes=1))
+    return two, one
+
+
+def test_two_processes_train_like_one(runs):
+    two, one = runs
+    got, want = metrics(two), metrics(one)
+    assert [r["step"] for r in got] == list(range(1, NUM_STEPS + 1))  # process 0 alone wrote them
+    for g, w in zip(got, want, strict=True):
+        for key in EXACT:
+            assert g[key] == w[key], (g["step"], key, g[key], w[key])
+        for key in CLOSE:
+            np.testing.assert_allclose(
+                g[key], w[key], rtol=1e-4, atol=1e-6, err_msg=f"step {g['step']} {key}"
+            )
+        assert g["grad_norm"] > 1e-3  # real gradients: the comparison can fail
+    for a, b in zip(policy_params(two, NUM_STEPS), policy_params(one, NUM_STEPS), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+    assert sorted(p.name for p in (two / "logs").iterdir()) == ["process_0.log", "process_1.log"]
+    assert not (one / "logs").exists()
+
+
+def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):
+    two, _ = runs
+    run = tmp_path / "killed"
+    port = free_port()
+    procs = start(run, port=port)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (latest(run) or 0) < 1:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"no step-1 checkpoint:\n{logs(run, 2)}")
+        time.sleep(0.05)
+    procs[1].kill()  # SIGKILL
+    killed_at = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail(f"the survivor still runs 60 s after its peer died:\n{logs(run, 2)}")
+    waited = time.monotonic() - killed_at
+    assert code != 0, f"the survivor exited 0 although its peer died (did it finish first?):\n{logs(run, 2)}"
+    assert waited < 60
+    print(f"survivor exited with {code} after {waited:.1f}s")
+    done = latest(run)
+    assert 1 <= done < NUM_STEPS
+    finish(run, start(run, "--resume"))
+    got, want = metrics(run), metrics(two)
+    assert [r["step"] for r in got] == list(range(1, NUM_STEPS + 1))
+    for g, w in zip(got[done:], want[done:], strict=True):
+        for key in EXACT + CLOSE:
+            assert g[key] == w[key], (g["step"], key, g[key], w[key])
