@@ -22,6 +22,7 @@ from rljax.models.hf_io import (
     load_config,
     load_hf_tensors,
     save_pretrained,
+    save_pretrained_distributed,
     to_hf_state_dict,
 )
 from rljax.models.kv_cache import KVCache, decode_step, init_cache, prefill
@@ -90,6 +91,7 @@ __all__ = [
     "prefill",
     "rope_inverse_frequencies",
     "save_pretrained",
+    "save_pretrained_distributed",
     "segment_positions",
     "sequence_logprobs",
     "sequence_logprobs_and_entropy",

@@ -368,6 +368,98 @@ def save_pretrained(
         json.dump(model.config.to_hf_dict(dtype=dtype.name), f, indent=2, sort_keys=True)
 
 
+def _deal_by_size(sizes: list[int], num_processes: int) -> list[int]:
+    """The owning process of each item: largest first, each to the least loaded process (ties: lowest
+    index). Deterministic, so every process computes the same assignment.
+
+    >>> _deal_by_size([10, 1, 7, 3], 2)
+    [0, 0, 1, 1]
+    """
+    load = [0] * num_processes
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(num_processes), key=lambda q: (load[q], q))
+        owner[i] = p
+        load[p] += sizes[i]
+    return owner
+
+
+def save_pretrained_distributed(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    dtype: jnp.dtype | None = None,
+    explicit_lm_head: bool = False,
+) -> list[str]:
+    """:func:`save_pretrained` for a model whose parameters are sharded across processes.
+
+    Every process calls it (in the same order as its other collectives). Parameters are gathered
+    whole one at a time (``multihost_utils.process_allgather``) and each is written, as its own
+    ``model-k-of-n.safetensors``, by the process it is dealt to (largest first, to the least
+    loaded); process 0 writes ``config.json`` and ``model.safetensors.index.json``. Host memory per
+    process: one whole parameter in ``dtype`` at a time (the largest, usually the embedding), never
+    the whole model. Returns once every file is written (a device sync of all processes).
+    ``explicit_lm_head``: a tied model also gets ``lm_head.weight`` (= the embedding) next to the
+    embedding, listed in the index (what vLLM's in-place reload needs to refresh a tied head). In
+    one process it writes the same files from the one process. Returns the files this process wrote.
+
+    >>> import tempfile
+    >>> cfg = ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, qk_norm=True)
+    >>> m = Decoder(cfg, rngs=nnx.Rngs(0)); d = tempfile.mkdtemp()
+    >>> len(save_pretrained_distributed(m, d)) == len(nnx.to_flat_state(nnx.state(m, nnx.Param)))
+    True
+    >>> all(np.array_equal(v, to_hf_state_dict(m)[k]) for k, v in load_hf_tensors(d).items())
+    True
+    """
+    from jax.experimental import multihost_utils
+
+    dtype = jnp.dtype(model.param_dtype if dtype is None else dtype)
+    path = os.fspath(path)
+    values = {_path_str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    by_base: dict[str, list[tuple[str, int | None, bool]]] = {}
+    for hf_name, (param, transpose) in hf_name_map(model).items():
+        base, expert = _split_expert(param)
+        by_base.setdefault(base, []).append((hf_name, expert, transpose))
+    bases = sorted(by_base)
+    owners = _deal_by_size([int(np.prod(values[b].shape)) for b in bases], jax.process_count())
+    me, main = jax.process_index(), jax.process_index() == 0
+    files = [f"model-{k + 1:05d}-of-{len(bases):05d}.safetensors" for k in range(len(bases))]
+    if main:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):  # weights of an earlier save
+            if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors")):
+                os.remove(os.path.join(path, name))
+    multihost_utils.sync_global_devices(f"rljax_save_pretrained_start:{path}")
+    os.makedirs(path, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    written: list[str] = []
+    total = 0
+    tied_head = explicit_lm_head and model.config.tie_word_embeddings
+    for k, base in enumerate(bases):
+        whole = multihost_utils.process_allgather(values[base].astype(dtype), tiled=True)
+        tensors = {}
+        for hf_name, expert, transpose in by_base[base]:
+            arr = np.asarray(whole if expert is None else whole[expert])
+            tensors[hf_name] = np.ascontiguousarray(arr.T if transpose else arr)
+        if tied_head and "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        weight_map.update({name: files[k] for name in tensors})
+        total += sum(t.nbytes for t in tensors.values())
+        if owners[k] == me:
+            safetensors.numpy.save_file(tensors, os.path.join(path, files[k]), metadata={"format": "pt"})
+            written.append(files[k])
+        del whole, tensors
+    if main:
+        with open(os.path.join(path, WEIGHTS_INDEX_FILE), "w") as f:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            json.dump(index, f, indent=2, sort_keys=True)
+        with open(os.path.join(path, CONFIG_FILE), "w") as f:
+            json.dump(model.config.to_hf_dict(dtype=dtype.name), f, indent=2, sort_keys=True)
+    multihost_utils.sync_global_devices(f"rljax_save_pretrained_done:{path}")
+    return written
+
+
 def _split_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
     if max_shard_bytes is None:
         return [tensors]

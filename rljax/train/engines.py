@@ -95,6 +95,12 @@ def process_urls(urls: Sequence[str]) -> list[str]:
     return [urls[i] for i in process_share(len(urls))]
 
 
+def _written(model: Any) -> bool:
+    from rljax.inference.vllm import WrittenWeights
+
+    return isinstance(model, WrittenWeights)
+
+
 class EngineSet:
     """The policy engine and the frozen models of a run, and their lifecycles.
 
@@ -134,7 +140,8 @@ class EngineSet:
         """Creates the policy engine on ``model``'s weights (unless one was given); returns it."""
         if self.policy is not None:
             return self.policy
-        model = self.served(model)
+        if not _written(model):
+            model = self.served(model)
         e = self.config
         if e.kind == "embedded":
             from rljax.inference.sampler import EmbeddedSampler
@@ -160,10 +167,13 @@ class EngineSet:
         e = self.config
         urls = process_urls(e.urls)
         if not urls:  # launch local servers on the initial weights (each process: its own)
-            model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
-            save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
+            if _written(model):  # a multi-process run wrote them already (every process together)
+                model_dir = model.directory
+            else:
+                model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
+                save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
             server = {"dtype": self.dtype, **dict(e.server)}
-            if self._adapter_sync(model):
+            if not _written(model) and self._adapter_sync(model):
                 server = lora_server_args(server, model.lora_config.rank)
             configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
             self._servers = ServerGroup(configs, python=e.python or None).start()
@@ -194,8 +204,12 @@ class EngineSet:
         return self.config.lora_sync == "adapter" and bool(jax.tree.leaves(lora_state(model)))
 
     async def serve(self, version: int, model: Any) -> None:
-        """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does)."""
-        if self._served_version != version:
+        """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does).
+        ``model`` may be weights already written by every process (:class:`WrittenWeights`)."""
+        if self._served_version != version and _written(model):
+            await self.policy.update_weights_from(model, version=version)
+            self._served_version = version
+        elif self._served_version != version:
             served = self.served(model)
             if self.config.kind == "vllm" and self._adapter_sync(served):
                 await self.policy.update_adapter(served, version=version)  # adapter only, verified

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,6 +46,15 @@ from rljax.train.tasks import EnvTasks, TaskIterator
 from rljax.train.worker import Worker
 
 __all__ = ["PendingRollout", "RolloutScheduler", "derive_seed"]
+
+
+def _release(served: Any, *, main: bool) -> None:
+    """Deletes the files of a weight version written for vLLM servers once no rollout needs it
+    (process 0; every server reloaded it before the rollouts that used it)."""
+    from rljax.inference.vllm.weight_sync import WrittenWeights
+
+    if main and isinstance(served, WrittenWeights):
+        shutil.rmtree(served.directory, ignore_errors=True)
 
 
 def derive_seed(*parts: int) -> int:
@@ -72,9 +82,10 @@ class RolloutScheduler:
       vocab_size: the model's vocabulary (Step validation).
       worker: the worker rollouts run on.
       to_model: builds a model from parameters (served to the policy engine).
-      localize: turns the trainer's parameters into what this process's engine serves (a
-        multi-process run: a process-local copy; default: the parameters themselves). Called on
-        the thread that calls :meth:`add_version`.
+      localize: ``localize(version, params)`` turns the trainer's parameters into what this
+        process's engine serves (a multi-process run: a process-local copy, or the version written
+        for vLLM servers by every process; default: the parameters themselves). Called on the
+        thread that calls :meth:`add_version`; what it returns is given to ``to_model``.
     """
 
     def __init__(
@@ -88,7 +99,7 @@ class RolloutScheduler:
         vocab_size: int,
         worker: Worker,
         to_model: Callable[[Any], Any],
-        localize: Callable[[Any], Any] | None = None,
+        localize: Callable[[int, Any], Any] | None = None,
     ) -> None:
         t = cfg.trainer
         self.num_steps = t.num_steps
@@ -156,10 +167,10 @@ class RolloutScheduler:
     def add_version(self, version: int, params: Any) -> None:
         """Records the parameters of ``version`` and forgets versions no future rollout needs."""
         self.behavior[version] = params
-        self.served[version] = params if self.localize is None else self.localize(params)
+        self.served[version] = params if self.localize is None else self.localize(version, params)
         for v in [v for v in self.behavior if v < version - self.lag]:
             del self.behavior[v]
-            del self.served[v]
+            _release(self.served.pop(v), main=self.process_index == 0)
 
     def share(self, tasks: Sequence[Task]) -> list[Task]:
         """This process's contiguous share of ``tasks`` (all of them in a one-process run)."""

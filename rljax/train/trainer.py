@@ -208,7 +208,7 @@ class Trainer:
             vocab_size=self.model_vocab,
             worker=self.rollout_worker,
             to_model=self._served_model,
-            localize=self._process_local if self.processes > 1 else None,
+            localize=self._localizer(),
         )
         self.np_rng = np.random.default_rng(derive_seed(cfg.seed, 0xB47C))
         self.history: list[dict[str, Any]] = []
@@ -239,14 +239,40 @@ class Trainer:
         return jax.tree.map(jnp.copy, self.state.params)  # train_step donates: keep our own copy
 
     # -- several processes -----------------------------------------------------------------------------
+    def _localizer(self) -> Callable[[int, Any], Any] | None:
+        """What a multi-process run's engine serves for a version's parameters
+        (:attr:`RolloutScheduler.served`): full-weight vLLM syncs get the version written once by
+        every process together (:meth:`_write_for_servers`); the embedded sampler and LoRA adapter
+        syncs get a process-local copy (:meth:`_process_local`). One process: the parameters."""
+        if self.processes == 1:
+            return None
+        e = self.cfg.engine
+        if e.kind == "vllm" and not (self.cfg.lora and e.lora_sync == "adapter"):
+            return self._write_for_servers
+        return lambda version, params: self._process_local(params)
+
     @staticmethod
     def _process_local(tree: Any) -> Any:
         """A copy of (cross-process sharded) arrays whole on this process's first device: what its
         engine serves. Memory: the whole tree per host. Main thread only (it all-gathers)."""
         return jax.device_put(host_local_copy(tree), jax.local_devices()[0])
 
-    def _served_model(self, params: Any) -> nnx.Module:
-        """The model the policy engine serves for behaviour ``params`` (:attr:`RolloutScheduler.served`)."""
+    def _write_for_servers(self, version: int, params: Any) -> Any:
+        """Writes weight ``version`` for the vLLM servers of every process (``workdir/weights/v<N>``,
+        each host holding one whole parameter at a time) with the probe logprobs its syncs verify."""
+        from rljax.inference.vllm import SyncConfig, write_distributed
+
+        model = self.engines.served(merge_model(self.state.graphdef, params, self.state.frozen))
+        directory = self.workdir / "weights" / f"v{version}"
+        return write_distributed(model, directory, config=SyncConfig(**dict(self.cfg.engine.sync)))
+
+    def _served_model(self, params: Any) -> Any:
+        """The model the policy engine serves for behaviour ``params`` (:attr:`RolloutScheduler.served`);
+        weights already written for vLLM servers pass through."""
+        from rljax.inference.vllm import WrittenWeights
+
+        if isinstance(params, WrittenWeights):
+            return params
         frozen = self.state.frozen if self.processes == 1 else self._frozen_local
         return merge_model(self.state.graphdef, params, frozen)
 

@@ -169,6 +169,7 @@ def train(args) -> int:
         config={"processes": count},
     )
     log(f"SAVED {path}")
+    hf_files = write_hf(args, state)
     if distributed.is_main_process():
         keys = sorted(metrics_history[0])
         np.savez(
@@ -180,10 +181,39 @@ def train(args) -> int:
             helper_agree_max=helpers["agree_max"],
             helper_reduce=helpers["reduce"],
         )
-    log(f"SHARE {helpers['share']} MAIN {helpers['main']}")
+    log(f"SHARE {helpers['share']} MAIN {helpers['main']} WROTE {len(hf_files)}")
     distributed.barrier("done", timeout_s=60)
     log("DONE")
     return 0
+
+
+def write_hf(args, state) -> list[str]:
+    """The trained model written for vLLM servers by both processes (``hf/``, one whole parameter per
+    host at a time) with its probe logprobs; process 0 also writes the reference (``hf_ref.npz``: the
+    single-process HF state dict and logprobs of a host copy of the same weights)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rljax import models
+    from rljax.inference.vllm import SyncConfig, write_distributed
+    from rljax.train.step import merge_model
+
+    model = merge_model(state.graphdef, state.params, state.frozen)
+    written = write_distributed(model, args.out / "hf", config=SyncConfig(probe_length=16))
+    log(f"HF_FILES {sorted(written.files_written)}")
+    local = merge_model(
+        state.graphdef, distributed.host_local_copy(state.params), distributed.host_local_copy(state.frozen)
+    )
+    if distributed.is_main_process():
+        reference = models.to_hf_state_dict(local)
+        logprobs = np.asarray(models.sequence_logprobs(local, jnp.asarray(written.probe, jnp.int32)[None])[0])
+        np.savez(
+            args.out / "hf_ref.npz",
+            **{f"t:{k}": v for k, v in reference.items()},
+            expected=written.expected,
+            local_logprobs=logprobs,
+        )
+    return list(written.files_written)
 
 
 def restore(args) -> int:

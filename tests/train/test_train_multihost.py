@@ -14,6 +14,7 @@ gloo collectives) and compares with this pytest process (1 process x 8 devices, 
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import signal
@@ -28,6 +29,7 @@ import pytest
 import train_fixtures as tf
 
 from rljax.core.objective import ObjectiveConfig
+from rljax.models import load_hf_tensors
 from rljax.train import checkpoint
 from rljax.train.distributed import (
     DistributedConfig,
@@ -176,6 +178,25 @@ def test_two_processes_train_like_one(two_process_train, one_process_run):
     assert len(params) == len(want_params)
     for got, want in zip(params, want_params, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_for_vllm_written_by_both_processes(two_process_train):
+    """``write_distributed``: each host gathers one whole parameter at a time and writes the ones
+    dealt to it; together the files equal the single-process HF state dict bit for bit, and the
+    probe logprobs (from the sharded model) equal a host copy's."""
+    out, run = two_process_train
+    lines = [line for i in (0, 1) for line in run.text(i).splitlines() if line.startswith("HF_FILES ")]
+    files = [ast.literal_eval(line.split("HF_FILES ", 1)[1]) for line in lines]
+    assert len(files) == 2 and files[0] and files[1] and not set(files[0]) & set(files[1])
+    on_disk = sorted(p.name for p in (out / "hf").glob("*.safetensors"))
+    assert sorted(files[0] + files[1]) == on_disk
+    got = load_hf_tensors(out / "hf")
+    with np.load(out / "hf_ref.npz") as z:
+        want = {k[2:]: z[k] for k in z.files if k.startswith("t:")}
+        np.testing.assert_allclose(z["expected"], z["local_logprobs"], rtol=0, atol=2e-5)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_checkpoints_move_between_one_and_two_processes(two_process_train, tmp_path):

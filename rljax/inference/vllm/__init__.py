@@ -29,11 +29,13 @@ from rljax.inference.vllm.weight_sync import (
     SyncConfig,
     SyncReport,
     WeightSyncError,
+    WrittenWeights,
     probe_sequence,
     reload_in_place,
     sync_weights,
     verify_weights,
     write_checkpoint,
+    write_distributed,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "VLLMClientError",
     "VLLMServer",
     "WeightSyncError",
+    "WrittenWeights",
     "completion_payload",
     "find_vllm_python",
     "free_port",
@@ -61,4 +64,5 @@ __all__ = [
     "sync_weights",
     "verify_weights",
     "write_checkpoint",
+    "write_distributed",
 ]

@@ -659,20 +659,56 @@ class VLLMClient:
         succeeds: nothing is sampled from weights that are not the trainer's.
         """
         self._ensure_loop_state()
+        if self.sync_config.directory is None and self._sync_dir is None:
+            self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+
+        async def sync() -> weight_sync.SyncReport:
+            return await weight_sync.sync_weights(
+                self,
+                model,
+                config=self.sync_config,
+                directory=self.sync_config.directory or self._sync_dir,
+                reference_logprobs=reference_logprobs,
+            )
+
+        return await self._synced(sync, version)
+
+    async def update_weights_from(
+        self, written: weight_sync.WrittenWeights, *, version: int | None = None
+    ) -> int:
+        """Like :meth:`update_weights` for weights already written
+        (:func:`.weight_sync.write_distributed`, e.g. by every process of a multi-process run):
+        reload ``written.directory`` on every server and verify against ``written.expected``; the
+        same version and error semantics."""
+        self._ensure_loop_state()
+
+        async def sync() -> weight_sync.SyncReport:
+            reload_s, diffs, verify_s = await weight_sync.reload_and_verify(
+                self,
+                written.directory,
+                config=self.sync_config,
+                probe=written.probe,
+                expected=written.expected,
+                atol=self.sync_config.tolerance(written.dtype),
+            )
+            return weight_sync.SyncReport(
+                directory=written.directory,
+                write_s=written.write_s,
+                reload_s=reload_s,
+                verify_s=verify_s,
+                max_abs_diff=diffs,
+            )
+
+        return await self._synced(sync, version)
+
+    async def _synced(self, sync: Callable[[], Any], version: int | None) -> int:
+        """Runs one weight sync with new requests held back; records the version or the error."""
         async with self._sync_lock:
             self._open.clear()
             try:
                 new_version = self.weight_version + 1 if version is None else int(version)
-                if self.sync_config.directory is None and self._sync_dir is None:
-                    self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
                 try:
-                    self.last_sync = await weight_sync.sync_weights(
-                        self,
-                        model,
-                        config=self.sync_config,
-                        directory=self.sync_config.directory or self._sync_dir,
-                        reference_logprobs=reference_logprobs,
-                    )
+                    self.last_sync = await sync()
                 except weight_sync.WeightSyncError as e:
                     self._sync_error = e
                     raise

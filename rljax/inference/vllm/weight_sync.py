@@ -248,6 +248,45 @@ async def verify_weights(
     return diffs
 
 
+def config_probe(config: SyncConfig, vocab_size: int) -> np.ndarray:
+    """The probe ids a sync verifies with: ``config.probe_ids``, else drawn with the config's seed."""
+    if config.probe_ids is not None:
+        return np.asarray(config.probe_ids, np.int64)
+    return probe_sequence(vocab_size=vocab_size, length=config.probe_length, seed=config.probe_seed)
+
+
+async def reload_and_verify(
+    target: SyncTarget,
+    directory: str,
+    *,
+    config: SyncConfig,
+    probe: np.ndarray | None,
+    expected: np.ndarray | None,
+    atol: float,
+) -> tuple[float, tuple[float, ...], float]:
+    """Reloads ``directory`` in place on every server, then (``config.verify``) checks the probe's
+    logprobs against ``expected`` with ``config.on_mismatch``; returns ``(reload_s, diffs, verify_s)``."""
+    reload_s = await reload_in_place(target, directory, pause_mode=config.pause_mode)
+    if not config.verify:
+        return reload_s, (), 0.0
+    if probe is None or expected is None:
+        raise ValueError("verifying a sync needs the probe ids and the trainer's logprobs of them")
+    start = time.perf_counter()
+    try:
+        diffs = await verify_weights(target, probe, expected, atol=atol)
+    except WeightSyncError as e:
+        if config.on_mismatch == "raise" or not _is_mismatch(e):
+            raise
+        if config.on_mismatch == "retry":
+            logger.warning("weight sync verification failed (%s); reloading once more", e)
+            reload_s += await reload_in_place(target, directory, pause_mode=config.pause_mode)
+            diffs = await verify_weights(target, probe, expected, atol=atol)
+        else:  # warn
+            logger.warning("weight sync verification failed; continuing (on_mismatch='warn'): %s", e)
+            diffs = e.diffs
+    return reload_s, diffs, time.perf_counter() - start
+
+
 async def sync_weights(
     target: SyncTarget,
     model: Any,
@@ -266,33 +305,65 @@ async def sync_weights(
     start = time.perf_counter()
     await asyncio.to_thread(write_checkpoint, model, directory, explicit_lm_head=config.explicit_lm_head)
     write_s = time.perf_counter() - start
-    reload_s = await reload_in_place(target, directory, pause_mode=config.pause_mode)
-    diffs: tuple[float, ...] = ()
-    verify_s = 0.0
+    probe = expected = None
     if config.verify:
-        start = time.perf_counter()
-        if config.probe_ids is not None:
-            probe = np.asarray(config.probe_ids, np.int64)
-        else:
-            probe = probe_sequence(
-                vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
-            )
+        probe = config_probe(config, model.config.vocab_size)
         reference = reference_logprobs or (lambda ids: trainer_logprobs(model, ids))
         expected = await asyncio.to_thread(reference, probe)
-        atol = config.tolerance(getattr(model, "param_dtype", np.float32))
-        try:
-            diffs = await verify_weights(target, probe, expected, atol=atol)
-        except WeightSyncError as e:
-            if config.on_mismatch == "raise" or not _is_mismatch(e):
-                raise
-            if config.on_mismatch == "retry":
-                logger.warning("weight sync verification failed (%s); reloading once more", e)
-                reload_s += await reload_in_place(target, directory, pause_mode=config.pause_mode)
-                diffs = await verify_weights(target, probe, expected, atol=atol)
-            else:  # warn
-                logger.warning("weight sync verification failed; continuing (on_mismatch='warn'): %s", e)
-                diffs = e.diffs
-        verify_s = time.perf_counter() - start
+    reload_s, diffs, verify_s = await reload_and_verify(
+        target,
+        directory,
+        config=config,
+        probe=probe,
+        expected=expected,
+        atol=config.tolerance(getattr(model, "param_dtype", np.float32)),
+    )
     return SyncReport(
         directory=directory, write_s=write_s, reload_s=reload_s, verify_s=verify_s, max_abs_diff=diffs
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenWeights:
+    """A weight version already written for the servers (:func:`write_distributed`), with what its
+    sync verifies against: the probe ids and the trainer's logprobs of them, computed in the served
+    dtype from the weights written. ``config``: the model's :class:`~rljax.models.ModelConfig`."""
+
+    directory: str
+    probe: np.ndarray | None
+    expected: np.ndarray | None
+    dtype: str
+    config: Any
+    write_s: float = 0.0
+    files_written: tuple[str, ...] = ()  # by this process
+
+
+def write_distributed(
+    model: Any, directory: str | os.PathLike, *, config: SyncConfig = SyncConfig()
+) -> WrittenWeights:
+    """Writes a model whose parameters are sharded across processes for the servers, and computes
+    the probe logprobs its sync verifies with; every process of the run calls it (main thread).
+
+    The checkpoint is written by :func:`rljax.models.save_pretrained_distributed` (one whole
+    parameter per host at a time, never the whole model; an explicit ``lm_head.weight`` for tied
+    embeddings, listed in the index), so ``directory`` must be on a filesystem every process and
+    server shares. The probe logprobs come from the sharded model itself. Each process then syncs
+    its own servers from it with :meth:`VLLMClient.update_weights_from`.
+    """
+    from jax.experimental import multihost_utils
+
+    from rljax import models
+
+    directory = os.fspath(directory)
+    start = time.perf_counter()
+    mine = models.save_pretrained_distributed(model, directory, explicit_lm_head=config.explicit_lm_head)
+    write_s = time.perf_counter() - start
+    probe = expected = None
+    if config.verify:
+        import jax.numpy as jnp
+
+        probe = config_probe(config, model.config.vocab_size)
+        out = models.sequence_logprobs(model, jnp.asarray(probe, jnp.int32)[None])
+        expected = np.asarray(multihost_utils.process_allgather(out, tiled=True), np.float64)[0]
+    dtype = np.dtype(getattr(model, "param_dtype", np.float32)).name
+    return WrittenWeights(directory, probe, expected, dtype, model.config, write_s, tuple(mine))
