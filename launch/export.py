@@ -24,14 +24,19 @@ from typing import Any
 from absl import app, flags
 from absl import logging as absl_logging
 
-_CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", None, "A run's workdir, its checkpoints/ directory, or one checkpoints/step_N directory."
-)
-_OUT = flags.DEFINE_string("out", None, "The HF model directory to write.")
-_STEP = flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype (default: the masters').")
-_ADAPTER_ONLY = flags.DEFINE_bool("adapter_only", False, "LoRA runs: write the PEFT adapter only.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out.")
+
+def _define_flags() -> None:
+    """The CLI's flags, defined only when it runs: importing :func:`export_checkpoint` (tests,
+    notebooks) must not claim absl flag names (``--checkpoint``, ``--out``, ``--step``) that the other
+    launchers (``launch.eval``, ``launch.make_dataset``) define in the same process."""
+    flags.DEFINE_string(
+        "checkpoint", None, "A run's workdir, its checkpoints/ directory, or a checkpoints/step_N directory."
+    )
+    flags.DEFINE_string("out", None, "The HF model directory to write.")
+    flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype (default: the masters').")
+    flags.DEFINE_bool("adapter_only", False, "LoRA runs: write the PEFT adapter only.")
+    flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out.")
 
 
 def _read_config(directory: pathlib.Path, step: int) -> Any:
@@ -106,16 +111,17 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
-    if not _CHECKPOINT.value or not _OUT.value:
+    f = flags.FLAGS
+    if not f.checkpoint or not f.out:
         raise app.UsageError("--checkpoint=DIR and --out=HF_DIR are required")
     try:
         summary = export_checkpoint(
-            _CHECKPOINT.value,
-            _OUT.value,
-            step=_STEP.value,
-            dtype=_DTYPE.value,
-            adapter_only=_ADAPTER_ONLY.value,
-            overwrite=_OVERWRITE.value,
+            f.checkpoint,
+            f.out,
+            step=f.step,
+            dtype=f.dtype,
+            adapter_only=f.adapter_only,
+            overwrite=f.overwrite,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise app.UsageError(str(e)) from None
@@ -129,6 +135,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Console entry point."""
     sys.path.insert(0, os.getcwd())
+    _define_flags()
     app.run(main)
 
 

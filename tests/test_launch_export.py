@@ -98,3 +98,13 @@ def test_export_lora_run_merged_and_adapter(tmp_path):
     logp = torch.log_softmax(logits, -1)
     got = np.concatenate([[0.0], logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()])
     np.testing.assert_allclose(got, want, **LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("other", ["launch.eval", "launch.make_dataset", "launch.train"])
+def test_export_imports_beside_the_other_launchers(other):
+    """Importing ``export_checkpoint`` defines no absl flags, so it loads in the same process as any
+    other launcher (``--checkpoint`` / ``--out`` / ``--step`` clashed with launch.eval and
+    launch.make_dataset and broke tests that imported both)."""
+    code = f"import launch.export, {other}; from launch.export import export_checkpoint; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
