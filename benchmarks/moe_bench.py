@@ -10,7 +10,9 @@ feed-forward is all that is timed), ``N`` tokens of width ``H``:
 * dense: one SwiGLU of width ``k * I`` (the same active parameters per token, ``3 * H * k * I``);
 * naive: every expert on every token (``impl="dense"``), weighted by the sparse gate matrix.
 
-Goal: moe tokens/s >= 0.6 x dense tokens/s. Prints each figure and the ratios.
+Goal: moe tokens/s >= 0.6 x dense tokens/s. Prints each figure (best of ``--repeats`` rounds, the
+kinds interleaved round by round so that load from other processes hits them alike) and the ratios,
+also the median of the per-round ratios (the steadier figure on a shared machine).
 
     python benchmarks/moe_bench.py                 # E=32, k=4 (and E=64, k=8)
     python benchmarks/moe_bench.py --quick         # smaller, for a smoke run
@@ -19,6 +21,7 @@ Goal: moe tokens/s >= 0.6 x dense tokens/s. Prints each figure and the ratios.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import jax
@@ -72,7 +75,8 @@ def forward(params, x, *, kind, top_k):
     return x
 
 
-def time_step(kind, *, tokens, hidden, experts, inter, top_k, layers, repeats):
+def make_step(kind, *, tokens, hidden, experts, inter, top_k, layers):
+    """A compiled fwd+bwd step of ``kind`` and its arguments (compiled and warmed up)."""
     params = make_params(jax.random.key(0), layers=layers, hidden=hidden, experts=experts, inter=inter,
                          top_k=top_k, kind=kind)  # fmt: skip
     x = jax.random.normal(jax.random.key(1), (tokens, hidden))
@@ -82,37 +86,41 @@ def time_step(kind, *, tokens, hidden, experts, inter, top_k, layers, repeats):
         return jax.value_and_grad(lambda p: jnp.mean(forward(p, x, kind=kind, top_k=top_k) ** 2))(params)
 
     jax.block_until_ready(step(params, x))
-    best = float("inf")
+    return step, (params, x)
+
+
+def time_steps(kinds, *, repeats, **sizes):
+    """Seconds per step of each kind, ``repeats`` rounds INTERLEAVED (one step of each kind per
+    round), so that a busy machine slows every kind alike. Returns ``{kind: [seconds per round]}``."""
+    steps = {kind: make_step(kind, **sizes) for kind in kinds}
+    times = {kind: [] for kind in kinds}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(params, x))
-        best = min(best, time.perf_counter() - t0)
-    return tokens / best
+        for kind, (step, args) in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[kind].append(time.perf_counter() - t0)
+    return times
 
 
 def run(*, tokens, hidden, experts, inter, top_k, layers, repeats, naive=True):
-    kw = dict(
-        tokens=tokens,
-        hidden=hidden,
-        experts=experts,
-        inter=inter,
-        top_k=top_k,
-        layers=layers,
-        repeats=repeats,
-    )
+    sizes = dict(tokens=tokens, hidden=hidden, experts=experts, inter=inter, top_k=top_k, layers=layers)
     print(
         f"\n== {layers} layers, N={tokens} tokens, H={hidden}, E={experts} experts of I={inter}, top-{top_k} "
         f"(dense width {top_k * inter}); backend {jax.default_backend()}, moe impl {moe.default_impl()}"
     )
-    moe_tps = time_step("moe", **kw)
-    dense_tps = time_step("dense", **kw)
+    times = time_steps(("moe", "dense", "naive") if naive else ("moe", "dense"), repeats=repeats, **sizes)
+    tps = {kind: tokens / min(t) for kind, t in times.items()}  # best round
+    moe_tps, dense_tps = tps["moe"], tps["dense"]
     print(f"moe (grouped)  fwd+bwd {moe_tps:12,.0f} tokens/s")
     print(f"dense (=active){'':4}fwd+bwd {dense_tps:12,.0f} tokens/s")
     ratio = moe_tps / dense_tps
     verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
     print(f"moe / dense    {ratio:.2f}x   (goal >= {GOAL_RATIO}x: {verdict})")
+    per_round = sorted(d / m for d, m in zip(times["dense"], times["moe"], strict=True))
+    print(f"moe / dense per round: median {statistics.median(per_round):.2f}x (min {per_round[0]:.2f}x, "
+          f"max {per_round[-1]:.2f}x)")  # fmt: skip
     if naive:
-        naive_tps = time_step("naive", **kw)
+        naive_tps = tps["naive"]
         print(f"naive all-experts fwd+bwd {naive_tps:9,.0f} tokens/s")
         print(f"moe / naive    {moe_tps / naive_tps:.2f}x")
     return ratio

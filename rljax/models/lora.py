@@ -16,7 +16,18 @@ Files: :func:`save_adapter` / :func:`load_adapter` write and read PEFT's ``adapt
 :func:`merge_lora` folds an adapter into plain weights (``W + (alpha/r) A B``).
 
 Targets are module names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-``down_proj``) of the dense decoder; MoE expert stacks are not targeted (yet).
+``down_proj``) of the dense projections, and for MoE models the stacked experts
+(:class:`rljax.models.moe.Experts`) by PEFT's parameter names of transformers' fused experts:
+``experts.gate_up_proj`` (gate and up share one ``A``, as in the fused ``[E, 2I, H]`` HF tensor) and
+``experts.down_proj``; ``experts`` means both. Per expert ``e`` (PEFT's ``ParamWrapper``)::
+
+    W_e <- W_e + (alpha / r) A_e B_e        A_e: [in, r], B_e: [r, out], one pair per expert
+
+computed as effective weights in the forward (:func:`expert_weights`). In the files PEFT packs the
+experts along the rank: ``lora_A.weight`` ``[E r, in]`` (row ``e r + j``) and ``lora_B.weight``
+``[out, r E]`` (column ``j E + e``), under ``mlp.experts.`` with one ``base_layer.`` per
+ParamWrapper nested inside (``gate_up_proj`` is wrapped first, so it is the inner one when both are
+targeted), and ``adapter_config.json`` lists them as ``target_parameters``.
 
 >>> from rljax.models.tiny import tiny_model
 >>> m = apply_lora(tiny_model(), LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
@@ -46,9 +57,11 @@ __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
     "DEFAULT_TARGETS",
+    "EXPERT_TARGETS",
     "LoRAConfig",
     "LoRAParam",
     "apply_lora",
+    "expert_weights",
     "load_adapter",
     "lora_state",
     "merge_lora",
@@ -58,6 +71,10 @@ __all__ = [
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: PEFT ``target_parameters`` of the stacked MoE experts (transformers' fused ``Qwen*MoeExperts``), in
+#: their registration order (PEFT nests the wrappers in that order); ``"experts"`` targets both.
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+EXPERTS = "experts"
 _PEFT_PREFIX = "base_model.model.model."
 
 
@@ -67,8 +84,18 @@ class LoRAParam(nnx.Variable):
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """Rank ``r``, ``alpha`` (scale ``alpha / r``), target module names, dropout (only 0 is supported:
-    RL recomputes the policy's logprobs, which stochastic dropout would make inconsistent)."""
+    """Rank ``r``, ``alpha`` (scale ``alpha / r``), targets, dropout (only 0 is supported: RL recomputes
+    the policy's logprobs, which stochastic dropout would make inconsistent).
+
+    ``targets``: any of :data:`DEFAULT_TARGETS` (dense projections, incl. qwen2_moe's shared expert)
+    and :data:`EXPERT_TARGETS` (MoE expert stacks: ``experts.gate_up_proj`` adapts gate and up with
+    one shared ``A`` per expert, ``experts.down_proj`` the down projection; ``mlp.experts.*`` as PEFT
+    writes them is accepted too). ``"experts"`` expands to both expert targets. The default targets
+    the dense projections only: an expert adapter has ``E`` times the parameters of a dense one.
+
+    >>> LoRAConfig(targets=("q_proj", "experts")).targets
+    ('q_proj', 'experts.gate_up_proj', 'experts.down_proj')
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -80,11 +107,12 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.rank must be an int >= 1, got {self.rank!r}")
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS))
+        object.__setattr__(self, "targets", _normalize_targets(self.targets))
+        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS) - set(EXPERT_TARGETS))
         if unknown or not self.targets:
             raise ValueError(
-                f"LoRAConfig.targets must be a non-empty subset of {DEFAULT_TARGETS}, got {unknown}"
+                f"LoRAConfig.targets must be a non-empty subset of {DEFAULT_TARGETS + EXPERT_TARGETS} "
+                f"(or {EXPERTS!r} for both expert stacks), got {unknown}"
             )
         if self.dropout != 0.0:
             raise ValueError(
@@ -95,6 +123,27 @@ class LoRAConfig:
     @property
     def scale(self) -> float:
         return float(self.alpha) / self.rank
+
+    @property
+    def module_targets(self) -> tuple[str, ...]:
+        """The dense (Linear) targets, PEFT's ``target_modules``."""
+        return tuple(t for t in self.targets if t in DEFAULT_TARGETS)
+
+    @property
+    def expert_targets(self) -> tuple[str, ...]:
+        """The expert-stack targets in :data:`EXPERT_TARGETS` order (PEFT's nesting order)."""
+        return tuple(t for t in EXPERT_TARGETS if t in self.targets)
+
+
+def _normalize_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
+    """``"experts"`` -> both :data:`EXPERT_TARGETS`, ``"mlp.experts.x"`` -> ``"experts.x"``; order kept."""
+    out: list[str] = []
+    for t in (targets,) if isinstance(targets, str) else targets:
+        t = str(t).removeprefix("mlp.")
+        for name in EXPERT_TARGETS if t == EXPERTS else (t,):
+            if name not in out:
+                out.append(name)
+    return tuple(out)
 
 
 def _targeted(model: nnx.Module, targets: Sequence[str]) -> list[tuple[tuple, Linear]]:
@@ -110,29 +159,116 @@ def _targeted(model: nnx.Module, targets: Sequence[str]) -> list[tuple[tuple, Li
     return out
 
 
+def _expert_stacks(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """The stacked MoE experts of ``model`` (:class:`rljax.models.moe.Experts`: an ``experts`` module
+    with 3-D ``gate_proj`` / ``up_proj`` ``[E, H, I]`` and ``down_proj`` ``[E, I, H]`` params)."""
+    out = []
+    for path, module in nnx.iter_graph(model):
+        down = getattr(module, "down_proj", None)
+        if path and str(path[-1]) == EXPERTS and isinstance(down, nnx.Param) and down.ndim == 3:
+            out.append((tuple(path), module))
+    return out
+
+
+#: Expert target -> (attribute of its ``A``, ((attribute of a ``B``, the stacked weight it adapts), ...)).
+#: ``experts.gate_up_proj`` shares one ``A`` between gate and up (PEFT adapts the fused HF tensor).
+_EXPERT_ADAPTERS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    "experts.gate_up_proj": ("gate_up_lora_a", (("gate_lora_b", "gate_proj"), ("up_lora_b", "up_proj"))),
+    "experts.down_proj": ("down_lora_a", (("down_lora_b", "down_proj"),)),
+}
+
+
+def _kaiming_a(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.dtype) -> jax.Array:
+    """PEFT's ``A`` init: kaiming_uniform(a=sqrt(5)) = ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _attach_linear(lin: Linear, config: LoRAConfig, key: jax.Array, dtype: jnp.dtype) -> None:
+    fan_in, fan_out = lin.kernel.shape
+    # Sharded like the kernel's in / out dimension (rljax.models.sharding); the rank is replicated.
+    axes = lin.kernel.get_metadata().get("logical_axes") or (None, None)
+    a = _kaiming_a(key, (fan_in, config.rank), fan_in, dtype)
+    lin.lora_a = LoRAParam(a, logical_axes=(axes[0], None))
+    lin.lora_b = LoRAParam(jnp.zeros((config.rank, fan_out), dtype), logical_axes=(None, axes[1]))
+    lin.lora_scale = config.scale
+
+
+def _attach_experts(experts: nnx.Module, target: str, config: LoRAConfig, key: jax.Array,
+                    dtype: jnp.dtype) -> None:  # fmt: skip
+    """Adds ``A [E, in, r]`` (Kaiming-uniform per expert, as PEFT) and ``B [E, r, out] = 0`` for one
+    expert target; sharded like the stacked weights (expert axis; in / out dims), rank replicated."""
+    a_name, bs = _EXPERT_ADAPTERS[target]
+    if getattr(experts, a_name, None) is not None:
+        raise ValueError(f"the experts already have a LoRA adapter for {target}")
+    first = getattr(experts, bs[0][1])
+    num_experts, fan_in, _ = first.shape
+    axes = first.get_metadata().get("logical_axes") or (None, None, None)
+    a = _kaiming_a(key, (num_experts, fan_in, config.rank), fan_in, dtype)
+    setattr(experts, a_name, LoRAParam(a, logical_axes=(axes[0], axes[1], None)))
+    for b_name, w_name in bs:
+        w = getattr(experts, w_name)
+        w_axes = w.get_metadata().get("logical_axes") or (None, None, None)
+        b = jnp.zeros((num_experts, config.rank, w.shape[2]), dtype)
+        setattr(experts, b_name, LoRAParam(b, logical_axes=(w_axes[0], None, w_axes[2])))
+    experts.lora_scale = config.scale
+
+
 def apply_lora(
     model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32
 ) -> nnx.Module:
-    """Attaches fresh adapters (A Kaiming-uniform, B = 0) to every targeted Linear of ``model`` (in place).
+    """Attaches fresh adapters (A Kaiming-uniform, B = 0) to every targeted Linear and, for expert
+    targets, to every MoE expert stack of ``model`` (in place).
 
-    Returns ``model``. Raises ``ValueError`` when nothing matches or adapters are already attached.
+    Returns ``model``. Raises ``ValueError`` when nothing matches, when expert targets are given but
+    the model has no expert stacks, or when adapters are already attached.
     """
     found = _targeted(model, config.targets)
-    if not found:
+    stacks = _expert_stacks(model) if config.expert_targets else []
+    if config.expert_targets and not stacks:
+        raise ValueError(f"LoRA targets {config.expert_targets} name MoE expert stacks: the model has none")
+    if not found and not stacks:
         raise ValueError(f"no Linear of the model matches the LoRA targets {config.targets}")
     for path, lin in found:
         if getattr(lin, "lora_a", None) is not None:
             raise ValueError(f"{'.'.join(map(str, path))} already has a LoRA adapter")
-        fan_in, fan_out = lin.kernel.shape
-        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) as PEFT (torch nn.Linear default)
-        a = jax.random.uniform(rngs.params(), (fan_in, config.rank), dtype, -bound, bound)
-        # Sharded like the kernel's in / out dimension (rljax.models.sharding); the rank is replicated.
-        axes = lin.kernel.get_metadata().get("logical_axes") or (None, None)
-        lin.lora_a = LoRAParam(a, logical_axes=(axes[0], None))
-        lin.lora_b = LoRAParam(jnp.zeros((config.rank, fan_out), dtype), logical_axes=(None, axes[1]))
-        lin.lora_scale = config.scale
+        _attach_linear(lin, config, rngs.params(), dtype)
+    for _, experts in stacks:
+        for target in config.expert_targets:
+            _attach_experts(experts, target, config, rngs.params(), dtype)
     model.lora_config = config
     return model
+
+
+def _expert_delta(experts: nnx.Module, w_name: str, precision: jax.lax.PrecisionLike) -> jax.Array | None:
+    """float32 ``(alpha / r) A_e B_e`` for every expert ``e`` (``[E, in, out]``) of the stacked weight
+    ``w_name``, or None when it has no adapter."""
+    for a_name, bs in _EXPERT_ADAPTERS.values():
+        for b_name, target_w in bs:
+            a = getattr(experts, a_name, None)
+            if target_w == w_name and a is not None:
+                b = getattr(experts, b_name)[...].astype(jnp.float32)
+                ab = jnp.einsum("eir,ero->eio", a[...].astype(jnp.float32), b, precision=precision)
+                return ab * experts.lora_scale
+    return None
+
+
+def expert_weights(
+    experts: nnx.Module, dtype: jnp.dtype, precision: jax.lax.PrecisionLike = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(gate [E, H, I], up [E, H, I], down [E, I, H])`` in ``dtype`` as the MoE forward uses them.
+
+    With an expert adapter, per expert ``e``: ``W_e + (alpha / r) A_e B_e`` (the delta in float32, cast
+    to ``dtype``, then added), so the grouped expert kernels run unchanged on effective weights (one
+    extra copy of the stack; the adapter gradient is ``dW_e`` contracted to rank ``r``). With none:
+    the stacked weights cast to ``dtype``.
+    """
+    out = []
+    for w_name in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(experts, w_name)[...].astype(dtype)
+        delta = _expert_delta(experts, w_name, precision)
+        out.append(w if delta is None else w + delta.astype(dtype))
+    return out[0], out[1], out[2]
 
 
 def lora_state(model: nnx.Module) -> nnx.State:
@@ -164,9 +300,27 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         kernel = lin.kernel[...]
         lin.kernel = lin.kernel.replace((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
         del lin.lora_a, lin.lora_b, lin.lora_scale
+    for _, experts in _expert_stacks(merged):
+        _merge_experts(experts)
     if hasattr(merged, "lora_config"):
         del merged.lora_config
     return merged
+
+
+def _merge_experts(experts: nnx.Module) -> None:
+    """Folds an expert adapter into the stacked weights (``W_e += (alpha / r) A_e B_e``) and removes it."""
+    if getattr(experts, "lora_scale", None) is None:
+        return
+    for w_name in ("gate_proj", "up_proj", "down_proj"):
+        delta = _expert_delta(experts, w_name, None)
+        if delta is not None:
+            w = getattr(experts, w_name)
+            setattr(experts, w_name, w.replace((w[...].astype(jnp.float32) + delta).astype(w.dtype)))
+    for a_name, bs in _EXPERT_ADAPTERS.values():
+        for name in (a_name, *(b for b, _ in bs)):
+            if getattr(experts, name, None) is not None:
+                delattr(experts, name)
+    del experts.lora_scale
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,10 +332,57 @@ def _peft_name(path: tuple, which: str) -> str:
     return _PEFT_PREFIX + ".".join(map(str, path)) + f".lora_{which}.weight"
 
 
+def _peft_expert_names(path: tuple, targets: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """PEFT's ``(A name, B name)`` of each expert target: ParamWrappers nest in :data:`EXPERT_TARGETS`
+    order, the first wrapped innermost, so target ``j`` of ``k`` sits under ``k - 1 - j``
+    ``base_layer.``s."""
+    out = {}
+    for j, target in enumerate(targets):
+        inner = path + ("base_layer",) * (len(targets) - 1 - j)
+        out[target] = (_peft_name(inner, "A"), _peft_name(inner, "B"))
+    return out
+
+
+def _experts_to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rljax ``A [E, in, r]``, ``B [E, r, out]`` -> PEFT ``lora_A [E r, in]`` (row ``e r + j``) and
+    ``lora_B [out, r E]`` (column ``j E + e``)."""
+    num_experts, fan_in, rank = a.shape
+    peft_a = a.transpose(0, 2, 1).reshape(num_experts * rank, fan_in)
+    peft_b = b.transpose(2, 1, 0).reshape(b.shape[2], rank * num_experts)
+    return np.ascontiguousarray(peft_a), np.ascontiguousarray(peft_b)
+
+
+def _experts_from_peft(
+    peft_a: np.ndarray, peft_b: np.ndarray, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`_experts_to_peft`: ``(A [E, in, r], B [E, r, out])``."""
+    if peft_a.ndim != 2 or peft_b.ndim != 2 or peft_a.shape[0] % num_experts:
+        raise ValueError(f"expert LoRA shapes {peft_a.shape}, {peft_b.shape} do not fit E={num_experts}")
+    rank = peft_a.shape[0] // num_experts
+    a = peft_a.reshape(num_experts, rank, peft_a.shape[1]).transpose(0, 2, 1)
+    b = peft_b.reshape(peft_b.shape[0], -1, num_experts).transpose(2, 1, 0)
+    return a, b
+
+
+def _expert_tensors(path: tuple, experts: nnx.Module, targets: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The PEFT tensors of one expert stack's adapter (gate and up ``B`` concatenated: fused HF order)."""
+    tensors = {}
+    for target, (name_a, name_b) in _peft_expert_names(path, targets).items():
+        a_name, bs = _EXPERT_ADAPTERS[target]
+        a = np.asarray(getattr(experts, a_name)[...], np.float32)
+        b = np.concatenate([np.asarray(getattr(experts, b_name)[...], np.float32) for b_name, _ in bs], -1)
+        tensors[name_a], tensors[name_b] = _experts_to_peft(a, b)
+    return tensors
+
+
 def save_adapter(
     model: nnx.Module, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
 ) -> pathlib.Path:
-    """Writes the model's adapter as a PEFT adapter directory (config + safetensors); returns it."""
+    """Writes the model's adapter as a PEFT adapter directory (config + safetensors); returns it.
+
+    Expert targets are written as PEFT's ``target_parameters`` (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``), the dense ones as ``target_modules``.
+    """
     config: LoRAConfig | None = getattr(model, "lora_config", None)
     if config is None:
         raise ValueError("the model has no LoRA adapter (apply_lora or load_adapter first)")
@@ -191,6 +392,9 @@ def save_adapter(
     for path, lin in _targeted(model, config.targets):
         tensors[_peft_name(path, "A")] = np.ascontiguousarray(np.asarray(lin.lora_a[...], np.float32).T)
         tensors[_peft_name(path, "B")] = np.ascontiguousarray(np.asarray(lin.lora_b[...], np.float32).T)
+    if config.expert_targets:
+        for path, experts in _expert_stacks(model):
+            tensors.update(_expert_tensors(path, experts, config.expert_targets))
     save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE))
     meta = {
         "peft_type": "LORA",
@@ -198,7 +402,8 @@ def save_adapter(
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": sorted(config.targets),
+        "target_modules": sorted(config.module_targets),
+        "target_parameters": [f"mlp.{t}" for t in config.expert_targets] or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -211,25 +416,73 @@ def save_adapter(
     return out
 
 
-def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
-    """Attaches the PEFT adapter in ``directory`` to ``model`` (in place; written by peft or rljax).
+def _config_targets(meta: dict, d: pathlib.Path) -> tuple[str, ...]:
+    """rljax targets of a PEFT ``adapter_config``: ``target_modules`` (names, or a regex) and the
+    expert ``target_parameters`` (``[mlp.]experts.gate_up_proj``, ``[...]down_proj``)."""
+    targets = meta.get("target_modules") or []
+    if isinstance(targets, str):  # a regex in PEFT: keep the module names it matches
+        targets = [t for t in DEFAULT_TARGETS if re.fullmatch(targets, t) or re.search(targets, f".{t}")]
+    experts = []
+    for name in meta.get("target_parameters") or []:
+        last = name.rpartition(".")[2]
+        target = f"{EXPERTS}.{last}"
+        if target not in EXPERT_TARGETS or not (name == last or name.endswith(f"{EXPERTS}.{last}")):
+            raise ValueError(f"{d}: target_parameters {name!r} is not supported (only {EXPERT_TARGETS})")
+        experts.append(target)
+    return tuple(targets) + tuple(experts)
 
-    Raises ``ValueError`` for adapter features rljax does not implement (DoRA, rsLoRA, per-module
-    ranks, bias training, modules_to_save) and for weights that do not match the model.
-    """
-    d = pathlib.Path(directory)
-    meta = json.loads((d / ADAPTER_CONFIG_FILE).read_text())
+
+def _check_meta(meta: dict, d: pathlib.Path) -> None:
     if meta.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{d}: peft_type {meta.get('peft_type')!r} is not LORA")
-    for key, ok in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+    for key, ok in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False),
+                    ("lora_bias", False)):  # fmt: skip
         if meta.get(key, ok) != ok:
             raise ValueError(f"{d}: adapter_config {key}={meta[key]!r} is not supported (needs {ok!r})")
     if meta.get("rank_pattern") or meta.get("alpha_pattern") or meta.get("modules_to_save"):
         raise ValueError(f"{d}: per-module ranks/alphas and modules_to_save are not supported")
-    targets = meta["target_modules"]
-    if isinstance(targets, str):  # a regex in PEFT: keep the module names it matches
-        targets = [t for t in DEFAULT_TARGETS if re.fullmatch(targets, t) or re.search(targets, f".{t}")]
-    config = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=tuple(targets),
+
+
+def _assign(var: nnx.Variable, value: np.ndarray, name: str, d: pathlib.Path) -> None:
+    if value.shape != var.shape:
+        raise ValueError(f"{d}: {name} gives shape {value.shape}, the model needs {var.shape}")
+    var[...] = jnp.asarray(value, var[...].dtype)
+
+
+def _load_experts(path: tuple, experts: nnx.Module, targets: tuple[str, ...], tensors: dict,
+                  d: pathlib.Path) -> set[str]:  # fmt: skip
+    """Fills one expert stack's adapter from PEFT tensors; returns the names used."""
+    used = set()
+    num_experts = experts.down_proj.shape[0]
+    for target, (name_a, name_b) in _peft_expert_names(path, targets).items():
+        missing = [n for n in (name_a, name_b) if n not in tensors]
+        if missing:
+            raise ValueError(f"{d}: adapter weights lack {missing[0]}")
+        a, b = _experts_from_peft(np.asarray(tensors[name_a], np.float32),
+                                  np.asarray(tensors[name_b], np.float32), num_experts)  # fmt: skip
+        a_name, bs = _EXPERT_ADAPTERS[target]
+        _assign(getattr(experts, a_name), a, name_a, d)
+        widths = [getattr(experts, b_name).shape[2] for b_name, _ in bs]  # gate | up: fused HF order
+        if b.shape[2] != sum(widths):
+            raise ValueError(f"{d}: {name_b} has {b.shape[2]} outputs per expert, need {sum(widths)}")
+        for (b_name, _), part in zip(bs, np.split(b, np.cumsum(widths)[:-1], axis=2), strict=True):
+            _assign(getattr(experts, b_name), part, name_b, d)
+        used.update((name_a, name_b))
+    return used
+
+
+def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
+    """Attaches the PEFT adapter in ``directory`` to ``model`` (in place; written by peft or rljax).
+
+    Raises ``ValueError`` for adapter features rljax does not implement (DoRA, rsLoRA, per-module
+    ranks, bias training, modules_to_save, target_parameters other than the MoE expert stacks) and
+    for weights that do not match the model.
+    """
+    d = pathlib.Path(directory)
+    meta = json.loads((d / ADAPTER_CONFIG_FILE).read_text())
+    _check_meta(meta, d)
+    targets = _config_targets(meta, d)
+    config = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=targets,
                         dropout=float(meta.get("lora_dropout", 0.0) or 0.0))  # fmt: skip
     tensors = load_file(str(d / ADAPTER_WEIGHTS_FILE))
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
@@ -247,6 +500,9 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
                 raise ValueError(f"{d}: {name} has shape {value.T.shape}, the model needs {var.shape[::-1]}")
             var[...] = jnp.asarray(value, var[...].dtype)
             used.add(name)
+    if config.expert_targets:
+        for path, experts in _expert_stacks(model):
+            used |= _load_experts(path, experts, config.expert_targets, tensors, d)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{d}: adapter weights for modules the model does not have: {extra[:4]}")

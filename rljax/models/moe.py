@@ -16,9 +16,13 @@ expert) pairs are computed, never every expert on every token, and no pair is dr
 * ``impl="ragged"``: pairs sorted by expert + :func:`jax.lax.ragged_dot` (grouped matmul). The
   default on GPU / TPU. XLA:CPU lowers ``ragged_dot`` to a masked dense product over ALL experts
   (measured 45x slower than the grouped FLOPs), so it is not the CPU default.
-* ``impl="tiled"`` (CPU default): pairs sorted by expert and laid out in tiles of ``tile`` rows that
-  each hold one expert only (every group padded to a multiple of ``tile``); one batched matmul of
-  the tiles against their expert's weights. Padding costs at most ``E * (tile - 1)`` rows.
+* ``impl="tiled"`` (CPU default): pairs sorted by expert once and laid out in tiles of ``tile`` rows
+  that each hold one expert only (every group padded to a multiple of ``tile``); a loop over the
+  used tiles multiplies each tile by its expert's weights, indexed in place (no per-tile weight
+  copies; the gate and up projections as one ``[H, 2I]`` matmul). A hand-written VJP
+  (``jax.custom_vjp``) reuses the sort and moves rows by gathers only: the transpose of a
+  permutation is its inverse, whereas XLA's transpose of a gather is a scatter-add (slow on CPU);
+  the gate-weighted combine is a sum of ``k`` gathers. Padding costs at most ``E * (tile - 1)`` rows.
 * ``impl="dense"``: every expert on every token, weighted by the (sparse) gate matrix; the
   reference for tests and the naive baseline of ``benchmarks/moe_bench.py``.
 
@@ -36,8 +40,9 @@ them, so the trainer computes the sampler's network and gradients still reach th
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import chex
 import flax.struct
@@ -48,6 +53,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from rljax.models.layers import _INIT_STD, MLP, Linear
+from rljax.models.lora import expert_weights
 
 Impl = Literal["auto", "ragged", "tiled", "dense"]
 IMPLS = ("auto", "ragged", "tiled", "dense")
@@ -179,6 +185,325 @@ def _tile_layout(
     return slot.astype(jnp.int32), jnp.minimum(tile_group, num_groups - 1).astype(jnp.int32), num_tiles
 
 
+class _TilePlan(NamedTuple):
+    """Tile layout of the ``P = R k`` routed pairs (pair ``p`` = row ``p // k``, slot ``p % k``); int32.
+
+    Attributes:
+      slot_pair: ``[T * tile]`` pair feeding each slot of the tiles (``P`` for padding).
+      pair_slot: ``[P]`` slot of each pair (``T * tile``, out of range, for a pair with no expert).
+      tile_group: ``[T]`` expert of each tile.
+      num_used: ``[]`` tiles holding pairs (the other tiles of the static bound ``T`` are skipped).
+    """
+
+    slot_pair: jax.Array
+    pair_slot: jax.Array
+    tile_group: jax.Array
+    num_used: jax.Array
+
+
+def _pair_keys(groups: jax.Array, num_experts: int) -> jax.Array:
+    """int32 ``[R * k]``: the expert of each (row, slot) pair, or the sentinel ``E`` (none) when
+    outside ``[0, E)``."""
+    flat = groups.reshape(-1).astype(jnp.int32)
+    return jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+
+
+def _tile_plan(key: jax.Array, num_experts: int, tile: int) -> _TilePlan:
+    """Sort the pairs by expert (``key``, sentinel ``E`` = none) once, and derive the permutation both
+    ways: forward and backward then move rows with gathers only (the autodiff transpose of a gather
+    is a scatter-add, slow on XLA:CPU; the transpose of a permutation is its inverse, a gather)."""
+    num_pairs = key.shape[0]
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    slot, tile_group, num_tiles = _tile_layout(key[order], group_sizes, tile)
+    slot_pair = jnp.full((num_tiles * tile,), num_pairs, jnp.int32).at[slot].set(order, mode="drop")
+    pair_slot = jnp.zeros((num_pairs,), jnp.int32).at[order].set(slot, unique_indices=True)
+    num_used = jnp.sum((group_sizes + tile - 1) // tile).astype(jnp.int32)
+    return _TilePlan(slot_pair, pair_slot, tile_group, num_used)
+
+
+def _take_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a[index]`` along the first axis; an out-of-range index reads zeros."""
+    return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_sum(a: jax.Array, index: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """``out[r] = sum_j weights[r, j] a[index[r, j]]`` (weights 1 when None; out-of-range reads 0).
+
+    A sum of ``k`` row gathers rather than a gather to ``[R, k, H]`` and a reduction: XLA:CPU fuses
+    each gather into the elementwise sum, so no ``[R, k, H]`` buffer is written.
+    """
+    out = None
+    for j in range(index.shape[1]):
+        term = _take_rows(a, index[:, j])
+        term = term if weights is None else term * weights[:, j, None]
+        out = term if out is None else out + term
+    return out
+
+
+# Row movement between token order and the tile layout. Each is a gather whose VJP is written as
+# the gather by the inverse index (XLA's own transpose would be a scatter-add).
+
+
+@jax.custom_vjp
+def _unpermute(ys: jax.Array, plan: _TilePlan) -> jax.Array:
+    """``out[p] = ys[pair_slot[p]]`` (zeros for a pair with no expert): ``[P, H]``.
+
+    VJP: ``dys[s] = dout[slot_pair[s]]`` (zeros for padding).
+    """
+    return _take_rows(ys, plan.pair_slot)
+
+
+def _unpermute_fwd(ys, plan):
+    return _unpermute(ys, plan), (jnp.zeros_like(ys, shape=()), plan)
+
+
+def _unpermute_bwd(res, dout):
+    ys, plan = res
+    return _cotangent_like(_take_rows(dout, plan.slot_pair), ys), None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(ys: jax.Array, weights: jax.Array, plan: _TilePlan, k: int) -> jax.Array:
+    """``y[r] = sum_j weights[r, j] ys[pair_slot[r k + j]]``: ``[R, H]`` (gather and sum, fused).
+
+    VJP: ``dys[s] = weights[p] dy[p // k]`` with ``p = slot_pair[s]`` (zeros for padding) and
+    ``dweights[r, j] = <dy[r], ys[pair_slot[r k + j]]>``.
+    """
+    return _gather_sum(ys, plan.pair_slot.reshape(-1, k), weights.astype(ys.dtype))
+
+
+def _combine_fwd(ys, weights, plan, k):
+    return _combine(ys, weights, plan, k), (ys, weights, plan)
+
+
+def _combine_bwd(k, res, dy):
+    ys, weights, plan = res
+    w_slot = _take_rows(weights.reshape(-1), plan.slot_pair).astype(ys.dtype)
+    dys = _take_rows(dy, plan.slot_pair // k) * w_slot[:, None]
+    index = plan.pair_slot.reshape(-1, k)
+    dweights = jnp.stack([jnp.sum(_take_rows(ys, index[:, j]) * dy, axis=-1) for j in range(k)], axis=1)
+    dweights = dweights.astype(weights.dtype)
+    return _cotangent_like(dys, ys), _cotangent_like(dweights, weights), None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _set_tile(a: jax.Array, value: jax.Array, i: jax.Array) -> jax.Array:
+    """``a[i] = value`` in place (``i`` in range: no bounds select)."""
+    return jax.lax.dynamic_update_index_in_dim(a, value.astype(a.dtype), i, 0)
+
+
+def _add_tile(a: jax.Array, value: jax.Array, i: jax.Array) -> jax.Array:
+    """``a[i] += value`` in place."""
+    return _set_tile(a, jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) + value, i)
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The manual mesh axes ``a`` varies over (inside ``shard_map``; empty outside)."""
+    axis_type = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(axis_type.varying) if axis_type is not None else frozenset()
+
+
+def _cotangent_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """``ct`` summed over the manual axes it varies over and ``primal`` does not: in a hand-written
+    VJP, the transpose of the implicit broadcast of an invariant primal (e.g. expert weights
+    replicated over ``data``, used with rows split over it) that JAX's autodiff would insert."""
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+def _zeros(shape: tuple[int, ...], dtype, like: tuple[jax.Array, ...]) -> jax.Array:
+    """Zeros that vary over every manual mesh axis any of ``like`` varies over: inside ``shard_map``
+    a loop carry must have the type of the loop body's output (a plain broadcast outside)."""
+    out = jnp.zeros_like(like[0], dtype=dtype, shape=shape)
+    for a in like[1:]:
+        out = out + jnp.zeros_like(a, dtype=dtype, shape=())
+    return out
+
+
+def _tile_rows(x: jax.Array, plan: _TilePlan, t: jax.Array, tile: int, k: int) -> jax.Array:
+    """``[tile, H]``: the rows of ``x`` feeding tile ``t`` (zeros for padding), gathered in the loop
+    so that no ``[T * tile, H]`` copy of the routed rows is materialised."""
+    rows = jax.lax.dynamic_slice_in_dim(plan.slot_pair, t * tile, tile) // k
+    return _take_rows(x, rows)
+
+
+def _tiles_forward(
+    x: jax.Array, w_gu: jax.Array, w_down: jax.Array, plan: _TilePlan, k: int, precision
+) -> tuple[jax.Array, jax.Array]:
+    """``gu_t = x_t W_gu[e_t]`` (``[g | u]``: the gate and up projections side by side, ``x_t`` the
+    rows of tile ``t``) and ``y_t = (silu(g_t) * u_t) W_down[e_t]`` for the used tiles
+    ``t < num_used`` (``e_t = tile_group[t]``).
+
+    A loop over tiles that indexes the stacked weights by the tile's expert: no ``T x`` copy of the
+    weights (a batched matmul against ``W[tile_group]`` materialises one per tile), and the unused
+    tiles of the static bound are skipped (their rows are zeros, never read back).
+    Returns ``(y [T, tile, H], gu [T, tile, 2I])``.
+    """
+    num_tiles = plan.tile_group.shape[0]
+    tile = plan.slot_pair.shape[0] // num_tiles
+    inter = w_down.shape[1]
+
+    def body(t, carry):
+        y, gu_all = carry
+        e = plan.tile_group[t]
+        gu = jnp.dot(_tile_rows(x, plan, t, tile, k), w_gu[e], precision=precision)
+        yt = jnp.dot(_swiglu(gu[:, :inter], gu[:, inter:]), w_down[e], precision=precision)
+        return _set_tile(y, yt, t), _set_tile(gu_all, gu, t)
+
+    like = (x, w_gu, w_down, *plan)
+    y0 = _zeros((num_tiles, tile, x.shape[1]), x.dtype, like)
+    gu0 = _zeros((num_tiles, tile, 2 * inter), x.dtype, like)
+    return jax.lax.fori_loop(0, plan.num_used, body, (y0, gu0))
+
+
+def _tiles_backward(
+    dy: jax.Array,
+    x: jax.Array,
+    gu_all: jax.Array,
+    w_gu: jax.Array,
+    w_down: jax.Array,
+    plan: _TilePlan,
+    k: int,
+    precision,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """VJP of :func:`_tiles_forward` w.r.t. ``(x_t, W_gu, W_down)`` given ``dy = dL/dy [T, tile, H]``.
+
+    Per used tile, with ``s = sigmoid(g)``, ``h = g s u``::
+
+        dh = dy W_down[e]^T;  du = dh * g s;  dg = dh * u * s (1 + g (1 - s))
+        dx_t = [dg | du] W_gu[e]^T
+        dW_down[e] += h^T dy;  dW_gu[e] += x_t^T [dg | du]   (accumulated in >= float32)
+
+    ``dx_t`` overwrites ``dy[t]`` in the loop carry (no fresh ``[T, tile, H]`` buffer).
+    """
+    acc = jnp.promote_types(w_gu.dtype, jnp.float32)
+    tile = dy.shape[1]
+    inter = w_down.shape[1]
+
+    def body(t, carry):
+        dxp, dwgu, dwd = carry
+        e = plan.tile_group[t]
+        a, gu, dyt = _tile_rows(x, plan, t, tile, k), gu_all[t], dxp[t]
+        g, u = gu[:, :inter], gu[:, inter:]
+        s = jax.nn.sigmoid(g)
+        silu = g * s
+        dh = jnp.dot(dyt, w_down[e].T, precision=precision)
+        dgu = jnp.concatenate([dh * u * s * (1 + g * (1 - s)), dh * silu], axis=-1)
+        dx = jnp.dot(dgu, w_gu[e].T, precision=precision)
+        dwd = _add_tile(dwd, jnp.dot((silu * u).T, dyt, precision=precision, preferred_element_type=acc), e)
+        dwgu = _add_tile(dwgu, jnp.dot(a.T, dgu, precision=precision, preferred_element_type=acc), e)
+        return _set_tile(dxp, dx, t), dwgu, dwd
+
+    like = (dy, x, gu_all, w_gu, w_down, *plan)
+    dxp0 = dy.astype(x.dtype) + _zeros((), x.dtype, like)
+    init = (dxp0, _zeros(w_gu.shape, acc, like), _zeros(w_down.shape, acc, like))
+    return jax.lax.fori_loop(0, plan.num_used, body, init)
+
+
+#: Per-tile matmul size (``tile * H * I`` multiply-adds) from which the tiles are looped over; below
+#: it the loop's per-iteration overhead dominates on CPU and one batched matmul against per-tile
+#: copies of the weights is faster.
+LOOP_MIN_TILE_MACS = 1 << 22
+
+
+def _loop_over_tiles(plan: _TilePlan, w_down: jax.Array) -> bool:
+    tile = plan.slot_pair.shape[0] // plan.tile_group.shape[0]
+    return tile * w_down.shape[1] * w_down.shape[2] >= LOOP_MIN_TILE_MACS
+
+
+def _tiles_forward_batched(x, w_gu, w_down, plan, k, precision):
+    """:func:`_tiles_forward` as batched matmuls against ``W[tile_group]`` (small tiles)."""
+    num_tiles, inter = plan.tile_group.shape[0], w_down.shape[1]
+    xp = _take_rows(x, plan.slot_pair // k).reshape(num_tiles, -1, x.shape[1])
+    gu = jnp.einsum("tmh,thj->tmj", xp, w_gu[plan.tile_group], precision=precision)
+    h = _swiglu(gu[..., :inter], gu[..., inter:])
+    return jnp.einsum("tmi,tih->tmh", h, w_down[plan.tile_group], precision=precision), gu
+
+
+def _tiles_backward_batched(dy, x, gu, w_gu, w_down, plan, k, precision):
+    """:func:`_tiles_backward` as batched matmuls; per-tile weight grads summed per expert."""
+    acc = jnp.promote_types(w_gu.dtype, jnp.float32)
+    tg, inter = plan.tile_group, w_down.shape[1]
+    xp = _take_rows(x, plan.slot_pair // k).reshape(*dy.shape[:2], -1)
+    g, u = gu[..., :inter], gu[..., inter:]
+    s = jax.nn.sigmoid(g)
+    silu = g * s
+    dh = jnp.einsum("tmh,tih->tmi", dy, w_down[tg], precision=precision)
+    dgu = jnp.concatenate([dh * u * s * (1 + g * (1 - s)), dh * silu], axis=-1)
+    dxp = jnp.einsum("tmj,thj->tmh", dgu, w_gu[tg], precision=precision)
+    dwd_t = jnp.einsum("tmi,tmh->tih", silu * u, dy, precision=precision, preferred_element_type=acc)
+    dwgu_t = jnp.einsum("tmh,tmj->thj", xp, dgu, precision=precision, preferred_element_type=acc)
+    dwd = jnp.zeros(w_down.shape, acc).at[tg].add(dwd_t)
+    dwgu = jnp.zeros(w_gu.shape, acc).at[tg].add(dwgu_t)
+    return dxp.astype(x.dtype), dwgu, dwd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _tiles(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    plan: _TilePlan,
+    k: int,
+    precision,
+) -> jax.Array:
+    """``ys [T * tile, H]``: the SwiGLU expert of each slot's pair (row ``slot_pair // k`` of
+    ``x [R, H]``) by its tile's expert (see :func:`_tiles_forward`).
+
+    VJP: the loop of :func:`_tiles_backward`, then ``dx[r] = sum_j dxs[pair_slot[r k + j]]`` (the
+    inverse permutation, a gather; XLA's transpose of the row gather would be a scatter-add).
+    """
+    return _tiles_fwd(x, w_gate, w_up, w_down, plan, k, precision)[0]
+
+
+def _tiles_fwd(x, w_gate, w_up, w_down, plan, k, precision):
+    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)
+    fwd = _tiles_forward if _loop_over_tiles(plan, w_down) else _tiles_forward_batched
+    y, gu = fwd(x, w_gu, w_down, plan, k, precision)
+    return y.reshape(-1, x.shape[1]), (x, gu, w_gu, w_down, plan)
+
+
+def _tiles_bwd(k, precision, res, dys):
+    x, gu, w_gu, w_down, plan = res
+    inter = w_down.shape[1]
+    dy = dys.reshape(*gu.shape[:2], -1)
+    bwd = _tiles_backward if _loop_over_tiles(plan, w_down) else _tiles_backward_batched
+    dxp, dwgu, dwd = bwd(dy, x, gu, w_gu, w_down, plan, k, precision)
+    dx = _gather_sum(dxp.reshape(dys.shape), plan.pair_slot.reshape(-1, k))
+    dtype = w_gu.dtype
+    dwg, dwu = dwgu[..., :inter].astype(dtype), dwgu[..., inter:].astype(dtype)
+    primals = (x, w_gu, w_gu, w_down)
+    return (*map(_cotangent_like, (dx, dwg, dwu, dwd.astype(dtype)), primals), None)
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+def _tiled(
+    x: jax.Array,
+    key: jax.Array,
+    k: int,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    tile: int | None,
+    precision,
+) -> tuple[jax.Array, _TilePlan]:
+    """Expert outputs of the pairs in the tile layout ``[T * tile, H]`` and the plan to read them back."""
+    num_experts = w_gate.shape[0]
+    tile = tile_size(key.shape[0], num_experts) if tile is None else int(tile)
+    plan = _tile_plan(key, num_experts, tile)
+    return _tiles(x, w_gate, w_up, w_down, plan, k, precision), plan
+
+
 def grouped_ffn(
     x: chex.Array,
     groups: chex.Array,
@@ -213,36 +538,23 @@ def grouped_ffn(
     chex.assert_rank([x, groups], [2, 2])
     num_experts = w_gate.shape[0]
     rows, k = groups.shape
-    num_pairs = rows * k
-    flat = groups.reshape(-1).astype(jnp.int32)
-    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # sentinel E = no expert
+    key = _pair_keys(groups, num_experts)
     if impl == "dense":
         gate = jax.nn.one_hot(key.reshape(rows, k), num_experts, dtype=x.dtype)  # sentinel -> zeros
         g = jnp.einsum("rh,ehi->eri", x, w_gate, precision=precision)
         u = jnp.einsum("rh,ehi->eri", x, w_up, precision=precision)
         y = jnp.einsum("eri,eih->erh", _swiglu(g, u), w_down, precision=precision)
         return jnp.einsum("erh,rke->rkh", y, gate, precision=precision)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # pairs sorted by expert
-    sorted_groups = key[order]
-    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     if impl == "ragged":
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)  # pairs sorted by expert
+        sorted_groups = key[order]
+        group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
         ys = _ffn_ragged(jnp.take(x, order // k, axis=0), group_sizes, w_gate, w_up, w_down, precision)
         ys = jnp.where((sorted_groups < num_experts)[:, None], ys, 0)
         out = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
         return out.reshape(rows, k, -1)
-    tile = tile_size(num_pairs, num_experts) if tile is None else int(tile)
-    slot, tile_group, num_tiles = _tile_layout(sorted_groups, group_sizes, tile)
-    size = num_tiles * tile
-    # pair feeding each slot (num_pairs = padding), then the slot of each pair in input order
-    slot_pair = jnp.full((size,), num_pairs, jnp.int32).at[slot].set(order, mode="drop")
-    pair_slot = jnp.zeros((num_pairs,), jnp.int32).at[order].set(slot, unique_indices=True)
-    xp = jnp.take(x, slot_pair // k, axis=0, mode="fill", fill_value=0).reshape(num_tiles, tile, -1)
-
-    def bmm(a: jax.Array, w: jax.Array) -> jax.Array:
-        return jnp.einsum("tmh,thi->tmi", a, w[tile_group], precision=precision)
-
-    yp = bmm(_swiglu(bmm(xp, w_gate), bmm(xp, w_up)), w_down).reshape(size, -1)
-    return jnp.take(yp, pair_slot, axis=0, mode="fill", fill_value=0).reshape(rows, k, -1)
+    ys, plan = _tiled(x, key, k, w_gate, w_up, w_down, tile=tile, precision=precision)
+    return _unpermute(ys, plan).reshape(rows, k, -1)
 
 
 def moe_ffn(
@@ -268,6 +580,11 @@ def moe_ffn(
     if ep_mesh is not None:
         return expert_parallel_ffn(x, experts, weights, w_gate, w_up, w_down, mesh=ep_mesh, impl=impl,
                                    precision=precision)  # fmt: skip
+    if _resolve(impl) == "tiled":
+        k = experts.shape[1]
+        key = _pair_keys(experts, w_gate.shape[0])
+        ys, plan = _tiled(x, key, k, w_gate, w_up, w_down, tile=None, precision=precision)
+        return _combine(ys, weights, plan, k)  # the gate-weighted sum, without a [N, k, H] buffer
     ys = grouped_ffn(x, experts, w_gate, w_up, w_down, impl=impl, precision=precision)
     return jnp.einsum("nkh,nk->nh", ys, weights.astype(ys.dtype), precision=precision)
 
@@ -371,6 +688,13 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), param_dtype),
                                    logical_axes=("expert", "moe_mlp", "embed"))  # fmt: skip
 
+    def weights(
+        self, dtype: jnp.dtype, precision: jax.lax.PrecisionLike = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(gate, up, down)`` in ``dtype`` as the forward uses them: with a LoRA adapter on the experts,
+        ``W_e + (alpha / r) A_e B_e`` per expert (:func:`rljax.models.lora.expert_weights`)."""
+        return expert_weights(self, dtype, precision)
+
 
 class SparseMoeBlock(nnx.Module):
     """Router (``gate``), stacked ``experts`` and, for qwen2_moe, ``shared_expert`` + ``shared_expert_gate``.
@@ -423,14 +747,14 @@ class SparseMoeBlock(nnx.Module):
         experts, weights = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob,
                                  routed_experts=routed_experts)  # fmt: skip
         x2 = x.reshape(-1, shape[-1]).astype(self.dtype)
-        w = self.experts
+        w_gate, w_up, w_down = self.experts.weights(self.dtype, self.precision)
         y = moe_ffn(
             x2,
             experts.reshape(-1, self.top_k),
             weights.reshape(-1, self.top_k).astype(self.dtype),
-            w.gate_proj[...].astype(self.dtype),
-            w.up_proj[...].astype(self.dtype),
-            w.down_proj[...].astype(self.dtype),
+            w_gate,
+            w_up,
+            w_down,
             impl=self.impl,
             precision=self.precision,
         ).reshape(shape)

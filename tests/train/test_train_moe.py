@@ -184,3 +184,40 @@ def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
         assert 0.0 <= h["routing/flip_fraction"] <= 1.0 and h["routing/entropy"] > 0
         assert h["update_skipped"] == 0 and h["loss/moe_aux"] > 0
     print("sampler (bf16, KV cache) vs trainer routing flips:", [h["routing/flip_fraction"] for h in history])
+
+
+def test_lora_on_the_experts_trains_adapters_only(tmp_path):
+    """config.lora targeting the expert stacks (and attention) on a tiny Qwen3-MoE: 2 RL steps with
+    router replay on the expert-parallel mesh move every adapter (B starts at 0: it moves only with a
+    gradient) and leave the base bit-identical."""
+    from rljax.models import tiny_config
+    from rljax.models.lora import lora_state
+    from rljax.train.run_config import default_config
+    from rljax.train.trainer import Trainer
+
+    c = default_config()
+    init = dataclasses.asdict(tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=2))
+    c.model.init = {k: v for k, v in init.items() if k != "vocab_size"}  # the tokenizer's
+    c.model.router_replay = "r3"
+    c.algorithm = "opsd"  # ref_kl toward the demonstration-conditioned policy: real gradients at once
+    c.lora = dict(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "experts"))
+    c.mesh.update(data=2, expert=4)
+    c.warmstart.num_steps = 0
+    c.envs.lookup.update(num_train_tasks=8, num_eval_tasks=0)
+    c.rollout.update(group_size=2, max_turns=2, max_tokens=16)
+    c.optimizer.learning_rate = 1e-2
+    c.trainer.update(
+        num_steps=2, prompts_per_step=2, seq_len=512, eval_every=0, checkpoint_every=0, table_keys=()
+    )
+    t = Trainer(c, tmp_path / "run")
+    adapters0 = jax.tree.map(np.asarray, lora_state(t.current_model()))
+    base0 = [np.asarray(x) for x in jax.tree.leaves(t.state.frozen)]
+    assert any("gate_up_lora_a" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters0)[0])
+    history = t.run()
+    assert all(h["update_skipped"] == 0 and np.isfinite(h["loss"]) for h in history)
+    adapters1 = jax.tree.map(np.asarray, lora_state(t.current_model()))
+    pairs = zip(jax.tree.leaves(adapters0), jax.tree.leaves(adapters1), strict=True)
+    moved = [not np.array_equal(a, b) for a, b in pairs]
+    assert all(moved), moved
+    for a, b in zip(base0, jax.tree.leaves(t.state.frozen), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
