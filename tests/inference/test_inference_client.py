@@ -412,3 +412,56 @@ def test_custom_transport_is_used():
             return await client.generate([1, 2], SamplingParams(max_tokens=2))
 
     assert list(run(main()).ids) == fk.expected_generation([1, 2], 2)[0] and seen == ["/v1/completions"]
+
+
+async def _closing_keepalive_server(idle_close_s: float, connections: list[int]) -> asyncio.Server:
+    """An HTTP/1.1 server whose keep-alive timer fires exactly when a late request arrives: a request
+    on a connection idle for >= ``idle_close_s`` is dropped unanswered (what uvicorn does when its
+    timer closes the socket while the request is in flight). ``connections`` counts accepted sockets."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        answered_at = None
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = [
+                    int(h.split(b":")[1])
+                    for h in head.split(b"\r\n")
+                    if h.lower().startswith(b"content-length")
+                ]
+                await reader.readexactly(length[0] if length else 0)
+                if answered_at is not None and time.monotonic() - answered_at >= idle_close_s:
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+                answered_at = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("keepalive_s, outcome", [(30.0, "dropped"), (0.05, "answered")])
+def test_idle_connections_are_not_reused_past_the_keepalive(keepalive_s, outcome):
+    """CI saw ``ReadError`` on an adapter unload: with client and server keep-alive timers both at 5 s,
+    a request can go out on a pooled connection the server is closing. A client that drops idle
+    connections before the server's timer never sends on one (the second post opens a new socket)."""
+    connections: list[int] = []
+
+    async def main():
+        server = await _closing_keepalive_server(0.3, connections)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server, VLLMClient([url], keepalive_s=keepalive_s) as client:
+            first = await client.post_each("/admin", {"a": 1})
+            await asyncio.sleep(0.4)  # longer than the server's 0.3 s; oversleeping changes nothing
+            return first, await client.post_each("/admin", {"a": 2})
+
+    first, second = run(main())
+    assert first == [(200, "ok")]
+    if outcome == "dropped":  # the failure mode: the idle connection was reused and died
+        assert isinstance(second[0], httpx.TransportError) and len(connections) == 1
+    else:
+        assert second == [(200, "ok")] and len(connections) == 2

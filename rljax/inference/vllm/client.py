@@ -289,6 +289,8 @@ class VLLMClient:
     ``routed_layers``: for MoE servers started with ``--enable-return-routed-experts``, the model's
     MoE layer indices (``config.moe_layers``): completions then carry ``routed_experts`` in rljax's
     layout ``[tokens - 1, len(routed_layers), top_k]`` (router replay); None keeps vLLM's layers.
+    ``keepalive_s``: how long an idle connection stays pooled; keep it below the servers' keep-alive
+    timeout (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) so no request races a server-side close.
 
     >>> client = VLLMClient(["http://127.0.0.1:8000", "http://127.0.0.1:8001/"], max_concurrency=4)
     >>> client.urls, client.weight_version
@@ -314,6 +316,7 @@ class VLLMClient:
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         lora_name: str | None = None,
+        keepalive_s: float = 2.0,
     ) -> None:
         if isinstance(urls, str):
             raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
@@ -326,8 +329,11 @@ class VLLMClient:
                                  ("max_sessions", max_sessions, 1)):  # fmt: skip
             if int(value) < low:
                 raise ValueError(f"VLLMClient {name} must be >= {low}, got {value}")
-        if min(timeout_s, connect_timeout_s) <= 0 or min(backoff_s, backoff_max_s, cooldown_s) < 0:
-            raise ValueError("VLLMClient timeouts must be > 0 and backoff/cooldown times >= 0")
+        if (
+            min(timeout_s, connect_timeout_s) <= 0
+            or min(backoff_s, backoff_max_s, cooldown_s, keepalive_s) < 0
+        ):
+            raise ValueError("VLLMClient timeouts must be > 0 and backoff/cooldown/keepalive times >= 0")
         self.model = model
         self.servers = [ServerState(u) for u in urls]
         self.max_retries = int(max_retries)
@@ -344,6 +350,14 @@ class VLLMClient:
         self._model_requests: collections.Counter[str] = collections.Counter()  # in flight, per model
         self._clock = clock
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        # An idle pooled connection is dropped by the client well before the server's keep-alive timer
+        # (uvicorn / vLLM: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) can close it: with equal timers a request
+        # sent on a connection the server is closing at that instant fails with ReadError, and admin
+        # posts (weight sync, adapter load/unload) are not retried.
+        keep = int(max_concurrency) + 2 * len(urls)  # every in-flight request + admin posts stay pooled
+        self._limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=keep, keepalive_expiry=keepalive_s
+        )
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
         self._max_concurrency = int(max_concurrency)
@@ -365,7 +379,9 @@ class VLLMClient:
 
     def _ensure_loop_state(self) -> None:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self._timeout, transport=self._transport)
+            self._http = httpx.AsyncClient(
+                timeout=self._timeout, limits=self._limits, transport=self._transport
+            )
             self._semaphore = asyncio.Semaphore(self._max_concurrency)
             self._open = asyncio.Event()
             self._open.set()
