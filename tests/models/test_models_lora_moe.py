@@ -179,21 +179,12 @@ def test_expert_targets_config_and_errors(tmp_path):
 
 
 def _batch(seed: int = 0, seq: int = 24):
+    from random_steps import random_steps
+
     from rljax.data.pack import pack
-    from rljax.types import Step
 
     rng = np.random.default_rng(seed)
-    steps = []
-    for i in range(6):
-        p, r = int(rng.integers(3, 8)), int(rng.integers(3, 9))
-        steps.append(
-            Step(
-                rng.integers(1, 64, p).tolist(),
-                rng.integers(1, 64, r).tolist(),
-                (f"q{i // 2}", i % 2),
-                response_logprobs=(-rng.random(r)).tolist(),
-            )
-        )
+    steps = random_steps(rng)
     adv = [rng.normal(size=len(s.response_ids)).astype(np.float32) for s in steps]
     return pack(steps, seq_len=seq, advantages=adv, row_buckets=[8]).batch
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from random_steps import random_steps
 
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.micro_batch import split_by_token_budget
@@ -28,7 +29,6 @@ from rljax.train.step import (
     train_mini_batch,
     train_step,
 )
-from rljax.types import Step
 
 CFG = tiny_config("qwen3_moe", vocab_size=64, hidden_size=32, head_dim=8, num_layers=2)
 SEQ = 24
@@ -37,21 +37,6 @@ OPT = OptimizerConfig(learning_rate=1e-3, max_grad_norm=1.0, eps=1e-4)
 
 def _model():
     return random_decoder(CFG, seed=0)
-
-
-def _steps(rng, n=6):
-    steps = []
-    for i in range(n):
-        p, r = int(rng.integers(3, 8)), int(rng.integers(3, 9))
-        steps.append(
-            Step(
-                rng.integers(1, 64, p).tolist(),
-                rng.integers(1, 64, r).tolist(),
-                (f"q{i // 2}", i % 2),
-                response_logprobs=(-rng.random(r)).tolist(),
-            )
-        )
-    return steps
 
 
 def _own_routing(model, batch):
@@ -63,7 +48,7 @@ def _own_routing(model, batch):
 
 
 def _batch(seed=0):
-    steps = _steps(np.random.default_rng(seed))
+    steps = random_steps(np.random.default_rng(seed))
     rng = np.random.default_rng(seed + 1)
     adv = [rng.normal(size=len(s.response_ids)).astype(np.float32) for s in steps]
     return pack(steps, seq_len=SEQ, advantages=adv, row_buckets=[4]).batch
