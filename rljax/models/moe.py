@@ -333,8 +333,14 @@ def _tile_rows(x: jax.Array, plan: _TilePlan, t: jax.Array, tile: int, k: int) -
     return _take_rows(x, rows)
 
 
+def _expert_gate_up(w_gate: jax.Array, w_up: jax.Array, e: jax.Array) -> jax.Array:
+    """``[H, 2I]``: expert ``e``'s gate and up projections side by side (one copy of that expert's
+    weights, which slicing it for the matmul costs anyway; no ``[E, H, 2I]`` copy of all experts)."""
+    return jnp.concatenate([w_gate[e], w_up[e]], axis=-1)
+
+
 def _tiles_forward(
-    x: jax.Array, w_gu: jax.Array, w_down: jax.Array, plan: _TilePlan, k: int, precision
+    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, plan: _TilePlan, k: int, precision
 ) -> tuple[jax.Array, jax.Array]:
     """``gu_t = x_t W_gu[e_t]`` (``[g | u]``: the gate and up projections side by side, ``x_t`` the
     rows of tile ``t``) and ``y_t = (silu(g_t) * u_t) W_down[e_t]`` for the used tiles
@@ -352,11 +358,11 @@ def _tiles_forward(
     def body(t, carry):
         y, gu_all = carry
         e = plan.tile_group[t]
-        gu = jnp.dot(_tile_rows(x, plan, t, tile, k), w_gu[e], precision=precision)
+        gu = jnp.dot(_tile_rows(x, plan, t, tile, k), _expert_gate_up(w_gate, w_up, e), precision=precision)
         yt = jnp.dot(_swiglu(gu[:, :inter], gu[:, inter:]), w_down[e], precision=precision)
         return _set_tile(y, yt, t), _set_tile(gu_all, gu, t)
 
-    like = (x, w_gu, w_down, *plan)
+    like = (x, w_gate, w_up, w_down, *plan)
     y0 = _zeros((num_tiles, tile, x.shape[1]), x.dtype, like)
     gu0 = _zeros((num_tiles, tile, 2 * inter), x.dtype, like)
     return jax.lax.fori_loop(0, plan.num_used, body, (y0, gu0))
@@ -366,28 +372,29 @@ def _tiles_backward(
     dy: jax.Array,
     x: jax.Array,
     gu_all: jax.Array,
-    w_gu: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
     w_down: jax.Array,
     plan: _TilePlan,
     k: int,
     precision,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """VJP of :func:`_tiles_forward` w.r.t. ``(x_t, W_gu, W_down)`` given ``dy = dL/dy [T, tile, H]``.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """VJP of :func:`_tiles_forward` w.r.t. ``(x_t, W_gate, W_up, W_down)`` given ``dy = dL/dy [T, tile, H]``.
 
     Per used tile, with ``s = sigmoid(g)``, ``h = g s u``::
 
         dh = dy W_down[e]^T;  du = dh * g s;  dg = dh * u * s (1 + g (1 - s))
         dx_t = [dg | du] W_gu[e]^T
-        dW_down[e] += h^T dy;  dW_gu[e] += x_t^T [dg | du]   (accumulated in >= float32)
+        dW_down[e] += h^T dy;  [dW_gate[e] | dW_up[e]] += x_t^T [dg | du]   (in >= float32)
 
     ``dx_t`` overwrites ``dy[t]`` in the loop carry (no fresh ``[T, tile, H]`` buffer).
     """
-    acc = jnp.promote_types(w_gu.dtype, jnp.float32)
+    acc = jnp.promote_types(w_gate.dtype, jnp.float32)
     tile = dy.shape[1]
     inter = w_down.shape[1]
 
     def body(t, carry):
-        dxp, dwgu, dwd = carry
+        dxp, dwg, dwu, dwd = carry
         e = plan.tile_group[t]
         a, gu, dyt = _tile_rows(x, plan, t, tile, k), gu_all[t], dxp[t]
         g, u = gu[:, :inter], gu[:, inter:]
@@ -395,14 +402,15 @@ def _tiles_backward(
         silu = g * s
         dh = jnp.dot(dyt, w_down[e].T, precision=precision)
         dgu = jnp.concatenate([dh * u * s * (1 + g * (1 - s)), dh * silu], axis=-1)
-        dx = jnp.dot(dgu, w_gu[e].T, precision=precision)
+        dx = jnp.dot(dgu, _expert_gate_up(w_gate, w_up, e).T, precision=precision)
         dwd = _add_tile(dwd, jnp.dot((silu * u).T, dyt, precision=precision, preferred_element_type=acc), e)
-        dwgu = _add_tile(dwgu, jnp.dot(a.T, dgu, precision=precision, preferred_element_type=acc), e)
-        return _set_tile(dxp, dx, t), dwgu, dwd
+        dwgu = jnp.dot(a.T, dgu, precision=precision, preferred_element_type=acc)
+        dwg, dwu = _add_tile(dwg, dwgu[:, :inter], e), _add_tile(dwu, dwgu[:, inter:], e)
+        return _set_tile(dxp, dx, t), dwg, dwu, dwd
 
-    like = (dy, x, gu_all, w_gu, w_down, *plan)
+    like = (dy, x, gu_all, w_gate, w_up, w_down, *plan)
     dxp0 = dy.astype(x.dtype) + _zeros((), x.dtype, like)
-    init = (dxp0, _zeros(w_gu.shape, acc, like), _zeros(w_down.shape, acc, like))
+    init = (dxp0, *(_zeros(w.shape, acc, like) for w in (w_gate, w_up, w_down)))
     return jax.lax.fori_loop(0, plan.num_used, body, init)
 
 
@@ -417,17 +425,19 @@ def _loop_over_tiles(plan: _TilePlan, w_down: jax.Array) -> bool:
     return tile * w_down.shape[1] * w_down.shape[2] >= LOOP_MIN_TILE_MACS
 
 
-def _tiles_forward_batched(x, w_gu, w_down, plan, k, precision):
+def _tiles_forward_batched(x, w_gate, w_up, w_down, plan, k, precision):
     """:func:`_tiles_forward` as batched matmuls against ``W[tile_group]`` (small tiles)."""
     num_tiles, inter = plan.tile_group.shape[0], w_down.shape[1]
+    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)
     xp = _take_rows(x, plan.slot_pair // k).reshape(num_tiles, -1, x.shape[1])
     gu = jnp.einsum("tmh,thj->tmj", xp, w_gu[plan.tile_group], precision=precision)
     h = _swiglu(gu[..., :inter], gu[..., inter:])
     return jnp.einsum("tmi,tih->tmh", h, w_down[plan.tile_group], precision=precision), gu
 
 
-def _tiles_backward_batched(dy, x, gu, w_gu, w_down, plan, k, precision):
+def _tiles_backward_batched(dy, x, gu, w_gate, w_up, w_down, plan, k, precision):
     """:func:`_tiles_backward` as batched matmuls; per-tile weight grads summed per expert."""
+    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)
     acc = jnp.promote_types(w_gu.dtype, jnp.float32)
     tg, inter = plan.tile_group, w_down.shape[1]
     xp = _take_rows(x, plan.slot_pair // k).reshape(*dy.shape[:2], -1)
@@ -441,7 +451,7 @@ def _tiles_backward_batched(dy, x, gu, w_gu, w_down, plan, k, precision):
     dwgu_t = jnp.einsum("tmh,tmj->thj", xp, dgu, precision=precision, preferred_element_type=acc)
     dwd = jnp.zeros(w_down.shape, acc).at[tg].add(dwd_t)
     dwgu = jnp.zeros(w_gu.shape, acc).at[tg].add(dwgu_t)
-    return dxp.astype(x.dtype), dwgu, dwd
+    return dxp.astype(x.dtype), dwgu[..., :inter], dwgu[..., inter:], dwd
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -464,23 +474,19 @@ def _tiles(
 
 
 def _tiles_fwd(x, w_gate, w_up, w_down, plan, k, precision):
-    w_gu = jnp.concatenate([w_gate, w_up], axis=-1)
     fwd = _tiles_forward if _loop_over_tiles(plan, w_down) else _tiles_forward_batched
-    y, gu = fwd(x, w_gu, w_down, plan, k, precision)
-    return y.reshape(-1, x.shape[1]), (x, gu, w_gu, w_down, plan)
+    y, gu = fwd(x, w_gate, w_up, w_down, plan, k, precision)
+    return y.reshape(-1, x.shape[1]), (x, gu, w_gate, w_up, w_down, plan)
 
 
 def _tiles_bwd(k, precision, res, dys):
-    x, gu, w_gu, w_down, plan = res
-    inter = w_down.shape[1]
+    x, gu, w_gate, w_up, w_down, plan = res
     dy = dys.reshape(*gu.shape[:2], -1)
     bwd = _tiles_backward if _loop_over_tiles(plan, w_down) else _tiles_backward_batched
-    dxp, dwgu, dwd = bwd(dy, x, gu, w_gu, w_down, plan, k, precision)
+    dxp, dwg, dwu, dwd = bwd(dy, x, gu, w_gate, w_up, w_down, plan, k, precision)
     dx = _gather_sum(dxp.reshape(dys.shape), plan.pair_slot.reshape(-1, k))
-    dtype = w_gu.dtype
-    dwg, dwu = dwgu[..., :inter].astype(dtype), dwgu[..., inter:].astype(dtype)
-    primals = (x, w_gu, w_gu, w_down)
-    return (*map(_cotangent_like, (dx, dwg, dwu, dwd.astype(dtype)), primals), None)
+    grads = (dx, dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype))
+    return (*map(_cotangent_like, grads, (x, w_gate, w_up, w_down)), None)
 
 
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
