@@ -9,7 +9,8 @@
 ``mode`` breaks the answer in one way ("mismatch", "missing", "badjson", "nonfinite", "wrong_prompt",
 "bad_finish", "two_choices", "missing_prompt_token", "offset_scores", "http500", "http400", "close",
 "unhealthy").
-Dev-mode routes (/pause, /resume, /reset_prefix_cache, /collective_rpc) answer 200 and are logged.
+Dev-mode routes (/pause, /resume, /reset_prefix_cache, /collective_rpc) answer 200 and are logged
+(``fail_paths`` / ``rpc_methods`` make them fail).
 
 Run in-process (:class:`FakeVLLM`, a thread) or as a process: :func:`write_vllm_shim` writes a fake
 ``vllm.entrypoints.openai.api_server`` module so :class:`rljax.inference.vllm.VLLMServer` can launch
@@ -53,6 +54,9 @@ class FakeVLLM:
         self.delay_s = delay_s
         self.admin_delay_s = admin_delay_s
         self.fail_paths: set[str] = set()  # admin paths that answer HTTP 500
+        # When set, /collective_rpc of a method not in it answers HTTP 500 the way vLLM does when
+        # its worker has no such method (e.g. a server started without rljax's worker extension).
+        self.rpc_methods: set[str] | None = None
         self.calls: list[tuple[float, str, dict | None]] = []  # (time, path, body)
         self.in_flight = 0
         self.max_in_flight = 0
@@ -154,8 +158,17 @@ def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             server.calls.append((time.monotonic(), path, body))
             if path != "/v1/completions":
                 time.sleep(server.admin_delay_s)
+                method = (body or {}).get("method") if path == "/collective_rpc" else None
                 if path.split("?")[0] in server.fail_paths:
                     self._send(500, json.dumps({"error": f"{path} failed in the worker"}).encode())
+                elif (
+                    method is not None and server.rpc_methods is not None and method not in server.rpc_methods
+                ):
+                    message = (
+                        "Call to collective_rpc method failed: Worker failed with error "
+                        f"''CPUWorker' object has no attribute '{method}''"
+                    )
+                    self._send(500, json.dumps({"error": {"message": message, "code": 500}}).encode())
                 else:
                     self._send(200, json.dumps({"status": "ok"}).encode())
                 return

@@ -15,7 +15,12 @@ import urllib.request
 import pytest
 
 from rljax.inference.vllm import ServerConfig, ServerGroup, ServerStartError, VLLMServer, find_vllm_python
-from rljax.inference.vllm.launcher import server_command, server_env
+from rljax.inference.vllm.launcher import (
+    WORKER_EXTENSION_CLS,
+    WORKER_EXTENSION_DIR,
+    server_command,
+    server_env,
+)
 
 
 def fake_config(fake_shim, tmp_path, **env):
@@ -58,6 +63,19 @@ def test_command_line_and_environment(monkeypatch):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["EXTRA"] == "1"
     assert "XLA_FLAGS" not in env
     assert "VLLM_SERVER_DEV_MODE" not in server_env(ServerConfig(model="/m", dev_mode=False))
+    # rljax's vLLM worker extension (the weight sync's rljax_reload_weights): flag + PYTHONPATH entry,
+    # after a PYTHONPATH of config.env; a standalone file that imports neither rljax nor jax.
+    assert flags["--worker-extension-cls"] == WORKER_EXTENSION_CLS == "rljax_vllm_ext.RljaxWorkerExtension"
+    assert env["PYTHONPATH"] == WORKER_EXTENSION_DIR
+    with open(os.path.join(WORKER_EXTENSION_DIR, "rljax_vllm_ext.py")) as f:
+        source = f.read()
+    assert "class RljaxWorkerExtension" in source and "def rljax_reload_weights" in source
+    assert not any(w in source for w in ("import rljax", "from rljax", "import jax", "from jax"))
+    mine = server_env(ServerConfig(model="/m", env={"PYTHONPATH": "/shim"}))["PYTHONPATH"]
+    assert mine == os.pathsep.join(["/shim", WORKER_EXTENSION_DIR])
+    plain = ServerConfig(model="/m", worker_extension=False, env={"PYTHONPATH": "/shim"})
+    assert "--worker-extension-cls" not in server_command(plain, python="/py", port=1)
+    assert server_env(plain)["PYTHONPATH"] == "/shim"
     with pytest.raises(ValueError, match="needs a port"):
         server_command(ServerConfig(model="/m"), python="/py")
     with pytest.raises(ValueError, match="port"):

@@ -98,7 +98,7 @@ def test_sync_sequence_verification_and_version(two_fakes, tmp_path):
         admin = [(p, body) for _, p, body in fake.calls if p != "/v1/completions" and p != "/health"]
         assert [p for p, _ in admin] == SYNC_PATHS * 2
         rpc = admin[1][1]
-        assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "w")}}
+        assert rpc == {"method": "rljax_reload_weights", "kwargs": {"weights_path": str(tmp_path / "w")}}
         # Verification scored the probe on EVERY server, after the resume.
         scores = [body for _, p, body in fake.calls if p == "/v1/completions" and "prompt_logprobs" in body]
         assert (
@@ -160,6 +160,32 @@ def test_failed_reload_resumes_and_raises(two_fakes):
     run(main())
     for fake in (a, b):
         assert fake.paths()[-1] == "/resume"
+
+
+@pytest.mark.parametrize("reload_rpc", ["auto", "rljax_reload_weights", "reload_weights"])
+def test_reload_rpc_and_fallback_for_servers_without_the_worker_extension(two_fakes, tmp_path, reload_rpc):
+    """Server a has rljax's worker extension, b is a plain vLLM (no ``rljax_reload_weights``)."""
+    a, b = two_fakes
+    b.rpc_methods = {"reload_weights"}
+
+    def rpcs(fake):
+        return [body["method"] for _, p, body in fake.calls if p == "/collective_rpc"]
+
+    async def main():
+        cfg = SyncConfig(directory=str(tmp_path / "w"), probe_length=8, reload_rpc=reload_rpc)
+        async with VLLMClient([a.url, b.url], sync=cfg) as client:
+            return await client.update_weights(small_model(), reference_logprobs=fake_reference)
+
+    if reload_rpc == "rljax_reload_weights":  # demanded: b's answer fails the sync (and b is resumed)
+        with pytest.raises(WeightSyncError, match="no attribute 'rljax_reload_weights'") as info:
+            run(main())
+        assert b.url in str(info.value) and b.paths()[-1] == "/resume"
+        return
+    assert run(main()) == 1
+    if reload_rpc == "auto":  # the extension where there is one, vLLM's reload_weights on b only
+        assert rpcs(a) == ["rljax_reload_weights"] and rpcs(b) == ["rljax_reload_weights", "reload_weights"]
+    else:
+        assert rpcs(a) == rpcs(b) == ["reload_weights"]
 
 
 def test_requests_wait_during_a_sync_and_in_flight_ones_keep_the_old_version(two_fakes):
@@ -242,3 +268,5 @@ def test_sync_config_validation():
         SyncConfig(atol=0)
     with pytest.raises(ValueError, match="on_mismatch"):
         SyncConfig(on_mismatch="ignore")
+    with pytest.raises(ValueError, match="reload_rpc"):
+        SyncConfig(reload_rpc="load_model")

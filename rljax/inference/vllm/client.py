@@ -625,12 +625,14 @@ class VLLMClient:
         return list(await asyncio.gather(*(self._post_json(s.url, path, body) for s in self.servers)))
 
     async def post_each(
-        self, path: str, body: Mapping[str, Any] | None = None
+        self, path: str, body: Mapping[str, Any] | None = None, *, servers: Sequence[int] | None = None
     ) -> list[tuple[int, str] | BaseException]:
-        """POSTs to every server at once and returns, per server, ``(status, text)`` of its answer
-        whatever the status (or the exception of a transport failure); no retries, nothing raised.
+        """POSTs to every server (or the ``servers`` indices) at once and returns, per server,
+        ``(status, text)`` of its answer whatever the status (or the exception of a transport
+        failure); no retries, nothing raised.
 
-        For admin routes that answer plain text (vLLM's ``/v1/load_lora_adapter``).
+        For admin routes that answer plain text (vLLM's ``/v1/load_lora_adapter``) or whose errors
+        the caller tells apart (the weight sync's ``/collective_rpc``).
         """
         self._ensure_loop_state()
 
@@ -638,7 +640,8 @@ class VLLMClient:
             response = await self._http.post(url + path, json=body)
             return response.status_code, response.text
 
-        return list(await asyncio.gather(*(one(s.url) for s in self.servers), return_exceptions=True))
+        urls = [s.url for s in self.servers] if servers is None else [self.servers[i].url for i in servers]
+        return list(await asyncio.gather(*(one(url) for url in urls), return_exceptions=True))
 
     async def check_health(self) -> list[bool]:
         """``GET /health`` on every server; a failing one is put in its cool-down, a passing one out of it."""

