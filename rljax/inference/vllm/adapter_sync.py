@@ -113,16 +113,6 @@ def directory_bytes(directory: str | os.PathLike) -> int:
     return sum(p.stat().st_size for p in pathlib.Path(directory).rglob("*") if p.is_file())
 
 
-def _failures(answers: list[Any], urls: list[str], ok: Callable[[int, str], bool]) -> list[str]:
-    out = []
-    for url, answer in zip(urls, answers, strict=True):
-        if isinstance(answer, BaseException):
-            out.append(f"{url}: {type(answer).__name__}: {answer}")
-        elif not ok(*answer):
-            out.append(f"{url}: HTTP {answer[0]}: {answer[1][:300]}")
-    return out
-
-
 async def load_adapter_on_servers(client: Any, name: str, path: str | os.PathLike) -> None:
     """``POST /v1/load_lora_adapter`` of the PEFT directory ``path`` as ``name`` on every server.
 
@@ -131,7 +121,7 @@ async def load_adapter_on_servers(client: Any, name: str, path: str | os.PathLik
     """
     body = {"lora_name": name, "lora_path": os.path.abspath(path)}
     answers = await client.post_each(LOAD_PATH, body)
-    bad = _failures(answers, client.urls, lambda status, _: status == 200)
+    bad = weight_sync.post_failures(answers, client.urls, lambda status, _: status == 200, max_chars=300)
     if bad:
         raise WeightSyncError(
             f"loading LoRA adapter {name!r} from {path} failed (servers need --enable-lora, "
@@ -143,7 +133,11 @@ async def unload_adapter_on_servers(client: Any, name: str, *, missing_ok: bool 
     """``POST /v1/unload_lora_adapter`` of ``name`` on every server; raises :class:`WeightSyncError`
     on a failure (a server that does not know the name is one unless ``missing_ok``)."""
     answers = await client.post_each(UNLOAD_PATH, {"lora_name": name})
-    bad = _failures(answers, client.urls, lambda status, _: status == 200 or (missing_ok and status == 404))
+
+    def ok(status: int, _: str) -> bool:
+        return status == 200 or (missing_ok and status == 404)
+
+    bad = weight_sync.post_failures(answers, client.urls, ok, max_chars=300)
     if bad:
         raise WeightSyncError(f"unloading LoRA adapter {name!r} failed: " + "; ".join(bad))
 

@@ -224,21 +224,31 @@ def _lacks_extension(answer: Any) -> bool:
     return isinstance(answer, tuple) and answer[0] >= 500 and f"attribute '{EXTENSION_RELOAD}'" in answer[1]
 
 
-def _rpc_failures(answers: Sequence[Any], urls: Sequence[str]) -> list[str]:
-    """``"url: what went wrong"`` for each ``post_each`` answer that is not an HTTP 200 without an error."""
+def post_failures(
+    answers: Sequence[Any], urls: Sequence[str], ok: Callable[[int, str], bool], *, max_chars: int = 500
+) -> list[str]:
+    """``"url: what went wrong"`` for each ``VLLMClient.post_each`` answer (``(status, text)`` or the
+    exception of a transport failure) that is an exception or fails ``ok(status, text)``."""
     bad = []
     for url, answer in zip(urls, answers, strict=True):
         if isinstance(answer, BaseException):
             bad.append(f"{url}: {type(answer).__name__}: {answer}")
-            continue
-        status, text = answer
-        try:
-            body = json.loads(text) if text else None
-        except ValueError:
-            body = None
-        if status != 200 or (isinstance(body, dict) and "error" in body):
-            bad.append(f"{url}: HTTP {status}: {text[:500]}")
+        elif not ok(*answer):
+            bad.append(f"{url}: HTTP {answer[0]}: {answer[1][:max_chars]}")
     return bad
+
+
+def _rpc_ok(status: int, text: str) -> bool:
+    """A ``/collective_rpc`` answer is a success: HTTP 200 whose JSON body (if any) has no ``error``."""
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    return status == 200 and not (isinstance(body, dict) and "error" in body)
+
+
+def _rpc_failures(answers: Sequence[Any], urls: Sequence[str]) -> list[str]:
+    return post_failures(answers, urls, _rpc_ok)
 
 
 async def _reload_rpc(target: SyncTarget, directory: str, rpc: str) -> None:
