@@ -1,7 +1,6 @@
 """pass@k / pass^k / mean@k against the closed form and brute-force enumeration, and the
 trajectory-record -> eval metrics helper."""
 
-import doctest
 import itertools
 import math
 from fractions import Fraction
@@ -9,7 +8,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from rljax import evaluation
 from rljax.evaluation import eval_metrics, mean_at_k, pass_at_k, pass_hat_k
 from rljax.rollout import TrajectoryRecord
 from rljax.types import TrajectoryID
@@ -100,8 +98,3 @@ def test_eval_metrics_per_env_and_data_source():
     assert m2["val/pass@2"] == pytest.approx(pass_at_k(4, 2, 2))
     assert m2["val/pass@1"] == pytest.approx((0.5 + 1.0) / 2)
     assert eval_metrics([]) == {}
-
-
-def test_doctests():
-    result = doctest.testmod(evaluation)
-    assert result.failed == 0 and result.attempted > 0

@@ -8,7 +8,6 @@ forward, bridged prompts, validation, merging).
 """
 
 import asyncio
-import doctest
 import random
 
 import jax
@@ -515,7 +514,7 @@ def test_embedded_sampler_end_to_end():
     assert trained == sum(len(s.response_ids) for s in batch)
 
 
-def test_async_rollout_api_and_doctests():
+def test_async_rollout_api():
     async def main():
         return await rollout(
             make_arithmetic_tasks(2, seed=0),
@@ -527,8 +526,6 @@ def test_async_rollout_api_and_doctests():
 
     result = asyncio.run(main())
     assert len(result.batch) == 4 and result.batch.metadata["rollout"] is result.metrics
-    doc = doctest.testmod(rollout_lib, optionflags=doctest.ELLIPSIS)
-    assert doc.failed == 0 and doc.attempted > 0
 
 
 # ------------------------------------------------------------------------------------------------

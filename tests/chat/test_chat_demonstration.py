@@ -5,8 +5,6 @@ rendering the conversation WITH the demonstration system message, and each rende
 render of it; plus round-trip tokenization of the conditioned ids' text.
 """
 
-import doctest
-import importlib
 import random
 
 import chat_fixtures as cf
@@ -217,8 +215,3 @@ def test_hint_validation():
     with pytest.raises(ValueError, match="prefix"):
         DemonstrationHint(2, (1,), prefix=(0,))
     assert DemonstrationHint(1, [np_int for np_int in (3, 4)]).ids == (3, 4)
-
-
-def test_docstring_examples():
-    result = doctest.testmod(importlib.import_module("rljax.chat.base"), optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result

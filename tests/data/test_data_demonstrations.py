@@ -7,9 +7,6 @@ References: hand-built lists, and for the model check an unpacked forward
 
 from __future__ import annotations
 
-import doctest
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,10 +139,3 @@ def test_opsd_scores_slice_back_to_the_response(model, renderer):
 
     # The demonstration changes the teacher's log-probabilities.
     assert np.max(np.abs(cond - plain)) > 1e-2
-
-
-def test_docstring_examples():
-    result = doctest.testmod(
-        importlib.import_module("rljax.data.demonstrations"), optionflags=doctest.ELLIPSIS
-    )
-    assert result.attempted > 0 and result.failed == 0, result

@@ -1,13 +1,11 @@
 """Tests of the single-turn arithmetic environment (rljax.envs.arithmetic)."""
 
-import doctest
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljax.chat import ChatMLRenderer, Qwen3Renderer, toy_tokenizer
-from rljax.envs import Action, ArithmeticEnv, Task, arithmetic, make_arithmetic_tasks
+from rljax.envs import Action, ArithmeticEnv, Task, make_arithmetic_tasks
 
 
 def task(a, op, b, answer):
@@ -86,8 +84,3 @@ def test_errors():
         make_arithmetic_tasks(1, seed=0, ops=("/",))
     with pytest.raises(ValueError, match="split"):
         make_arithmetic_tasks(1, seed=0, split="dev")
-
-
-def test_doctests():
-    result = doctest.testmod(arithmetic, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

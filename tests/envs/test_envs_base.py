@@ -1,7 +1,6 @@
 """Tests of the environment protocol helpers (rljax.envs.base) and the env registry."""
 
 import asyncio
-import doctest
 import hashlib
 
 import pytest
@@ -9,7 +8,6 @@ import pytest
 from rljax import envs
 from rljax.chat import ParsedResponse
 from rljax.chat.tool_calls import ToolCallError, make_tool_call
-from rljax.envs import base
 
 
 def test_task_validation():
@@ -88,9 +86,3 @@ def test_registry():
         envs.make_env("chess")
     with pytest.raises(ValueError, match="unknown environment"):
         envs.make_tasks("chess", 1, seed=0)
-
-
-def test_doctests():
-    for module in (base, envs):
-        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0 and result.attempted > 0

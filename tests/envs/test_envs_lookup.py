@@ -1,7 +1,6 @@
 """Tests of the multi-turn tool-use lookup environment (rljax.envs.tool_lookup)."""
 
 import asyncio
-import doctest
 import json
 
 import pytest
@@ -169,8 +168,3 @@ def test_async_wrapping_and_errors():
     with pytest.raises(ValueError, match="split"):
         make_lookup_tasks(1, seed=0, split="dev")
     assert json.dumps(tool_lookup.LOOKUP_TOOL)  # a JSON-serializable tool spec
-
-
-def test_doctests():
-    result = doctest.testmod(tool_lookup, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

@@ -7,7 +7,6 @@ weights (``tiny_models.logprobs``); bound 1e-4 (SPEC §5).
 """
 
 import asyncio
-import doctest
 import json
 
 import httpx
@@ -16,7 +15,6 @@ import numpy as np
 import pytest
 
 from rljax.inference import Engine, FrozenModel, FrozenModelConfig, frozen_models_from_config
-from rljax.inference import frozen as frozen_lib
 from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import RequestRejectedError, ServerUnavailableError, VLLMClient
 
@@ -108,11 +106,6 @@ def test_from_config_accepts_a_mapping_and_rejects_garbage():
         FrozenModel.from_config({"base_url": URL})
     with pytest.raises(ValueError, match="needs a base_url"):
         FrozenModel.from_config({"name": "t"})
-
-
-def test_doctests():
-    result = doctest.testmod(frozen_lib, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ full forward pass (``rljax.models.sequence_logprobs`` and full logits), never th
 
 import asyncio
 import dataclasses
-import doctest
 
 import chex
 import jax
@@ -20,7 +19,6 @@ from hypothesis import strategies as st
 from tolerances import LOGPROB_TOL
 
 from rljax import models
-from rljax.inference import sampler as sampler_lib
 from rljax.inference.engine import Engine, SamplingParams
 from rljax.inference.sampler import EmbeddedSampler, bucket_size, processed_logprobs, sample_from_logprobs
 from rljax.models import Decoder, sequence_logprobs
@@ -419,8 +417,3 @@ def test_engine_errors_reach_every_caller(sampler, monkeypatch):
 
     results = asyncio.run(two())
     assert all(isinstance(r, RuntimeError) for r in results)
-
-
-def test_doctests():
-    result = doctest.testmod(sampler_lib, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

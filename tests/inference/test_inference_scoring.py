@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,8 +137,3 @@ def test_errors(model):
         scoring.score_sequences(model, [[1, 2]], temperature=[1.0, 1.0])
     with pytest.raises(ValueError, match="rows_per_batch"):
         scoring.score_sequences(model, [[1, 2]], rows_per_batch=0)
-
-
-def test_docstring_examples():
-    result = doctest.testmod(importlib.import_module("rljax.inference.scoring"), optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0, result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import io
 import json
 import math
@@ -18,11 +17,6 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from rljax.train import metrics as mt
-
-
-def test_docstring_examples():
-    result = doctest.testmod(mt, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0, result
 
 
 def history(n: int = 30) -> list[tuple[int, dict]]:
