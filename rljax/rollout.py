@@ -3,18 +3,23 @@
 For every task and each of ``group_size`` repetitions, one trajectory runs::
 
     env = make_env(); messages = env.reset(task)
-    session = ChatSession(renderer, messages, tools=env.tools)       # full render of the prompt
+    recorder = StepRecorder(renderer, trajectory_id, env=..., algorithm=..., temperature=...)
+    prompt = recorder.prompt_for(messages, tools=env.tools)           # full render of the prompt
     loop over turns:
-        c = await engine.generate(session.prompt_ids, sampling, session_id="<task id>#<rep>")
-        parsed = session.add_completion(c.ids)                         # parsed FROM THE IDS
-        messages, reward, done, info = env.step(Action(decoded text, parsed))
-        -> one Step(prompt_ids, c.ids, c.logprobs, reward, stop_reason=c.finish_reason, ...)
-        session.add_messages(messages)        # bridge: next prompt = prompt + c.ids + new ids,
-                                              # or a full render when the renderer cannot prove it
+        c = await engine.generate(prompt.ids, sampling, session_id="<task id>#<rep>")
+        call = recorder.record(prompt, c)     # -> one Step(prompt.ids, c.ids, c.logprobs, ...)
+        messages, reward, done, info = env.step(Action(decoded text, call.parsed))  # parsed FROM THE IDS
+        call.reward = reward
+        prompt = recorder.continue_with(messages)   # bridge: next prompt = prompt + c.ids + new ids,
+                                                    # or a full render when the renderer cannot prove it
+    steps = recorder.steps()
 
-Generated text is decoded only for the environment; the trainer sees exactly ``c.ids`` and
-``c.logprobs``. Trajectories run concurrently (``asyncio``, at most ``max_concurrency`` at a time)
-and the result is returned in a deterministic order (task order, then repetition, then turn).
+The per-call bookkeeping (prompts, bridging, the Step fields and their rules below) is the public
+:class:`rljax.recording.StepRecorder`, which other front ends (an OpenAI-compatible gateway, a
+token-in sampling API) use the same way. Generated text is decoded only for the environment;
+the trainer sees exactly ``c.ids`` and ``c.logprobs``. Trajectories run concurrently
+(``asyncio``, at most ``max_concurrency`` at a time) and the result is returned in a
+deterministic order (task order, then repetition, then turn).
 
 Decisions (the spec leaves them open):
 
@@ -48,9 +53,10 @@ Decisions (the spec leaves them open):
 * **Greedy** requests (``temperature`` 0) record ``temperature=1.0`` on their steps, matching the
   logprobs the engines return for greedy rows.
 * ``max_turns`` reached without ``done``: the trajectory ends; its last step keeps its reward.
-* Every Step carries ``prompt_roles`` (``ChatSession.full_prompt_roles``: per prompt token, the
-  role of the message whose body it is, None for template scaffolding), which the echo
-  algorithm (:mod:`rljax.data.echo`) uses to find the environment's tokens.
+* Every Step carries ``prompt_roles`` (``Prompt.roles`` of :mod:`rljax.recording`, the same as
+  ``ChatSession.full_prompt_roles``: per prompt token, the role of the message whose body it is,
+  None for template scaffolding), which the echo algorithm (:mod:`rljax.data.echo`) uses to find
+  the environment's tokens.
 """
 
 from __future__ import annotations
@@ -71,10 +77,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rljax.chat.base import Renderer
-from rljax.chat.session import ChatSession
 from rljax.data import StepBatch
 from rljax.envs.base import Action, Task, as_step_result, mean_numeric_metrics
 from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.recording import StepRecorder
 from rljax.types import Step, TrajectoryID
 
 __all__ = [
@@ -90,7 +96,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GREEDY_EPS = 1e-5
 ERROR_KINDS = ("env", "env_timeout", "engine", "prompt_too_long")
 
 
@@ -196,6 +201,8 @@ class TrajectoryRecord:
       error: the exception text, when errored.
       bridged: per transition between turns, whether the next prompt extended the previous one.
       infos: the ``info`` dicts ``env.step`` returned.
+      steps: the trajectory's Steps (its :class:`rljax.recording.StepRecorder`'s), errored ones
+        included (masked); ``on_error="drop"`` leaves those out of the batch, not out of here.
       env_metrics: what ``env.get_metrics()`` returned (envs that have it).
       close_error: the exception text when ``env.close()`` failed (the trajectory stands).
       exception: the exception object of the error (its traceback included), when there is one.
@@ -210,7 +217,7 @@ class TrajectoryRecord:
     error: str | None = None
     bridged: list[bool] = dataclasses.field(default_factory=list)
     infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+    steps: list[Step] = dataclasses.field(default_factory=list, repr=False)
     env_metrics: dict[str, Any] | None = None
     close_error: str | None = None
     exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -319,14 +326,22 @@ async def _run_trajectory(
         return rec
     # the task's env name is the key the run's per-env algorithms and engines use
     rec.env = task.env or str(getattr(env, "name", None) or type(env).__name__)
+    recorder = StepRecorder(
+        renderer,
+        tid,
+        env=rec.env or "default",
+        algorithm=config.env_algorithms.get(rec.env, config.algorithm),
+        temperature=config.temperature,
+        bridge=config.bridge,
+    )
     try:
         await _episode(
             task,
             repetition,
             rec,
             env,
+            recorder,
             engine=engine,
-            renderer=renderer,
             config=config,
             stop_ids=stop_ids,
             vocab_size=vocab_size,
@@ -334,8 +349,11 @@ async def _run_trajectory(
         )
     finally:
         await _finish_env(rec, env, runner)
+    if rec.errored:  # get_metrics may have failed after the episode: decided only now
+        recorder.fail("abort" if rec.error_kind == "engine" else "error")
+    rec.steps = recorder.steps()
     rec.num_turns = len(rec.steps)
-    rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1]["reward"])
+    rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1].reward)
     return rec
 
 
@@ -363,9 +381,9 @@ async def _episode(
     repetition: int,
     rec: TrajectoryRecord,
     env: Any,
+    recorder: StepRecorder,
     *,
     engine: Engine,
-    renderer: Renderer,
     config: RolloutConfig,
     stop_ids: tuple[int, ...],
     vocab_size: int | None,
@@ -374,22 +392,19 @@ async def _episode(
     tid = rec.trajectory_id
     try:
         messages = await runner.call(env.reset, task, what="reset")
-        tools = getattr(env, "tools", None)
-        session = ChatSession(renderer, messages, tools=tools)
+        prompt = recorder.prompt_for(messages, tools=getattr(env, "tools", None))
     except Exception as e:  # a broken env (or its messages) must not crash the run
         _fail_env(rec, e)
         return
-    if len(session.prompt_ids) >= config.max_context_len:
-        rec.fail("prompt_too_long", f"initial prompt has {len(session.prompt_ids)} tokens >= max_context_len")
+    if len(prompt.ids) >= config.max_context_len:
+        rec.fail("prompt_too_long", f"initial prompt has {len(prompt.ids)} tokens >= max_context_len")
         return
     for turn in range(config.max_turns):
-        prompt = list(session.prompt_ids)
-        prompt_roles = list(session.full_prompt_roles)
-        budget = min(config.max_tokens, config.max_context_len - len(prompt))
+        budget = min(config.max_tokens, config.max_context_len - len(prompt.ids))
         seed = None if config.seed is None else request_seed(config.seed, task.id, repetition, turn)
         try:
             completion = await engine.generate(
-                prompt,
+                list(prompt.ids),
                 config.sampling(max_tokens=budget, seed=seed, stop_token_ids=stop_ids),
                 session_id=str(tid),
             )
@@ -401,33 +416,21 @@ async def _episode(
             rec.fail("engine", e)
             break
         ids = list(completion.ids)
-        if ids:
-            rec.steps.append(
-                {
-                    "prompt_ids": prompt,
-                    "prompt_roles": prompt_roles,
-                    "response_ids": ids,
-                    "response_logprobs": list(completion.logprobs),
-                    "stop_reason": completion.finish_reason,
-                    "policy_version": completion.weight_version,
-                    "routed_experts": getattr(completion, "routed_experts", None),
-                    "reward": 0.0,
-                }
-            )
-        if completion.finish_reason == "abort" or not ids:
+        call = recorder.record(prompt, completion) if ids else None
+        if completion.finish_reason == "abort" or call is None:
             rec.fail(
                 "engine", f"engine returned finish_reason={completion.finish_reason!r} with {len(ids)} ids"
             )
             break
         try:
-            parsed = session.add_completion(ids)
-            text = renderer.decode(ids[:-1] if parsed.stopped else ids)
+            parsed = call.parsed
+            text = recorder.renderer.decode(ids[:-1] if parsed.stopped else ids)
             action = Action.from_parsed(text, parsed)
             result = as_step_result(await runner.call(env.step, action, what="step"))
         except Exception as e:
             _fail_env(rec, e)
             break
-        rec.steps[-1]["reward"] = result.reward
+        call.reward = result.reward
         rec.infos.append(result.info)
         if result.done:
             rec.end = "done"
@@ -439,50 +442,24 @@ async def _episode(
             rec.end = "max_turns"
             break
         try:
-            if config.bridge:
-                session.add_messages(result.messages)
-            else:  # a full render of the whole history (the parsed assistant turns included)
-                session = ChatSession(renderer, [*session.messages, *result.messages], tools=session.tools)
+            # bridged, or (config.bridge False, or the renderer cannot prove the bridge) a full
+            # render of the whole history, the parsed assistant turns included
+            prompt = recorder.continue_with(result.messages)
         except Exception as e:
             _fail_env(rec, e)
             break
-        rec.bridged.append(bool(session.bridged))
-        if len(session.prompt_ids) >= config.max_context_len:
-            rec.steps[-1]["stop_reason"] = "length"
+        rec.bridged.append(prompt.extended)
+        if len(prompt.ids) >= config.max_context_len:
+            call.cut("length")
             rec.end = "length"
             break
 
 
 def _steps_of(rec: TrajectoryRecord, config: RolloutConfig) -> list[Step]:
+    """The record's steps for the batch (none for an errored one under ``on_error="drop"``)."""
     if rec.errored and config.on_error == "drop":
         return []
-    algorithm = config.env_algorithms.get(rec.env, config.algorithm)
-    temperature = config.temperature if config.temperature >= GREEDY_EPS else 1.0
-    out = []
-    for i, s in enumerate(rec.steps):
-        last = i == len(rec.steps) - 1
-        stop_reason = s["stop_reason"]
-        if rec.errored and last:
-            stop_reason = "abort" if rec.error_kind == "engine" else "error"
-        out.append(
-            Step(
-                prompt_ids=s["prompt_ids"],
-                response_ids=s["response_ids"],
-                trajectory_id=rec.trajectory_id,
-                loss_mask=[0 if rec.errored else 1] * len(s["response_ids"]),
-                response_logprobs=s["response_logprobs"],
-                reward=0.0 if rec.errored else s["reward"],
-                is_last_step=last,
-                stop_reason=stop_reason,
-                env=rec.env or "default",
-                algorithm=algorithm,
-                temperature=temperature,
-                policy_version=s["policy_version"],
-                prompt_roles=s["prompt_roles"],
-                routed_experts=s.get("routed_experts"),
-            )
-        )
-    return out
+    return list(rec.steps)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -494,10 +471,10 @@ def rollout_metrics(records: Sequence[TrajectoryRecord], wall_time_s: float) -> 
     ok = [r for r in records if not r.errored]
     rewards = [r.reward for r in ok]
     turns = [r.num_turns for r in ok]
-    response_tokens = sum(len(s["response_ids"]) for r in records for s in r.steps)
-    prompt_tokens = [len(s["prompt_ids"]) for r in records for s in r.steps]
+    response_tokens = sum(len(s.response_ids) for r in records for s in r.steps)
+    prompt_tokens = [len(s.prompt_ids) for r in records for s in r.steps]
     bridged = [b for r in records for b in r.bridged]
-    versions = [s["policy_version"] for r in records for s in r.steps]
+    versions = [s.policy_version for r in records for s in r.steps]
     metrics: dict[str, float] = {
         "num_trajectories": float(len(records)),
         "num_completed": float(len(ok)),

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "rljax.models": 4,
     "rljax.inference": 5,
     "rljax.rollout": 6,
+    "rljax.recording": 6,
     "rljax.evaluation": 6,
     "rljax.train": 7,
 }
