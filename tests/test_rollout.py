@@ -699,3 +699,27 @@ def test_env_metrics_are_aggregated_per_env():
     assert not any(k.startswith("env/badclose/") for k in m)
     assert m["env_close_errors"] == 2.0 and m["num_errored"] == 0  # a failed close keeps the data
     assert result.trajectories[0].env_metrics == {"answer_len": 2, "name": "not a number", "ok": True}
+
+
+def test_records_hold_the_recorders_steps_and_drop_leaves_them_out_of_the_batch_only():
+    """The env loop's Steps come from rljax.recording.StepRecorder: each record holds its
+    trajectory's steps (errored ones masked, kept there under on_error="drop" too)."""
+    tasks = make_lookup_tasks(2, seed=0)
+    for on_error in ("mask", "drop"):
+        engine = ScriptedEngine(
+            lookup_script(), fail=lambda sid, turn: "abort" if sid.endswith("#1") and turn == 1 else None
+        )
+        config = RolloutConfig(group_size=2, max_tokens=64, on_error=on_error)
+        result = run_rollout(tasks, engine=engine, renderer=RENDERER, make_env=ToolLookupEnv, config=config)
+        kept = [s for r in result.trajectories if on_error == "mask" or not r.errored for s in r.steps]
+        assert list(result.batch) == kept
+        for rec in result.trajectories:
+            log = engine.log[str(rec.trajectory_id)]
+            assert [list(s.response_ids) for s in rec.steps] == [list(c.ids) for _, _, c in log]
+            assert [list(s.prompt_ids) for s in rec.steps] == [p for p, _, _ in log]
+            assert rec.errored == str(rec.trajectory_id).endswith("#1")
+            assert [s.stop_reason for s in rec.steps] == ["stop", "abort" if rec.errored else "stop"]
+            assert all(set(s.loss_mask) == {0 if rec.errored else 1} for s in rec.steps)
+        assert result.metrics["response_tokens"] == sum(
+            len(c.ids) for log in engine.log.values() for *_, c in log
+        )
