@@ -86,6 +86,17 @@ def test_every_recipe_parses(name):
         ({"trainer": {"prompts_per_step": 6, "mini_batch_prompts": 4}}, r"config.trainer.mini_batch_prompts"),
         ({"frozen_models": {"t": {"url": "x"}}}, r"config.frozen_models"),
         ({"env_algorithms": {"web": "rloo"}}, r"config.env_algorithms: names envs \['web'\]"),
+        ({"trainer": {"mode": "later"}}, r"config.trainer.mode: expected one of \['sync', 'async'\]"),
+        ({"trainer": {"max_off_policy_steps": 0}}, r"config.trainer.max_off_policy_steps: expected an int"),
+        ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
+        ({"rollout": {"top_k": "x"}}, r"config.rollout: invalid literal"),
+        ({"trainer": {"filters": [{"name": "nope"}]}}, r"config.trainer.filters\[0\]: unknown filter 'nope'"),
+        (
+            {"trainer": {"filters": [{"name": "overlong", "strength": 2}]}},
+            r"config.trainer.filters\[0\]: filter 'overlong': .*strength",
+        ),
+        ({"mesh": {"data": 0}}, r"config.mesh.data: expected an int >= 1"),
+        ({"engine": {"server": {"bogus": 1}}}, r"config.engine.server.bogus: unknown key; ServerConfig"),
     ],
 )
 def test_config_errors_name_the_key(raw, match):
