@@ -148,13 +148,13 @@ def decode_ms_per_step(model: Decoder, *, rows: int, slots: int, reps: int = 5) 
         m = nnx.merge(graphdef, state)
 
         def body(_: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
-            logits, cache = decode_step(m, carry[0], carry[1])
+            logits, cache, _ = decode_step(m, carry[0], carry[1])
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
         return jax.lax.fori_loop(0, n, body, (jnp.zeros((rows,), jnp.int32), cache))
 
     def timed(n: int) -> float:
-        _, cache = prefill(model, prompt, max_length=slots)
+        cache = prefill(model, prompt, max_length=slots).cache
         jax.block_until_ready(cache)
         start = time.perf_counter()
         jax.block_until_ready(loop(graphdef, state, cache, n))

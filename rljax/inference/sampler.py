@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from rljax.inference.engine import Completion, SamplingParams
-from rljax.models.kv_cache import decode_step, prefill
+from rljax.models.decode import decode_step, prefill
 
 __all__ = [
     "FINISH_LENGTH",
@@ -319,7 +319,7 @@ def generate_tokens(
     record = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models record routing
     logits, cache, prompt_routing = prefill(
         model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids,
-        return_routing=True,
+        with_routing=record,
     )  # fmt: skip
     gen_routing = None
     if record:
@@ -356,14 +356,12 @@ def generate_tokens(
             FINISH_STOP,
             jnp.where(active & (num_tokens >= max_new), FINISH_LENGTH, c.finish),
         )
+        next_logits, cache, fed = decode_step(model, token, c.cache, with_routing=record)
         routing = c.routing
         if record:
-            next_logits, cache, fed = decode_step(model, token, c.cache, return_routing=True)
             routing = jax.lax.dynamic_update_slice_in_dim(
                 routing, fed.experts.astype(jnp.int32), c.step, axis=1
             )
-        else:
-            next_logits, cache = decode_step(model, token, c.cache)
         return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish.astype(jnp.int32),
                       routing)  # fmt: skip
 

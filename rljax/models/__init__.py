@@ -1,5 +1,5 @@
 """Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors I/O, chunked
-logprobs and KV cache (SPEC §5).
+logprobs, KV cache and decode drivers (SPEC §5).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -12,7 +12,8 @@ logprobs and KV cache (SPEC §5).
 
 from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
-from rljax.models.decoder import REMAT_POLICIES, Decoder, cast_model, num_params
+from rljax.models.decode import DecodeOutput, decode_step, prefill
+from rljax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput, cast_model, num_params
 from rljax.models.hf_io import (
     HF_EXPERT_NAME_MAP,
     HF_NAME_MAP,
@@ -25,12 +26,12 @@ from rljax.models.hf_io import (
     save_pretrained_distributed,
     to_hf_state_dict,
 )
-from rljax.models.kv_cache import KVCache, decode_step, init_cache, prefill
+from rljax.models.kv_cache import KVCache, init_cache
 from rljax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
+    ForwardOutput,
+    sequence_forward,
     sequence_logprobs,
-    sequence_logprobs_and_entropy,
-    sequence_logprobs_entropy_and_routing,
     token_logprobs_and_entropy,
 )
 from rljax.models.moe import (
@@ -62,7 +63,10 @@ __all__ = [
     "HF_NAME_MAP",
     "KVCache",
     "MESH_AXES",
+    "DecodeOutput",
     "Decoder",
+    "DecoderOutput",
+    "ForwardOutput",
     "REMAT_POLICIES",
     "cast_model",
     "ModelConfig",
@@ -74,7 +78,6 @@ __all__ = [
     "router_z_loss",
     "routing_entropy",
     "routing_metrics",
-    "sequence_logprobs_entropy_and_routing",
     "top_k_experts",
     "from_hf_state_dict",
     "from_pretrained",
@@ -94,7 +97,7 @@ __all__ = [
     "save_pretrained_distributed",
     "segment_positions",
     "sequence_logprobs",
-    "sequence_logprobs_and_entropy",
+    "sequence_forward",
     "shard_model",
     "to_hf_state_dict",
     "token_logprobs_and_entropy",

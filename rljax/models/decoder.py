@@ -24,7 +24,7 @@ Parameter names follow the HF checkpoint layout (``layers.{i}.self_attn.q_proj.k
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -52,6 +52,21 @@ _REMAT_POLICY_FNS = {
     "full": None,
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+class DecoderOutput(NamedTuple):
+    """What a forward pass of :class:`Decoder` returns (a pytree; parts not asked for are None).
+
+    Attributes:
+      hidden: final-normed hidden states ``[B, T, hidden]`` in the compute dtype.
+      routing: MoE router statistics (:class:`rljax.models.moe.Routing`, a layer axis at -2) when
+        asked for with ``with_routing=True`` on an MoE model, else None.
+      cache: the updated :class:`rljax.models.kv_cache.KVCache` (:meth:`Decoder.decode`), else None.
+    """
+
+    hidden: jax.Array
+    routing: Routing | None = None
+    cache: KVCache | None = None
 
 
 class Attention(nnx.Module):
@@ -214,8 +229,9 @@ class Decoder(nnx.Module):
       rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
 
     MoE families (qwen2_moe / qwen3_moe): the layers in ``config.moe_layers`` have a
-    :class:`rljax.models.moe.SparseMoeBlock`; :meth:`hidden_states_and_routing` also returns their
-    router statistics and every forward accepts ``routed_experts`` (router replay).
+    :class:`rljax.models.moe.SparseMoeBlock`; :meth:`hidden_states` and :meth:`decode` also return
+    their router statistics when asked (``with_routing=True``) and every forward accepts
+    ``routed_experts`` (router replay).
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
@@ -292,31 +308,19 @@ class Decoder(nnx.Module):
         positions: chex.Array | None = None,
         segment_ids: chex.Array | None = None,
         routed_experts: chex.Array | None = None,
-    ) -> jax.Array:
-        """Final-normed hidden states ``[B, L, hidden]`` (compute dtype) of a packed batch.
+        with_routing: bool = False,
+    ) -> DecoderOutput:
+        """Final-normed hidden states of a packed batch: ``DecoderOutput(hidden [B, L, hidden], routing)``.
 
-        ``segment_ids`` default: all ones (one sample per row); ``positions`` default: restart at 0
-        in every segment (:func:`rljax.models.attention.segment_positions`). ``routed_experts``:
-        see :meth:`hidden_states_and_routing`.
-        """
-        return self.hidden_states_and_routing(
-            tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
-        )[0]
+        ``hidden`` is in the compute dtype. ``segment_ids`` default: all ones (one sample per row);
+        ``positions`` default: restart at 0 in every segment
+        (:func:`rljax.models.attention.segment_positions`).
 
-    def hidden_states_and_routing(
-        self,
-        tokens: chex.Array,
-        *,
-        positions: chex.Array | None = None,
-        segment_ids: chex.Array | None = None,
-        routed_experts: chex.Array | None = None,
-    ) -> tuple[jax.Array, Routing | None]:
-        """``(hidden [B, L, hidden], routing)``; ``routing`` is None for dense models.
-
-        For MoE models ``routing`` is a :class:`rljax.models.moe.Routing` with ``logits`` float32
-        ``[B, L, M, E]`` and ``experts`` int32 ``[B, L, M, k]`` of the ``M = len(config.moe_layers)``
-        sparse layers. ``routed_experts`` (int ``[B, L, M, k]``, replay): dispatch every token to
-        these experts, gate weights recomputed from the current router (gradients reach it).
+        MoE models: ``with_routing`` (static) also returns the router statistics of the
+        ``M = len(config.moe_layers)`` sparse layers, a :class:`rljax.models.moe.Routing` with
+        ``logits`` float32 ``[B, L, M, E]`` and ``experts`` int32 ``[B, L, M, k]`` (None otherwise
+        and for dense models). ``routed_experts`` (int ``[B, L, M, k]``, replay): dispatch every
+        token to these experts, gate weights recomputed from the current router (gradients reach it).
         """
         chex.assert_rank(tokens, 2)
         segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
@@ -346,7 +350,7 @@ class Decoder(nnx.Module):
             x, router = run_block(block, x, routed)
             if router is not None:
                 routers.append(router)
-        return self.norm(x), _stack_routing(routers)
+        return DecoderOutput(self.norm(x), _stack_routing(routers) if with_routing else None)
 
     def _check_routed(self, tokens: chex.Array, routed_experts: chex.Array | None) -> jax.Array | None:
         if routed_experts is None:
@@ -371,14 +375,16 @@ class Decoder(nnx.Module):
         positions: chex.Array | None = None,
         segment_ids: chex.Array | None = None,
         routed_experts: chex.Array | None = None,
-        return_routing: bool = False,
-    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, Routing | None]:
-        """Writes ``tokens [B, T]`` into ``cache`` slots ``[index, index+T)``; returns their hidden states.
+        with_routing: bool = False,
+    ) -> DecoderOutput:
+        """Writes ``tokens [B, T]`` into ``cache`` slots ``[index, index+T)``:
+        ``DecoderOutput(hidden [B, T, hidden], routing, cache)`` with the updated cache.
 
         ``segment_ids`` default all ones (0 marks padding, which is stored but masked);
         ``positions`` default ``cache.lengths + (number of earlier valid new tokens in the row)``.
-        MoE: ``routed_experts`` ``[B, T, M, k]`` replays routing; ``return_routing`` appends the
-        :class:`rljax.models.moe.Routing` of the new tokens (None for dense models) to the result.
+        MoE: ``routed_experts`` ``[B, T, M, k]`` replays routing; ``with_routing`` (static) also
+        returns the :class:`rljax.models.moe.Routing` of the new tokens (None otherwise and for
+        dense models).
         """
         chex.assert_rank(tokens, 2)
         cache.check_capacity(tokens.shape[1])
@@ -422,9 +428,7 @@ class Decoder(nnx.Module):
             lengths=cache.lengths + jnp.sum(valid, axis=1),
             index=cache.index + tokens.shape[1],
         )
-        if return_routing:
-            return self.norm(x), new_cache, _stack_routing(routers)
-        return self.norm(x), new_cache
+        return DecoderOutput(self.norm(x), _stack_routing(routers) if with_routing else None, new_cache)
 
     def unembedding(self) -> jax.Array:
         """The output projection ``[hidden, vocab]`` in compute dtype (``embed^T`` when tied)."""
@@ -448,10 +452,10 @@ class Decoder(nnx.Module):
         routed_experts: chex.Array | None = None,
     ) -> jax.Array:
         """Full float32 logits ``[B, L, vocab]`` (for small inputs; use sequence_logprobs for training)."""
-        hidden = self.hidden_states(
+        out = self.hidden_states(
             tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
         )
-        return self.logits(hidden)
+        return self.logits(out.hidden)
 
 
 def _stack_routing(routers: list[tuple[jax.Array, jax.Array]]) -> Routing | None:

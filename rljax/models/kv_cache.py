@@ -1,4 +1,7 @@
-"""Key/value cache for incremental decoding: a fixed-size pytree plus prefill and one-step decode.
+"""Key/value cache for incremental decoding: a fixed-size pytree of per-layer keys/values and slots.
+
+The decode drivers that run a model over it (prefill, one decode step) are in
+:mod:`rljax.models.decode`; :meth:`rljax.models.Decoder.decode` writes new tokens into it.
 
 The cache has ``max_length`` slots per row. Every call writes its ``T`` new tokens to the same slots
 ``[index, index + T)`` of every row, and stores their segment ids next to the keys; attention
@@ -23,10 +26,8 @@ outside ``jit`` it is checked and a ``ValueError`` is raised.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,6 @@ from rljax.models.attention import from_cache_layout
 
 if TYPE_CHECKING:
     from rljax.models.config import ModelConfig
-    from rljax.models.decoder import Decoder
 
 EMPTY_SLOT = -1  # segment id of a slot nothing has been written to: matches no query.
 
@@ -119,127 +119,3 @@ def init_cache(
         lengths=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
-
-
-def last_valid_index(segment_ids: chex.Array) -> chex.Array:
-    """Index of the last non-padding token of each row (0 for an all-padding row).
-
-    >>> last_valid_index(jnp.array([[1, 1, 0], [0, 1, 1]])).tolist()
-    [1, 2]
-    """
-    chex.assert_rank(segment_ids, 2)
-    idx = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
-    return jnp.max(jnp.where(segment_ids != 0, idx[None, :], 0), axis=1)
-
-
-def prefill(
-    model: Decoder,
-    tokens: chex.Array,
-    *,
-    max_length: int,
-    segment_ids: chex.Array | None = None,
-    positions: chex.Array | None = None,
-    cache_dtype: jnp.dtype | None = None,
-    return_routing: bool = False,
-) -> tuple[chex.Array, KVCache] | tuple[chex.Array, KVCache, Any]:
-    """Runs the prompts through the model into a fresh cache (jitted; shape checks run eagerly).
-
-    ``return_routing`` (MoE): also return the :class:`rljax.models.moe.Routing` of the prompt
-    tokens (None for dense models).
-
-    Args:
-      model: a :class:`rljax.models.Decoder`.
-      tokens: ``int32 [B, T]`` prompts, padded left or right (``segment_ids`` 0 marks padding).
-      max_length: cache slots per row (prompt + every token to be decoded).
-      segment_ids: ``int32 [B, T]``; default all ones (no padding).
-      positions: ``int32 [B, T]``; default counts valid tokens from 0.
-      cache_dtype: dtype of stored keys/values; default the model's compute dtype.
-
-    Returns:
-      ``(logits, cache)``: float32 ``[B, V]`` next-token logits after each row's last valid token.
-
-    >>> from flax import nnx
-    >>> from rljax.models import Decoder, ModelConfig
-    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
-    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
-    >>> prompts = jnp.array([[5, 6, 7], [8, 9, 0]]); seg = jnp.array([[1, 1, 1], [1, 1, 0]])
-    >>> logits, cache = prefill(model, prompts, segment_ids=seg, max_length=6)
-    >>> logits.shape, cache.lengths.tolist(), int(cache.index)
-    ((2, 16), [3, 2], 3)
-    """
-    chex.assert_rank(tokens, 2)
-    if tokens.shape[1] > max_length:
-        raise ValueError(f"prompt length {tokens.shape[1]} exceeds the cache max_length {max_length}")
-    if segment_ids is None:
-        segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
-    out = _prefill(model, tokens, segment_ids, positions, max_length=max_length, cache_dtype=cache_dtype,
-                   return_routing=return_routing)  # fmt: skip
-    return out if return_routing else out[:2]
-
-
-@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype", "return_routing"))
-def _prefill(
-    model: Decoder,
-    tokens: jax.Array,
-    segment_ids: jax.Array,
-    positions: jax.Array | None,
-    *,
-    max_length: int,
-    cache_dtype: jnp.dtype | None,
-    return_routing: bool = False,
-) -> tuple[jax.Array, KVCache, Any]:
-    cache = init_cache(model.config, batch_size=tokens.shape[0], max_length=max_length,
-                       dtype=cache_dtype or model.dtype)  # fmt: skip
-    if return_routing:
-        hidden, cache, routing = model.decode(
-            tokens, cache, positions=positions, segment_ids=segment_ids, return_routing=True
-        )
-    else:
-        hidden, cache = model.decode(tokens, cache, positions=positions, segment_ids=segment_ids)
-        routing = None
-    last = last_valid_index(segment_ids)
-    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    return model.logits(last_hidden), cache, routing
-
-
-def decode_step(
-    model: Decoder, tokens: chex.Array, cache: KVCache, *, return_routing: bool = False
-) -> tuple[chex.Array, KVCache] | tuple[chex.Array, KVCache, Any]:
-    """Feeds one token per row (``int32 [B]``) at position ``cache.lengths`` (jitted after a capacity check).
-
-    The input ``cache`` is donated: its buffers become the returned cache's (each layer's keys and
-    values are written in place, nothing is copied), so use only the returned cache afterwards.
-    Inside a traced loop (``lax.while_loop`` carry) the same in-place update happens without donation.
-
-    Returns:
-      ``(logits, cache)``: float32 ``[B, V]`` logits for the following token, and the updated cache.
-
-    >>> from flax import nnx
-    >>> from rljax.models import Decoder, ModelConfig
-    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
-    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
-    >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
-    >>> logits, cache = prefill(model, jnp.array([[5, 6]]), max_length=4)
-    >>> next_token = jnp.argmax(logits, axis=-1)
-    >>> logits, cache = decode_step(model, next_token, cache)
-    >>> logits.shape, cache.lengths.tolist()
-    ((1, 16), [3])
-    """
-    chex.assert_rank(tokens, 1)
-    cache.check_capacity(1)
-    if return_routing:  # MoE: also the Routing of the fed tokens ([B, 1, M, ...]; None if dense)
-        return _decode_step_routing(model, tokens, cache)
-    return _decode_step(model, tokens, cache)
-
-
-@functools.partial(jax.jit, donate_argnames="cache")
-def _decode_step(model: Decoder, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    hidden, cache = model.decode(tokens[:, None], cache)
-    return model.logits(hidden[:, 0]), cache
-
-
-@functools.partial(jax.jit, donate_argnames="cache")
-def _decode_step_routing(model: Decoder, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache, Any]:
-    hidden, cache, routing = model.decode(tokens[:, None], cache, return_routing=True)
-    return model.logits(hidden[:, 0]), cache, routing

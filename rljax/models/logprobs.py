@@ -15,7 +15,7 @@ token ``t``. Entry 0 of each row, the first token of each segment and padding (s
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import chex
 import jax
@@ -105,8 +105,26 @@ def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:
     return jnp.concatenate([jnp.zeros_like(same[:, :1]), same], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
-def sequence_logprobs_and_entropy(
+class ForwardOutput(NamedTuple):
+    """What one forward pass of :func:`sequence_forward` returns (a pytree; unwanted parts are None).
+
+    Attributes:
+      logprobs: float32 ``[B, L]``, ``logprobs[b, t] = log p(tokens[b, t] | tokens[b, <t])`` within
+        the segment, at the temperature of token ``t`` (0 at ``t = 0``, segment starts, padding).
+      entropy: float32 ``[B, L]`` entropy of that same distribution (same zeros), or None when
+        not asked for (``with_entropy=False``).
+      routing: the MoE router statistics of the forward (:class:`rljax.models.moe.Routing`:
+        ``logits [B, L, M, E]``, ``experts [B, L, M, k]``, i.e. ``routed_experts`` when replaying),
+        or None when not asked for (``with_routing=False``) or for a dense model.
+    """
+
+    logprobs: jax.Array
+    entropy: jax.Array | None = None
+    routing: Routing | None = None
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "with_entropy", "with_routing"))
+def sequence_forward(
     model: Decoder,
     tokens: chex.Array,
     *,
@@ -115,12 +133,19 @@ def sequence_logprobs_and_entropy(
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Per-token ``(logp, entropy)``, float32 ``[B, L]`` each, from one forward pass (jitted).
+    with_entropy: bool = True,
+    with_routing: bool = False,
+) -> ForwardOutput:
+    """Per-token logprobs (and entropies, MoE routing) of a packed batch from ONE forward pass (jitted).
 
     ``logp[b, t] = log softmax(logits(h[b, t-1]) / tau[b, t])[tokens[b, t]]`` and ``entropy[b, t]``
-    is the entropy of that same temperature-scaled distribution; both are 0 at ``t = 0``, at the
-    first token of every segment and on padding (``segment_ids == 0``).
+    is the entropy ``-sum_v p_v log p_v`` of that same temperature-scaled distribution; both are 0
+    at ``t = 0``, at the first token of every segment and on padding (``segment_ids == 0``).
+    Logits are computed ``chunk_size`` tokens at a time (:func:`token_logprobs_and_entropy`).
+
+    The flags are static: what is not asked for is None and is not computed (under ``jit`` the
+    unused entropy and the stacking of the router statistics are dead code, removed before
+    compilation), so ``with_routing=False`` compiles the program of a plain forward.
 
     Args:
       model: a :class:`rljax.models.Decoder`.
@@ -130,57 +155,25 @@ def sequence_logprobs_and_entropy(
       temperature: scalar or ``float [B, L]`` (the temperature each token was sampled with).
       chunk_size: tokens per logits chunk (memory ``O(chunk_size * vocab)``).
       routed_experts: MoE router replay, ``int32 [B, L, num_moe_layers, top_k]`` (see
-        :meth:`rljax.models.Decoder.hidden_states_and_routing`).
+        :meth:`rljax.models.Decoder.hidden_states`).
+      with_entropy: also return the entropies.
+      with_routing: also return the MoE routing (feed it to
+        :func:`rljax.models.moe.load_balancing_loss`, :func:`rljax.models.moe.router_z_loss`,
+        :func:`rljax.models.moe.routing_metrics`, :func:`rljax.models.moe.flip_fraction`; mask
+        with ``segment_ids != 0``). None for a dense model.
+
+    Returns:
+      a :class:`ForwardOutput` ``(logprobs, entropy, routing)``.
 
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
     >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
     >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
-    >>> lp, ent = sequence_logprobs_and_entropy(model, jnp.array([[3, 4, 5, 6]]),
-    ...                                         segment_ids=jnp.array([[1, 1, 2, 2]]))
-    >>> (lp[0] < 0).astype(int).tolist(), (ent[0] > 0).astype(int).tolist()
-    ([0, 1, 0, 1], [0, 1, 0, 1])
+    >>> out = sequence_forward(model, jnp.array([[3, 4, 5, 6]]), segment_ids=jnp.array([[1, 1, 2, 2]]))
+    >>> (out.logprobs[0] < 0).astype(int).tolist(), (out.entropy[0] > 0).astype(int).tolist(), out.routing
+    ([0, 1, 0, 1], [0, 1, 0, 1], None)
     """
-    logp, entropy, _ = _logprobs_entropy_routing(
-        model, tokens, positions, segment_ids, temperature, chunk_size, routed_experts
-    )
-    return logp, entropy
-
-
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
-def sequence_logprobs_entropy_and_routing(
-    model: Decoder,
-    tokens: chex.Array,
-    *,
-    positions: chex.Array | None = None,
-    segment_ids: chex.Array | None = None,
-    temperature: float | chex.Array = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    routed_experts: chex.Array | None = None,
-) -> tuple[jax.Array, jax.Array, Routing | None]:
-    """:func:`sequence_logprobs_and_entropy` plus the MoE router statistics of the same forward pass.
-
-    Returns ``(logp, entropy, routing)``; ``routing`` is a :class:`rljax.models.moe.Routing`
-    (``logits [B, L, M, E]``, ``experts [B, L, M, k]``: those used, i.e. ``routed_experts`` when
-    replaying) or None for a dense model. Feed it to :func:`rljax.models.moe.load_balancing_loss`,
-    :func:`rljax.models.moe.router_z_loss`, :func:`rljax.models.moe.routing_metrics` and
-    :func:`rljax.models.moe.flip_fraction` (mask with ``segment_ids != 0``).
-    """
-    return _logprobs_entropy_routing(
-        model, tokens, positions, segment_ids, temperature, chunk_size, routed_experts
-    )
-
-
-def _logprobs_entropy_routing(
-    model: Decoder,
-    tokens: chex.Array,
-    positions: chex.Array | None,
-    segment_ids: chex.Array | None,
-    temperature: float | chex.Array,
-    chunk_size: int,
-    routed_experts: chex.Array | None,
-) -> tuple[jax.Array, jax.Array, Routing | None]:
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
     if segment_ids is None:
@@ -192,12 +185,17 @@ def _logprobs_entropy_routing(
         raise ValueError(
             f"temperature must be a scalar or shaped like tokens {tokens.shape}, got {temperature.shape}"
         )
-    hidden, routing = model.hidden_states_and_routing(
-        tokens, positions=positions, segment_ids=segment_ids, routed_experts=routed_experts
+    forward = model.hidden_states(
+        tokens,
+        positions=positions,
+        segment_ids=segment_ids,
+        routed_experts=routed_experts,
+        with_routing=with_routing,
     )
+    hidden, routing = forward.hidden, forward.routing
     if length < 2:
         zeros = jnp.zeros(tokens.shape, jnp.float32)
-        return zeros, zeros, routing
+        return ForwardOutput(zeros, zeros if with_entropy else None, routing)
     n = batch * (length - 1)
     logp, entropy = token_logprobs_and_entropy(
         hidden[:, :-1].reshape(n, hidden.shape[-1]),
@@ -209,9 +207,11 @@ def _logprobs_entropy_routing(
     )
     mask = shifted_token_mask(jnp.asarray(segment_ids))
     pad = jnp.zeros((batch, 1), jnp.float32)
-    logp = jnp.where(mask, jnp.concatenate([pad, logp.reshape(batch, length - 1)], axis=1), 0.0)
-    entropy = jnp.where(mask, jnp.concatenate([pad, entropy.reshape(batch, length - 1)], axis=1), 0.0)
-    return logp, entropy, routing
+
+    def unshift(x: jax.Array) -> jax.Array:  # [B * (L-1)] predictions of tokens 1.. -> [B, L]
+        return jnp.where(mask, jnp.concatenate([pad, x.reshape(batch, length - 1)], axis=1), 0.0)
+
+    return ForwardOutput(unshift(logp), unshift(entropy) if with_entropy else None, routing)
 
 
 def sequence_logprobs(
@@ -226,7 +226,7 @@ def sequence_logprobs(
 ) -> jax.Array:
     """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (SPEC §5).
 
-    Same arguments as :func:`sequence_logprobs_and_entropy` (entry 0, segment starts and padding
+    Same arguments as :func:`sequence_forward` (entry 0, segment starts and padding
     are 0; logits divided by the temperature of the token being predicted).
 
     >>> from flax import nnx
@@ -237,7 +237,7 @@ def sequence_logprobs(
     >>> lp.shape, lp.dtype, float(lp[0, 0])
     ((1, 3), dtype('float32'), 0.0)
     """
-    return sequence_logprobs_and_entropy(
+    return sequence_forward(
         model,
         tokens,
         positions=positions,
@@ -245,4 +245,5 @@ def sequence_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         routed_experts=routed_experts,
-    )[0]
+        with_entropy=False,
+    ).logprobs

@@ -69,7 +69,7 @@ def values(
     """Per-token values ``[B, L]`` (float32): entry t from the hidden state at t - 1; 0 at the first
     token of every segment and on padding (``segment_ids == 0``)."""
     tokens = jnp.asarray(tokens)
-    h = model.backbone.hidden_states(tokens, positions=positions, segment_ids=segment_ids)
+    h = model.backbone.hidden_states(tokens, positions=positions, segment_ids=segment_ids).hidden
     v = (h.astype(jnp.float32) @ model.value_kernel[...].astype(jnp.float32))[..., 0] + model.value_bias[...][
         0
     ]

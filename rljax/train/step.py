@@ -3,8 +3,8 @@
 One optimizer step on a mini-batch ``B`` split into micro-batches ``B_1..B_k`` (rows)::
 
     counts = global_counts(B)                                  (once per mini-batch)
-    logp_i, H_i = sequence_logprobs_and_entropy(model, B_i.tokens, positions, segment_ids,
-                                                temperature = B_i.temperatures)   (chunked, packed)
+    logp_i, H_i = sequence_forward(model, B_i.tokens, positions, segment_ids,
+                                   temperature = B_i.temperatures)   (chunked, packed)
     g = sum_i grad_theta objective(logp_i, B_i, counts)        (= grad of the whole mini-batch,
                                                                 because every normalizer is global)
     theta, opt <- AdamW(clip(g))       if loss and ||g|| are finite
@@ -52,11 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    sequence_logprobs_and_entropy,
-    sequence_logprobs_entropy_and_routing,
-)
+from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_forward
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -350,14 +346,11 @@ def _loss(
         temperature=temperature,
         chunk_size=config.chunk_size,
     )
-    routing = None
-    if getattr(model.config, "moe_layers", ()):
-        replay = batch.routed_experts if config.router_replay else None
-        logp, entropy, routing = sequence_logprobs_entropy_and_routing(
-            model, tokens, routed_experts=replay, **kwargs
-        )
-    else:
-        logp, entropy = sequence_logprobs_and_entropy(model, tokens, **kwargs)
+    moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
+    replay = batch.routed_experts if moe and config.router_replay else None
+    logp, entropy, routing = sequence_forward(
+        model, tokens, routed_experts=replay, with_routing=moe, **kwargs
+    )
     if config.objective.entropy_coef == 0.0:
         entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
     loss, metrics = objective(logp, batch, counts, config.objective, entropy=entropy)

@@ -159,14 +159,14 @@ def test_left_padded_prefill_and_decode_match_full_forward_with_three_kv_heads(g
     ref = np.asarray(
         models.sequence_logprobs(gqa_model, jnp.asarray(full), segment_ids=jnp.asarray(full_seg))
     )
-    logits, cache = models.prefill(
+    logits, cache, _ = models.prefill(
         gqa_model, jnp.asarray(tokens), segment_ids=jnp.asarray(seg), max_length=12
     )
     assert cache.keys[0].shape == (3 * 3, 12, 16)
     got = []
     for j in range(steps):
         got.append(np.asarray(jax.nn.log_softmax(logits))[np.arange(3), cont[:, j]])
-        logits, cache = models.decode_step(gqa_model, jnp.asarray(cont[:, j]), cache)
+        logits, cache, _ = models.decode_step(gqa_model, jnp.asarray(cont[:, j]), cache)
     want = np.stack([ref[i, len(p) : len(p) + steps] for i, p in enumerate(prompts)])
     np.testing.assert_allclose(np.stack(got, axis=1), want, **LOGPROB_TOL)
     # The cache holds exactly the keys a full forward computes, per row and kv head, in [B, S, K, D] views.
@@ -211,12 +211,12 @@ def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):
         m = nnx.merge(graphdef, state)
 
         def body(_, carry):
-            logits, cache = models.decode_step(m, carry[0], carry[1])
+            logits, cache, _ = models.decode_step(m, carry[0], carry[1])
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
         return jax.lax.fori_loop(0, 8, body, (jnp.zeros((rows,), jnp.int32), cache))
 
-    _, cache = models.prefill(tiny_qwen3, jnp.ones((rows, 16), jnp.int32), max_length=slots)
+    cache = models.prefill(tiny_qwen3, jnp.ones((rows, 16), jnp.int32), max_length=slots).cache
     hlo = jax.jit(loop, donate_argnums=1).lower(state, cache).compile().as_text()
     # Per step and cache array exactly one instruction produces cache-sized data: its in-place write
     # (a dynamic-update-slice fusion). The [B, S, K, D] layout added a transposed copy of every
@@ -227,9 +227,9 @@ def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):
 
 
 def test_decode_step_donates_and_aliases_the_cache(tiny_qwen3):
-    _, cache = models.prefill(tiny_qwen3, jnp.ones((2, 8), jnp.int32), max_length=24)
+    cache = models.prefill(tiny_qwen3, jnp.ones((2, 8), jnp.int32), max_length=24).cache
     tokens = jnp.zeros((2,), jnp.int32)
-    hlo = models.kv_cache._decode_step.lower(tiny_qwen3, tokens, cache).compile().as_text()
+    hlo = models.decode._decode_step.lower(tiny_qwen3, tokens, cache).compile().as_text()
     num_params = len(jax.tree.leaves(nnx.state(tiny_qwen3)))
     aliased = set(re.findall(r"\{[\d,]*\}: \((\d+), \{\}, may-alias\)", hlo))
     # every key/value buffer of the cache (parameters after the model's and the tokens) is reused
@@ -239,6 +239,6 @@ def test_decode_step_donates_and_aliases_the_cache(tiny_qwen3):
     produced = _cache_sized_results(entry[: entry.index("\n}\n")], cache.keys[0].shape)
     assert len(produced) == 2 * tiny_qwen3.config.num_layers, produced
     # At run time the donated input buffers are consumed (reused by the returned cache).
-    _, new_cache = models.decode_step(tiny_qwen3, tokens, cache)
+    new_cache = models.decode_step(tiny_qwen3, tokens, cache).cache
     assert cache.keys[0].is_deleted() and not new_cache.keys[0].is_deleted()
     assert int(new_cache.index) == 9

@@ -14,7 +14,12 @@ from rljax import models
 VOCAB = 320
 ATOL = 2e-5  # observed ~3e-6; the spec requires 1e-4
 
-_logprobs = models.sequence_logprobs_and_entropy  # jitted by the library
+
+def _logprobs(model, tokens, **kwargs):
+    """``(logprobs, entropy)`` of :func:`rljax.models.sequence_forward` (jitted by the library)."""
+    out = models.sequence_forward(model, tokens, **kwargs)
+    return out.logprobs, out.entropy
+
 
 CASES = [
     ("qwen2", True),

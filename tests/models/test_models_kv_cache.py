@@ -82,13 +82,13 @@ def _padded_prompts(prompts, *, left: bool):
 def test_prefill_then_decode_steps_match_full_forward(model, sequences, reference, left):
     prompts, cont = sequences
     tokens, seg = _padded_prompts(prompts, left=left)
-    logits, cache = _prefill(model, tokens, segment_ids=seg, max_length=PAD + NUM_NEW)
+    logits, cache, _ = _prefill(model, tokens, segment_ids=seg, max_length=PAD + NUM_NEW)
     np.testing.assert_array_equal(np.asarray(cache.lengths), PROMPT_LENS)
     got = []
     for j in range(NUM_NEW):
         logp = jax.nn.log_softmax(logits, axis=-1)
         got.append(np.asarray(logp)[np.arange(len(prompts)), cont[:, j]])
-        logits, cache = _step(model, jnp.asarray(cont[:, j]), cache)
+        logits, cache, _ = _step(model, jnp.asarray(cont[:, j]), cache)
     assert int(cache.index) == PAD + NUM_NEW
     np.testing.assert_allclose(np.stack(got, axis=1), reference, **LOGPROB_TOL)
 
@@ -99,13 +99,13 @@ def test_multi_token_decode_chunks_match_full_forward(model, sequences, referenc
     cache = models.init_cache(model.config, batch_size=len(prompts), max_length=PAD + NUM_NEW + 2)
     decode = jax.jit(lambda m, t, c, s: m.decode(t, c, segment_ids=s))
     to_logits = jax.jit(lambda m, h: m.logits(h))
-    hidden, cache = decode(model, tokens, cache, seg)
-    last = models.kv_cache.last_valid_index(seg)
+    hidden, _, cache = decode(model, tokens, cache, seg)
+    last = models.decode.last_valid_index(seg)
     first_logits = to_logits(model, hidden[np.arange(len(prompts)), np.asarray(last)])
     # Feed the continuation in two chunks of 3 tokens, positions from cache.lengths.
     ones = jnp.ones((len(prompts), 3), jnp.int32)
-    hidden_a, cache = decode(model, jnp.asarray(cont[:, :3]), cache, ones)
-    hidden_b, cache = decode(model, jnp.asarray(cont[:, 3:]), cache, ones)
+    hidden_a, _, cache = decode(model, jnp.asarray(cont[:, :3]), cache, ones)
+    hidden_b, _, cache = decode(model, jnp.asarray(cont[:, 3:]), cache, ones)
     logits = jnp.concatenate(
         [first_logits[:, None], to_logits(model, hidden_a), to_logits(model, hidden_b)[:, :-1]], axis=1
     )
@@ -119,8 +119,8 @@ def test_cache_capacity_errors(model):
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="exceeds the cache max_length 3"):
         models.prefill(model, tokens, max_length=3)
-    _, cache = models.prefill(model, tokens, max_length=5)
-    _, cache = models.decode_step(model, jnp.zeros((1,), jnp.int32), cache)
+    cache = models.prefill(model, tokens, max_length=5).cache
+    cache = models.decode_step(model, jnp.zeros((1,), jnp.int32), cache).cache
     with pytest.raises(ValueError, match="KV cache is full: 5 slots used"):
         models.decode_step(model, jnp.zeros((1,), jnp.int32), cache)
 

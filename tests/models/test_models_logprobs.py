@@ -126,7 +126,10 @@ def model(helpers):
     return helpers.random_decoder(cfg, seed=0)
 
 
-_seq = models.sequence_logprobs_and_entropy  # jitted by the library
+def _seq(model, tokens, **kwargs):
+    """``(logprobs, entropy)`` of :func:`rljax.models.sequence_forward` (jitted by the library)."""
+    out = models.sequence_forward(model, tokens, **kwargs)
+    return out.logprobs, out.entropy
 
 
 def test_sequence_logprobs_alignment_temperature_and_masks(model):
@@ -186,7 +189,7 @@ def test_chunked_gradients_equal_unchunked_and_remat_and_attention_blocks(model)
         m.remat = remat
         m.attention_chunk_size = 4 if remat else None  # 10 tokens -> 3 query blocks, one padded
         # remat: False / True ("full") / "dots_saveable" (keep matmul outputs, recompute the rest)
-        lp, ent = models.sequence_logprobs_and_entropy(m, tokens, chunk_size=chunk)
+        lp, ent = _seq(m, tokens, chunk_size=chunk)
         return jnp.sum(lp) + 0.1 * jnp.sum(ent)
 
     grads = {
@@ -208,7 +211,7 @@ def test_bfloat16_compute_is_close_to_float32(model):
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, size=(1, 12)))
     lp16, _ = _seq(bf16, tokens, chunk_size=16)
     lp32, _ = _seq(model, tokens, chunk_size=16)
-    assert lp16.dtype == jnp.float32 and bf16.hidden_states(tokens).dtype == jnp.bfloat16
+    assert lp16.dtype == jnp.float32 and bf16.hidden_states(tokens).hidden.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(lp16), np.asarray(lp32), atol=0.3)
 
 
@@ -235,3 +238,26 @@ def test_padding_ids_are_ignored_and_invalid_real_ids_are_loud(model):
         invalid[0, 2] = bad
         lp, _ = _seq(model, jnp.asarray(invalid), segment_ids=jnp.asarray(seg), chunk_size=16)
         assert np.isnan(np.asarray(lp)[0, 2:6]).all()
+
+
+def test_sequence_forward_returns_and_computes_only_what_is_asked_for(model, helpers):
+    moe = helpers.random_decoder(models.tiny_config("qwen3_moe", vocab_size=VOCAB, head_dim=16), seed=1)
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, VOCAB, size=(2, 9)))
+    full = models.sequence_forward(moe, tokens, with_routing=True)
+    plain = models.sequence_forward(moe, tokens)
+    bare = models.sequence_forward(moe, tokens, with_entropy=False)
+    assert plain.routing is None and bare.entropy is None and bare.routing is None
+    cfg = moe.config
+    assert full.routing.experts.shape == (2, 9, len(cfg.moe_layers), cfg.num_experts_per_tok)
+    for out in (plain, bare):  # the flags change what is returned, never the values
+        np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(full.logprobs))
+    np.testing.assert_array_equal(np.asarray(plain.entropy), np.asarray(full.entropy))
+    np.testing.assert_array_equal(np.asarray(models.sequence_logprobs(moe, tokens)), np.asarray(full.logprobs))
+    assert models.sequence_forward(model, tokens, with_routing=True).routing is None  # dense: none to give
+
+    # Without the entropy the compiled program has no entropy: fewer exponentials (the logsumexp's stay).
+    def exps(**flags):
+        hlo = models.sequence_forward.lower(model, tokens, **flags).compile().as_text()
+        return hlo.count(" exponential(")
+
+    assert 0 < exps(with_entropy=False) < exps(with_entropy=True)

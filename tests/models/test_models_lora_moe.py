@@ -218,11 +218,12 @@ def test_train_step_moves_only_the_expert_adapter(router_replay):
 
     model, batch = _lora_moe(), _batch()
     if router_replay:  # replay the experts of another model: the step must follow the record
-        _, _, routing = models.sequence_logprobs_entropy_and_routing(
+        _, _, routing = models.sequence_forward(
             random_decoder(CFG, seed=7),
             batch.tokens,
             positions=batch.positions,
             segment_ids=batch.segment_ids,
+            with_routing=True,
         )
         recorded = np.asarray(moe.top_k_experts(routing.logits, CFG.num_experts_per_tok))
         batch = dataclasses.replace(batch, routed_experts=recorded.astype(np.int32))

@@ -210,7 +210,7 @@ def test_packed_rows_equal_separate_rows():
     a, b = random_tokens(4, (1, 13))[0], random_tokens(5, (1, 9))[0]
     packed = jnp.asarray(np.concatenate([a, b, np.zeros(6, np.int32)])[None])
     seg = jnp.asarray(np.concatenate([np.ones(13), 2 * np.ones(9), np.zeros(6)]).astype(np.int32)[None])
-    lp_packed, _, routing = models.sequence_logprobs_entropy_and_routing(model, packed, segment_ids=seg)
+    lp_packed, _, routing = models.sequence_forward(model, packed, segment_ids=seg, with_routing=True)
     lp_a = models.sequence_logprobs(model, jnp.asarray(a[None]))
     lp_b = models.sequence_logprobs(model, jnp.asarray(b[None]))
     np.testing.assert_allclose(np.asarray(lp_packed[0, :13]), np.asarray(lp_a[0]), **LOGPROB_TOL)
@@ -225,12 +225,12 @@ def test_kv_cache_decode_equals_full_forward_and_records_routing():
     model = _rljax_model_with_router_scale("qwen3_moe")
     tokens = jnp.asarray(random_tokens(6, (2, 12)))
     full_logits = model(tokens)
-    _, routing = model.hidden_states_and_routing(tokens)
+    routing = model.hidden_states(tokens, with_routing=True).routing
     cache = models.init_cache(model.config, batch_size=2, max_length=16)
-    hidden, cache, r_prompt = model.decode(tokens[:, :8], cache, return_routing=True)
+    hidden, r_prompt, cache = model.decode(tokens[:, :8], cache, with_routing=True)
     step_logits, step_experts = [model.logits(hidden[:, -1])], [r_prompt.experts]
     for t in range(8, 12):
-        hidden, cache, r = model.decode(tokens[:, t : t + 1], cache, return_routing=True)
+        hidden, r, cache = model.decode(tokens[:, t : t + 1], cache, with_routing=True)
         step_logits.append(model.logits(hidden[:, -1]))
         step_experts.append(r.experts)
     np.testing.assert_allclose(
@@ -243,8 +243,11 @@ def test_kv_cache_decode_equals_full_forward_and_records_routing():
         np.concatenate([np.asarray(e) for e in step_experts], 1), np.asarray(routing.experts)
     )
     # the sampler's jitted prefill / decode_step run an MoE model too
-    logits, cache2 = models.prefill(model, tokens[:, :8], max_length=16)
-    logits, cache2 = models.decode_step(model, tokens[:, 8], cache2)
+    _, cache2, r_prefill = models.prefill(model, tokens[:, :8], max_length=16, with_routing=True)
+    logits, cache2, r_step = models.decode_step(model, tokens[:, 8], cache2, with_routing=True)
+    np.testing.assert_array_equal(np.asarray(r_prefill.experts), np.asarray(routing.experts[:, :8]))
+    np.testing.assert_array_equal(np.asarray(r_step.experts), np.asarray(routing.experts[:, 8:9]))
+    assert models.decode_step(model, tokens[:, 9], cache2).routing is None  # not asked for
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits[:, 8]), atol=2e-5, rtol=1e-5)
 
 
@@ -264,12 +267,12 @@ def test_embedded_sampler_generates_from_moe_model():
 
 
 def _greedy_generate(model, prompts, n):
-    logits, cache = models.prefill(model, prompts, max_length=prompts.shape[1] + n)
+    logits, cache, _ = models.prefill(model, prompts, max_length=prompts.shape[1] + n)
     out = [np.asarray(prompts)]
     for _ in range(n):
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         out.append(np.asarray(tok)[:, None])
-        logits, cache = models.decode_step(model, tok, cache)
+        logits, cache, _ = models.decode_step(model, tok, cache)
     return np.concatenate(out, 1)
 
 
@@ -302,11 +305,11 @@ def _perturbed(model: nnx.Module, scale: float, seed: int = 1) -> nnx.Module:
 def test_router_replay_reproduces_recorded_logprobs_after_router_perturbation():
     sampler = _near_tie_model()
     tokens = jnp.asarray(random_tokens(8, (4, 32)))
-    lp_sampler, _, recorded = models.sequence_logprobs_entropy_and_routing(sampler, tokens)
+    lp_sampler, _, recorded = models.sequence_forward(sampler, tokens, with_routing=True)
     trainer = _perturbed(sampler, 1e-4)
-    lp_free, _, routing_free = models.sequence_logprobs_entropy_and_routing(trainer, tokens)
-    lp_replay, _, routing_replay = models.sequence_logprobs_entropy_and_routing(
-        trainer, tokens, routed_experts=recorded.experts
+    lp_free, _, routing_free = models.sequence_forward(trainer, tokens, with_routing=True)
+    lp_replay, _, routing_replay = models.sequence_forward(
+        trainer, tokens, routed_experts=recorded.experts, with_routing=True
     )
     chosen = models.top_k_experts(routing_free.logits, 2)
     flips = float(models.flip_fraction(chosen, recorded.experts))
@@ -325,7 +328,7 @@ def test_router_replay_reproduces_recorded_logprobs_after_router_perturbation():
 def test_router_replay_gradients_reach_router_and_equal_unreplayed_on_same_routing():
     model = _rljax_moe("qwen2_moe_norm")
     tokens = jnp.asarray(random_tokens(9, (2, 20)))
-    _, _, recorded = models.sequence_logprobs_entropy_and_routing(model, tokens)
+    _, _, recorded = models.sequence_forward(model, tokens, with_routing=True)
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(p, routed):
@@ -360,7 +363,7 @@ def test_load_balancing_loss_is_transformers_loss_over_top_k():
 
     model = _rljax_moe("qwen3_moe")
     tokens = jnp.asarray(random_tokens(10, (2, 16)))
-    _, routing = model.hidden_states_and_routing(tokens)
+    routing = model.hidden_states(tokens, with_routing=True).routing
     for m in range(2):
         layer = models.Routing(
             logits=routing.logits[:, :, m : m + 1], experts=routing.experts[:, :, m : m + 1]
@@ -439,7 +442,7 @@ def test_embedded_sampler_records_the_routing_it_used():
     ]
     for p, c in zip(prompts, outs, strict=True):
         seq = jnp.asarray([p + list(c.ids)])
-        _, routing = model.hidden_states_and_routing(seq)
+        routing = model.hidden_states(seq, with_routing=True).routing
         n = seq.shape[1]
         assert c.routed_experts.shape == (
             n - 1,

@@ -29,7 +29,7 @@ def _loss_and_grads(model, tokens, segment_ids):
 
     def loss(p):
         m = nnx.merge(graphdef, p)
-        lp, _, routing = models.sequence_logprobs_entropy_and_routing(m, tokens, segment_ids=segment_ids)
+        lp, _, routing = models.sequence_forward(m, tokens, segment_ids=segment_ids, with_routing=True)
         mask = segment_ids != 0
         aux = models.load_balancing_loss(routing, mask) + 0.1 * models.router_z_loss(routing, mask)
         return -jnp.sum(lp) / jnp.sum(mask) + 0.01 * aux

@@ -33,7 +33,7 @@ def test_fresh_head_gives_zero_values_and_keeps_the_policy_untouched():
 def test_values_are_the_head_on_the_previous_hidden_state():
     vm = _critic()
     tokens = jnp.array([[3, 9, 4, 1, 7]])
-    h = np.asarray(vm.backbone.hidden_states(tokens), np.float64)
+    h = np.asarray(vm.backbone.hidden_states(tokens).hidden, np.float64)
     head = h @ np.asarray(vm.value_kernel[...], np.float64)[:, 0] + 0.3
     want = np.concatenate([[0.0], head[0, :-1]])
     np.testing.assert_allclose(np.asarray(value_lib.values(vm, tokens))[0], want, rtol=1e-5, atol=1e-5)

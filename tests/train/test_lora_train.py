@@ -25,7 +25,7 @@ from rljax import models
 from rljax.core.objective import ObjectiveConfig, objective
 from rljax.inference.engine import SamplingParams
 from rljax.inference.sampler import EmbeddedSampler
-from rljax.models.logprobs import sequence_logprobs_and_entropy
+from rljax.models.logprobs import sequence_forward
 from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora, merge_lora
 from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import make_mesh, shard_batch
@@ -137,7 +137,7 @@ def hand_step(model: models.Decoder, batch, counts) -> nnx.State:
     def loss(adapter: nnx.State) -> jax.Array:
         m = nnx.merge(graphdef, adapter, base)
         temperature = 1.0 if batch.temperatures is None else batch.temperatures
-        logp, entropy = sequence_logprobs_and_entropy(
+        logp, entropy, _ = sequence_forward(
             m, jnp.asarray(batch.tokens), positions=batch.positions, segment_ids=batch.segment_ids,
             temperature=temperature,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """MoE in the train step: router replay (R3), flip fraction, auxiliary losses, micro-batches.
 
 References are independent of the step: the trainer's own top-k computed with a separate
-forward (``sequence_logprobs_entropy_and_routing``), hand-counted flips, and the whole-batch step.
+forward (``sequence_forward(..., with_routing=True)``), hand-counted flips, and the whole-batch step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from random_steps import random_steps
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.micro_batch import split_by_token_budget
 from rljax.data.pack import pack
-from rljax.models import sequence_logprobs_entropy_and_routing, top_k_experts
+from rljax.models import sequence_forward, top_k_experts
 from rljax.models.tiny import random_decoder, tiny_config
 from rljax.train.optim import OptimizerConfig
 from rljax.train.step import (
@@ -41,9 +41,10 @@ def _model():
 
 def _own_routing(model, batch):
     """The experts the model itself chooses for every packed token: int [R, L, M, k]."""
-    _, _, routing = sequence_logprobs_entropy_and_routing(
-        model, jnp.asarray(batch.tokens), positions=batch.positions, segment_ids=batch.segment_ids
-    )
+    _, _, routing = sequence_forward(
+        model, jnp.asarray(batch.tokens), positions=batch.positions, segment_ids=batch.segment_ids,
+        with_routing=True,
+    )  # fmt: skip
     return np.asarray(top_k_experts(routing.logits, CFG.num_experts_per_tok))
 
 
