@@ -187,13 +187,25 @@ def params_shardings(
     True
     """
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, _canonical(s.spec, mesh)),
+        lambda s: NamedSharding(mesh, canonical_spec(s.spec, mesh)),
         param_shardings(nnx.merge(graphdef, params), mesh, rules=rules),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
 
 
-def _canonical(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+def canonical_spec(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """``spec`` as XLA reports output shardings: mesh axes of size 1 and trailing ``None`` entries dropped.
+
+    Shardings placed with canonical specs equal those the jitted steps return, so feeding a
+    returned state back does not compile again.
+
+    >>> import types
+    >>> mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 1, "tensor": 4})  # only .shape is read
+    >>> canonical_spec(PartitionSpec(("data", "fsdp"), "tensor", None), mesh)
+    PartitionSpec('data', 'tensor')
+    >>> canonical_spec(PartitionSpec("fsdp", ("data", "tensor")), mesh)
+    PartitionSpec(None, ('data', 'tensor'))
+    """
     entries: list[Any] = []
     for entry in spec:
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())

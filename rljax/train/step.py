@@ -132,18 +132,6 @@ def _variable_report(state: nnx.State) -> list[str]:
     return sorted(f"{'.'.join(map(str, p))} ({type(v).__name__})" for p, v in nnx.to_flat_state(state))
 
 
-def _canonical(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
-    """``spec`` as XLA reports output shardings (size-1 mesh axes and trailing Nones dropped)."""
-    entries: list[Any] = []
-    for entry in spec:
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        axes = tuple(a for a in axes if mesh.shape[a] > 1)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
 def variable_shardings(tree: nnx.State, mesh: Mesh, *, rules: Rules = DEFAULT_RULES) -> nnx.State:
     """``NamedSharding`` per variable of ``tree`` from its ``logical_axes`` metadata (replicated
     without); the specs are canonical like :func:`rljax.train.sharding.params_shardings`.
@@ -162,7 +150,7 @@ def variable_shardings(tree: nnx.State, mesh: Mesh, *, rules: Rules = DEFAULT_RU
         axes = var.get_metadata().get("logical_axes")
         shape = np.shape(var.get_value())
         spec = PartitionSpec() if axes is None else logical_to_spec(axes, shape, mesh, rules=rules)
-        flat.append((path, var.replace(NamedSharding(mesh, _canonical(spec, mesh)))))
+        flat.append((path, var.replace(NamedSharding(mesh, train_sharding.canonical_spec(spec, mesh)))))
     return nnx.from_flat_state(flat)
 
 
