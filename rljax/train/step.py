@@ -527,8 +527,8 @@ def train_mini_batch(
 def _jit_keeping_frozen(fn: Any) -> Any:
     """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, aux)``, except that
     ``state.frozen`` is a separate, NOT donated argument that is no output: the returned state holds
-    the caller's frozen arrays themselves (no copy, still valid). ``.lower(state, *args)`` and
-    ``._cache_size()`` are those of the underlying jitted function."""
+    the caller's frozen arrays themselves (no copy, still valid). ``.lower(state, *args)`` lowers
+    the underlying jitted function, which is ``.jitted``."""
 
     def inner(state: TrainState, frozen: nnx.State, *args: Any) -> tuple[TrainState, Any]:
         new, aux = fn(dataclasses.replace(state, frozen=frozen), *args)
@@ -545,7 +545,6 @@ def _jit_keeping_frozen(fn: Any) -> Any:
         return dataclasses.replace(new, frozen=state.frozen), aux
 
     call.lower = lambda state, *args: jitted.lower(*split(state), *args)
-    call._cache_size = jitted._cache_size
     call.jitted = jitted
     return call
 

@@ -102,7 +102,7 @@ def test_sharded_steps_equal_single_device(shape, batches, single_device_run):
     for batch, (want_params, want_metrics) in zip(batches, single_device_run, strict=True):
         sharded = shard_batch(batch, mesh)
         state, metrics = train_step(state, sharded, mini_batch_counts(sharded, OBJ))
-        cache_sizes.append(train_step._cache_size())
+        cache_sizes.append(train_step.jitted._cache_size())
         for key in ("loss", "loss/rl", "loss/ce", "grad_norm", "lr", "entropy", "rl/mismatch_kl"):
             np.testing.assert_allclose(float(metrics[key]), want_metrics[key], rtol=1e-5, atol=1e-7)
         for got, want in zip(tf.params_numpy(state), want_params, strict=True):

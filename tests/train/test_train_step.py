@@ -217,8 +217,8 @@ def test_no_recompile_across_steps():
     batch = tf.make_batch(80)
     counts = mini_batch_counts(batch, OBJ)
     state, _ = train_step(state, batch, counts)
-    size = train_step._cache_size()
+    size = train_step.jitted._cache_size()
     for seed in (81, 82):
         b = tf.make_batch(seed)
         state, _ = train_step(state, b, mini_batch_counts(b, OBJ))
-    assert train_step._cache_size() == size
+    assert train_step.jitted._cache_size() == size
