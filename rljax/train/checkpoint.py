@@ -302,9 +302,14 @@ def _remove(path: pathlib.Path) -> None:
 
 
 def _garbage_collect(directory: pathlib.Path, step: int, keep: int | None) -> None:
-    """Deletes complete steps older than the ``keep`` newest (<= ``step``) and stale temporaries."""
+    """Deletes complete steps older than the ``keep`` newest (<= ``step``) and stale temporaries.
+
+    Stale: a killed save's orbax temporary, a marker write killed before its rename, and an older
+    step that orbax committed but that was killed before its manifest sealed it (never usable).
+    """
     for path in directory.iterdir():
         name = path.name
+        match = _STEP_RE.fullmatch(name)
         if name.startswith(f".{LATEST}.tmp-"):  # a marker write killed before its rename
             path.unlink(missing_ok=True)
         elif _DELETING_MARK in name:
@@ -313,6 +318,8 @@ def _garbage_collect(directory: pathlib.Path, step: int, keep: int | None) -> No
             match = _STEP_RE.fullmatch(name.split(_TMP_MARK)[0])
             if match and int(match.group(1)) < step:
                 shutil.rmtree(path, ignore_errors=True)
+        elif match and int(match.group(1)) < step and _is_committed(path) and not _is_complete(path):
+            _remove(path)
     if keep is None:
         return
     older = [s for s in checkpoint_steps(directory) if s < step]

@@ -175,6 +175,13 @@ def test_a_save_killed_before_its_manifest_is_not_complete(tmp_path, monkeypatch
     assert step == 1 and [s for s, _ in skipped] == [2]
     _save(tmp_path, 2)  # the resumed run saves step 2 again
     assert ck.checkpoint_steps(tmp_path) == [1, 2] and ck.verify(tmp_path, 2) is True
+    # an unsealed step the run moved past is removed by the next save (it can never be used)
+    monkeypatch.setattr(ck, "_seal", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 3)
+    monkeypatch.undo()
+    _save(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1", "step_2", "step_4"]
 
 
 def test_intact_model_checkpoint_has_a_full_manifest_and_restores_bit_exactly(tmp_path):
