@@ -546,21 +546,6 @@ class EmbeddedSampler:
             raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
         return prompt
 
-    def generate_batch(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
-        """Synchronously samples one completion per prompt (in chunks of ``max_batch_size``)."""
-        if isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        if len(sampling) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling)} SamplingParams")
-        checked = [self._check_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
-        out: list[Completion] = []
-        for i in range(0, len(checked), self.max_batch_size):
-            chunk = slice(i, i + self.max_batch_size)
-            out += self._run_batch(checked[chunk], list(sampling[chunk]))
-        return out
-
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
     ) -> Completion:

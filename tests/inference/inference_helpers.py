@@ -1,8 +1,11 @@
-"""Helpers shared by the inference tests: the tiny Qwen3, rljax reference logprobs, finding vLLM."""
+"""Helpers shared by the inference tests: the tiny Qwen3, rljax reference logprobs, finding vLLM, and
+read-outs of engine state that only tests need (a client's session pins and per-model request
+counts, a synchronous batch call of the embedded sampler)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,9 @@ import pytest
 from flax import nnx
 
 from rljax import models
-from rljax.inference.vllm import find_vllm_python
+from rljax.inference.engine import Completion, SamplingParams
+from rljax.inference.sampler import EmbeddedSampler
+from rljax.inference.vllm import VLLMClient, find_vllm_python
 
 # The tiny Qwen3 of the brief: head_dim 64 (vLLM's CPU attention rejects small heads), GQA 2:1, tied.
 TINY_QWEN3 = dict(
@@ -68,3 +73,34 @@ def require_vllm_python(environ: dict[str, str] | None = None) -> str:
             pytest.fail(f"CI=true but {reason}")
         pytest.skip(reason)
     return python
+
+
+def session_server(client: VLLMClient, session_id: str) -> str | None:
+    """URL of the server ``client`` has pinned ``session_id`` to, if any."""
+    i = client._sessions.get(session_id)
+    return None if i is None else client.servers[i].url
+
+
+def requests_for(client: VLLMClient, model: str) -> int:
+    """generate / score calls of ``client`` naming ``model`` that have not returned yet (queued included)."""
+    return client._model_requests[model]
+
+
+def generate_batch(
+    sampler: EmbeddedSampler,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams],
+) -> list[Completion]:
+    """Synchronously samples one completion per prompt with ``sampler`` (in chunks of its
+    ``max_batch_size``, each one jitted call): the batches the tests choose, without the timing of
+    the asynchronous request queue. Requests are checked as :meth:`EmbeddedSampler.generate` checks them.
+    """
+    if isinstance(sampling, SamplingParams):
+        sampling = [sampling] * len(prompts)
+    assert len(sampling) == len(prompts), (len(prompts), len(sampling))
+    checked = [sampler._check_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+    out: list[Completion] = []
+    for i in range(0, len(checked), sampler.max_batch_size):
+        chunk = slice(i, i + sampler.max_batch_size)
+        out += sampler._run_batch(checked[chunk], list(sampling[chunk]))
+    return out

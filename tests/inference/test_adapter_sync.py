@@ -220,7 +220,7 @@ def test_the_previous_adapter_is_unloaded_after_its_requests_finish(tmp_path):
             pending = asyncio.create_task(client.generate([5, 6], SamplingParams(max_tokens=2)))
             while not fake.completion_models:
                 await asyncio.sleep(0.001)
-            assert client.requests_for("base-lora-v1") == 1
+            assert h.requests_for(client, "base-lora-v1") == 1
             sync = asyncio.create_task(asy.sync_adapter(client, two, version=2, directory=tmp_path))
             while client.lora_name != "base-lora-v2":
                 await asyncio.sleep(0.001)

@@ -11,6 +11,7 @@ import httpx
 import inference_fakes as fk
 import numpy as np
 import pytest
+from inference_helpers import session_server
 
 from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import (
@@ -229,7 +230,7 @@ def test_transient_failures_fail_over(two_fakes, mode):
     client, c = run(main())
     assert list(c.ids) == fk.expected_generation(PROMPT, 3)[0]
     assert bad.count() == 1 and good.count() == 1
-    assert client.servers[0].failures == 1 and client.session_server("traj") == good.url
+    assert client.servers[0].failures == 1 and session_server(client, "traj") == good.url
 
 
 def test_dead_port_fails_over_and_all_dead_raises():
@@ -314,7 +315,7 @@ def test_sticky_sessions_and_reassignment_on_failure(two_fakes):
             for turn in range(4):
                 for s in ("x", "y", "z"):
                     await client.generate([turn], SamplingParams(max_tokens=1), session_id=s)
-            pinned = {s: client.session_server(s) for s in "xyz"}
+            pinned = {s: session_server(client, s) for s in "xyz"}
             # Every request of a session went to its one server.
             assert a.count() + b.count() == 12
             per_server = {a.url: a.count(), b.url: b.count()}
@@ -328,9 +329,9 @@ def test_sticky_sessions_and_reassignment_on_failure(two_fakes):
             broken.mode = "http500"
             for _ in range(3):
                 await client.generate([9], SamplingParams(max_tokens=1), session_id="x")
-            assert client.session_server("x") == other.url
+            assert session_server(client, "x") == other.url
             client.end_session("x")
-            assert client.session_server("x") is None
+            assert session_server(client, "x") is None
 
     run(main())
 
@@ -368,19 +369,6 @@ def test_unhealthy_servers_recover_after_cooldown():
     client._mark_failed(1)
     now[0] = 15.0
     assert client.pick_server() == 0  # none healthy: the one whose cool-down ends first
-
-
-def test_check_health(two_fakes):
-    a, b = two_fakes
-    b.mode = "unhealthy"
-
-    async def main():
-        async with VLLMClient([a.url, b.url, dead_url()]) as client:
-            return await client.check_health(), client
-
-    ok, client = run(main())
-    assert ok == [True, False, False]
-    assert client.servers[0].failures == 0 and client.servers[1].failures == 1
 
 
 def test_constructor_validation():

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from inference_helpers import generate_batch
 from tolerances import LOGPROB_TOL
 
 from rljax import models
@@ -216,7 +217,7 @@ def test_logprobs_equal_sequence_logprobs(model, sampler, temperature):
     rng = np.random.default_rng(1)
     prompts = prompts_of(rng, [3, 11, 7])
     params = [SamplingParams(temperature=temperature, max_tokens=12, seed=i) for i in range(3)]
-    outs = sampler.generate_batch(prompts, params)
+    outs = generate_batch(sampler, prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.finish_reason == "length" and len(out.ids) == 12
         ref = full_logprobs(model, prompt + list(out.ids), temperature)
@@ -227,8 +228,8 @@ def test_logprobs_equal_sequence_logprobs(model, sampler, temperature):
 def test_greedy_matches_argmax_of_full_forward(model, sampler):
     rng = np.random.default_rng(2)
     prompts = prompts_of(rng, [4, 9])
-    outs = sampler.generate_batch(prompts, SamplingParams(temperature=0.0, max_tokens=10, seed=5))
-    top1 = sampler.generate_batch(prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, seed=9))
+    outs = generate_batch(sampler, prompts, SamplingParams(temperature=0.0, max_tokens=10, seed=5))
+    top1 = generate_batch(sampler, prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, seed=9))
     for prompt, out, o1 in zip(prompts, outs, top1, strict=True):
         seq = prompt + list(out.ids)
         logits = full_logits(model, seq)
@@ -247,13 +248,15 @@ def test_stop_ids_stop_and_are_included(model, sampler):
     params = [
         SamplingParams(temperature=t, max_tokens=16, seed=s) for s, t in enumerate([1.0, 0.0, 1.3, 0.8])
     ]
-    free = sampler.generate_batch(prompts, params)
+    free = generate_batch(sampler, prompts, params)
     assert all(o.finish_reason == "length" and len(o.ids) == 16 for o in free)
     # a row's random stream depends only on its seed, so with one of its tokens as a stop id the
     # same prefix is sampled again and generation ends right after that token's first occurrence
     stops = [(o.ids[4], o.ids[9], VOCAB - 1) for o in free]
-    stopped = sampler.generate_batch(
-        prompts, [dataclasses.replace(p, stop_token_ids=stop) for p, stop in zip(params, stops, strict=True)]
+    stopped = generate_batch(
+        sampler,
+        prompts,
+        [dataclasses.replace(p, stop_token_ids=stop) for p, stop in zip(params, stops, strict=True)],
     )
     for o, stop, out in zip(free, stops, stopped, strict=True):
         end = min(o.ids.index(t) for t in stop if t in o.ids) + 1
@@ -261,8 +264,8 @@ def test_stop_ids_stop_and_are_included(model, sampler):
         np.testing.assert_allclose(out.logprobs, o.logprobs[:end], atol=1e-6)
     # a stop id sampled as the last budgeted token reports "stop", not "length"
     last_token = free[0].ids[8]
-    last = sampler.generate_batch(
-        prompts[:1], dataclasses.replace(params[0], max_tokens=9, stop_token_ids=(last_token,))
+    last = generate_batch(
+        sampler, prompts[:1], dataclasses.replace(params[0], max_tokens=9, stop_token_ids=(last_token,))
     )[0]
     assert last.ids == free[0].ids[: free[0].ids.index(last_token) + 1] and last.finish_reason == "stop"
 
@@ -271,8 +274,10 @@ def test_top_k_never_samples_outside_the_top_k(model, sampler):
     rng = np.random.default_rng(4)
     prompts = prompts_of(rng, [6, 2, 10, 5])
     temperature, k = 3.0, 3
-    outs = sampler.generate_batch(
-        prompts, [SamplingParams(temperature=temperature, top_k=k, max_tokens=16, seed=s) for s in range(4)]
+    outs = generate_batch(
+        sampler,
+        prompts,
+        [SamplingParams(temperature=temperature, top_k=k, max_tokens=16, seed=s) for s in range(4)],
     )
     for prompt, out in zip(prompts, outs, strict=True):
         logits = full_logits(model, prompt + list(out.ids))[len(prompt) - 1 : -1]
@@ -288,8 +293,10 @@ def test_top_p_samples_inside_the_nucleus_with_renormalized_logprobs(model, samp
     rng = np.random.default_rng(5)
     prompts = prompts_of(rng, [6, 4, 9])
     temperature, p = 1.5, 0.7
-    outs = sampler.generate_batch(
-        prompts, [SamplingParams(temperature=temperature, top_p=p, max_tokens=16, seed=s) for s in range(3)]
+    outs = generate_batch(
+        sampler,
+        prompts,
+        [SamplingParams(temperature=temperature, top_p=p, max_tokens=16, seed=s) for s in range(3)],
     )
     for prompt, out in zip(prompts, outs, strict=True):
         logits = full_logits(model, prompt + list(out.ids))[len(prompt) - 1 : -1]
@@ -324,7 +331,7 @@ def test_batched_requests_equal_one_at_a_time(sampler):
     together, num_batches = asyncio.run(concurrently())
     assert num_batches == 1  # all five waited for each other and ran as one batch
     for prompt, s, out in zip(prompts, params, together, strict=True):
-        alone = sampler.generate_batch([prompt], s)[0]
+        alone = generate_batch(sampler, [prompt], s)[0]
         assert alone.ids == out.ids
         assert alone.finish_reason == out.finish_reason
         np.testing.assert_allclose(alone.logprobs, out.logprobs, **LOGPROB_TOL)
@@ -332,24 +339,24 @@ def test_batched_requests_equal_one_at_a_time(sampler):
 
 def test_seeds_reproduce_and_differ(sampler):
     prompt = [5, 6, 7]
-    a = sampler.generate_batch([prompt], SamplingParams(max_tokens=12, seed=42))[0]
-    b = sampler.generate_batch([prompt, [1, 2]], SamplingParams(max_tokens=12, seed=42))[0]
-    c = sampler.generate_batch([prompt], SamplingParams(max_tokens=12, seed=43))[0]
+    a = generate_batch(sampler, [prompt], SamplingParams(max_tokens=12, seed=42))[0]
+    b = generate_batch(sampler, [prompt, [1, 2]], SamplingParams(max_tokens=12, seed=42))[0]
+    c = generate_batch(sampler, [prompt], SamplingParams(max_tokens=12, seed=43))[0]
     assert a.ids == b.ids and a.ids != c.ids
     # seedless requests draw from the sampler's own generator: reproducible per sampler seed
     d1 = EmbeddedSampler(sampler_model := tiny_model(0), seed=1, **BUCKETS)
     d2 = EmbeddedSampler(sampler_model, seed=1, **BUCKETS)
-    assert d1.generate_batch([prompt], SamplingParams(max_tokens=8))[0].ids == (
-        d2.generate_batch([prompt], SamplingParams(max_tokens=8))[0].ids
+    assert generate_batch(d1, [prompt], SamplingParams(max_tokens=8))[0].ids == (
+        generate_batch(d2, [prompt], SamplingParams(max_tokens=8))[0].ids
     )
 
 
 def test_compilations_are_bounded_by_buckets(sampler):
     rng = np.random.default_rng(7)
-    sampler.generate_batch(prompts_of(rng, [3, 4]), SamplingParams(max_tokens=5, seed=0))
+    generate_batch(sampler, prompts_of(rng, [3, 4]), SamplingParams(max_tokens=5, seed=0))
     before = EmbeddedSampler.num_compilations()
     for lengths, max_tokens in [([2, 9], 3), ([16, 1, 4], 16), ([5], 11)]:  # same buckets: 16 x 16, 8 rows
-        sampler.generate_batch(prompts_of(rng, lengths), SamplingParams(max_tokens=max_tokens, seed=1))
+        generate_batch(sampler, prompts_of(rng, lengths), SamplingParams(max_tokens=max_tokens, seed=1))
     assert EmbeddedSampler.num_compilations() == before
 
 
@@ -357,44 +364,47 @@ def test_update_weights_swaps_parameters_and_bumps_version(model):
     s = EmbeddedSampler(model, weight_version=3, **BUCKETS)
     assert isinstance(s, Engine)
     prompt, params = [4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8)
-    before = s.generate_batch([prompt], params)[0]
+    before = generate_batch(s, [prompt], params)[0]
     assert before.weight_version == 3
     other = tiny_model(1)
     assert asyncio.run(s.update_weights(other)) == 4
-    after = s.generate_batch([prompt], params)[0]
+    after = generate_batch(s, [prompt], params)[0]
     assert after.weight_version == 4
     logits = full_logits(other, prompt + list(after.ids))
     assert list(after.ids) == [int(np.argmax(logits[len(prompt) - 1 + t])) for t in range(8)]
     assert s.set_weights(nnx.state(model), version=10) == 10
-    assert s.generate_batch([prompt], params)[0].ids == before.ids
+    assert generate_batch(s, [prompt], params)[0].ids == before.ids
     # in-place changes to the model are invisible until the next set_weights (versions stay honest)
     mutable = tiny_model(0)
     s.set_weights(mutable, version=11)
     nnx.update(mutable, nnx.state(other))
-    assert s.generate_batch([prompt], params)[0].ids == before.ids
+    assert generate_batch(s, [prompt], params)[0].ids == before.ids
     s.set_weights(mutable)
-    assert s.generate_batch([prompt], params)[0] == after.__class__(
+    assert generate_batch(s, [prompt], params)[0] == after.__class__(
         after.ids, after.logprobs, after.finish_reason, 12
     )
 
 
 def test_max_model_len_clips_max_tokens(model):
     s = EmbeddedSampler(model, max_model_len=12, **BUCKETS)
-    out = s.generate_batch([[1] * 9], SamplingParams(max_tokens=50, seed=0))[0]
+    out = generate_batch(s, [[1] * 9], SamplingParams(max_tokens=50, seed=0))[0]
     assert len(out.ids) == 3 and out.finish_reason == "length"
 
 
 def test_bad_requests_raise_clear_errors(model, sampler):
+    def generate(s, prompt, sampling):
+        return asyncio.run(s.generate(prompt, sampling))
+
     with pytest.raises(ValueError, match="empty"):
-        sampler.generate_batch([[]], SamplingParams())
+        generate(sampler, [], SamplingParams())
     with pytest.raises(ValueError, match="outside the model vocabulary"):
-        sampler.generate_batch([[VOCAB]], SamplingParams())
+        generate(sampler, [VOCAB], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
-        EmbeddedSampler(model, max_model_len=4).generate_batch([[1, 2, 3, 4]], SamplingParams())
+        generate(EmbeddedSampler(model, max_model_len=4), [1, 2, 3, 4], SamplingParams())
     with pytest.raises(ValueError, match="stop token id"):
-        sampler.generate_batch([[1]], SamplingParams(stop_token_ids=(VOCAB + 5,)))
-    with pytest.raises(ValueError, match="SamplingParams"):
-        sampler.generate_batch([[1], [2]], [SamplingParams()])
+        generate(sampler, [1], SamplingParams(stop_token_ids=(VOCAB + 5,)))
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        generate(sampler, [1], {"max_tokens": 1})
     with pytest.raises(ValueError, match="Decoder"):
         EmbeddedSampler(object())
     with pytest.raises(ValueError, match="structure"):

@@ -11,6 +11,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
+from inference_helpers import session_server
 from test_inference_launcher import fake_config
 
 from rljax import models
@@ -253,7 +254,7 @@ def test_failover_when_a_server_dies_mid_batch(vllm_server, tiny_models, fake_sh
     for prompt, out in zip(prompts, outs, strict=True):
         ref = tiny_models.logprobs(tiny_models.a, prompt + list(out.ids))[len(prompt) :]
         assert len(out.ids) == 8 and max_diff(out.logprobs, ref) <= ATOL
-    assert all(client.session_server(f"s{i}") == vllm_server.url for i in range(8))
+    assert all(session_server(client, f"s{i}") == vllm_server.url for i in range(8))
 
 
 def test_dead_port_next_to_a_real_server(vllm_server, tiny_models):

@@ -416,10 +416,6 @@ class VLLMClient:
         """
         return self.model if self.lora_name is None else self.lora_name
 
-    def requests_for(self, model: str) -> int:
-        """generate / score calls naming ``model`` that have not returned yet (queued ones included)."""
-        return self._model_requests[model]
-
     async def wait_for_model_idle(self, model: str, *, timeout_s: float, poll_s: float = 0.01) -> bool:
         """Waits until no generate / score call names ``model`` (True), or ``timeout_s`` passed (False)."""
         deadline = time.monotonic() + timeout_s
@@ -465,11 +461,6 @@ class VLLMClient:
     def end_session(self, session_id: str) -> None:
         """Forgets a session's server (call when its trajectory ends)."""
         self._sessions.pop(session_id, None)
-
-    def session_server(self, session_id: str) -> str | None:
-        """URL of the server a session is pinned to, if any."""
-        i = self._sessions.get(session_id)
-        return None if i is None else self.servers[i].url
 
     def _mark_failed(self, i: int) -> None:
         s = self.servers[i]
@@ -642,23 +633,6 @@ class VLLMClient:
 
         urls = [s.url for s in self.servers] if servers is None else [self.servers[i].url for i in servers]
         return list(await asyncio.gather(*(one(url) for url in urls), return_exceptions=True))
-
-    async def check_health(self) -> list[bool]:
-        """``GET /health`` on every server; a failing one is put in its cool-down, a passing one out of it."""
-        self._ensure_loop_state()
-
-        async def one(i: int) -> bool:
-            try:
-                ok = (await self._http.get(self.servers[i].url + "/health")).status_code == 200
-            except httpx.TransportError:
-                ok = False
-            if ok:
-                self.servers[i].unhealthy_until = 0.0
-            else:
-                self._mark_failed(i)
-            return ok
-
-        return list(await asyncio.gather(*(one(i) for i in range(len(self.servers)))))
 
     # ----------------------------------------------------------------------------------------------
     # weights
