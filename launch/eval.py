@@ -5,11 +5,12 @@
         --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --metrics_out=/tmp/rg_step0.json
 
 ``--checkpoint`` is a run's workdir (its ``checkpoints/``), a checkpoint directory (the ``latest``
-step) or one ``step_N``. The run is rebuilt from ``--config`` exactly as ``launch.train`` builds it (a
-:class:`rljax.train.trainer.Trainer`: tokenizer, model, envs and their eval tasks, policy engine,
-rollout scheduler), the policy parameters of the checkpoint replace the fresh ones (their shapes
-and dtypes must match: use the training config), and the scheduler's own evaluation runs: every
-eval task ``config.eval.group_size`` times at ``config.eval.temperature``, with the same request
+step) or one ``step_N``. The run's parts are rebuilt from ``--config`` exactly as ``launch.train``
+builds them (the run object, :class:`rljax.train.run.Run`: tokenizer, model, envs and their eval
+tasks, policy engine, rollout scheduler; no trainer loop), the policy weights of the checkpoint
+replace the fresh ones (their shapes and dtypes must match: use the training config; a damaged
+checkpoint is refused), and the scheduler's own evaluation runs: every eval task
+``config.eval.group_size`` times at ``config.eval.temperature``, with the same request
 seeds as the evaluations of the training run. So the metrics equal the ``eval/*`` row the trainer
 logged for that step: ``eval/reward_mean``, ``eval/pass@k`` (unbiased, Chen et al. 2021),
 ``eval/pass^k``, ``eval/mean@k``, overall, per env (``eval/<env>/...``) and per data source
@@ -23,7 +24,6 @@ No warm start runs, nothing is trained and the checkpoint directory is not modif
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -37,7 +37,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from launch.common import resolve_checkpoint, restore_policy
+from launch.common import resolve_checkpoint
+from rljax.train.checkpoint import CheckpointCorruptedError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "The ml_collections config file the checkpoint was trained with.", lock_config=True
@@ -54,33 +55,30 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Evaluates a checkpoint on ``config``'s eval tasks (module docstring); returns the JSON record."""
     from rljax.train.report import eval_metrics
-    from rljax.train.trainer import Trainer
+    from rljax.train.run import Run
 
     directory, step = resolve_checkpoint(checkpoint, step)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="rljax_eval_"))  # the Trainer's own workdir
-    trainer = Trainer(config, scratch)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="rljax_eval_"))  # the run's own workdir (server weights)
+    run = Run(config, scratch)
     try:
-        if not trainer.env_tasks.eval:
+        if not run.env_tasks.eval:
             raise ValueError(
                 "the config has no eval tasks: set config.envs.<name>.num_eval_tasks (task makers) or "
                 "config.envs.<name>.dataset.eval / eval_fraction (dataset files)"
             )
-        params = restore_policy(trainer, directory, step)
-        trainer.state = dataclasses.replace(trainer.state, params=params)
-        trainer.scheduler.add_version(step, params)
-        trainer.engines.start_policy(trainer.current_model())
-        result = trainer.scheduler.submit_eval(step).result()
-        metrics = eval_metrics(result, step, tasks=trainer.env_tasks.eval, pass_k=trainer.cfg.eval.pass_k)
+        run.load_policy(directory, step)
+        run.sync_weights(step)
+        run.start_engines(step)
+        result = run.scheduler.submit_eval(step).result()
+        metrics = eval_metrics(result, step, tasks=run.env_tasks.eval, pass_k=run.cfg.eval.pass_k)
     finally:
-        trainer.engines.close()
-        trainer.rollout_worker.close()
-        trainer.scoring_worker.close()
+        run.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return {
         "checkpoint": str(directory / f"step_{step}"),
         "step": step,
-        "num_eval_tasks": len(trainer.env_tasks.eval),
-        "group_size": trainer.cfg.eval.group_size,
+        "num_eval_tasks": len(run.env_tasks.eval),
+        "group_size": run.cfg.eval.group_size,
         "metrics": {k: metrics[k] for k in sorted(metrics)},
     }
 
@@ -105,7 +103,7 @@ def main(argv: list[str]) -> None:
         )
     try:
         record = evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, step=_STEP.value)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointCorruptedError) as e:
         raise app.UsageError(str(e)) from None
     directory, step = pathlib.Path(record["checkpoint"]).parent, record["step"]
     out = pathlib.Path(_OUT.value) if _OUT.value else _default_out(directory, step)

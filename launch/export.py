@@ -39,22 +39,6 @@ def _define_flags() -> None:
     flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out.")
 
 
-def _read_config(directory: pathlib.Path, step: int) -> Any:
-    # arrays are not needed to read the config: restore the JSON items with abstract array targets
-    from launch.common import stored_abstract
-    from rljax.train import checkpoint as ckpt
-
-    restored = ckpt.restore(
-        directory,
-        params=stored_abstract(directory, step, "params"),
-        opt_state=stored_abstract(directory, step, "opt_state"),
-        step=step,
-    )
-    if not restored.config:
-        raise ValueError(f"{directory}/step_{step} records no run config; it was not written by the trainer")
-    return restored.config
-
-
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
@@ -65,33 +49,29 @@ def export_checkpoint(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Writes the policy of a checkpoint to ``out`` (see the module docstring); returns a summary."""
-    import jax.numpy as jnp
-    from flax import nnx
+    import dataclasses
 
-    from launch.common import resolve_checkpoint, restore_params
+    import jax.numpy as jnp
+
+    from launch.common import resolve_checkpoint
     from rljax.models import save_pretrained
-    from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora, merge_lora, save_adapter
-    from rljax.train.builders import build_model, build_tokenizer
+    from rljax.models.lora import merge_lora, save_adapter
+    from rljax.train.run import Run, checkpoint_config
     from rljax.train.run_config import parse_run_config
-    from rljax.train.scheduler import derive_seed
 
     out = pathlib.Path(out).absolute()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another --out")
     directory, step = resolve_checkpoint(checkpoint, step)
-    cfg = parse_run_config(_read_config(directory, step))
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    model = build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed)
-    if cfg.lora:
-        apply_lora(model, LoRAConfig(**cfg.lora), rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))
-    elif adapter_only:
+    cfg = parse_run_config(checkpoint_config(directory, step))
+    if adapter_only and not cfg.lora:
         raise ValueError("--adapter_only: this run trained the full model (config.lora is empty)")
-    trained = LoRAParam if cfg.lora else nnx.Param  # what the checkpoint's policy item holds
-    nnx.update(model, restore_params(nnx.state(model, trained), directory, step))
-    if cfg.lora:  # a base the warm start trained is in the checkpoint; else it is the config's
-        base = restore_params(nnx.state(model, nnx.Param), directory, step, item="lora_base", missing_ok=True)
-        if base is not None:
-            nnx.update(model, base)
+    # the model parts only, on one device (whatever mesh the run trained on)
+    run = Run(dataclasses.replace(cfg, mesh={}), directory, rollouts=False)
+    run.load_policy(
+        directory, step, verify=False
+    )  # checkpoint_config verified it; the policy (a LoRA run: adapters, and a warm-started base)
+    model, tokenizer = run.current_model(), run.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:
         save_adapter(model, out, base_model_name_or_path=cfg.model.hf_path or None)

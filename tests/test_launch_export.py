@@ -52,7 +52,7 @@ def _rljax_logprobs(model, ids):
 
 def test_export_full_run_loads_in_transformers(tmp_path):
     t = _run(tmp_path)
-    ids = np.random.default_rng(0).integers(0, t.model_vocab, 40).tolist()
+    ids = np.random.default_rng(0).integers(0, t.parts.model_vocab, 40).tolist()
     out = tmp_path / "hf"
     summary = export_checkpoint(tmp_path / "run", out)
     assert summary["kind"] == "full" and summary["step"] == 1 and summary["dtype"] == "float32"
@@ -81,7 +81,7 @@ def test_export_full_run_loads_in_transformers(tmp_path):
 def test_export_lora_run_merged_and_adapter(tmp_path):
     peft = pytest.importorskip("peft")
     t = _run(tmp_path, lora=dict(rank=4, alpha=8.0, targets=("q_proj", "v_proj")))
-    ids = np.random.default_rng(1).integers(0, t.model_vocab, 32).tolist()
+    ids = np.random.default_rng(1).integers(0, t.parts.model_vocab, 32).tolist()
     want = _rljax_logprobs(t.current_model(), ids)
     merged = tmp_path / "merged"
     assert export_checkpoint(tmp_path / "run", merged)["kind"] == "merged"

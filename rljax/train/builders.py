@@ -58,8 +58,13 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
     return Decoder(mcfg, rngs=nnx.Rngs(seed), **kw)
 
 
-def objective_config(algorithm: Algorithm, cfg: ObjectiveSection) -> ObjectiveConfig:
-    """The objective that trains ``algorithm``'s samples (its components, loss and the run's reduction)."""
+def objective_config(
+    algorithm: Algorithm, cfg: ObjectiveSection, *, prompts_per_step: int
+) -> ObjectiveConfig:
+    """The objective that trains ``algorithm``'s samples (its components, loss and the run's reduction).
+
+    ``prompts_per_step`` bounds the dense prompt-group ids of any mini-batch of one RL step: the
+    static ``num_groups`` that the ``prompt_mean`` reduction segments over."""
     if not algorithm.step_wise:
         raise ValueError(
             f"algorithm {algorithm.name!r} is not step-wise (step_wise=False); the trainer trains one sample "
@@ -70,6 +75,7 @@ def objective_config(algorithm: Algorithm, cfg: ObjectiveSection) -> ObjectiveCo
         policy_loss_kwargs=dict(algorithm.policy_loss_kwargs),
         reduction=cfg.reduction,
         max_len=cfg.max_len,
+        num_groups=prompts_per_step if cfg.reduction == "prompt_mean" else None,
         off_policy=dict(cfg.off_policy) or None,
         entropy_coef=cfg.entropy_coef,
         components=tuple(algorithm.components),  # skip the packer's all-zero streams of other components

@@ -183,7 +183,8 @@ class RolloutScheduler:
             return result
         return merge_rollout_results(allgather_objects(result))
 
-    async def _serve(self, version: int) -> None:
+    async def serve(self, version: int) -> None:
+        """Makes the policy engine serve weight ``version`` (every process's engine, in step)."""
         await self.engines.serve(version, self.to_model(self.served[version]))
         if self.process_count > 1:  # every process's engine holds the version before any samples it
             await asyncio.to_thread(barrier, f"rljax_serve_v{version}_{self._serves}")
@@ -232,7 +233,7 @@ class RolloutScheduler:
             )
 
         async def job() -> RolloutResult:
-            await self._serve(version)
+            await self.serve(version)
             result = await sample(tasks, 0)
             if self.dynamic_sampling is None:
                 return result
@@ -306,7 +307,7 @@ class RolloutScheduler:
         config = dataclasses.replace(self.eval_config, seed=derive_seed(self.seed, 0xE7A1))
 
         async def job() -> RolloutResult:
-            await self._serve(version)
+            await self.serve(version)
             return await rollout(
                 self.share(self.env_tasks.eval),
                 engine=self.engines.policy,

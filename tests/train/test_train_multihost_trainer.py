@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import pytest
 
-from launch.common import stored_abstract
+from rljax.train.run import stored_abstract
 from rljax.train import checkpoint
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
