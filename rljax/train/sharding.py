@@ -201,10 +201,10 @@ def canonical_spec(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
 
     >>> import types
     >>> mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 1, "tensor": 4})  # only .shape is read
-    >>> canonical_spec(PartitionSpec(("data", "fsdp"), "tensor", None), mesh)
-    PartitionSpec('data', 'tensor')
-    >>> canonical_spec(PartitionSpec("fsdp", ("data", "tensor")), mesh)
-    PartitionSpec(None, ('data', 'tensor'))
+    >>> tuple(canonical_spec(PartitionSpec(("data", "fsdp"), "tensor", None), mesh))
+    ('data', 'tensor')
+    >>> tuple(canonical_spec(PartitionSpec("fsdp", ("data", "tensor")), mesh))
+    (None, ('data', 'tensor'))
     """
     entries: list[Any] = []
     for entry in spec:
