@@ -102,11 +102,6 @@ def _group_stats(rewards: chex.Array, group_ids: chex.Array, num_groups: int):
     return mean, count, degenerate
 
 
-def _safe_div(num: chex.Array, den: chex.Array, ok: chex.Array) -> chex.Array:
-    """``num / den`` where ``ok`` else 0, with no NaN/inf in either branch (grad-safe)."""
-    return jnp.where(ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(num))
-
-
 # --------------------------------------------------------------------------------------------
 # group-relative estimators
 # --------------------------------------------------------------------------------------------
@@ -166,7 +161,7 @@ def rloo(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.Ar
     num_groups = _check_group_inputs(rewards, group_ids, num_groups)
     mean, count, degenerate = _group_stats(rewards, group_ids, num_groups)
     n = count.astype(rewards.dtype)
-    adv = (rewards - mean) * _safe_div(n, n - 1, ~degenerate)
+    adv = (rewards - mean) * segments.safe_div(n, n - 1, where=~degenerate)
     return jnp.where(degenerate, jnp.zeros_like(adv), adv)
 
 
@@ -184,7 +179,7 @@ def max_rl(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.
     """
     num_groups = _check_group_inputs(rewards, group_ids, num_groups)
     mean, _, degenerate = _group_stats(rewards, group_ids, num_groups)
-    adv = _safe_div(rewards - mean, mean, (mean > 0) & ~degenerate)
+    adv = segments.safe_div(rewards - mean, mean, where=(mean > 0) & ~degenerate)
     return adv
 
 
@@ -359,10 +354,10 @@ def gae(
     token_rewards: chex.Array,
     values: chex.Array,
     mask: chex.Array,
+    segment_ids: chex.Array | None = None,
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
-    segment_ids: chex.Array | None = None,
 ) -> tuple[chex.Array, chex.Array]:
     """Generalized advantage estimation over trainable positions of each row.
 
@@ -522,7 +517,9 @@ class Estimator:
         (advantages, returns)``.
       kind: ``"group"`` or ``"token"`` (:data:`ESTIMATOR_KINDS`).
       defaults: hyperparameter name -> default; calling the value passes every one of them
-        (the registry's defaults are the ones that apply).
+        (the registry's defaults are the ones that apply). ``None`` (default): ``fn``'s
+        keyword-only parameters with the defaults of its signature, so they are declared once
+        (:func:`rljax.core.registry.signature_parts`; positional parameters are data inputs).
       needs_critic: the estimator reads value-head predictions (gae).
       name: set by :func:`register_estimator` (used in error messages).
 
@@ -539,7 +536,7 @@ class Estimator:
 
     fn: Callable[..., Any]
     kind: str
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    defaults: Mapping[str, Any] | None = None
     needs_critic: bool = False
     name: str | None = None
 
@@ -553,7 +550,10 @@ class Estimator:
             raise ValueError(f"{what}: needs_critic must be a bool, got {self.needs_critic!r}")
         if self.needs_critic and self.kind != "token":
             raise ValueError(f"{what}: a critic gives per-token values, so needs_critic needs kind='token'")
-        object.__setattr__(self, "defaults", registry.freeze_defaults(self.defaults, what))
+        defaults = registry.signature_parts(self.fn, what)[1] if self.defaults is None else self.defaults
+        defaults = registry.freeze_defaults(defaults, what)
+        registry.check_required(what, self.fn, defaults)
+        object.__setattr__(self, "defaults", defaults)
 
     @property
     def label(self) -> str:
@@ -666,12 +666,13 @@ def check_estimator_reward_mode(estimator: str, reward_mode: str, step_wise: boo
         )
 
 
+# Defaults come from each function's signature (SPEC §3.6b), the one place they are written.
 for _name, _est in {
-    "grpo": Estimator(grpo, "group", {"norm_by_std": True, "eps": 1e-6}),
+    "grpo": Estimator(grpo, "group"),
     "rloo": Estimator(rloo, "group"),
     "max_rl": Estimator(max_rl, "group"),
-    "reinforce_pp": Estimator(reinforce_pp, "token", {"gamma": 1.0}),
-    "gae": Estimator(gae, "token", {"gamma": 1.0, "lam": 1.0}, needs_critic=True),
+    "reinforce_pp": Estimator(reinforce_pp, "token"),
+    "gae": Estimator(gae, "token", needs_critic=True),
 }.items():
     register_estimator(_name, _est)
 del _name, _est

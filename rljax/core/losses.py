@@ -14,13 +14,16 @@ Only :func:`clip_cov` and :func:`kl_cov` use statistics of the whole array passe
 (covariances over its masked tokens); see their docstrings.
 
 **Registry.** Each policy loss is registered as one :class:`PolicyLoss` value that carries
-its function, the uniform inputs it takes (from :data:`LOSS_INPUTS`: ``logp, old_logp,
+its function, the uniform inputs it reads (fields of :class:`LossInputs`: ``logp, old_logp,
 inference_logp/rollout_logp, adv, mask, segment_ids, num_segments, rng``), its
-hyperparameters with their defaults, its clip rule (for the ``rl/clip_frac`` metric) and its
-input choices (cispo's ``behavior``: old or inference logprobs). :func:`policy_loss` and
-:func:`clipped_tokens` call a loss by name with the uniform inputs; the objective,
-:func:`validate_policy_loss` and ``rljax.algorithms`` read the same registration, so a loss
-added with :func:`register_policy_loss` works everywhere a built-in one does.
+hyperparameters with their defaults and its input choices (cispo's ``behavior``: old or
+inference logprobs). A built-in's inputs and defaults are read from its public signature
+below, the one place they are written. Calling a registered loss with one
+:class:`LossInputs` (:func:`policy_loss`) returns ``(per_token_loss, clipped)``: the clip
+indicator of the ``rl/clip_frac`` metric comes out of the loss computation itself. The
+objective, :func:`validate_policy_loss` and ``rljax.algorithms`` read the same
+registration, so a loss added with :func:`register_policy_loss` works everywhere a built-in
+one does.
 
 >>> sorted(get_policy_loss("dppo").defaults.items())
 [('adv_tau', 1.0), ('kl_tau', 0.001), ('mask_high', 0.2), ('mask_low', 0.2)]
@@ -29,6 +32,7 @@ added with :func:`register_policy_loss` works everywhere a built-in one does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -37,9 +41,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rljax.core import registry
+from rljax.core import registry, segments
 
-_LOG_RATIO_CLIP = 20.0
+#: Every importance ratio of the core is ``exp(clip(log r, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))``.
+LOG_RATIO_CLIP = 20.0
 _GSPO_LOG_WEIGHT_MAX = 10.0
 _KL_KINDS = ("k1", "abs", "k2", "k3")
 
@@ -50,7 +55,7 @@ def _f32(x: chex.Array) -> jax.Array:
 
 def _log_ratio(logp: chex.Array, ref_logp: chex.Array) -> jax.Array:
     """``clip(logp - ref_logp, -20, 20)`` in float32."""
-    return jnp.clip(_f32(logp) - _f32(ref_logp), -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)
+    return jnp.clip(_f32(logp) - _f32(ref_logp), -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
 
 
 def _ratio(logp: chex.Array, ref_logp: chex.Array) -> jax.Array:
@@ -106,8 +111,16 @@ def ppo_clip(
     >>> [round(float(x), 4) for x in loss]
     [-1.2, -0.5]
     """
+    return _ppo_clip_terms(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
+
+
+def _ppo_clip_terms(
+    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`ppo_clip`, where its clipped branch is active)."""
     _check([logp, old_logp, adv])
-    return _clipped_surrogate(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high)
+    r, a = _ratio(logp, old_logp), _f32(adv)
+    return _clipped_surrogate(r, a, eps_low, eps_high), _surrogate_clipped(r, a, eps_low, eps_high)
 
 
 def dual_clip(
@@ -131,36 +144,32 @@ def dual_clip(
     >>> [round(float(x), 4) for x in loss]
     [3.0, -1.2]
     """
+    return _dual_clip_terms(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high,
+                            clip_ratio_c=clip_ratio_c)[0]
+
+
+def _dual_clip_terms(
+    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float,
+    clip_ratio_c: float,
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`dual_clip`, where the PPO clip or the dual bound ``-A c`` is active)."""
     _check([logp, old_logp, adv])
     if isinstance(clip_ratio_c, (int, float)) and clip_ratio_c <= 1.0:
         raise ValueError(f"dual_clip needs clip_ratio_c > 1 (it bounds the loss at -A*c); got {clip_ratio_c}")
-    a = _f32(adv)
-    base = _clipped_surrogate(_ratio(logp, old_logp), a, eps_low, eps_high)
-    return jnp.where(_dual_bound_active(base, a, clip_ratio_c), -a * clip_ratio_c, base)
-
-
-def _dual_bound_active(ppo_loss: jax.Array, adv: jax.Array, clip_ratio_c: float) -> jax.Array:
-    """Boolean: ``A < 0`` and the dual bound ``-A c`` is below the PPO loss."""
-    return (adv < 0) & (-adv * clip_ratio_c < ppo_loss)
-
-
-def _segment_masked_mean(
-    x: jax.Array, mask: jax.Array, segment_ids: chex.Array, num_segments: int
-) -> jax.Array:
-    """Per-token value of the masked mean of ``x`` over the token's segment (0 if empty)."""
-    ids = jnp.asarray(segment_ids).reshape(-1)
-    total = jax.ops.segment_sum(jnp.where(mask > 0, x, 0.0).reshape(-1), ids, num_segments=num_segments)
-    count = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=num_segments)
-    mean = total / jnp.maximum(count, 1.0)
-    return mean[ids].reshape(x.shape)
+    r, a = _ratio(logp, old_logp), _f32(adv)
+    base = _clipped_surrogate(r, a, eps_low, eps_high)
+    bound = (a < 0) & (-a * clip_ratio_c < base)  # the dual bound is below the PPO loss
+    clipped = (_surrogate_clipped(r, a, eps_low, eps_high) > 0) | bound
+    return jnp.where(bound, -a * clip_ratio_c, base), clipped
 
 
 def _gspo_log_weight(
     logp: chex.Array, old_logp: chex.Array, mask: chex.Array, segment_ids: chex.Array, num_segments: int
 ) -> jax.Array:
     """``min(logp - sg(logp) + sg(s), 10)`` with ``s`` the masked sequence mean log-ratio."""
-    lp = _f32(logp)
-    s = _segment_masked_mean(_log_ratio(lp, old_logp), _is_on(mask), segment_ids, num_segments)
+    lp, ids = _f32(logp), jnp.asarray(segment_ids)
+    s = segments.segment_mean(_log_ratio(lp, old_logp), ids, num_segments, where=jnp.asarray(mask) != 0)
+    s = segments.segment_gather(s, ids)  # each token: the masked mean of its sequence (0 if empty)
     return jnp.minimum(lp - jax.lax.stop_gradient(lp) + jax.lax.stop_gradient(s), _GSPO_LOG_WEIGHT_MAX)
 
 
@@ -191,9 +200,18 @@ def gspo(
     >>> [round(float(x), 4) for x in loss]
     [-1.1, -1.1, -1.2]
     """
+    return _gspo_terms(logp, old_logp, adv, mask, segment_ids, num_segments, eps_low=eps_low,
+                       eps_high=eps_high)[0]
+
+
+def _gspo_terms(
+    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, mask: chex.Array, segment_ids: chex.Array,
+    num_segments: int, *, eps_low: float, eps_high: float,
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`gspo`, where its clipped branch is active)."""
     _check([logp, old_logp, adv], (mask, segment_ids))
-    w = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments))
-    return _clipped_surrogate(w, _f32(adv), eps_low, eps_high)
+    w, a = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments)), _f32(adv)
+    return _clipped_surrogate(w, a, eps_low, eps_high), _surrogate_clipped(w, a, eps_low, eps_high)
 
 
 def cispo(
@@ -217,18 +235,17 @@ def cispo(
     >>> [round(float(x), 4) for x in loss]
     [3.4657, 0.6931]
     """
+    return _cispo_terms(logp, behavior_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
+
+
+def _cispo_terms(
+    logp: chex.Array, behavior_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`cispo`, where the importance weight was clipped)."""
     _check([logp, behavior_logp, adv])
-    weight = jnp.clip(_ratio(logp, behavior_logp), 1.0 - eps_low, 1.0 + eps_high)
-    return -_f32(adv) * jax.lax.stop_gradient(weight) * _f32(logp)
-
-
-def _dppo_masked(
-    logp: chex.Array, inference_logp: chex.Array, adv: chex.Array, mask_low: float, mask_high: float
-) -> jax.Array:
-    """Boolean: token outside DPPO's probability-difference trust region."""
-    dp = jnp.exp(_f32(logp)) - jnp.exp(_f32(inference_logp))
-    a = _f32(adv)
-    return ((a > 0) & (dp > mask_high)) | ((a <= 0) & (dp < -mask_low))
+    r = _ratio(logp, behavior_logp)
+    weight = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high)
+    return -_f32(adv) * jax.lax.stop_gradient(weight) * _f32(logp), (r < 1.0 - eps_low) | (r > 1.0 + eps_high)
 
 
 def dppo(
@@ -257,11 +274,22 @@ def dppo(
     >>> round(float(loss.sum()), 5)
     0.50293
     """
+    return _dppo_terms(logp, inference_logp, adv, mask, mask_low=mask_low, mask_high=mask_high,
+                       adv_tau=adv_tau, kl_tau=kl_tau)[0]
+
+
+def _dppo_terms(
+    logp: chex.Array, inference_logp: chex.Array, adv: chex.Array, mask: chex.Array, *, mask_low: float,
+    mask_high: float, adv_tau: float, kl_tau: float,
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`dppo`, where the token left the trust region and was dropped from the policy term)."""
     _check([logp, inference_logp, adv], (mask,))
-    on = _is_on(mask)
-    keep = on * (1.0 - _dppo_masked(logp, inference_logp, adv, mask_low, mask_high).astype(jnp.float32))
+    on, a = _is_on(mask), _f32(adv)
+    dp = jnp.exp(_f32(logp)) - jnp.exp(_f32(inference_logp))
+    dropped = ((a > 0) & (dp > mask_high)) | ((a <= 0) & (dp < -mask_low))
+    keep = on * (1.0 - dropped.astype(jnp.float32))
     log_r = _log_ratio(logp, inference_logp)
-    return -keep * adv_tau * _f32(adv) * jnp.exp(log_r) + kl_tau * on * jnp.square(log_r)
+    return -keep * adv_tau * a * jnp.exp(log_r) + kl_tau * on * jnp.square(log_r), dropped
 
 
 def sapo(
@@ -313,10 +341,18 @@ def rollout_is(
     >>> [round(float(x), 4) for x in loss]
     [0.6931, 0.0]
     """
+    return _rollout_is_terms(logp, rollout_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
+
+
+def _rollout_is_terms(
+    logp: chex.Array, rollout_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`rollout_is`, where the weight was zeroed outside the trust band)."""
     _check([logp, rollout_logp, adv])
     r = _ratio(logp, rollout_logp)
-    c = jnp.where((r > 1.0 - eps_low) & (r < 1.0 + eps_high), r, 0.0)
-    return -jax.lax.stop_gradient(c) * _f32(adv) * _f32(logp)
+    inside = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
+    c = jnp.where(inside, r, 0.0)
+    return -jax.lax.stop_gradient(c) * _f32(adv) * _f32(logp), ~inside
 
 
 def importance_sampling(logp: chex.Array, old_logp: chex.Array, adv: chex.Array) -> jax.Array:
@@ -457,12 +493,21 @@ def clip_cov(
     >>> [round(float(x), 4) for x in loss]
     [0.0, -1.0, -1.0, 4.0]
     """
+    return _clip_cov_terms(logp, old_logp, adv, mask, rng, eps_low=eps_low, eps_high=eps_high,
+                           clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)[0]
+
+
+def _clip_cov_terms(
+    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, mask: chex.Array, rng: jax.Array | None, *,
+    eps_low: float, eps_high: float, clip_ratio: float, clip_cov_lb: float, clip_cov_ub: float,
+) -> tuple[jax.Array, jax.Array]:
+    """(:func:`clip_cov`, where the PPO clip is active or the token was removed)."""
     _check([logp, old_logp, adv], (mask,))
-    hyper = dict(eps_low=eps_low, eps_high=eps_high, clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb,
-                 clip_cov_ub=clip_cov_ub)
-    removed = _clip_cov_selected(logp, old_logp, adv, mask, rng, **hyper)
-    base = _clipped_surrogate(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high)
-    return jnp.where(removed, 0.0, base)
+    removed = _clip_cov_selected(logp, old_logp, adv, mask, rng, eps_low=eps_low, eps_high=eps_high,
+                                 clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)
+    r, a = _ratio(logp, old_logp), _f32(adv)
+    ppo_hit = _surrogate_clipped(r, a, eps_low, eps_high) > 0
+    return jnp.where(removed, 0.0, _clipped_surrogate(r, a, eps_low, eps_high)), ppo_hit | removed
 
 
 def _kl_cov_selected(logp: chex.Array, adv: chex.Array, mask: chex.Array, kl_cov_frac: float) -> jax.Array:
@@ -670,7 +715,7 @@ def kl(logp: chex.Array, ref_logp: chex.Array, *, kind: str = "k3") -> jax.Array
         return jnp.abs(d)
     if kind == "k2":
         return 0.5 * jnp.square(d)
-    x = jnp.clip(-d, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)
+    x = jnp.clip(-d, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
     return jnp.clip(jnp.exp(x) - x - 1.0, -10.0, 10.0)
 
 
@@ -698,13 +743,55 @@ def entropy_from_logits(logits: chex.Array, temperature: chex.Numeric | chex.Arr
 
 
 # ------------------------------------------------------------------------------------------------
-# Registry: a policy loss is a value (function + inputs + hyperparameter defaults + clip rule)
+# Registry: a policy loss is a value (function + the inputs it reads + hyperparameter defaults)
 # ------------------------------------------------------------------------------------------------
 
-#: The uniform inputs a policy loss can declare (see :class:`PolicyLoss`).
-LOSS_INPUTS: tuple[str, ...] = (
-    "logp", "old_logp", "inference_logp", "rollout_logp", "adv", "mask", "segment_ids", "num_segments", "rng",
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logp", "old_logp", "inference_logp", "adv", "mask", "segment_ids", "rng"],
+    meta_fields=["num_segments"],
 )
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """The uniform inputs of every registered policy loss, as one value (a pytree).
+
+    Arrays share one shape (``[B, L]`` padded or ``[R, L]`` packed). ``num_segments`` is a
+    pytree meta field, so a ``LossInputs`` passed through ``jax.jit`` keeps it static.
+
+    Attributes:
+      logp: temperature-scaled train logprobs.
+      old_logp: trainer logprobs before the update.
+      inference_logp: the sampler's logprobs (losses may also name them ``rollout_logp``).
+      adv: per-token advantages.
+      mask: trainable tokens (nonzero = trainable).
+      segment_ids: int sample of each token, in ``[0, num_segments)`` (sequence-level losses).
+      num_segments: static bound on ``segment_ids``.
+      rng: optional PRNG key for losses that draw random numbers (``clip_cov``).
+
+    >>> import jax.numpy as jnp
+    >>> x = LossInputs(*([jnp.zeros(2)] * 5))
+    >>> x.rollout_logp is x.inference_logp, x.num_segments
+    (True, None)
+    """
+
+    logp: chex.Array
+    old_logp: chex.Array
+    inference_logp: chex.Array
+    adv: chex.Array
+    mask: chex.Array
+    segment_ids: chex.Array | None = None
+    num_segments: int | None = None
+    rng: jax.Array | None = None
+
+    @property
+    def rollout_logp(self) -> chex.Array:
+        """Alias of :attr:`inference_logp` (the rollout engine is the sampler)."""
+        return self.inference_logp
+
+
+#: The inputs a policy loss can declare: the fields of :class:`LossInputs` and ``rollout_logp``.
+LOSS_INPUTS: tuple[str, ...] = (*(f.name for f in dataclasses.fields(LossInputs)), "rollout_logp")
 _SEGMENT_INPUTS = ("segment_ids", "num_segments")
 
 
@@ -739,41 +826,46 @@ class InputChoice:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PolicyLoss:
-    """A per-token policy loss as one value: function, inputs, hyperparameter defaults, clip rule.
+    """A per-token policy loss as one value: function, the inputs it reads, hyperparameter defaults.
 
     Like an optax ``GradientTransformation`` bundles ``init``/``update``, a ``PolicyLoss``
     bundles everything a caller needs, so the objective, config validation and
     ``rljax.algorithms`` all read the same registration (:func:`register_policy_loss`).
+    Calling it with one :class:`LossInputs` returns ``(per_token_loss, clipped)``: the loss
+    shaped like ``logp`` and a float32 0/1 indicator of the tokens whose trust-region rule cut
+    them (the objective's ``rl/clip_frac``), both from the one call.
 
     Attributes:
-      fn: ``fn(*inputs, **hyperparameters) -> per-token loss`` shaped like ``logp``.
+      fn: ``fn(*inputs, **hyperparameters)`` returning the per-token loss, or the pair
+        ``(loss, clipped)`` with ``clipped`` (bool or 0/1, same shape) where the loss's clip /
+        mask rule was active; a loss that returns only the loss reports no clipped tokens.
+        (A built-in's ``fn`` is the private pair form of its public function.)
       inputs: the uniform inputs ``fn`` takes positionally, in order, from
         :data:`LOSS_INPUTS` (``logp``; ``old_logp`` = trainer logprobs before the update;
         ``inference_logp`` or its alias ``rollout_logp`` = the sampler's logprobs; ``adv``;
         ``mask`` = trainable tokens; ``segment_ids``/``num_segments`` = the sample of each
         token and a static bound, for sequence-level losses; ``rng`` = an optional PRNG key,
         ``None`` unless the caller passes one), or the ``slot`` of one of ``choices``.
+        ``None`` (default): the names of ``fn``'s positional parameters.
       defaults: hyperparameter name -> default; ``fn`` is always called with every one of
-        them (the registry's defaults are the ones that apply).
-      clipped: optional ``clipped(*inputs, **hyperparameters) -> bool/0-1 per token``: where
-        the loss's trust-region rule cut the token (the objective's ``rl/clip_frac``).
-        ``None``: the loss has no such rule.
+        them. ``None`` (default): ``fn``'s keyword-only parameters with the defaults of its
+        signature, so they are declared once (:func:`rljax.core.registry.signature_parts`).
       choices: hyperparameter name -> :class:`InputChoice`, e.g. cispo's ``behavior``.
       name: set by :func:`register_policy_loss` (used in error messages).
 
     >>> import jax.numpy as jnp
-    >>> def reinforce(logp, adv, *, scale):
+    >>> def reinforce(logp, adv, *, scale=1.0):
     ...     return -scale * adv * logp
-    >>> loss = PolicyLoss(reinforce, inputs=("logp", "adv"), defaults={"scale": 1.0})
+    >>> loss = PolicyLoss(reinforce)           # inputs ("logp", "adv"), defaults {"scale": 1.0}
     >>> lp = jnp.log(jnp.array([0.5, 0.25]))
-    >>> [round(float(x), 4) for x in loss(lp, lp, lp, jnp.ones(2), jnp.ones(2), scale=2.0)]
-    [1.3863, 2.7726]
+    >>> per_token, clipped = loss(LossInputs(lp, lp, lp, jnp.ones(2), jnp.ones(2)), scale=2.0)
+    >>> [round(float(x), 4) for x in per_token], clipped.tolist()
+    ([1.3863, 2.7726], [0.0, 0.0])
     """
 
-    fn: Callable[..., jax.Array]
-    inputs: tuple[str, ...]
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    clipped: Callable[..., jax.Array] | None = None
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...] | None = None
+    defaults: Mapping[str, Any] | None = None
     choices: Mapping[str, InputChoice] = dataclasses.field(default_factory=dict)
     name: str | None = None
 
@@ -781,8 +873,12 @@ class PolicyLoss:
         what = f"policy loss {self.label!r}"
         if not callable(self.fn):
             raise ValueError(f"{what}: fn must be callable, got {self.fn!r}")
-        if self.clipped is not None and not callable(self.clipped):
-            raise ValueError(f"{what}: clipped must be callable or None, got {self.clipped!r}")
+        if self.inputs is None or self.defaults is None:
+            inputs, defaults, _ = registry.signature_parts(self.fn, what)
+            if self.inputs is None and inputs is None:
+                raise ValueError(f"{what}: fn takes *args, so its inputs cannot be read; declare inputs")
+            object.__setattr__(self, "inputs", inputs if self.inputs is None else self.inputs)
+            object.__setattr__(self, "defaults", defaults if self.defaults is None else self.defaults)
         if isinstance(self.inputs, str) or not all(isinstance(i, str) for i in self.inputs):
             raise ValueError(f"{what}: inputs must be a tuple of input names, got {self.inputs!r}")
         inputs = tuple(self.inputs)
@@ -802,6 +898,7 @@ class PolicyLoss:
         clash = sorted((set(defaults) & set(choices)) | ((set(defaults) | set(choices)) & set(LOSS_INPUTS)))
         if clash:
             raise ValueError(f"{what}: hyperparameter name(s) {clash} clash with choices or input names")
+        registry.check_required(what, self.fn, defaults)
         object.__setattr__(self, "inputs", inputs)
         object.__setattr__(self, "defaults", defaults)
         object.__setattr__(self, "choices", MappingProxyType(choices))
@@ -836,68 +933,26 @@ class PolicyLoss:
             routes[c.slot] = c.options[value]
         return {**self.defaults, **kw}, routes
 
-    def _arguments(
-        self,
-        logp: chex.Array,
-        old_logp: chex.Array,
-        inference_logp: chex.Array,
-        adv: chex.Array,
-        mask: chex.Array,
-        segment_ids: chex.Array | None,
-        num_segments: int | None,
-        rng: jax.Array | None,
-        kwargs: Mapping[str, Any],
-    ) -> tuple[list[Any], dict[str, Any]]:
+    def __call__(self, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+        """``(per-token loss, float32 0/1 clipped)`` from ``inputs``; ``kwargs`` are the
+        hyperparameters and choices (the registered defaults fill in the rest)."""
+        if not isinstance(inputs, LossInputs):
+            raise ValueError(f"policy loss {self.label!r} takes one LossInputs, got {type(inputs).__name__}")
         hyper, routes = self.resolve(kwargs)
-        available = {
-            "logp": logp, "old_logp": old_logp, "inference_logp": inference_logp,
-            "rollout_logp": inference_logp, "adv": adv, "mask": mask, "segment_ids": segment_ids,
-            "num_segments": num_segments, "rng": rng,
-        }
         names = [routes.get(i, i) for i in self.inputs]
-        if any(n in _SEGMENT_INPUTS for n in names) and (segment_ids is None or num_segments is None):
+        segmented = inputs.segment_ids is not None and inputs.num_segments is not None
+        if any(n in _SEGMENT_INPUTS for n in names) and not segmented:
             raise ValueError(
                 f"policy loss {self.label!r} is sequence-level: pass segment_ids and a static num_segments"
             )
-        return [available[n] for n in names], hyper
-
-    def __call__(
-        self,
-        logp: chex.Array,
-        old_logp: chex.Array,
-        inference_logp: chex.Array,
-        adv: chex.Array,
-        mask: chex.Array,
-        segment_ids: chex.Array | None = None,
-        num_segments: int | None = None,
-        *,
-        rng: jax.Array | None = None,
-        **kwargs: Any,
-    ) -> jax.Array:
-        """The per-token loss from the uniform inputs; ``kwargs`` are hyperparameters/choices."""
-        args, hyper = self._arguments(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
-                                      rng, kwargs)
-        return self.fn(*args, **hyper)
-
-    def clip_indicator(
-        self,
-        logp: chex.Array,
-        old_logp: chex.Array,
-        inference_logp: chex.Array,
-        adv: chex.Array,
-        mask: chex.Array,
-        segment_ids: chex.Array | None = None,
-        num_segments: int | None = None,
-        *,
-        rng: jax.Array | None = None,
-        **kwargs: Any,
-    ) -> jax.Array:
-        """Float32 0/1 per token: where the clip rule was active (zeros when ``clipped`` is None)."""
-        args, hyper = self._arguments(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
-                                      rng, kwargs)
-        if self.clipped is None:
-            return jnp.zeros(jnp.shape(logp), jnp.float32)
-        return (jnp.asarray(self.clipped(*args, **hyper)) != 0).astype(jnp.float32)
+        out = self.fn(*(getattr(inputs, n) for n in names), **hyper)
+        loss, clipped = out if isinstance(out, tuple) else (out, None)
+        loss = jnp.asarray(loss)
+        clipped = jnp.zeros(loss.shape, jnp.float32) if clipped is None else jnp.asarray(clipped) != 0
+        if loss.shape != jnp.shape(inputs.logp) or clipped.shape != loss.shape:
+            raise ValueError(f"policy loss {self.label!r} returned shapes {loss.shape} (loss) and "
+                             f"{clipped.shape} (clipped); both must be logp's shape {jnp.shape(inputs.logp)}")
+        return loss, clipped.astype(jnp.float32)
 
 
 _POLICY_LOSSES: registry.Registry[PolicyLoss] = registry.Registry("policy loss")
@@ -910,17 +965,19 @@ def register_policy_loss(name: str, loss: PolicyLoss, *, overwrite: bool = False
     """Registers ``loss`` under ``name`` and returns the registered value (its ``name`` set).
 
     Everything that accepts a built-in loss name then accepts ``name``: ``Algorithm(...,
-    policy_loss=name)``, ``ObjectiveConfig(policy_loss=name)``, :func:`policy_loss`. Replacing
-    a loss (``overwrite=True``) does not retrace a train step already compiled with the name.
+    policy_loss=name)``, ``ObjectiveConfig(policy_loss=name)`` (its ``rl/clip_frac`` metric
+    included), :func:`policy_loss`. Replacing a loss (``overwrite=True``) does not retrace a
+    train step already compiled with the name.
 
     >>> import jax.numpy as jnp
-    >>> def reinforce(logp, adv, mask, *, scale):
-    ...     return -scale * adv * logp * mask
-    >>> mine = PolicyLoss(reinforce, inputs=("logp", "adv", "mask"), defaults={"scale": 1.0})
-    >>> _ = register_policy_loss("my_reinforce", mine, overwrite=True)
-    >>> lp = jnp.log(jnp.array([0.5]))
-    >>> [round(float(x), 4) for x in policy_loss("my_reinforce", lp, lp, lp, jnp.ones(1), jnp.ones(1))]
-    [0.6931]
+    >>> def reinforce(logp, adv, mask, *, scale=1.0):
+    ...     return -scale * adv * logp * mask, jnp.abs(adv) > 1.0   # (loss, clipped)
+    >>> _ = register_policy_loss("my_reinforce", PolicyLoss(reinforce), overwrite=True)
+    >>> lp = jnp.log(jnp.array([0.5, 0.5]))
+    >>> inputs = LossInputs(lp, lp, lp, jnp.array([1.0, 2.0]), jnp.ones(2))
+    >>> loss, clipped = policy_loss("my_reinforce", inputs)
+    >>> [round(float(x), 4) for x in loss], clipped.tolist()
+    ([0.6931, 1.3863], [0.0, 1.0])
     """
     if not isinstance(loss, PolicyLoss):
         raise ValueError(f"register_policy_loss expects a PolicyLoss, got {type(loss).__name__}")
@@ -958,133 +1015,45 @@ def validate_policy_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> 
     get_policy_loss(name).resolve(kwargs)
 
 
-def policy_loss(
-    name: str,
-    logp: chex.Array,
-    old_logp: chex.Array,
-    inference_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    segment_ids: chex.Array | None = None,
-    num_segments: int | None = None,
-    *,
-    rng: jax.Array | None = None,
-    **kwargs: Any,
-) -> jax.Array:
-    """Calls the registered policy loss ``name`` with the uniform inputs.
+def policy_loss(name: str, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+    """Calls the registered policy loss ``name``: ``(per-token loss, clipped)``.
 
     Each loss receives the inputs its registration declares (:class:`PolicyLoss`); ``kwargs``
     are its hyperparameters and choices (e.g. cispo's ``behavior="inference"``); unknown
-    names raise ``ValueError``. ``rng`` reaches losses that declare it (``clip_cov``).
-
-    >>> import jax.numpy as jnp
-    >>> lp = jnp.log(jnp.array([0.5, 0.5]))
-    >>> loss = policy_loss("ppo_clip", lp, lp, lp, jnp.ones(2), jnp.ones(2), eps_high=0.28)
-    >>> [round(float(x), 4) for x in loss]
-    [-1.0, -1.0]
-    """
-    return get_policy_loss(name)(logp, old_logp, inference_logp, adv, mask, segment_ids, num_segments,
-                                 rng=rng, **kwargs)
-
-
-def clipped_tokens(
-    name: str,
-    logp: chex.Array,
-    old_logp: chex.Array,
-    inference_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    segment_ids: chex.Array | None = None,
-    num_segments: int | None = None,
-    *,
-    rng: jax.Array | None = None,
-    **kwargs: Any,
-) -> jax.Array:
-    """Float32 0/1 per token: where the policy loss ``name`` clipped or masked the token.
-
-    Same arguments as :func:`policy_loss`. "Clipped" means the loss's trust-region rule
-    was active: PPO/GSPO clip branch taken, dual-clip bound taken, CISPO weight clipped,
-    DPPO token dropped, rollout-IS weight zeroed, Clip-Cov PPO clip or covariance removal.
-    Losses registered without a ``clipped`` rule (``sapo``, ``importance_sampling``,
-    ``kl_cov``) give zeros. The objective turns this into a clip fraction over rl tokens.
+    names raise ``ValueError``. ``clipped`` is float32 0/1: where the loss's trust-region
+    rule was active (PPO/GSPO clip branch taken, dual-clip bound taken, CISPO weight clipped,
+    DPPO token dropped, rollout-IS weight zeroed, Clip-Cov PPO clip or covariance removal);
+    zeros for ``sapo``, ``importance_sampling`` and ``kl_cov``, which have no such rule.
 
     >>> import jax.numpy as jnp
     >>> lp, old = jnp.log(jnp.array([0.9, 0.5])), jnp.log(jnp.array([0.5, 0.5]))
-    >>> [float(x) for x in clipped_tokens("ppo_clip", lp, old, old, jnp.ones(2), jnp.ones(2))]
-    [1.0, 0.0]
+    >>> loss, clipped = policy_loss("ppo_clip", LossInputs(lp, old, old, jnp.ones(2), jnp.ones(2)))
+    >>> [round(float(x), 4) for x in loss], clipped.tolist()
+    ([-1.2, -1.0], [1.0, 0.0])
     """
-    return get_policy_loss(name).clip_indicator(logp, old_logp, inference_logp, adv, mask, segment_ids,
-                                                num_segments, rng=rng, **kwargs)
+    return get_policy_loss(name)(inputs, **kwargs)
 
 
-# Clip rules of the built-in losses: same inputs and hyperparameters as the loss itself.
-_A = chex.Array
+def _declared(public: Callable[..., jax.Array]) -> dict[str, Any]:
+    """A built-in's inputs and defaults, read from its public signature (SPEC §3.6b), where
+    they are written once."""
+    inputs, defaults, _ = registry.signature_parts(public, public.__name__)
+    return {"inputs": inputs, "defaults": defaults}
 
 
-def _ppo_clipped(logp: _A, old_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
-    return _surrogate_clipped(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high) > 0
-
-
-def _dual_clip_clipped(
-    logp: _A, old_logp: _A, adv: _A, *, eps_low: float, eps_high: float, clip_ratio_c: float
-) -> jax.Array:
-    a = _f32(adv)
-    base = _clipped_surrogate(_ratio(logp, old_logp), a, eps_low, eps_high)
-    ppo = _ppo_clipped(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high)
-    return ppo | _dual_bound_active(base, a, clip_ratio_c)
-
-
-def _gspo_clipped(
-    logp: _A, old_logp: _A, adv: _A, mask: _A, segment_ids: _A, num_segments: int, *, eps_low: float,
-    eps_high: float,
-) -> jax.Array:
-    w = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments))
-    return _surrogate_clipped(w, _f32(adv), eps_low, eps_high) > 0
-
-
-def _cispo_clipped(logp: _A, behavior_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
-    r = _ratio(logp, behavior_logp)
-    return (r < 1.0 - eps_low) | (r > 1.0 + eps_high)
-
-
-def _dppo_clipped(logp: _A, inference_logp: _A, adv: _A, mask: _A, *, mask_low: float, mask_high: float,
-                  **_: float) -> jax.Array:
-    return _dppo_masked(logp, inference_logp, adv, mask_low, mask_high)
-
-
-def _rollout_is_clipped(logp: _A, rollout_logp: _A, adv: _A, *, eps_low: float, eps_high: float) -> jax.Array:
-    r = _ratio(logp, rollout_logp)
-    return ~((r > 1.0 - eps_low) & (r < 1.0 + eps_high))
-
-
-def _clip_cov_clipped(
-    logp: _A, old_logp: _A, adv: _A, mask: _A, rng: jax.Array | None, **hyper: float
-) -> jax.Array:
-    ppo = _ppo_clipped(logp, old_logp, adv, eps_low=hyper["eps_low"], eps_high=hyper["eps_high"])
-    return ppo | _clip_cov_selected(logp, old_logp, adv, mask, rng, **hyper)
-
-
-_PPO_EPS = {"eps_low": 0.2, "eps_high": 0.2}
 _BEHAVIOR = InputChoice("behavior_logp", {"old": "old_logp", "inference": "inference_logp"}, "old")
 
 for _name, _loss in {
-    "ppo_clip": PolicyLoss(ppo_clip, ("logp", "old_logp", "adv"), _PPO_EPS, _ppo_clipped),
-    "dual_clip": PolicyLoss(dual_clip, ("logp", "old_logp", "adv"), {**_PPO_EPS, "clip_ratio_c": 3.0},
-                            _dual_clip_clipped),
-    "gspo": PolicyLoss(gspo, ("logp", "old_logp", "adv", "mask", "segment_ids", "num_segments"), _PPO_EPS,
-                       _gspo_clipped),
-    "cispo": PolicyLoss(cispo, ("logp", "behavior_logp", "adv"), {"eps_low": 1.0, "eps_high": 4.0},
-                        _cispo_clipped, choices={"behavior": _BEHAVIOR}),
-    "dppo": PolicyLoss(dppo, ("logp", "inference_logp", "adv", "mask"),
-                       {"mask_low": 0.2, "mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 1e-3}, _dppo_clipped),
-    "sapo": PolicyLoss(sapo, ("logp", "old_logp", "adv"), {"tau_pos": 1.0, "tau_neg": 1.05}),
-    "rollout_is": PolicyLoss(rollout_is, ("logp", "rollout_logp", "adv"), _PPO_EPS, _rollout_is_clipped),
-    "importance_sampling": PolicyLoss(importance_sampling, ("logp", "old_logp", "adv")),
-    "clip_cov": PolicyLoss(clip_cov, ("logp", "old_logp", "adv", "mask", "rng"),
-                           {**_PPO_EPS, "clip_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
-                           _clip_cov_clipped),
-    "kl_cov": PolicyLoss(kl_cov, ("logp", "old_logp", "adv", "mask"),
-                         {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0}),
+    "ppo_clip": PolicyLoss(_ppo_clip_terms, **_declared(ppo_clip)),
+    "dual_clip": PolicyLoss(_dual_clip_terms, **_declared(dual_clip)),
+    "gspo": PolicyLoss(_gspo_terms, **_declared(gspo)),
+    "cispo": PolicyLoss(_cispo_terms, **_declared(cispo), choices={"behavior": _BEHAVIOR}),
+    "dppo": PolicyLoss(_dppo_terms, **_declared(dppo)),
+    "sapo": PolicyLoss(sapo),
+    "rollout_is": PolicyLoss(_rollout_is_terms, **_declared(rollout_is)),
+    "importance_sampling": PolicyLoss(importance_sampling),
+    "clip_cov": PolicyLoss(_clip_cov_terms, **_declared(clip_cov)),
+    "kl_cov": PolicyLoss(kl_cov),
 }.items():
     register_policy_loss(_name, _loss)
 del _name, _loss

@@ -47,7 +47,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rljax.core import losses, off_policy
+from rljax.core import losses, off_policy, segments
 
 COMPONENTS: tuple[str, ...] = ("rl", "ce", "ref_kl")
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -175,14 +175,6 @@ def _sample_keys(segment_ids: chex.Array) -> tuple[jax.Array, int]:
     return jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + seg, rows * (length + 1)
 
 
-def _segment_sum(x: jax.Array, ids: jax.Array, num: int) -> jax.Array:
-    return jax.ops.segment_sum(x.reshape(-1), ids.reshape(-1), num_segments=num)
-
-
-def _gather(values: jax.Array, ids: jax.Array) -> jax.Array:
-    return values[ids.reshape(-1)].reshape(ids.shape)
-
-
 def _required(batch: Any, name: str, why: str) -> jax.Array:
     value = getattr(batch, name, None)
     if value is None:
@@ -270,13 +262,13 @@ def global_counts(batch: Any, config: ObjectiveConfig) -> Counts:
     nonzero = {"rl": candidates & (rl_mask != 0)}
     nonzero.update({c: none if raw[c] is None else raw[c] != 0 for c in ("ce", "ref_kl")})
     stacked = jnp.stack([nonzero[c].astype(jnp.float32) for c in COMPONENTS])  # [3, R, L]
-    per_sample = jax.vmap(lambda x: _segment_sum(x, keys, num))(stacked)
+    per_sample = jax.vmap(lambda x: segments.segment_sum(x, keys, num))(stacked)
     if config.num_groups is None:
         group_tokens = jnp.zeros((len(COMPONENTS), 0), jnp.float32)
     else:
         group_index = _required(batch, "group_index", "num_groups is set").astype(jnp.int32)
         _check_group_index(group_index, jnp.any(stacked != 0, axis=0), config.num_groups)
-        group_tokens = jax.vmap(lambda x: _segment_sum(x, group_index, config.num_groups))(stacked)
+        group_tokens = jax.vmap(lambda x: segments.segment_sum(x, group_index, config.num_groups))(stacked)
     return Counts(
         tokens=jnp.sum(stacked, axis=(1, 2)),
         sequences=jnp.sum((per_sample > 0).astype(jnp.float32), axis=1),
@@ -284,12 +276,6 @@ def global_counts(batch: Any, config: ObjectiveConfig) -> Counts:
         rl_candidate_tokens=jnp.sum(candidates.astype(jnp.float32)),
         loss_tokens=jnp.sum((jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)),
     )
-
-
-def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
-    """``num / den`` where ``den > 0`` else 0 (no NaN in values or gradients)."""
-    ok = den > 0
-    return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
 
 
 def normalized_weights(
@@ -318,15 +304,16 @@ def normalized_weights(
     elif config.reduction == "prompt_mean":
         group_tokens = _f32(counts.group_tokens)[i]
         n_prompts = jnp.sum((group_tokens > 0).astype(jnp.float32))
-        den = n_prompts * _gather(group_tokens, jnp.asarray(batch.group_index).astype(jnp.int32))
+        group_index = jnp.asarray(batch.group_index).astype(jnp.int32)
+        den = n_prompts * segments.segment_gather(group_tokens, group_index)
     else:
         n_seq = _f32(counts.sequences)[i]
         if config.reduction == "seq_mean_token_sum_norm":
             den = jnp.broadcast_to(n_seq * float(config.max_len), v.shape)
         else:  # sequence_mean
             keys, num = _sample_keys(batch.segment_ids)
-            den = n_seq * _gather(_segment_sum(nonzero, keys, num), keys)
-    return _safe_div(v, den) * nonzero
+            den = n_seq * segments.segment_gather(segments.segment_sum(nonzero, keys, num), keys)
+    return segments.safe_div(v, den) * nonzero
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,8 +349,8 @@ def objective(
       ``(loss, metrics)``. Every metric is normalized by a global count, so each one is
       ADDITIVE: summing a metric over the micro-batches of a mini-batch gives its value on
       the whole mini-batch. Keys: ``loss``, ``loss/rl``, ``loss/ce``, ``loss/ref_kl``,
-      ``loss/entropy`` (the bonus term), ``rl/clip_frac`` (policy-loss clip/mask rule active,
-      over rl tokens), ``rl/mismatch_kl`` (k3 estimate of KL(pi_inference || pi_train) on rl
+      ``loss/entropy`` (the bonus term), ``rl/clip_frac`` (tokens the policy loss reports clipped or
+      masked, over rl tokens), ``rl/mismatch_kl`` (k3 estimate of KL(pi_inference || pi_train) on rl
       candidate tokens, which were sampled from pi_inference), ``rl/adv_mean``,
       ``rl/adv_sq_mean``, ``ref_kl/k3`` (k3 of KL(pi_train || pi_ref) on ref_kl tokens),
       ``tokens/<component>`` (weighted tokens in this micro-batch, a plain count),
@@ -403,11 +390,8 @@ def objective(
     candidates = jnp.zeros(lp.shape, bool) if raw["rl"] is None else raw["rl"] != 0
     clipped = jnp.zeros(lp.shape, jnp.float32)
     if raw["rl"] is not None:
-        policy = losses.get_policy_loss(config.policy_loss)
-        args = (lp, _f32(old), _f32(inference), adv, candidates, keys, num)
-        kwargs = dict(config.policy_loss_kwargs)
-        rl_loss = policy(*args, rng=rng, **kwargs)
-        clipped = policy.clip_indicator(*args, rng=rng, **kwargs)
+        inputs = losses.LossInputs(lp, _f32(old), _f32(inference), adv, candidates, keys, num, rng)
+        rl_loss, clipped = losses.policy_loss(config.policy_loss, inputs, **dict(config.policy_loss_kwargs))
         rl_loss, rl_mask, off_metrics = _rl_correction(
             rl_loss, batch, candidates, config, counts.rl_candidate_tokens
         )
@@ -430,7 +414,7 @@ def objective(
         metrics["loss/entropy"] = -config.entropy_coef * bonus
         total = total + metrics["loss/entropy"]
         loss_tokens = (jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)
-        metrics["entropy"] = _safe_div(jnp.sum(ent * loss_tokens), _f32(counts.loss_tokens))
+        metrics["entropy"] = segments.safe_div(jnp.sum(ent * loss_tokens), _f32(counts.loss_tokens))
     else:
         metrics["loss/entropy"] = jnp.zeros((), jnp.float32)
     metrics["loss"] = total
@@ -439,15 +423,15 @@ def objective(
     rl_tokens = rl_active.astype(jnp.float32)
     cand = candidates.astype(jnp.float32)
     n_rl, n_cand = _f32(counts.tokens)[0], _f32(counts.rl_candidate_tokens)
-    metrics["rl/clip_frac"] = _safe_div(jnp.sum(clipped * rl_tokens), n_rl)
+    metrics["rl/clip_frac"] = segments.safe_div(jnp.sum(clipped * rl_tokens), n_rl)
     mismatch = losses.kl(_f32(inference), lp, kind="k3")
-    metrics["rl/mismatch_kl"] = _safe_div(jnp.sum(mismatch * cand), n_cand)
-    metrics["rl/adv_mean"] = _safe_div(jnp.sum(adv * cand), n_cand)
-    metrics["rl/adv_sq_mean"] = _safe_div(jnp.sum(jnp.square(adv) * cand), n_cand)
+    metrics["rl/mismatch_kl"] = segments.safe_div(jnp.sum(mismatch * cand), n_cand)
+    metrics["rl/adv_mean"] = segments.safe_div(jnp.sum(adv * cand), n_cand)
+    metrics["rl/adv_sq_mean"] = segments.safe_div(jnp.sum(jnp.square(adv) * cand), n_cand)
     if raw["ref_kl"] is not None:
         ref_tokens = (raw["ref_kl"] != 0).astype(jnp.float32)
         ref_k3 = losses.kl(lp, _f32(batch.ref_logprobs), kind="k3")
-        metrics["ref_kl/k3"] = _safe_div(jnp.sum(ref_k3 * ref_tokens), _f32(counts.tokens)[2])
+        metrics["ref_kl/k3"] = segments.safe_div(jnp.sum(ref_k3 * ref_tokens), _f32(counts.tokens)[2])
     for c in COMPONENTS:
         metrics[f"tokens/{c}"] = zero if raw[c] is None else jnp.sum((raw[c] != 0).astype(jnp.float32))
     metrics.update({f"off_policy/{k}": v for k, v in off_metrics.items()})

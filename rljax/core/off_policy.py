@@ -33,7 +33,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-_LOG_RATIO_CLIP = 20.0
+from rljax.core import segments
+from rljax.core.losses import LOG_RATIO_CLIP
 
 DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(
     {
@@ -130,14 +131,6 @@ def is_enabled(config: Any) -> bool:
     )
 
 
-def _segment_sum(x: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
-    return jax.ops.segment_sum(x.reshape(-1), segment_ids.reshape(-1), num_segments=num_segments)
-
-
-def _per_token(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    return values[segment_ids.reshape(-1)].reshape(segment_ids.shape)
-
-
 def _outside(x: jax.Array, low: float | None, high: float | None) -> jax.Array:
     """Boolean ``x < low or x > high``; a ``None`` bound is open."""
     out = jnp.zeros(x.shape, bool)
@@ -191,7 +184,7 @@ def correct(
     ids = jnp.asarray(segment_ids)
     m0 = (jnp.asarray(mask) != 0).astype(jnp.float32)
     log_rho = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(rollout_logp, jnp.float32)
-    log_rho = jnp.clip(log_rho, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)
+    log_rho = jnp.clip(log_rho, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
     rho = jnp.exp(log_rho)
     zero = jnp.zeros((), jnp.float32)
 
@@ -199,8 +192,8 @@ def correct(
     m1, removed_outlier = m0, zero
     low, high = cfg["outlier_token_is_threshold_low"], cfg["outlier_token_is_threshold_high"]
     if low is not None or high is not None:
-        bad = _segment_sum(m0 * _outside(rho, low, high), ids, num_segments) > 0
-        m1 = m0 * (1.0 - _per_token(bad, ids).astype(jnp.float32))
+        bad = segments.segment_sum(m0 * _outside(rho, low, high), ids, num_segments) > 0
+        m1 = m0 * (1.0 - segments.segment_gather(bad, ids).astype(jnp.float32))
         removed_outlier = jnp.sum(m0 - m1)
 
     # (2) token mask.
@@ -210,7 +203,7 @@ def correct(
         m2 = m1 * (1.0 - _outside(rho, low, high).astype(jnp.float32))
         removed_token = jnp.sum(m1 - m2)
 
-    seq_log_rho = _segment_sum(log_rho * m2, ids, num_segments)
+    seq_log_rho = segments.segment_sum(log_rho * m2, ids, num_segments)
 
     # (3) truncated importance sampling weight.
     weight, clipped = jnp.ones_like(rho), zero
@@ -219,7 +212,8 @@ def correct(
         weight, clipped = jnp.minimum(rho, cap), jnp.sum(m2 * (rho > cap))
     elif cfg["tis_ratio_type"] == "sequence":
         cap = cfg["sequence_tis_ratio_clip_high"]
-        seq_rho = _per_token(jnp.exp(jnp.clip(seq_log_rho, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP)), ids)
+        seq_log_rho_clipped = jnp.clip(seq_log_rho, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+        seq_rho = segments.segment_gather(jnp.exp(seq_log_rho_clipped), ids)
         weight, clipped = jnp.minimum(seq_rho, cap), jnp.sum(m2 * (seq_rho > cap))
     out_loss = jnp.asarray(loss, jnp.float32) * jax.lax.stop_gradient(weight)
 
@@ -228,16 +222,15 @@ def correct(
     metric = cfg["sequence_mask_metric"]
     if metric is not None:
         if metric == "geometric":
-            count = _segment_sum(m2, ids, num_segments)
+            count = segments.segment_sum(m2, ids, num_segments)
             stat, low, high = seq_log_rho / jnp.maximum(count, 1.0), cfg["geo_mask_low"], cfg["geo_mask_high"]
         else:
             stat, low, high = seq_log_rho, cfg["product_mask_low"], cfg["product_mask_high"]
-        seq_ratio = jnp.exp(jnp.clip(stat, -_LOG_RATIO_CLIP, _LOG_RATIO_CLIP))
-        m3 = m2 * (1.0 - _per_token(_outside(seq_ratio, low, high), ids).astype(jnp.float32))
+        seq_ratio = jnp.exp(jnp.clip(stat, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+        m3 = m2 * (1.0 - segments.segment_gather(_outside(seq_ratio, low, high), ids).astype(jnp.float32))
         removed_seq = jnp.sum(m2 - m3)
 
     denom = jnp.sum(m0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-    safe = jnp.where(denom > 0, denom, 1.0)
     counts = {
         "is_ratio_mean": jnp.sum(rho * m0),
         "outlier_masked_frac": removed_outlier,
@@ -246,5 +239,5 @@ def correct(
         "sequence_masked_frac": removed_seq,
         "masked_frac": jnp.sum(m0 - m3),
     }
-    metrics = {k: jax.lax.stop_gradient(jnp.where(denom > 0, v / safe, 0.0)) for k, v in counts.items()}
+    metrics = {k: jax.lax.stop_gradient(segments.safe_div(v, denom)) for k, v in counts.items()}
     return out_loss, m3, metrics

@@ -6,6 +6,10 @@
 hyperparameters with their defaults and its rules, so every reader (``rljax.algorithms``,
 the objective, config validation, the host data path) looks up the same thing.
 
+**One convention for functions.** A registered function takes its data inputs as
+positional parameters and its hyperparameters as keyword-only parameters; the defaults are
+declared once, in the function's signature, and :func:`signature_parts` reads both.
+
 >>> reg = Registry("widget")
 >>> reg.register("a", 1)
 1
@@ -20,12 +24,13 @@ unknown widget 'b'; choose one of ['a']
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Registry", "check_hyperparameters", "freeze_defaults"]
+__all__ = ["Registry", "check_hyperparameters", "check_required", "freeze_defaults", "signature_parts"]
 
 T = TypeVar("T")
 
@@ -54,6 +59,59 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._values)
+
+
+def signature_parts(
+    fn: Callable[..., Any], what: str
+) -> tuple[tuple[str, ...] | None, dict[str, Any], list[str]]:
+    """``(positional input names, keyword-only defaults, keyword-only names without a default)``.
+
+    The positional parameters of ``fn`` are its data inputs (``None`` when ``fn`` takes
+    ``*args``: they cannot be named); its keyword-only parameters are its hyperparameters,
+    and their defaults in the signature are the registered defaults. An unreadable
+    signature raises ``ValueError`` (declare the inputs and defaults explicitly).
+
+    >>> def f(x, y, rng=None, *, a=1, b=2.0, c, **kw):
+    ...     pass
+    >>> signature_parts(f, "f")
+    (('x', 'y', 'rng'), {'a': 1, 'b': 2.0}, ['c'])
+    >>> signature_parts(lambda *arrays, scale=1.0: None, "g")
+    (None, {'scale': 1.0}, [])
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: cannot read the signature of {fn!r}; declare its inputs and defaults "
+                         "explicitly") from e
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    inputs = tuple(p.name for p in params if p.kind in positional)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        inputs = None
+    keyword = [p for p in params if p.kind is p.KEYWORD_ONLY]
+    defaults = {p.name: p.default for p in keyword if p.default is not p.empty}
+    return inputs, defaults, [p.name for p in keyword if p.default is p.empty]
+
+
+def check_required(what: str, fn: Callable[..., Any], defaults: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` when a keyword-only parameter of ``fn`` has no default anywhere.
+
+    >>> def f(x, *, a):
+    ...     pass
+    >>> check_required("loss 'f'", f, {"a": 1})
+    >>> try:
+    ...     check_required("loss 'f'", f, {})
+    ... except ValueError as e:
+    ...     print(e)
+    loss 'f': keyword(s) ['a'] of its function have no default (give one in its signature or in defaults)
+    """
+    try:
+        _, _, required = signature_parts(fn, what)
+    except ValueError:
+        return  # nothing to check against
+    missing = sorted(set(required) - set(defaults))
+    if missing:
+        raise ValueError(f"{what}: keyword(s) {missing} of its function have no default (give one in its "
+                         "signature or in defaults)")
 
 
 def freeze_defaults(defaults: Any, what: str) -> Mapping[str, Any]:

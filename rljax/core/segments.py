@@ -8,11 +8,15 @@ never on Python loops or ``reshape(-1, G)``: segments may have different sizes.
 
 Conventions shared by every function of this module:
 
+* ``x``, ``segment_ids`` and ``where`` have one shape, of any rank (``[N]`` entries, or
+  ``[R, L]`` tokens of packed rows): a reduction runs over all entries of the array.
 * Entries whose id lies outside ``[0, num_segments)`` (negative or too large) are
   *dropped*: they contribute to no segment. Callers use this (or ``where``) for padding.
 * ``where`` (optional boolean array shaped like ``x``) masks entries out of the reduction,
   exactly as if their id were out of range.
 * Empty segments have sum 0, count 0, mean 0 and std 0.
+
+:func:`safe_div` is the core's one guarded division (``0`` where the denominator is empty).
 
 Reference: SPEC §2.2-§2.3; SkyRL's step-wise broadcast (``cumsum`` of the shifted
 ``is_last_step``) for :func:`trajectory_index`.
@@ -32,6 +36,7 @@ __all__ = [
     "segment_min",
     "segment_std",
     "segment_sum",
+    "safe_div",
     "trajectory_index",
 ]
 
@@ -68,8 +73,24 @@ def _valid(segment_ids: chex.Array, num_segments: int, where: chex.Array | None)
     return ok
 
 
+def safe_div(num: chex.Array, den: chex.Array, where: chex.Array | None = None) -> chex.Array:
+    """``num / den`` where ``where`` (default ``den > 0``) holds, else 0.
+
+    Neither branch ever divides by zero, so values AND gradients stay finite (a plain
+    ``jnp.where(ok, num / den, 0)`` has a NaN gradient where ``den = 0``). Shapes broadcast.
+
+    >>> import jax.numpy as jnp
+    >>> safe_div(jnp.array([1.0, 1.0]), jnp.array([4.0, 0.0])).tolist()
+    [0.25, 0.0]
+    >>> safe_div(jnp.array(3.0), jnp.array(2.0), where=jnp.array(False)).tolist()
+    0.0
+    """
+    num, den = jnp.asarray(num), jnp.asarray(den)
+    ok = den > 0 if where is None else jnp.asarray(where)
+    return jnp.where(ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(num))
+
+
 def _check(x: chex.Array, segment_ids: chex.Array, num_segments: int) -> None:
-    chex.assert_rank(x, 1)
     chex.assert_equal_shape([x, segment_ids])
     chex.assert_type(segment_ids, int)
     if not isinstance(num_segments, int) or num_segments < 1:
@@ -84,11 +105,14 @@ def segment_sum(
 ) -> chex.Array:
     """Per-segment sum ``S_g = sum_{i : id_i = g, where_i} x_i``.
 
+    The one segment sum of the core (the objective's per-sample counts, the off-policy
+    sequence statistics and GSPO's sequence mean all use it).
+
     Args:
-      x: ``[N]`` values.
-      segment_ids: int ``[N]`` segment of each entry (out of range -> dropped).
+      x: values, any shape (``[N]``, or ``[R, L]`` tokens).
+      segment_ids: int array shaped like ``x``: segment of each entry (out of range -> dropped).
       num_segments: static number of segments ``G``.
-      where: optional bool ``[N]``; False entries are dropped.
+      where: optional bool array shaped like ``x``; False entries are dropped.
 
     Returns:
       ``[G]`` sums (dtype of ``x``).
@@ -96,11 +120,13 @@ def segment_sum(
     >>> import jax.numpy as jnp
     >>> segment_sum(jnp.array([1.0, 2.0, 3.0]), jnp.array([0, 1, 0]), 2).tolist()
     [4.0, 2.0]
+    >>> segment_sum(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([[0, 1], [1, -1]]), 2).tolist()
+    [1.0, 5.0]
     """
     _check(x, segment_ids, num_segments)
     ok = _valid(segment_ids, num_segments, where)
     ids = jnp.where(ok, segment_ids, num_segments)  # num_segments is out of range: dropped
-    return jax.ops.segment_sum(jnp.where(ok, x, jnp.zeros_like(x)), ids, num_segments)
+    return jax.ops.segment_sum(jnp.where(ok, x, jnp.zeros_like(x)).reshape(-1), ids.reshape(-1), num_segments)
 
 
 def segment_count(
@@ -203,7 +229,7 @@ def segment_max(
     _check(x, segment_ids, num_segments)
     ok = _valid(segment_ids, num_segments, where)
     ids = jnp.where(ok, segment_ids, num_segments)
-    return jax.ops.segment_max(x, ids, num_segments)
+    return jax.ops.segment_max(jnp.asarray(x).reshape(-1), ids.reshape(-1), num_segments)
 
 
 def segment_min(
@@ -218,4 +244,4 @@ def segment_min(
     _check(x, segment_ids, num_segments)
     ok = _valid(segment_ids, num_segments, where)
     ids = jnp.where(ok, segment_ids, num_segments)
-    return jax.ops.segment_min(x, ids, num_segments)
+    return jax.ops.segment_min(jnp.asarray(x).reshape(-1), ids.reshape(-1), num_segments)

@@ -262,13 +262,11 @@ class GroupEstimatorTest(parameterized.TestCase):
             positional = ["rewards", "group_ids", "num_groups"] if kind == "group" else (
                 ["token_rewards", "values", "mask"] if critic else ["token_rewards", "mask"])
             assert [p.name for p in params[: len(positional)]] == positional
-            # keyword hyperparameters (gae's segment_ids is a data input of packed rows, not one)
-            keyword = {p.name: p.default for p in params[len(positional):] if p.name != "segment_ids"}
-            assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional):])
-            # the registration states exactly the function's keyword defaults (SPEC §3.6b)
-            assert dict(est.defaults) == keyword, name
+        # SPEC §3.6b defaults (read from the signatures); gae's segment_ids is a data input, not one
         assert dict(adv.get_estimator("grpo").defaults) == {"norm_by_std": True, "eps": 1e-6}
         assert dict(adv.get_estimator("gae").defaults) == {"gamma": 1.0, "lam": 1.0}
+        assert dict(adv.get_estimator("reinforce_pp").defaults) == {"gamma": 1.0}
+        assert dict(adv.get_estimator("rloo").defaults) == {}
         with pytest.raises(TypeError):
             adv.ESTIMATORS["x"] = adv.get_estimator("grpo")  # read-only view
 
@@ -312,12 +310,24 @@ class GroupEstimatorTest(parameterized.TestCase):
             adv._ESTIMATORS._values.update(saved)
         assert "scaled_test" not in adv.ESTIMATORS
 
+    def test_estimator_defaults_come_from_the_signature_unless_given(self):
+        def centered(rewards, group_ids, num_groups, *, scale=3.0):
+            return scale * (rewards - jnp.mean(rewards))  # one group
+
+        r, g = jnp.array([1.0, 0.0]), jnp.array([0, 0])
+        est = adv.Estimator(centered, "group")
+        assert dict(est.defaults) == {"scale": 3.0}
+        np.testing.assert_allclose(est(r, g, 1), [1.5, -1.5])
+        variant = adv.Estimator(centered, "group", {"scale": 1.0})  # a registered variant
+        np.testing.assert_allclose(variant(r, g, 1), [0.5, -0.5])
+
     @parameterized.parameters(
         (dict(fn=1, kind="group"), "callable"),
         (dict(fn=adv.rloo, kind="outcome"), "kind must be one of"),
         (dict(fn=adv.gae, kind="group", needs_critic=True), "needs_critic needs kind='token'"),
         (dict(fn=adv.rloo, kind="group", defaults={"x": [1]}), "hashable"),
         (dict(fn=adv.rloo, kind="group", defaults={"1x": 1}), "identifiers"),
+        (dict(fn=lambda r, g, n, *, scale: r, kind="group"), r"keyword\(s\) \['scale'\]"),
     )
     def test_estimator_value_errors(self, kwargs, match):
         with pytest.raises(ValueError, match=match):

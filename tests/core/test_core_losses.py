@@ -1,7 +1,6 @@
 """Tests of rljax.core.losses against the spec's reference values and float64 numpy references."""
 
 import functools
-import inspect
 
 import chex
 import jax
@@ -13,6 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljax.core import losses
+
+
+def clipped_tokens(name, logp, old, inf, adv, mask, segment_ids=None, num_segments=None, **kw):
+    """The clip indicator that the registered loss ``name`` returns with its per-token loss."""
+    inputs = losses.LossInputs(logp, old, inf, adv, mask, segment_ids, num_segments)
+    return losses.policy_loss(name, inputs, **kw)[1]
 
 # ------------------------------------------------------------------------------------------------
 # float64 numpy references (written from SPEC §3.2-§3.3, independent of the code under test)
@@ -366,8 +371,7 @@ class AdapterTest(chex.TestCase):
         self.j = (*f32(lp, old, inf, adv), jnp.asarray(mask), jnp.asarray(seg))
 
     def call(self, name, **kw):
-        lp, old, inf, adv, mask, seg = self.j
-        return losses.policy_loss(name, lp, old, inf, adv, mask, seg, 4, **kw)
+        return losses.policy_loss(name, losses.LossInputs(*self.j, 4), **kw)[0]
 
     def test_routes_each_registered_loss(self):
         lp, old, inf, adv, mask, seg = self.np
@@ -390,20 +394,32 @@ class AdapterTest(chex.TestCase):
         np.testing.assert_allclose(self.call("clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7),
                                    np_ppo(lp, old, adv)[0], **TOL)
 
-    def test_registered_defaults_are_the_function_defaults(self):
-        """The registry states each built-in's keyword defaults once, equal to its SPEC §3.6b signature."""
-        for name in BUILTIN_LOSSES:
+    def test_registered_value_equals_the_public_function(self):
+        """Each registered built-in computes exactly its public function (a different non-default
+        hyperparameter value where it has one, so the routing of keywords is exercised too)."""
+        lp, old, inf, adv, mask, seg = self.j
+        public = {
+            "ppo_clip": lambda **kw: losses.ppo_clip(lp, old, adv, **kw),
+            "dual_clip": lambda **kw: losses.dual_clip(lp, old, adv, **kw),
+            "gspo": lambda **kw: losses.gspo(lp, old, adv, mask, seg, 4, **kw),
+            "cispo": lambda **kw: losses.cispo(lp, old, adv, **kw),
+            "dppo": lambda **kw: losses.dppo(lp, inf, adv, mask, **kw),
+            "sapo": lambda **kw: losses.sapo(lp, old, adv, **kw),
+            "rollout_is": lambda **kw: losses.rollout_is(lp, inf, adv, **kw),
+            "importance_sampling": lambda **kw: losses.importance_sampling(lp, old, adv, **kw),
+            "clip_cov": lambda **kw: losses.clip_cov(lp, old, adv, mask, **kw),
+            "kl_cov": lambda **kw: losses.kl_cov(lp, old, adv, mask, **kw),
+        }
+        self.assertEqual(set(public), BUILTIN_LOSSES)
+        for name, fn in public.items():
             loss = losses.get_policy_loss(name)
-            params = inspect.signature(loss.fn).parameters.values()
-            keyword = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
-            self.assertEqual(dict(loss.defaults), keyword, name)
-            positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
-            self.assertEqual(list(loss.inputs), positional, name)
             self.assertEqual(loss.name, name)
+            np.testing.assert_array_equal(self.call(name), fn(), err_msg=name)
+            for k, v in loss.defaults.items():
+                np.testing.assert_array_equal(self.call(name, **{k: v * 0.5}), fn(**{k: v * 0.5}),
+                                              err_msg=f"{name} {k}")
         self.assertEqual(losses.get_policy_loss("cispo").hyperparameters,
                          {"eps_low": 1.0, "eps_high": 4.0, "behavior": "old"})
-        clipped = {n for n in BUILTIN_LOSSES if losses.get_policy_loss(n).clipped is not None}
-        self.assertEqual(clipped, BUILTIN_LOSSES - {"sapo", "importance_sampling", "kl_cov"})
 
     def test_cispo_behavior_and_kwargs(self):
         lp, _, inf, adv, _, _ = self.np
@@ -411,10 +427,11 @@ class AdapterTest(chex.TestCase):
         np.testing.assert_allclose(got, np_cispo(lp, inf, adv, eps_high=0.5)[0], **TOL)
 
     def test_jit_with_static_name(self):
-        fn = jax.jit(losses.policy_loss, static_argnums=(0, 7), static_argnames=("eps_high",))
-        lp, old, inf, adv, mask, seg = self.j
-        np.testing.assert_allclose(fn("gspo", lp, old, inf, adv, mask, seg, 4, eps_high=0.3),
-                                   self.call("gspo", eps_high=0.3), rtol=1e-6)
+        """LossInputs is a pytree whose num_segments stays static under jit."""
+        fn = jax.jit(losses.policy_loss, static_argnums=0, static_argnames=("eps_high",))
+        loss, clipped = fn("gspo", losses.LossInputs(*self.j, 4), eps_high=0.3)
+        np.testing.assert_allclose(loss, self.call("gspo", eps_high=0.3), rtol=1e-6)
+        np.testing.assert_array_equal(clipped, clipped_tokens("gspo", *self.j, 4, eps_high=0.3))
 
     def test_errors(self):
         with self.assertRaisesRegex(ValueError, "unknown policy loss 'ppo'"):
@@ -425,18 +442,19 @@ class AdapterTest(chex.TestCase):
             self.call("cispo", behavior="ref")
         with self.assertRaisesRegex(ValueError, "behavior"):
             self.call("ppo_clip", behavior="old")
-        lp, old, inf, adv, mask, _ = self.j
         with self.assertRaisesRegex(ValueError, "sequence-level"):
-            losses.policy_loss("gspo", lp, old, inf, adv, mask)
+            losses.policy_loss("gspo", losses.LossInputs(*self.j[:5]))
         with self.assertRaisesRegex(ValueError, "unknown policy loss"):
             losses.validate_policy_loss("nope")
+        with self.assertRaisesRegex(ValueError, "takes one LossInputs"):
+            losses.get_policy_loss("dppo")(self.j)  # the old 8-array form
 
     def test_user_registered_loss(self):
         def reinforce(logp, adv, mask, *, scale):
             return -scale * adv * logp * mask
 
-        def big_adv(logp, adv, mask, *, scale):  # a clip rule: same inputs and hyperparameters
-            return jnp.abs(adv) * scale > 1.0
+        def reinforce_with_clip(logp, adv, mask, *, scale=1.0):  # (loss, clipped) from one function
+            return reinforce(logp, adv, mask, scale=scale), jnp.abs(adv) * scale > 1.0
 
         saved = dict(losses.POLICY_LOSSES)
         try:
@@ -447,15 +465,21 @@ class AdapterTest(chex.TestCase):
             # the registry's default scale=1.0 applies
             np.testing.assert_allclose(self.call("reinforce_test"), -adv * lp * mask, **TOL)
             np.testing.assert_allclose(self.call("reinforce_test", scale=2.0), -2 * adv * lp * mask, **TOL)
-            np.testing.assert_array_equal(losses.clipped_tokens("reinforce_test", *self.j, 4), 0.0)
+            np.testing.assert_array_equal(clipped_tokens("reinforce_test", *self.j, 4), 0.0)
             with self.assertRaisesRegex(ValueError, r"unknown hyperparameters \['eps'\]"):
                 self.call("reinforce_test", eps=0.1)
             with self.assertRaisesRegex(ValueError, "already registered; pass overwrite=True"):
                 losses.register_policy_loss("reinforce_test", mine)
-            clipped = losses.PolicyLoss(reinforce, ("logp", "adv", "mask"), {"scale": 1.0}, clipped=big_adv)
-            losses.register_policy_loss("reinforce_test", clipped, overwrite=True)
-            got = losses.clipped_tokens("reinforce_test", *self.j, 4, scale=0.5)
-            np.testing.assert_array_equal(got, (np.abs(adv) * 0.5 > 1.0).astype(np.float32))
+            # inputs and defaults read from the signature: ("logp", "adv", "mask"), {"scale": 1.0}
+            with_clip = losses.PolicyLoss(reinforce_with_clip)
+            self.assertEqual(with_clip.inputs, ("logp", "adv", "mask"))
+            self.assertEqual(dict(with_clip.defaults), {"scale": 1.0})
+            losses.register_policy_loss("reinforce_test", with_clip, overwrite=True)
+            np.testing.assert_allclose(self.call("reinforce_test"), -adv * lp * mask, **TOL)
+            got = clipped_tokens("reinforce_test", *self.j, 4, scale=2.0)
+            self.assertEqual(got.dtype, jnp.float32)
+            np.testing.assert_array_equal(got, (np.abs(adv) * 2.0 > 1.0).astype(np.float32))
+            self.assertTrue(0 < float(got.sum()) < got.size)
             losses.validate_policy_loss("reinforce_test", {"scale": 3.0})
         finally:
             losses._POLICY_LOSSES._values.clear()
@@ -479,12 +503,13 @@ class AdapterTest(chex.TestCase):
             total = np.array([d[seg == j].sum() for j in range(4)])
             return -adv * total[seg]
 
-        np.testing.assert_allclose(loss(*self.j, 4), want(old), **TOL)
-        np.testing.assert_allclose(loss(*self.j, 4, source="sampler"), want(inf), **TOL)
+        inputs = losses.LossInputs(*self.j, 4)
+        np.testing.assert_allclose(loss(inputs)[0], want(old), **TOL)
+        np.testing.assert_allclose(loss(inputs, source="sampler")[0], want(inf), **TOL)
         with self.assertRaisesRegex(ValueError, r"source must be one of \('old', 'sampler'\)"):
-            loss(*self.j, 4, source="inference")
+            loss(inputs, source="inference")
         with self.assertRaisesRegex(ValueError, "sequence-level"):
-            loss(*self.j[:5])
+            loss(losses.LossInputs(*self.j[:5]))
 
     @parameterized.parameters(
         (dict(fn=1, inputs=("logp",)), "callable"),
@@ -493,7 +518,8 @@ class AdapterTest(chex.TestCase):
         (dict(fn=losses.ppo_clip, inputs="logp"), "tuple of input names"),
         (dict(fn=losses.ppo_clip, inputs=("logp",), defaults={"mask": 1.0}), "clash"),
         (dict(fn=losses.ppo_clip, inputs=("logp",), defaults={"e": [1]}), "hashable"),
-        (dict(fn=losses.ppo_clip, inputs=("logp",), clipped=3), "clipped must be callable"),
+        (dict(fn=lambda logp, *, eps: logp), r"keyword\(s\) \['eps'\] of its function have no default"),
+        (dict(fn=lambda *arrays: arrays[0]), r"takes \*args, so its inputs cannot be read; declare inputs"),
         (dict(fn=losses.ppo_clip, inputs=("logp",),
               choices={"b": losses.InputChoice("x", {"o": "old_logp"}, "o")}), "not among inputs"),
     )
@@ -537,10 +563,10 @@ class AdapterTest(chex.TestCase):
             "kl_cov": np.zeros_like(lp, bool),
         }
         for name, expected in want.items():
-            got = losses.clipped_tokens(name, *self.j, 4)
+            got = clipped_tokens(name, *self.j, 4)
             self.assertEqual(got.dtype, jnp.float32)
             np.testing.assert_array_equal(got, expected.astype(np.float32), err_msg=name)
-        self.assertGreater(sum(float(losses.clipped_tokens(n, *self.j, 4).sum()) for n in want), 5)
+        self.assertGreater(sum(float(clipped_tokens(n, *self.j, 4).sum()) for n in want), 5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -550,7 +576,7 @@ def test_ppo_clipped_tokens_have_zero_gradient(seed, eps_low, eps_high):
     lp, old, _, _, adv, mask, seg = random_inputs(seed, extreme=False)
     jl, jo, ja = f32(lp, old, adv)
     kw = dict(eps_low=eps_low, eps_high=eps_high)
-    clipped = np.asarray(losses.clipped_tokens("ppo_clip", jl, jo, jo, ja, mask, **kw))
+    clipped = np.asarray(clipped_tokens("ppo_clip", jl, jo, jo, ja, mask, **kw))
     grad = np.asarray(grad_of(functools.partial(losses.ppo_clip, **kw), jl, jo, ja))
     np.testing.assert_array_equal(grad[clipped == 1], 0.0)
     want = -adv * np_ratio(lp, old)
@@ -625,9 +651,9 @@ class CovLossesTest(chex.TestCase):
         # off-policy: tokens 0 (A > 0, r = 1.5) and 3 (A < 0, r = 0.5) are PPO-clipped, hence never
         # removed: plain PPO [-1.2 * 4, -1, -1, 0.8 * 4]
         np.testing.assert_allclose(self.variant(fn)(lp, old, a, on), [-4.8, -1.0, -1.0, 3.2], rtol=1e-6)
-        ind = losses.clipped_tokens("clip_cov", lp, old, old, a, on, clip_ratio=0.5, clip_cov_ub=7.0)
+        ind = clipped_tokens("clip_cov", lp, old, old, a, on, clip_ratio=0.5, clip_cov_ub=7.0)
         np.testing.assert_array_equal(ind, [1.0, 0.0, 0.0, 1.0])
-        ind = losses.clipped_tokens("clip_cov", lp, lp, lp, a, on)
+        ind = clipped_tokens("clip_cov", lp, lp, lp, a, on)
         np.testing.assert_array_equal(ind, [1.0, 0.0, 0.0, 0.0])  # the covariance removal counts as clipped
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -659,7 +685,7 @@ class CovLossesTest(chex.TestCase):
             np.testing.assert_allclose(self.variant(fn)(jl, jo, ja, m), want, **TOL)
             g = self.variant(jax.grad(lambda x: jnp.sum(fn(x, jo, ja, m))))(jl)  # noqa: B023
             np.testing.assert_allclose(g, np.where(eligible, 0.0, ppo_grad), **TOL)
-            ind = losses.clipped_tokens("clip_cov", jl, jo, jo, ja, m, **kw)
+            ind = clipped_tokens("clip_cov", jl, jo, jo, ja, m, **kw)
             np.testing.assert_array_equal(ind, (eligible | ppo_clipped).astype(np.float32))
 
     @chex.variants(with_jit=True, without_jit=True)

@@ -524,17 +524,13 @@ class CovLossesThroughObjectiveTest(chex.TestCase):
 
 class RegisteredLossThroughObjectiveTest(chex.TestCase):
     def test_user_loss_with_clip_rule(self):
-        def scaled_reinforce(logp, inference_logp, adv, *, scale):
-            return -scale * adv * jnp.exp(logp - inference_logp)
-
-        def big_ratio(logp, inference_logp, adv, *, scale):
-            return jnp.exp(logp - inference_logp) > 1.1
+        def scaled_reinforce(logp, inference_logp, adv, *, scale=1.0):  # (loss, clipped), rlax style
+            ratio = jnp.exp(logp - inference_logp)
+            return -scale * adv * ratio, ratio > 1.1
 
         saved = dict(losses.POLICY_LOSSES)
         try:
-            losses.register_policy_loss(
-                "scaled_test", losses.PolicyLoss(scaled_reinforce, ("logp", "inference_logp", "adv"),
-                                                 {"scale": 1.0}, clipped=big_ratio))
+            losses.register_policy_loss("scaled_test", losses.PolicyLoss(scaled_reinforce))
             cfg = ObjectiveConfig(policy_loss="scaled_test", policy_loss_kwargs={"scale": 2.0},
                                   components=("rl",))
             with pytest.raises(ValueError, match=r"unknown hyperparameters \['eps'\]"):

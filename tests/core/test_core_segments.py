@@ -153,6 +153,33 @@ class SegmentReductionTest(parameterized.TestCase):
     def test_shape_mismatch_raises(self):
         with pytest.raises(AssertionError):
             segments.segment_sum(jnp.ones(3), jnp.zeros(4, jnp.int32), 2)
+        with pytest.raises(AssertionError):
+            segments.segment_sum(jnp.ones((2, 3)), jnp.zeros((3, 2), jnp.int32), 2)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_arrays_reduce_over_all_entries(self):
+        """[R, L] token arrays (the objective's and off-policy's use): the same as the flat [R*L] case."""
+        x, ids, where = random_case(4)
+        x2, ids2, w2 = (a[:12].reshape(3, 4) for a in (x, ids, where))
+        for name in ("segment_sum", "segment_count", "segment_mean", "segment_std", "segment_max",
+                     "segment_min"):
+            fn = functools.partial(getattr(segments, name), num_segments=7, where=jnp.asarray(w2))
+            got = self.variant(fn)(jnp.asarray(x2), jnp.asarray(ids2))
+            flat = getattr(segments, name)(jnp.asarray(x2.reshape(-1)), jnp.asarray(ids2.reshape(-1)), 7,
+                                           where=jnp.asarray(w2.reshape(-1)))
+            np.testing.assert_allclose(got, flat, rtol=1e-6, err_msg=name)
+        # hand case: ids -1 and 2 (= num_segments) are dropped
+        got = segments.segment_sum(jnp.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]),
+                                   jnp.array([[0, 1, -1], [1, 2, 0]]), 2)
+        np.testing.assert_array_equal(got, [33.0, 10.0])
+
+
+def test_safe_div_values_and_finite_gradients():
+    num, den = jnp.array([1.0, 2.0, 3.0]), jnp.array([4.0, 0.0, -1.0])
+    np.testing.assert_array_equal(segments.safe_div(num, den), [0.25, 0.0, 0.0])  # default: den > 0
+    np.testing.assert_array_equal(segments.safe_div(num, den, where=den != 0), [0.25, 0.0, -3.0])
+    grad = jax.grad(lambda d: jnp.sum(segments.safe_div(num, d)))(den)
+    np.testing.assert_array_equal(grad, [-1.0 / 16.0, 0.0, 0.0])  # a plain where(ok, n/d, 0) gives NaN
 
 
 class SegmentGatherTest(parameterized.TestCase):
