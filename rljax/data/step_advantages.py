@@ -27,15 +27,18 @@ Modes:
   rewards sit on last steps only, AND all trajectories of a group have the same number of
   turns (otherwise late turns have fewer peers; a turn with no peer gets 0).
 
-Token-level estimators with step-wise batches: ``reinforce_pp`` needs
-``reward_mode="per_step"``; each step is one row whose token rewards are its per-token
-rewards (a scalar reward sits on its last trainable token) plus the discounted return of
-the later turns ``gamma_turn * G_{j,k+1} = G_jk - r_jk`` on its last trainable token; the
-core then runs REINFORCE++ (token discount ``gamma``, whitening over the whole batch).
+Token-level estimators with step-wise batches: every registered ``kind="token"`` estimator
+without a critic (``reinforce_pp`` built in, or one added with
+:func:`rljax.core.advantages.register_estimator`) needs ``reward_mode="per_step"``; each step
+is one row whose token rewards are its per-token rewards (a scalar reward sits on its last
+trainable token) plus the discounted return of the later turns
+``gamma_turn * G_{j,k+1} = G_jk - r_jk`` on its last trainable token; the core estimator then
+runs on the ``[rows, width]`` token rewards and loss masks (padded rows and columns have mask
+0), e.g. REINFORCE++ (token discount ``gamma``, whitening over the whole batch).
 Per-token rewards on a step's masked tokens are ignored within that step (core convention)
 but still count in ``r_jk`` and hence in the returns of its earlier turns.
-``gae`` needs critic values per token, which a StepBatch does not carry: it is rejected
-here; call :func:`rljax.core.advantages.gae` on packed rows instead.
+Estimators that need critic values per token (``gae``), which a StepBatch does not carry,
+are rejected here; call :func:`rljax.core.advantages.gae` on packed rows instead.
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ from rljax.types import ERROR_STOP_REASONS, Step
 __all__ = ["bucket_size", "compute_step_advantages", "dense_ids"]
 
 _LENGTH_PENALTY_KEYS = ("w_out", "w_in", "w_turn")
-_STEP_TOKEN_LEVEL = "reinforce_pp"  # the one token-level estimator step-wise batches run
 
 
 def dense_ids(keys: Sequence[Hashable]) -> tuple[np.ndarray, int]:
@@ -87,12 +89,33 @@ def bucket_size(n: int, *, minimum: int = 8) -> int:
 _broadcast = jax.jit(core_adv.broadcast_to_steps)
 _turn_returns = jax.jit(core_adv.turn_returns, static_argnames=("num_trajectories", "max_turns"))
 _shaped_rewards = jax.jit(core_adv.length_shaped_rewards, static_argnames=("num_groups",))
-_reinforce_pp = jax.jit(core_adv.reinforce_pp)
 
 
 @functools.lru_cache(maxsize=64)
-def _jit_estimator(fn: Callable[..., Any], static_names: tuple[str, ...]) -> Callable[..., Any]:
-    return jax.jit(fn, static_argnums=(2,), static_argnames=static_names)
+def _jit_estimator(
+    fn: Callable[..., Any], static_argnums: tuple[int, ...], static_names: tuple[str, ...]
+) -> Callable[..., Any]:
+    return jax.jit(fn, static_argnums=static_argnums, static_argnames=static_names)
+
+
+def _static_names(kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """The estimator keywords, which are static under jit (so they must be hashable)."""
+    try:
+        hash(tuple(kwargs.values()))
+    except TypeError as e:
+        raise ValueError(
+            f"estimator keyword arguments must be hashable Python values (they are static under jit), "
+            f"got {kwargs!r}"
+        ) from e
+    return tuple(sorted(kwargs))
+
+
+def _checked_shape(fn: Callable[..., Any], out: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    out = np.asarray(out)
+    if out.shape != shape:
+        name = getattr(fn, "label", None) or getattr(fn, "__name__", fn)
+        raise ValueError(f"estimator {name!r} returned shape {out.shape}, expected {shape} ({what})")
+    return out
 
 
 def _run_estimator(
@@ -102,22 +125,9 @@ def _run_estimator(
     num_groups: int,
     kwargs: dict[str, Any],
 ) -> np.ndarray:
-    try:
-        hash(tuple(kwargs.values()))
-    except TypeError as e:
-        raise ValueError(
-            f"estimator keyword arguments must be hashable Python values (they are static under jit), "
-            f"got {kwargs!r}"
-        ) from e
-    jitted = _jit_estimator(fn, tuple(sorted(kwargs)))
+    jitted = _jit_estimator(fn, (2,), _static_names(kwargs))
     out = jitted(jnp.asarray(rewards, jnp.float32), jnp.asarray(group_ids, jnp.int32), num_groups, **kwargs)
-    out = np.asarray(out)
-    if out.shape != rewards.shape:
-        raise ValueError(
-            f"estimator {getattr(fn, '__name__', fn)!r} returned shape {out.shape}, expected {rewards.shape} "
-            "(one advantage per entry)"
-        )
-    return out
+    return _checked_shape(fn, out, rewards.shape, "one advantage per entry")
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +174,7 @@ def _group_ids_with_padding(ids: np.ndarray, num: int, size: int) -> tuple[np.nd
 # --------------------------------------------------------------------------------------------
 # argument checks
 # --------------------------------------------------------------------------------------------
-def _resolve_estimator(estimator: str | Callable[..., Any], reward_mode: str) -> Callable[..., Any] | str:
+def _resolve_estimator(estimator: str | Callable[..., Any], reward_mode: str) -> Callable[..., Any]:
     if callable(estimator):
         return estimator
     if not isinstance(estimator, str):
@@ -178,17 +188,14 @@ def _resolve_estimator(estimator: str | Callable[..., Any], reward_mode: str) ->
     if est.group_relative:
         return est  # calling it applies the registered defaults and checks the kwargs
     core_adv.check_estimator_reward_mode(estimator, reward_mode, True)
-    if estimator != _STEP_TOKEN_LEVEL:
-        groups = [n for n in core_adv.list_estimators() if core_adv.is_group_estimator(n)]
-        why = (
-            "needs critic values for every token, which a StepBatch does not carry; compute them with "
-            f"your value head and call rljax.core.advantages.get_estimator({estimator!r}) on the packed rows"
-            if est.needs_critic
-            else "is token-level; step-wise batches run group estimators and 'reinforce_pp' only"
+    if est.needs_critic:
+        critic_free = [n for n in core_adv.list_estimators() if not core_adv.get_estimator(n).needs_critic]
+        raise ValueError(
+            f"estimator {estimator!r} needs critic values for every token, which a StepBatch does not carry; "
+            f"compute them with your value head and call rljax.core.advantages.get_estimator({estimator!r}) "
+            f"on the packed rows, or use a critic-free estimator ({critic_free})"
         )
-        raise ValueError(f"estimator {estimator!r} {why}, or use a critic-free estimator "
-                         f"({groups} or 'reinforce_pp')")
-    return estimator
+    return est  # a token-level estimator: run on per-step token rewards (_per_step_token_level)
 
 
 def _length_penalty_weights(length_penalty: Any) -> dict[str, float] | None:
@@ -230,10 +237,10 @@ def compute_step_advantages(
     Args:
       batch: a validated :class:`~rljax.data.batch.StepBatch` (any other sequence of Steps is
         validated first).
-      estimator: the name of a registered group estimator (``"grpo"``, ``"rloo"``, ``"max_rl"``
-        or one added with :func:`rljax.core.advantages.register_estimator`),
-        ``"reinforce_pp"`` (per_step mode only), or a jit-compatible callable
-        ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
+      estimator: the name of a registered estimator (``"grpo"``, ``"rloo"``, ``"max_rl"``,
+        ``"reinforce_pp"`` or one added with :func:`rljax.core.advantages.register_estimator`;
+        token-level ones in per_step mode only, and none that needs a critic), or a
+        jit-compatible callable ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
       reward_mode: ``"outcome"`` or ``"per_step"`` (see the module docstring).
       gamma_turn: per-turn discount of ``per_step`` mode, in ``[0, 1]``.
       length_penalty: None, or a dict of weights ``w_out, w_in, w_turn`` (missing keys take
@@ -287,10 +294,10 @@ def compute_step_advantages(
         return []
 
     layout = _Layout(steps)
-    if isinstance(fn, str):  # "reinforce_pp"
+    if isinstance(fn, core_adv.Estimator) and fn.kind == "token":  # per_step mode (checked above)
         if weights is not None:
-            raise ValueError("length_penalty applies to group estimators, not to 'reinforce_pp'")
-        return _per_step_reinforce_pp(steps, layout, gamma_turn, estimator_kwargs)
+            raise ValueError(f"length_penalty applies to group estimators, not to {fn.label!r}")
+        return _per_step_token_level(steps, layout, fn, gamma_turn, estimator_kwargs)
     errored = _errored_trajectories(steps, layout) if exclude_errored else np.zeros(layout.num_traj, bool)
     if reward_mode == "outcome":
         out = _outcome(steps, layout, fn, weights, estimator_kwargs, errored)
@@ -386,12 +393,12 @@ def _per_step(
     return layout.split(out)
 
 
-def _per_step_reinforce_pp(
-    steps: Sequence[Step], layout: _Layout, gamma_turn: float, kwargs: dict[str, Any]
+def _per_step_token_level(
+    steps: Sequence[Step], layout: _Layout, est: core_adv.Estimator, gamma_turn: float, kwargs: dict[str, Any]
 ) -> list[np.ndarray]:
-    unknown = sorted(set(kwargs) - {"gamma"})
-    if unknown:
-        raise ValueError(f"reinforce_pp takes only the keyword 'gamma' (token discount), got {unknown}")
+    """A token-level estimator ``est(token_rewards [rows, width], mask [rows, width], **kwargs)``
+    on one row per step (module docstring: the step's rewards plus the later turns' return)."""
+    est.resolve(kwargs)  # unknown hyperparameters fail here, with the estimator's name
     future = _step_returns(layout, gamma_turn) - layout.step_reward  # = gamma_turn * G_{j,k+1}
     token_rewards = np.zeros((layout.rows, layout.width), np.float32)
     for i, s in enumerate(steps):
@@ -405,5 +412,6 @@ def _per_step_reinforce_pp(
         else:
             token_rewards[i, end] += float(s.reward)
         token_rewards[i, end] += future[i]
-    out = _reinforce_pp(jnp.asarray(token_rewards), jnp.asarray(layout.mask), **kwargs)
-    return layout.split(out)
+    jitted = _jit_estimator(est, (), _static_names(kwargs))
+    out = jitted(jnp.asarray(token_rewards), jnp.asarray(layout.mask), **kwargs)
+    return layout.split(_checked_shape(est, out, token_rewards.shape, "one advantage per token"))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax.core import advantages as core_adv
 from rljax.core import segments
 from rljax.data import StepBatch
 from rljax.data import step_advantages as sa
@@ -308,6 +309,53 @@ def test_reinforce_pp_per_token_rewards_hand_values():
     rets = np.array([3.0, 2.0, 2.0, 2.0])  # token returns with gamma = gamma_turn = 1
     expected = (rets - rets.mean()) / np.sqrt(rets.var(ddof=1) + 1e-8)
     assert_steps_close(got, [expected[:2], expected[2:]], atol=1e-5)
+
+
+@pytest.fixture
+def saved_estimators():
+    saved = dict(core_adv.ESTIMATORS)
+    yield
+    core_adv._ESTIMATORS._values.clear()
+    core_adv._ESTIMATORS._values.update(saved)
+
+
+def discounted_return(token_rewards, mask, *, gamma=0.5):
+    """A user token-level estimator: the discounted reward-to-go, no baseline, no whitening."""
+    return core_adv.token_returns(token_rewards, mask, gamma=gamma)
+
+
+def test_registered_token_estimator_runs_per_step_like_reinforce_pp(saved_estimators):
+    """Issue 20 defect: a registered kind="token" estimator works on step-wise batches."""
+    core_adv.register_estimator("discounted_return_test", core_adv.Estimator(discounted_return, "token"))
+    steps = [
+        Step([1], [2, 3, 4], TrajectoryID("q", 0), loss_mask=[1, 0, 1], reward=1.0, is_last_step=False),
+        Step([1], [7, 8], TrajectoryID("q", 1), loss_mask=[1, 1], reward=1.5),
+        Step([1, 2], [5, 6], TrajectoryID("q", 0), loss_mask=[1, 1], reward=2.0),
+    ]
+    # gamma_turn = 0.5: G_q0 = [1 + 0.5 * 2, 2] = [2, 2]; later-turn return on the last trainable
+    # token of turn 0: G_0 - r_0 = 1. Token rewards: q0 turn 0 [0, ., 1 + 1], q1 [0, 1.5], q0 turn 1
+    # [0, 2]. Reward-to-go over trainable tokens (the masked token is no time step, output 0):
+    #   gamma = 0.5 (the signature's default): [0.5 * 2, 0, 2], [0.5 * 1.5, 1.5], [0.5 * 2, 2]
+    #   gamma = 1.0:                           [2, 0, 2],       [1.5, 1.5],       [2, 2]
+    got = StepBatch(steps).step_advantages("discounted_return_test", reward_mode="per_step", gamma_turn=0.5)
+    assert_steps_close(got, [[1.0, 0.0, 2.0], [0.75, 1.5], [1.0, 2.0]], atol=1e-6)
+    got = compute_step_advantages(steps, "discounted_return_test", reward_mode="per_step", gamma_turn=0.5,
+                                  gamma=1.0)
+    assert_steps_close(got, [[2.0, 0.0, 2.0], [1.5, 1.5], [2.0, 2.0]], atol=1e-6)
+    # the token rules of the built-in token estimators apply to it too
+    with pytest.raises(ValueError, match="reward_mode='per_step'"):
+        compute_step_advantages(steps, "discounted_return_test")
+    with pytest.raises(ValueError, match=r"'discounted_return_test' got unknown hyperparameters \['lam'\]"):
+        compute_step_advantages(steps, "discounted_return_test", reward_mode="per_step", lam=0.9)
+    with pytest.raises(ValueError, match="length_penalty"):
+        compute_step_advantages(steps, "discounted_return_test", reward_mode="per_step", length_penalty={})
+
+
+def test_a_token_estimator_of_the_wrong_shape_is_a_clear_error(saved_estimators):
+    core_adv.register_estimator("row_sum_test", core_adv.Estimator(lambda r, m: r.sum(-1), "token"))
+    steps = [Step([1], [2], TrajectoryID("q", 0), reward=1.0)]
+    with pytest.raises(ValueError, match=r"'row_sum_test' returned shape \(8,\), expected \(8, 8\)"):
+        compute_step_advantages(steps, "row_sum_test", reward_mode="per_step")
 
 
 # ------------------------------------------------------------------------------------------
