@@ -1,9 +1,21 @@
-"""Test-wide settings: 8 fake CPU devices for sharding tests, float64 available for references."""
+"""Test-wide settings: 8 fake CPU devices for sharding tests, float64 available for references; the
+tiers of the suite (markers registered in setup.cfg, see README "Tests").
+
+* ``vllm``: the test needs a real vLLM server; applied here to every test that uses the
+  ``vllm_python`` fixture (directly or through a server fixture built on it);
+* ``subprocess``: the test launches Python processes (marked in the test files);
+* ``integration``: real servers, launched processes, end-to-end training; every ``vllm`` and
+  ``subprocess`` test is one too (added here), so ``-m "not integration"`` leaves them all out;
+* ``slow``: a unit test with large compiles (more than ~15 s on 2 CPU cores).
+
+Quick development tier: ``python -m pytest tests -q -m "not integration and not slow"``.
+"""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))  # shared helpers: tolerances
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)  # shared helpers: tolerances, recipes, random_steps
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,3 +41,22 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of vLLM's own venv; FAIL under CI=true when missing, else skip with the reason."""
+    sys.path.insert(0, os.path.join(HERE, "inference"))
+    from inference_helpers import require_vllm_python
+
+    return require_vllm_python()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Applies the tier markers that follow from what a test uses (see the module docstring)."""
+    for item in items:
+        if "vllm_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("vllm") or item.get_closest_marker("subprocess"):
+            if not item.get_closest_marker("integration"):
+                item.add_marker(pytest.mark.integration)

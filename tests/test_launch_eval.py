@@ -60,6 +60,7 @@ def _assert_equal_evals(got: dict, logged: dict) -> None:
         assert got[k] == v, f"{k}: launch.eval {got[k]!r} != trainer {v!r}"
 
 
+@pytest.mark.subprocess
 def test_launch_eval_cli_reproduces_the_logged_eval(run, tmp_path):
     workdir, rows = run
     out = tmp_path / "eval.json"
@@ -94,6 +95,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         resolve_checkpoint(tmp_path)
 
 
+@pytest.mark.subprocess
 def test_cli_needs_checkpoint():
     r = subprocess.run(
         [sys.executable, "-m", "launch.eval", "--config=configs/smoke.py"],

@@ -50,6 +50,7 @@ def _rljax_logprobs(model, ids):
     return np.asarray(models.sequence_logprobs(model, jnp.asarray([ids], jnp.int32))[0], np.float64)
 
 
+@pytest.mark.subprocess
 def test_export_full_run_loads_in_transformers(tmp_path):
     t = _run(tmp_path)
     ids = np.random.default_rng(0).integers(0, t.parts.model_vocab, 40).tolist()
@@ -100,6 +101,7 @@ def test_export_lora_run_merged_and_adapter(tmp_path):
     np.testing.assert_allclose(got, want, **LOGPROB_TOL)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("other", ["launch.eval", "launch.make_dataset", "launch.train"])
 def test_export_imports_beside_the_other_launchers(other):
     """Importing ``export_checkpoint`` defines no absl flags, so it loads in the same process as any

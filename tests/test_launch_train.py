@@ -10,6 +10,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.subprocess  # every test runs python -m launch.train
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

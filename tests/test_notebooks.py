@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.subprocess  # a Jupyter kernel per notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path: pathlib.Path) -> None:
     nb = nbformat.read(path, as_version=4)

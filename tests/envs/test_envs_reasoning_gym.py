@@ -113,6 +113,7 @@ def test_weighted_mix():
     assert not {t.id for t in test} & {t.id for t in tasks}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
 def test_exported_rows_load_back_and_score_the_same(tmp_path, suffix):
     out = tmp_path / f"legs.{suffix}"

@@ -21,7 +21,7 @@ from rljax import models
 from rljax.inference.vllm import ServerConfig, VLLMClient, VLLMServer, write_checkpoint
 from rljax.models.tiny import random_decoder
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 VOCAB = 256
 

@@ -70,9 +70,8 @@ def _peaked(model: models.Decoder, seed: int) -> models.Decoder:
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
+def teacher(tmp_path_factory, vllm_python):
     """A frozen teacher: local weights (for independent references) + a real vLLM server serving them."""
-    python = inference_helpers.require_vllm_python()
     cfg = models.ModelConfig(
         model_type="qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2,
         num_heads=2, num_kv_heads=1, head_dim=64, qk_norm=True, tie_word_embeddings=True,
@@ -90,7 +89,7 @@ def teacher(tmp_path_factory):
             startup_timeout_s=600,
             log_path=os.fspath(tmp_path_factory.mktemp("teacher_log") / "server.log"),
         ),
-        python=python,
+        python=vllm_python,
     )
     with server:
         yield type("Teacher", (), {"model": model, "url": server.url})

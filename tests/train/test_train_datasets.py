@@ -24,7 +24,7 @@ from rljax.inference.engine import Completion
 from rljax.train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # launch.make_dataset
 
 RG_CONFIG = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+"],
                  allow_parentheses=False, allow_negation=False, system_prompt=None)  # fmt: skip

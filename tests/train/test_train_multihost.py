@@ -43,8 +43,6 @@ from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import make_mesh, shard_batch
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
 
-pytestmark = pytest.mark.integration
-
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 OBJ = ObjectiveConfig()
@@ -160,6 +158,7 @@ def one_process_run():
     return tf.params_numpy(state), history
 
 
+@pytest.mark.subprocess
 def test_two_processes_train_like_one(two_process_train, one_process_run):
     out, run = two_process_train
     want_params, want_metrics = one_process_run
@@ -180,6 +179,7 @@ def test_two_processes_train_like_one(two_process_train, one_process_run):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.subprocess
 def test_weights_for_vllm_written_by_both_processes(two_process_train):
     """``write_distributed``: each host gathers one whole parameter at a time and writes the ones
     dealt to it; together the files equal the single-process HF state dict bit for bit, and the
@@ -199,6 +199,7 @@ def test_weights_for_vllm_written_by_both_processes(two_process_train):
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.subprocess
 def test_checkpoints_move_between_one_and_two_processes(two_process_train, tmp_path):
     out, _ = two_process_train
     saved_params, saved_opt = gather_npz(out / "train.npz")
@@ -227,6 +228,7 @@ def test_checkpoints_move_between_one_and_two_processes(two_process_train, tmp_p
         assert int(z["step"]) == NUM_STEPS and int(z["pos"]) == 9
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "victim, wait",
     [(1, "barrier"), (1, "collective"), (0, "collective")],
@@ -264,6 +266,7 @@ def test_killed_peer_fails_the_survivor_fast(tmp_path, victim, wait):
     assert "UNEXPECTED" not in log
 
 
+@pytest.mark.subprocess
 def test_initialize_without_coordinator_fails_clearly(tmp_path):
     run = Run("connect", tmp_path, "--initialization_timeout_s", "3", ids=[1])
     start = time.monotonic()

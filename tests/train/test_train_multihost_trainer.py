@@ -25,13 +25,10 @@ import jax
 import numpy as np
 import pytest
 
-from rljax.train.run import stored_abstract
 from rljax.train import checkpoint
+from rljax.train.run import stored_abstract
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
-from inference_helpers import require_vllm_python  # noqa: E402  (skip, or fail under CI=true)
-
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # python -m launch.train x 2
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_STEPS = 4
@@ -216,8 +213,7 @@ VLLM_ARGS = (
 )
 
 
-def test_two_processes_with_a_vllm_server_each(tmp_path):
-    require_vllm_python()
+def test_two_processes_with_a_vllm_server_each(tmp_path, vllm_python):
     run = tmp_path / "vllm"
     procs = start(run, args=VLLM_ARGS)
     deadline = time.monotonic() + 2 * RUN_TIMEOUT_S

@@ -148,6 +148,7 @@ def test_make_env_and_tasks_for_unknown_envs_are_errors(tmp_path):
         Trainer(c, tmp_path, tasks={"mine": ([Task("a")], [])})
 
 
+@pytest.mark.subprocess
 def test_list_valued_fields_are_set_from_the_command_line(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)

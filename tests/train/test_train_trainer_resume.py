@@ -161,6 +161,7 @@ def launched_reference(tmp_path_factory):
     return _records(wd)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("when", ["between_steps", "during_save"])
 def test_kill9_then_resume_matches_uninterrupted(launched_reference, tmp_path, when):
     ref = launched_reference

@@ -22,9 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
 import shutil
-import sys
 from collections.abc import Mapping
 
 import jax
@@ -38,9 +36,6 @@ from rljax import models
 from rljax.train import checkpoint as ckpt
 from rljax.train import scheduler as scheduler_mod
 from rljax.train import trainer as trainer_mod
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "inference"))
-from inference_helpers import require_vllm_python  # noqa: E402  (skip, or fail under CI=true)
 
 pytestmark = pytest.mark.integration
 
@@ -84,8 +79,7 @@ def _reference_logprobs(model: models.Decoder, step) -> np.ndarray:
     return np.asarray(out[0, len(step.prompt_ids) :], np.float64)
 
 
-def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch):
-    require_vllm_python()
+def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
     rollouts = []  # (weights directory vLLM served, rollout result), one per rollout call
     real_rollout = scheduler_mod.rollout
 
@@ -147,10 +141,9 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch):
     assert ckpt.latest_step(workdir / "checkpoints") == 2
 
 
-def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch):
+def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
     """configs/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves."""
-    require_vllm_python()
     from configs import lora_vllm
 
     c = lora_vllm.get_config()
