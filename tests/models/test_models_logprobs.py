@@ -252,7 +252,9 @@ def test_sequence_forward_returns_and_computes_only_what_is_asked_for(model, hel
     for out in (plain, bare):  # the flags change what is returned, never the values
         np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(full.logprobs))
     np.testing.assert_array_equal(np.asarray(plain.entropy), np.asarray(full.entropy))
-    np.testing.assert_array_equal(np.asarray(models.sequence_logprobs(moe, tokens)), np.asarray(full.logprobs))
+    np.testing.assert_array_equal(
+        np.asarray(models.sequence_logprobs(moe, tokens)), np.asarray(full.logprobs)
+    )
     assert models.sequence_forward(model, tokens, with_routing=True).routing is None  # dense: none to give
 
     # Without the entropy the compiled program has no entropy: fewer exponentials (the logsumexp's stay).
