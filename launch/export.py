@@ -58,6 +58,7 @@ def export_checkpoint(
     from rljax.models.lora import merge_lora, save_adapter
     from rljax.train.run import Run, checkpoint_config
     from rljax.train.run_config import parse_run_config
+    from rljax.train.sharding import MeshConfig
 
     out = pathlib.Path(out).absolute()
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -67,7 +68,7 @@ def export_checkpoint(
     if adapter_only and not cfg.lora:
         raise ValueError("--adapter_only: this run trained the full model (config.lora is empty)")
     # the model parts only, on one device (whatever mesh the run trained on)
-    run = Run(dataclasses.replace(cfg, mesh={}), directory, rollouts=False)
+    run = Run(dataclasses.replace(cfg, mesh=MeshConfig()), directory, rollouts=False)
     run.load_policy(
         directory, step, verify=False
     )  # checkpoint_config verified it; the policy (a LoRA run: adapters, and a warm-started base)

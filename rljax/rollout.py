@@ -130,18 +130,21 @@ class RolloutConfig:
       env_workers: threads running synchronous environment calls (None = ``max_concurrency``).
       raise_on_all_errored: raise :class:`RolloutError` when every trajectory errored.
 
+    The defaults are those of a run's ``config.rollout`` (the default recipe: a tiny model on
+    CPU); real models raise ``max_tokens`` and ``max_context_len``.
+
     >>> RolloutConfig(group_size=2).max_turns
-    8
+    3
     """
 
-    group_size: int = 4
-    max_turns: int = 8
-    max_tokens: int = 256
-    max_context_len: int = 4096
+    group_size: int = 8
+    max_turns: int = 3
+    max_tokens: int = 64
+    max_context_len: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    max_concurrency: int = 64
+    max_concurrency: int = 256
     seed: int | None = None
     algorithm: str = "grpo"
     env_algorithms: Mapping[str, str] = dataclasses.field(default_factory=dict)

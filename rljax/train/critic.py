@@ -33,7 +33,7 @@ from rljax.models.value import values as model_values
 from rljax.train.step import TrainState, apply_gradients
 from rljax.types import PackedBatch
 
-__all__ = ["CriticConfig", "critic_step", "critic_values", "ppo_advantages"]
+__all__ = ["CriticConfig", "CriticSection", "critic_step", "critic_values", "ppo_advantages"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,29 @@ class CriticConfig:
             raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection(CriticConfig):
+    """A run's ``config.critic``: the :class:`CriticConfig` hyperparameters plus where the critic
+    starts and how it is optimized.
+
+    ``hf_path``: a value model to start from (:func:`rljax.models.value.load_value_model`; HF
+    checkpoint + ``value_head.safetensors``); empty = a copy of the policy's initial weights with a
+    fresh zero head. ``learning_rate`` (None = the run's) and ``optimizer`` field overrides of
+    :class:`rljax.train.optim.OptimizerConfig` give the critic its own AdamW.
+    :meth:`hyperparameters` is the hashable :class:`CriticConfig` the jitted functions take.
+
+    >>> CriticSection(gamma=0.99, learning_rate=1e-5).hyperparameters()
+    CriticConfig(gamma=0.99, lam=1.0, whiten_advantages=True, value_clip=0.2, warmup_steps=0)
+    """
+
+    hf_path: str = ""
+    learning_rate: float | None = None
+    optimizer: dict = dataclasses.field(default_factory=dict)
+
+    def hyperparameters(self) -> CriticConfig:
+        return CriticConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CriticConfig)})
 
 
 def _values(params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch) -> jax.Array:

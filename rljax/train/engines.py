@@ -161,7 +161,7 @@ class EngineSet:
         return self.policy
 
     def _start_vllm(self, model: Any) -> Any:
-        from rljax.inference.vllm import ServerConfig, ServerGroup, SyncConfig, VLLMClient
+        from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
         from rljax.models import save_pretrained
 
         e = self.config
@@ -181,7 +181,7 @@ class EngineSet:
         client = dict(e.client)
         if model.config.moe_layers:  # MoE: routed experts (if the servers return them) in rljax's layout
             client.setdefault("routed_layers", tuple(model.config.moe_layers))
-        return VLLMClient(urls, sync=SyncConfig(**dict(e.sync)), **client)
+        return VLLMClient(urls, sync=e.sync, **client)
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its

@@ -38,8 +38,10 @@ SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 class OptimizerConfig:
     """AdamW + schedule + clipping hyperparameters (frozen, hashable: usable as jit static data).
 
-    Defaults follow common RL post-training practice for 1-8B models (SkyRL / prime-rl / verl):
-    lr 1e-6, no warmup, constant schedule, betas (0.9, 0.999), weight decay 0.01, clip 1.0.
+    The defaults are those of a run's ``config.optimizer`` (the default recipe trains a tiny model:
+    lr 2e-4, no weight decay), with no warmup, a constant schedule, betas (0.9, 0.999) and clip
+    1.0. For 1-8B models common RL post-training practice (SkyRL / prime-rl / verl) is lr 1e-6 and
+    weight decay 0.01, as the GPU recipes set.
 
     Attributes:
       learning_rate: peak learning rate.
@@ -56,7 +58,7 @@ class OptimizerConfig:
     'cosine'
     """
 
-    learning_rate: float = 1e-6
+    learning_rate: float = 2e-4
     schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
@@ -64,7 +66,7 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import PackResult
 from rljax.envs.base import Task
 from rljax.inference.engine import Completion, SamplingParams
-from rljax.models.lora import LoRAConfig, apply_lora, merge_lora
+from rljax.models.lora import apply_lora, merge_lora
 from rljax.models.value import ValueModel, load_value_model
 from rljax.train import checkpoint as ckpt
 from rljax.train import sharding as train_sharding
@@ -61,7 +61,13 @@ from rljax.train.distributed import host_local_copy
 from rljax.train.engines import EngineSet, resolve_frozen_models
 from rljax.train.memory import device_peak_bytes, step_memory_metrics
 from rljax.train.references import ReferenceScorers
-from rljax.train.run_config import RunConfig, config_differences, critic_config, parse_run_config
+from rljax.train.run_config import (
+    RunConfig,
+    config_differences,
+    config_record,
+    critic_config,
+    parse_run_config,
+)
 from rljax.train.scheduler import RolloutScheduler, derive_seed
 from rljax.train.step import (
     TrainConfig,
@@ -142,7 +148,7 @@ class Run:
         self.renderer = make_renderer(cfg.renderer.name, self.tokenizer, **cfg.renderer.kwargs)
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), seed=cfg.seed)
         if cfg.lora:  # adapter-only training: the base is frozen (TrainState.frozen)
-            apply_lora(model, LoRAConfig(**cfg.lora), rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))
+            apply_lora(model, cfg.lora, rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))
         if cfg.model.router_replay != "off" and not model.config.moe_layers:
             raise ValueError(
                 f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "
@@ -153,10 +159,10 @@ class Run:
         self.algorithms = algos.validate_algorithm_config(
             cfg.algorithm,
             env_overrides=cfg.env_algorithms,
-            group_size=cfg.rollout["group_size"],
+            group_size=cfg.rollout.group_size,
         )
         self.train_configs = {a.name: self._train_config(a) for a in self.algorithms.algorithms}
-        self.mesh = train_sharding.make_mesh(**cfg.mesh) if cfg.uses_mesh else None
+        self.mesh = cfg.mesh.make() if cfg.uses_mesh else None
         self.data_parallel = 1 if self.mesh is None else train_sharding.batch_parallelism(self.mesh)
         self.critic_config = critic_config(cfg.critic)
         self.critic = self._build_critic(model) if self.algorithms.needs_critic else None
@@ -260,11 +266,11 @@ class Run:
     def _write_for_servers(self, version: int, params: Any) -> Any:
         """Writes weight ``version`` for the vLLM servers of every process (``workdir/weights/v<N>``,
         each host holding one whole parameter at a time) with the probe logprobs its syncs verify."""
-        from rljax.inference.vllm import SyncConfig, write_distributed
+        from rljax.inference.vllm import write_distributed
 
         model = self.engines.served(merge_model(self.state.graphdef, params, self.state.frozen))
         directory = self.workdir / "weights" / f"v{version}"
-        return write_distributed(model, directory, config=SyncConfig(**dict(self.cfg.engine.sync)))
+        return write_distributed(model, directory, config=self.cfg.engine.sync)
 
     def served_model(self, params: Any) -> Any:
         """The model the policy engine serves for behaviour ``params`` (:attr:`RolloutScheduler.served`);
@@ -324,7 +330,7 @@ class Run:
             **self.state_tree(behavior),
             data_state={"tasks": sched.data_state(step), "step": step},
             rng={"minibatch": self.np_rng},
-            config=dataclasses.asdict(self.cfg),
+            config=config_record(self.cfg),
             keep=self.cfg.trainer.keep_checkpoints or None,
             overwrite=True,
         )
@@ -344,9 +350,9 @@ class Run:
                 stacklevel=2,
             )
         if step is None:
-            found = f" (damaged: {[f'step_{s}' for s, _ in damaged]})" if damaged else ""
+            found = f" that is intact (damaged: {[f'step_{s}' for s, _ in damaged]})" if damaged else ""
             raise FileNotFoundError(
-                f"--resume: {self.ckpt_dir} holds no complete intact checkpoint{found}, so there is nothing "
+                f"--resume: {self.ckpt_dir} holds no complete checkpoint{found}, so there is nothing "
                 "to resume; start a new run (drop --resume) or point --workdir at the run to continue"
             )
         behavior = {v: self.state.params for v in self.scheduler.needed_versions(step)}
@@ -532,7 +538,7 @@ class Run:
             list(self.env_tasks.train),
             make,
             self.renderer,
-            ws.warm_start_config(),
+            ws,
             seed=self.cfg.seed,
             train_step=train_step,
             counts_fn=mini_batch_counts,

@@ -10,8 +10,17 @@ expected an int >= 1, got 'long'``. :func:`default_config` renders the same defa
 
 The trainer's parts read only these typed values, never the raw config.
 
+The sections of the run's components ARE those components' own typed configs, each validating
+itself: ``rollout`` is a :class:`rljax.rollout.RolloutConfig`, ``optimizer`` an
+:class:`rljax.train.optim.OptimizerConfig`, ``warmstart`` a :class:`rljax.train.warmstart.WarmStartConfig`,
+``critic`` a :class:`rljax.train.critic.CriticSection` (a ``CriticConfig``), ``lora`` a
+:class:`rljax.models.lora.LoRAConfig` (or None: full training), ``mesh`` a
+:class:`rljax.train.sharding.MeshConfig`, ``engine.sync`` a :class:`rljax.inference.vllm.SyncConfig`;
+their class defaults are the run's defaults (one default per knob). Cross-field rules are in
+:func:`_validate`.
+
 >>> cfg = parse_run_config({"trainer": {"num_steps": 3}})
->>> cfg.trainer.num_steps, cfg.trainer.seq_len, cfg.rollout["group_size"]
+>>> cfg.trainer.num_steps, cfg.trainer.seq_len, cfg.rollout.group_size
 (3, 384, 8)
 >>> try:
 ...     parse_run_config({"trainer": {"num_stpes": 3}})
@@ -29,16 +38,19 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rljax.core.objective import REDUCTIONS
 from rljax.data.filters import make_filter
 from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
+from rljax.models.lora import LoRAConfig
 from rljax.rollout import RolloutConfig
+from rljax.train.critic import CriticSection
 from rljax.train.optim import OptimizerConfig
+from rljax.train.sharding import MeshConfig
 from rljax.train.warmstart import WarmStartConfig
 
 __all__ = [
-    "CriticSection",
     "DTYPES",
     "DynamicSamplingSection",
     "EngineSection",
@@ -51,8 +63,8 @@ __all__ = [
     "RunConfig",
     "TokenizerSection",
     "TrainerSection",
-    "WarmStartSection",
     "config_differences",
+    "config_record",
     "default_config",
     "parse_run_config",
 ]
@@ -69,8 +81,6 @@ ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
-REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")  # expert: MoE expert parallelism
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
 
@@ -208,7 +218,7 @@ class EngineSection:
     python: str = ""
     server: dict = _field({})
     client: dict = _field({})
-    sync: dict = _field({})
+    sync: SyncConfig = _field(SyncConfig())
     lora_sync: str = "adapter"
 
 
@@ -234,54 +244,6 @@ class ObjectiveSection:
     max_len: int | None = None
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class CriticSection:
-    """PPO's critic, built when an env's algorithm needs one (``ppo``); see :mod:`rljax.train.critic`.
-
-    ``hf_path``: a value model to start from (:func:`rljax.models.value.load_value_model`; HF
-    checkpoint + ``value_head.safetensors``); empty = a copy of the policy's initial weights with a
-    fresh zero head. ``learning_rate`` (None = the run's) and ``optimizer`` field overrides give the
-    critic its own AdamW. GAE: ``gamma``, ``lam``, ``whiten_advantages``; ``value_clip`` (None =
-    unclipped value loss); ``warmup_steps``: RL steps that train only the critic.
-    """
-
-    hf_path: str = ""
-    learning_rate: float | None = None
-    optimizer: dict = _field({})
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten_advantages: bool = True
-    value_clip: float | None = 0.2
-    warmup_steps: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartSection:
-    """Cross-entropy warm start on environment demonstrations before RL (0 steps = off).
-
-    ``learning_rate`` (and ``optimizer`` field overrides) replace the run's optimizer settings for it.
-    """
-
-    num_steps: int = 400
-    batch_size: int = 32
-    learning_rate: float = 3e-3
-    corrupt_prob: float = 0.6
-    corrupt_choices: tuple = ("red", "blue", "green", "gold")
-    seq_len: int = 256
-    log_every: int = 20
-    optimizer: dict = _field({})
-
-    def warm_start_config(self) -> WarmStartConfig:
-        return WarmStartConfig(
-            num_steps=self.num_steps,
-            batch_size=self.batch_size,
-            corrupt_prob=self.corrupt_prob,
-            corrupt_choices=tuple(self.corrupt_choices),
-            seq_len=self.seq_len,
-            log_every=self.log_every,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,25 +291,6 @@ class TrainerSection:
     table_keys: tuple = DEFAULT_TABLE_KEYS
 
 
-DEFAULT_ROLLOUT = dict(
-    group_size=8,
-    max_turns=3,
-    max_tokens=64,
-    max_context_len=512,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=None,  # None = off
-    max_concurrency=256,
-    seed=None,  # request seeds derive from it; None = from config.seed
-    env_timeout_s=300.0,  # per env call (reset / step); a timeout errors the trajectory
-    env_workers=None,  # threads for synchronous envs; None = max_concurrency
-    raise_on_all_errored=True,  # a step whose every trajectory errored fails with the first error
-)
-DEFAULT_OPTIMIZER = dict(
-    learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run reads, typed and validated. See the module docstring."""
@@ -358,19 +301,19 @@ class RunConfig:
     model: ModelSection = _field(ModelSection())
     envs: dict = _field(DEFAULT_ENVS)  # name -> EnvSection (parsed)
     engine: EngineSection = _field(EngineSection())
-    rollout: dict = _field(DEFAULT_ROLLOUT)  # RolloutConfig fields (algorithm fields are set by the run)
+    rollout: RolloutConfig = _field(RolloutConfig())  # its algorithm fields are set by the run
     eval: EvalSection = _field(EvalSection())
     # a registered name or a dict {"name": ..., field overrides}; see rljax.algorithms
     algorithm: Any = "grpo"
     env_algorithms: dict = _field({})  # env name -> algorithm (same forms)
     frozen_models: dict = _field({})  # name -> FrozenModelConfig fields (opd teachers, sft samplers)
     objective: ObjectiveSection = _field(ObjectiveSection())
-    optimizer: dict = _field(DEFAULT_OPTIMIZER)  # OptimizerConfig fields
-    warmstart: WarmStartSection = _field(WarmStartSection())
+    optimizer: OptimizerConfig = _field(OptimizerConfig())
+    warmstart: WarmStartConfig = _field(WarmStartConfig())
     critic: CriticSection = _field(CriticSection())
-    lora: dict = _field({})  # LoRAConfig fields (rank, alpha, targets, dropout); empty = full training
+    lora: LoRAConfig | None = None  # None (or an empty mapping) = full training
     trainer: TrainerSection = _field(TrainerSection())
-    mesh: dict = _field(dict(data=1, fsdp=1, tensor=1))  # product 1 = no mesh (one device)
+    mesh: MeshConfig = _field(MeshConfig())  # size 1 = no mesh (one device)
 
     @property
     def engine_dtype(self) -> str:
@@ -378,7 +321,8 @@ class RunConfig:
         return self.model.compute_dtype if self.engine.dtype == "auto" else self.engine.dtype
 
     def optimizer_config(self, **overrides: Any) -> OptimizerConfig:
-        return OptimizerConfig(**{**self.optimizer, **overrides})
+        """``optimizer`` with field ``overrides`` (validated as any OptimizerConfig is)."""
+        return dataclasses.replace(self.optimizer, **overrides)
 
     def critic_optimizer_config(self) -> OptimizerConfig:
         """The run's optimizer with the critic's overrides (``critic.optimizer``, ``learning_rate``)."""
@@ -387,7 +331,7 @@ class RunConfig:
 
     @property
     def uses_mesh(self) -> bool:
-        return math.prod(int(v) for v in self.mesh.values()) > 1
+        return self.mesh.size > 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,10 +361,16 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
+        (inner,) = [a for a in args if a is not type(None)]
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
+        if dataclasses.is_dataclass(inner) and isinstance(value, Mapping) and not value:
+            return None  # an empty section of an optional component: off (e.g. lora={})
         return _coerce(value, inner, path)
+    if origin is tuple:
+        return _coerce(value, tuple, path)
+    if origin in (dict, Mapping) or hint is Mapping:
+        return _coerce(value, dict, path)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -468,16 +418,36 @@ RENAMED_KEYS: Mapping[str, Mapping[str, str]] = {
 }
 
 
+#: Fields of a component config that the run sets itself (never config keys).
+RUN_SET_FIELDS: Mapping[type, tuple[str, ...]] = {
+    RolloutConfig: ("algorithm", "env_algorithms"),  # from config.algorithm / config.env_algorithms
+}
+
+
+def section_fields(cls: type) -> list[str]:
+    """The config keys of a section class: its dataclass fields less those the run sets."""
+    run_set = RUN_SET_FIELDS.get(cls, ())
+    return [f.name for f in dataclasses.fields(cls) if f.name not in run_set]
+
+
 def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = section_fields(cls)
     for key in value:
         if key in RENAMED_KEYS.get(path, {}):
             raise _fail(f"{path}.{key}", RENAMED_KEYS[path][key])
+        if key in RUN_SET_FIELDS.get(cls, ()):
+            raise _fail(f"{path}.{key}", "set by the run (config.algorithm / config.env_algorithms)")
         if key not in names:
             raise _fail(f"{path}.{key}", f"unknown key; known keys of {path}: {names}")
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # the component's own validation, with the key path
+        field, sep, rest = str(e).partition(": ")
+        if sep and field in names:  # "<field>: why" names its key
+            raise _fail(f"{path}.{field}", rest) from None
+        raise _fail(path, str(e)) from None
 
 
 def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -> None:
@@ -501,28 +471,8 @@ def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def critic_config(section: CriticSection) -> Any:
-    """The :class:`rljax.train.critic.CriticConfig` of ``config.critic``."""
-    from rljax.train.critic import CriticConfig
-
-    return CriticConfig(
-        gamma=section.gamma,
-        lam=section.lam,
-        whiten_advantages=section.whiten_advantages,
-        value_clip=section.value_clip,
-        warmup_steps=section.warmup_steps,
-    )
-
-
-def _validate_sync(engine: EngineSection) -> None:
-    _check_known("config.engine.sync", engine.sync, _dataclass_fields(SyncConfig), "SyncConfig")
-    if "sync" in engine.client:
-        raise _fail(
-            "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"
-        )
-    try:
-        SyncConfig(**engine.sync)
-    except (TypeError, ValueError) as e:
-        raise _fail("config.engine.sync", str(e)) from None
+    """The hashable :class:`rljax.train.critic.CriticConfig` of ``config.critic``."""
+    return section.hyperparameters()
 
 
 def _validate(cfg: RunConfig) -> RunConfig:
@@ -537,7 +487,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
     _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
     _one_of("config.engine.lora_sync", cfg.engine.lora_sync, ("adapter", "merged"))
-    _validate_sync(cfg.engine)
+    if "sync" in cfg.engine.client:
+        raise _fail(
+            "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"
+        )
     _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
     if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
         raise _fail(
@@ -567,54 +520,25 @@ def _validate(cfg: RunConfig) -> RunConfig:
             make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
         except (TypeError, ValueError) as e:
             raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
-    _check_known(
-        "config.rollout",
-        cfg.rollout,
-        set(_dataclass_fields(RolloutConfig)) - {"algorithm", "env_algorithms"},
-        "RolloutConfig",
-    )
-    try:
-        RolloutConfig(**cfg.rollout)
-    except (TypeError, ValueError) as e:
-        raise _fail("config.rollout", str(e)) from None
-    _check_known("config.optimizer", cfg.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig")
-    _check_known(
-        "config.warmstart.optimizer",
-        cfg.warmstart.optimizer,
-        _dataclass_fields(OptimizerConfig),
-        "OptimizerConfig",
-    )
-    if cfg.lora:
-        from rljax.models.lora import LoRAConfig
-
-        _check_known("config.lora", cfg.lora, _dataclass_fields(LoRAConfig), "LoRAConfig")
-        try:
-            LoRAConfig(**cfg.lora)
-        except (TypeError, ValueError) as e:
-            raise _fail("config.lora", str(e)) from None
-    _check_known(
-        "config.critic.optimizer", cfg.critic.optimizer, _dataclass_fields(OptimizerConfig), "OptimizerConfig"
-    )
+    for path, overrides in (
+        ("config.warmstart.optimizer", cfg.warmstart.optimizer),
+        ("config.critic.optimizer", cfg.critic.optimizer),
+    ):
+        _check_known(path, overrides, _dataclass_fields(OptimizerConfig), "OptimizerConfig")
     try:
         cfg.critic_optimizer_config()
-        critic_config(cfg.critic)
     except (TypeError, ValueError) as e:
         raise _fail("config.critic", str(e)) from None
     try:
-        cfg.optimizer_config()
-        cfg.warmstart.warm_start_config()
+        cfg.optimizer_config(**cfg.warmstart.optimizer)
     except (TypeError, ValueError) as e:
-        raise _fail("config.optimizer / config.warmstart", str(e)) from None
+        raise _fail("config.warmstart.optimizer", str(e)) from None
     _check_known(
         "config.engine.server",
         cfg.engine.server,
         set(_dataclass_fields(ServerConfig)) - {"model"},
         "ServerConfig",
     )
-    _check_known("config.mesh", cfg.mesh, MESH_AXES, "the mesh")
-    for axis, size in cfg.mesh.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise _fail(f"config.mesh.{axis}", f"expected an int >= 1, got {size!r}")
     if not cfg.envs:
         raise _fail("config.envs", "empty; name at least one environment (e.g. 'lookup')")
     for name, env in cfg.envs.items():
@@ -690,7 +614,7 @@ def _to_config(value: Any, path: str) -> Any:
     from ml_collections import config_dict
 
     if dataclasses.is_dataclass(value):
-        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        value = {name: getattr(value, name) for name in section_fields(type(value))}
     parts = path.split(".")
     env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"
     if path in _OBJECT_FIELDS or value is None or env_dataset:
@@ -734,9 +658,18 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
 )
 
 
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as plain nested dicts of its config keys (what checkpoints record; it parses back)."""
+    if dataclasses.is_dataclass(cfg):
+        return {name: config_record(getattr(cfg, name)) for name in section_fields(type(cfg))}
+    if isinstance(cfg, Mapping):
+        return {k: config_record(v) for k, v in cfg.items()}
+    return cfg
+
+
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     if dataclasses.is_dataclass(value):
-        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        value = {name: getattr(value, name) for name in section_fields(type(value))}
     if isinstance(value, Mapping) and value:
         out: dict[str, Any] = {}
         for k, v in value.items():

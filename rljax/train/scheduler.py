@@ -38,7 +38,7 @@ from rljax.algorithms import AlgorithmConfig
 from rljax.chat.base import Renderer
 from rljax.data.filters import DynamicSampler
 from rljax.envs.base import Task
-from rljax.rollout import RolloutConfig, RolloutResult, merge_rollout_results, rollout, rollout_metrics
+from rljax.rollout import RolloutResult, merge_rollout_results, rollout, rollout_metrics
 from rljax.train.distributed import allgather_objects, barrier, process_share
 from rljax.train.engines import EngineSet
 from rljax.train.run_config import RunConfig
@@ -115,15 +115,11 @@ class RolloutScheduler:
         self.localize = localize
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.seed = cfg.seed
-        rollout_fields = dict(cfg.rollout)
-        seed = rollout_fields.pop("seed", None)
-        self.rollout_seed = cfg.seed if seed is None else int(seed)
-        rollout_fields.setdefault(
-            "max_concurrency", max(64, t.prompts_per_step * rollout_fields["group_size"])
-        )
+        rollout = cfg.rollout
+        self.rollout_seed = cfg.seed if rollout.seed is None else int(rollout.seed)
         env_alg = {env: algorithms.for_env(env).name for env in env_tasks.factories}
-        self.rollout_config = RolloutConfig(
-            **rollout_fields, algorithm=algorithms.default.name, env_algorithms=env_alg
+        self.rollout_config = dataclasses.replace(  # request seeds: per step, from rollout_seed
+            rollout, seed=None, algorithm=algorithms.default.name, env_algorithms=env_alg
         )
         self.eval_config = dataclasses.replace(
             self.rollout_config, group_size=cfg.eval.group_size, temperature=cfg.eval.temperature

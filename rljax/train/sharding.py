@@ -17,6 +17,7 @@ Multi-host: every function here uses only ``jax.make_mesh`` (all processes' devi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,37 @@ from rljax.models.sharding import DEFAULT_RULES, EXPERT_MESH_AXES, MESH_AXES, Ru
 
 # Row axes of a batch; "expert" exists only on expert-parallel meshes (filtered by mesh.shape).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A run's ``config.mesh``: the size of each axis of :func:`make_mesh` (``expert`` None = no
+    expert axis). A product of 1 means no mesh: the run trains on one device.
+
+    >>> MeshConfig(data=2, fsdp=2).size, MeshConfig().size
+    (4, 1)
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int | None = None
+
+    def __post_init__(self) -> None:
+        for axis in ("data", "fsdp", "tensor", "expert"):
+            size = getattr(self, axis)
+            if size is None and axis == "expert":
+                continue
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis}: expected an int >= 1, got {size!r}")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor * (self.expert or 1)
+
+    def make(self) -> Mesh:
+        """:func:`make_mesh` of these axis sizes over all devices."""
+        return make_mesh(**dataclasses.asdict(self))
 
 
 def make_mesh(

@@ -45,21 +45,27 @@ class WarmStartConfig:
     Attributes:
       num_steps: optimizer steps (0 disables the warm start).
       batch_size: demonstrations (trajectories) per step.
+      learning_rate: its constant learning rate (the run's optimizer otherwise, with ``optimizer``
+        field overrides of :class:`rljax.train.optim.OptimizerConfig`).
       corrupt_prob: probability that a demonstration's final answer is replaced by a wrong one.
       corrupt_choices: the answers to corrupt with (a different one than the right answer).
       seq_len: packed row length.
       log_every: steps between log lines.
 
+    The defaults are those of a run's ``config.warmstart`` (the default recipe's lookup task).
+
     >>> WarmStartConfig(num_steps=10, corrupt_choices=("red", "blue")).corrupt_prob
-    0.75
+    0.6
     """
 
-    num_steps: int = 0
+    num_steps: int = 400
     batch_size: int = 32
-    corrupt_prob: float = 0.75
-    corrupt_choices: tuple[str, ...] = ()
-    seq_len: int = 512
-    log_every: int = 10
+    learning_rate: float = 3e-3
+    corrupt_prob: float = 0.6
+    corrupt_choices: tuple[str, ...] = ("red", "blue", "green", "gold")
+    seq_len: int = 256
+    log_every: int = 20
+    optimizer: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "batch_size", "seq_len", "log_every"):

@@ -459,7 +459,7 @@ def test_rollout_steps_carry_roles_and_echo_finds_tool_results(bridge):
         engine=FakeEngine(renderer),
         renderer=renderer,
         make_env=ToolLookupEnv,
-        config=RolloutConfig(group_size=2, bridge=bridge),
+        config=RolloutConfig(group_size=2, bridge=bridge, max_turns=8, max_context_len=4096),
     )
     batch = result.batch
     assert len(batch) == 8

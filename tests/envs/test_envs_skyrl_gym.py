@@ -208,7 +208,7 @@ def test_user_registered_env_close_metrics_and_postprocessed_action():
         engine=TextEngine(lambda sid, turn: "go on"),
         renderer=RENDERER,
         make_env={"count": lambda: make_env("skyrl_gym:rljax_test_countdown")},
-        config=RolloutConfig(group_size=2),
+        config=RolloutConfig(group_size=2, max_turns=8),  # the env ends episodes itself (up to 4 turns)
     )
     per = {}
     for step in result.batch:

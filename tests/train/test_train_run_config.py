@@ -43,7 +43,7 @@ def test_default_recipe_is_the_run_config_defaults():
     parsed = parse_run_config(_recipe("default"))
     assert parsed == parse_run_config({}) == parse_run_config(default_config())
     # the old trainer's contradicting fallbacks are gone: an absent key means the recipe's value
-    assert (parsed.trainer.num_steps, parsed.rollout["group_size"], parsed.trainer.seq_len) == (120, 8, 384)
+    assert (parsed.trainer.num_steps, parsed.rollout.group_size, parsed.trainer.seq_len) == (120, 8, 384)
     assert parse_run_config({"trainer": {"mode": "async"}}).trainer.num_steps == 120
 
 
@@ -89,7 +89,7 @@ def test_every_recipe_parses(name):
         ({"trainer": {"mode": "later"}}, r"config.trainer.mode: expected one of \['sync', 'async'\]"),
         ({"trainer": {"max_off_policy_steps": 0}}, r"config.trainer.max_off_policy_steps: expected an int"),
         ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
-        ({"rollout": {"top_k": "x"}}, r"config.rollout: invalid literal"),
+        ({"rollout": {"top_k": "x"}}, r"config.rollout.top_k: expected an int"),
         ({"trainer": {"filters": [{"name": "nope"}]}}, r"config.trainer.filters\[0\]: unknown filter 'nope'"),
         (
             {"trainer": {"filters": [{"name": "overlong", "strength": 2}]}},
