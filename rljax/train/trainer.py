@@ -120,7 +120,14 @@ class Trainer:
         self.rl_step = 0
         self.history: list[dict[str, Any]] = []
 
-    # -- the run's parts, by their usual names ---------------------------------------------------------
+    # -- the run's parts, by their usual names -----------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """The run's parts read through the trainer (``trainer.state``, ``trainer.scheduler``,
+        ``trainer.engines``, ``trainer.current_model()``, ...): attributes of :attr:`parts`."""
+        if name == "parts":  # not built yet (an error in __init__)
+            raise AttributeError(name)
+        return getattr(self.parts, name)
+
     @property
     def state(self) -> TrainState:
         return self.parts.state
@@ -128,37 +135,6 @@ class Trainer:
     @state.setter
     def state(self, value: TrainState) -> None:
         self.parts.state = value
-
-    @property
-    def algorithms(self) -> algos.AlgorithmConfig:
-        return self.parts.algorithms
-
-    @property
-    def env_tasks(self) -> Any:
-        return self.parts.env_tasks
-
-    @property
-    def scheduler(self) -> Any:
-        return self.parts.scheduler
-
-    @property
-    def engines(self) -> Any:
-        return self.parts.engines
-
-    @property
-    def train_configs(self) -> Any:
-        return self.parts.train_configs
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.parts.tokenizer
-
-    @property
-    def mesh(self) -> Any:
-        return self.parts.mesh
-
-    def current_model(self) -> Any:
-        return self.parts.current_model()
 
     # -- one RL step's training ------------------------------------------------------------------------
     def _train_on(self, batch: StepBatch) -> dict[str, float]:
