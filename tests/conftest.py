@@ -6,13 +6,19 @@ tiers of the suite (markers registered in setup.cfg, see README "Tests").
 * ``subprocess``: the test launches Python processes (marked in the test files);
 * ``integration``: real servers, launched processes, end-to-end training; every ``vllm`` and
   ``subprocess`` test is one too (added here), so ``-m "not integration"`` leaves them all out;
-* ``slow``: a unit test with large compiles (more than ~15 s on 2 CPU cores).
+* ``slow``: applied here to every test function whose recorded duration (all its parameters
+  together, in ``tests/durations.json``) exceeds ``SLOW_S``; a test file may also mark one itself.
 
 Quick development tier: ``python -m pytest tests -q -m "not integration and not slow"``.
+Re-record the durations after adding or changing heavy tests (the whole suite, or any part of it;
+entries of tests that did not run are kept):
+``python -m pytest tests -q --record-durations=tests/durations.json``.
 """
 
+import json
 import os
 import sys
+from collections import defaultdict
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)  # shared helpers: tolerances, recipes, random_steps
@@ -52,11 +58,61 @@ def vllm_python() -> str:
     return require_vllm_python()
 
 
+# -- tiers -----------------------------------------------------------------------------------------
+
+DURATIONS = os.path.join(HERE, "durations.json")
+# Seconds (setup + call + teardown, summed over a function's parameters) above which a test function
+# is `slow`. The recorded figures are wall times on the 2-core development machine while shared
+# (their CPU time was ~0.45 of it): with 1.5 s the quick tier keeps ~2/3 of the tests and ~5% of the
+# time.
+SLOW_S = 1.5
+
+
+def _function_key(nodeid: str) -> str:
+    """``path::[Class::]function`` of a test id, without its parameters."""
+    return nodeid.split("[", 1)[0]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        help="write each test function's duration (summed over its parameters) into PATH (JSON), "
+        "keeping the entries of functions that did not run",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """Applies the tier markers that follow from what a test uses (see the module docstring)."""
+    recorded = {}
+    if os.path.exists(DURATIONS):
+        with open(DURATIONS) as f:
+            recorded = json.load(f)
     for item in items:
         if "vllm_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("vllm") or item.get_closest_marker("subprocess"):
             if not item.get_closest_marker("integration"):
                 item.add_marker(pytest.mark.integration)
+        if recorded.get(_function_key(item.nodeid), 0.0) > SLOW_S:
+            item.add_marker(pytest.mark.slow)
+
+
+_measured: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _measured[_function_key(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--record-durations")
+    if not path or not _measured:
+        return
+    recorded = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            recorded = json.load(f)
+    recorded.update({k: round(v, 2) for k, v in _measured.items()})
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(f"  {json.dumps(k)}: {v}" for k, v in sorted(recorded.items())) + "\n}\n")
