@@ -7,7 +7,6 @@ merging, opsd tasks without demonstrations) are raised here, before anything run
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,10 +16,10 @@ from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.chat import toy_tokenizer
 from rljax.core.objective import ObjectiveConfig
 from rljax.models import Decoder, ModelConfig, from_pretrained
-from rljax.train.run_config import ModelSection, ObjectiveSection, TokenizerSection
+from rljax.train.run_config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
 from rljax.train.tasks import EnvTasks
 
-__all__ = ["DTYPE_OF", "build_model", "build_tokenizer", "check_algorithm_needs", "objective_config"]
+__all__ = ["DTYPE_OF", "build_model", "build_tokenizer", "check_run", "objective_config"]
 
 #: config.model.param_dtype / compute_dtype / engine.dtype -> jnp dtype (the dtypes a run accepts).
 DTYPE_OF = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -82,32 +81,74 @@ def objective_config(
     )
 
 
-def check_algorithm_needs(
-    algorithms: AlgorithmConfig,
-    env_tasks: EnvTasks,
+def check_run(
+    cfg: RunConfig,
     *,
-    merge: bool,
-    hint: Callable[[str | None], Any],
+    algorithms: AlgorithmConfig,
+    model_config: Any,
+    env_tasks: EnvTasks | None,
+    renderer: Any,
+    process_count: int = 1,
+    device_count: int = 1,
 ) -> None:
-    """What each env's algorithm needs from the rest of the run (raises ``ValueError`` otherwise).
+    """The rules between the run's parts, in one place (each a ``ValueError`` saying what to change).
 
-    Echo trains the tokens between merged turns (needs ``trainer.merge``); opsd conditions on
-    ``Task.demonstration`` (needs tasks that carry one, and a renderer that can place the hint).
+    The config's own rules (every section, and rules between keys) are checked when it is parsed
+    (:func:`rljax.train.run_config.parse_run_config`) and the algorithms' when they are validated
+    (:func:`rljax.algorithms.validate_algorithm_config`); these need the built parts: the model
+    (MoE router replay), the envs and their tasks (echo needs merging; opsd needs demonstrations and
+    a renderer that can place them; a step's prompts must be distinct tasks), the algorithms
+    (dynamic sampling needs group-relative ones) and the processes (a multi-process run needs a
+    mesh over all of them; dynamic sampling runs in one process). ``env_tasks`` None: a run built
+    without rollouts (export), whose env rules do not apply.
     """
+    if cfg.model.router_replay != "off" and not model_config.moe_layers:
+        raise ValueError(
+            f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "
+            f"model ({model_config.model_type}) has no MoE layers; set it to 'off'"
+        )
+    if process_count > 1 and not cfg.uses_mesh:
+        n = device_count
+        raise ValueError(
+            f"this run has {process_count} processes ({n} devices in all) but config.mesh is one "
+            f"device; set config.mesh to span all {n} devices (e.g. --config.mesh.data={n})"
+        )
+    if env_tasks is None:
+        return
+    t = cfg.trainer
+    if t.dynamic_sampling.max_rounds > 0:
+        if process_count > 1:
+            raise ValueError(
+                "config.trainer.dynamic_sampling is not supported with several processes yet (its extra "
+                "rounds depend on the whole step's groups); set max_rounds=0"
+            )
+        not_grouped = [a.name for a in algorithms.algorithms if not a.group_relative]
+        if not_grouped:
+            raise ValueError(
+                "config.trainer.dynamic_sampling keeps groups whose rewards vary (DAPO), which only "
+                f"group-relative rl algorithms need; {not_grouped} are not: set max_rounds=0"
+            )
+    if t.prompts_per_step > len(env_tasks.train):
+        raise ValueError(
+            f"config.trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(env_tasks.train)} "
+            "train tasks of config.envs: one step cannot draw that many distinct prompts"
+        )
     for env in env_tasks.factories:
         a = algorithms.for_env(env)
-        if a.observation_ce and not merge:
+        if a.observation_ce and not t.merge:
             raise ValueError(
                 f"algorithm {a.name!r} (env {env!r}) trains observation tokens (echo), which are the "
                 "tokens between merged turns; set trainer.merge=True"
             )
         if a.needs_demonstrations:
-            tasks = [t for t in env_tasks.train if t.env == env]
-            if not any(t.demonstration for t in tasks):
+            tasks = [task for task in env_tasks.train if task.env == env]
+            if not any(task.demonstration for task in tasks):
                 raise ValueError(
                     f"algorithm {a.name!r} (env {env!r}) conditions on Task.demonstration, but none of "
                     f"the {len(tasks)} train tasks of env {env!r} has one; pass tasks with "
                     "demonstrations (Trainer(tasks=...)) or use an environment whose tasks carry them"
                 )
     if algorithms.needs_demonstrations:  # a renderer that cannot place the hint fails now
-        hint(next(t.demonstration for t in env_tasks.train if t.demonstration))
+        renderer.demonstration_hint(
+            next(task.demonstration for task in env_tasks.train if task.demonstration)
+        )

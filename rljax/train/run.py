@@ -53,7 +53,7 @@ from rljax.train.builders import (
     DTYPE_OF,
     build_model,
     build_tokenizer,
-    check_algorithm_needs,
+    check_run,
     objective_config,
 )
 from rljax.train.critic import critic_step, critic_values, ppo_advantages
@@ -149,17 +149,21 @@ class Run:
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), seed=cfg.seed)
         if cfg.lora:  # adapter-only training: the base is frozen (TrainState.frozen)
             apply_lora(model, cfg.lora, rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))
-        if cfg.model.router_replay != "off" and not model.config.moe_layers:
-            raise ValueError(
-                f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "
-                f"model ({model.config.model_type}) has no MoE layers; set it to 'off'"
-            )
         self.model_vocab = int(model.config.vocab_size)
         self.env_tasks = build_env_tasks(cfg, make_env=make_env, tasks=tasks) if rollouts else None
         self.algorithms = algos.validate_algorithm_config(
             cfg.algorithm,
             env_overrides=cfg.env_algorithms,
             group_size=cfg.rollout.group_size,
+        )
+        check_run(  # the rules between the parts, before anything expensive is built
+            cfg,
+            algorithms=self.algorithms,
+            model_config=model.config,
+            env_tasks=self.env_tasks,
+            renderer=self.renderer,
+            process_count=self.processes,
+            device_count=jax.device_count(),
         )
         self.train_configs = {a.name: self._train_config(a) for a in self.algorithms.algorithms}
         self.mesh = cfg.mesh.make() if cfg.uses_mesh else None
@@ -202,9 +206,6 @@ class Run:
         self.scoring_worker = Worker("rljax-scoring")  # teacher scoring, beside the rollouts
         self.references = ReferenceScorers(
             self.engines, self.scoring_worker, self.renderer, self.env_tasks.by_id(), self.current_model
-        )
-        check_algorithm_needs(
-            self.algorithms, self.env_tasks, merge=cfg.trainer.merge, hint=self.references.hint
         )
         self.scheduler = RolloutScheduler(
             cfg,

@@ -126,23 +126,6 @@ class RolloutScheduler:
         )
         ds = t.dynamic_sampling
         self.dynamic_sampling = ds if ds.max_rounds > 0 else None
-        if self.dynamic_sampling is not None and self.process_count > 1:
-            raise ValueError(
-                "config.trainer.dynamic_sampling is not supported with several processes yet (its extra "
-                "rounds depend on the whole step's groups); set max_rounds=0"
-            )
-        if self.dynamic_sampling is not None:
-            not_grouped = [a.name for a in algorithms.algorithms if not a.group_relative]
-            if not_grouped:
-                raise ValueError(
-                    "config.trainer.dynamic_sampling keeps groups whose rewards vary (DAPO), which only "
-                    f"group-relative rl algorithms need; {not_grouped} are not: set max_rounds=0"
-                )
-        if t.prompts_per_step > len(env_tasks.train):
-            raise ValueError(
-                f"config.trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(env_tasks.train)} "
-                "train tasks of config.envs: one step cannot draw that many distinct prompts"
-            )
         self.tasks = TaskIterator(env_tasks.train, seed=cfg.seed)
         self.behavior: dict[int, Any] = {}  # version -> parameters the rollouts of that version use
         self.served: dict[int, Any] = {}  # version -> those parameters as this process's engine serves them

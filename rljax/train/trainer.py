@@ -106,8 +106,6 @@ class Trainer:
             _log_to_process_file(self.workdir)
         self.parts = Run(config, self.workdir, make_env=make_env, tasks=tasks, engine=engine)
         self.cfg = self.parts.cfg
-        if jax.process_count() > 1:
-            _check_multi_process(self.cfg)
         self.resume = resume
         self.allow_config_change = allow_config_change
         self.filters = [make_filter(f["name"], **{k: v for k, v in f.items() if k != "name"})
@@ -336,16 +334,6 @@ def advantage_sums(batch: Any) -> np.ndarray:
         return np.zeros(3)
     adv = np.asarray(batch.advantages, np.float64)
     return np.array([(adv * weights).sum(), (np.abs(adv) * weights).sum(), weights.sum()])
-
-
-def _check_multi_process(cfg: Any) -> None:
-    """Config rules of a multi-process run (every process passes the same config)."""
-    n = jax.device_count()
-    if not cfg.uses_mesh:
-        raise ValueError(
-            f"this run has {jax.process_count()} processes ({n} devices in all) but config.mesh is one "
-            f"device; set config.mesh to span all {n} devices (e.g. --config.mesh.data={n})"
-        )
 
 
 def _log_to_process_file(workdir: pathlib.Path) -> None:
