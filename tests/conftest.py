@@ -96,6 +96,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.integration)
         if recorded.get(_function_key(item.nodeid), 0.0) > SLOW_S:
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):  # an xdist worker: longest files first (see below)
+        items[:] = _longest_files_first(items, recorded)
+
+
+def _longest_files_first(items, recorded):
+    """The test files in order of their recorded total duration, longest first, each file's tests
+    in their own order. ``./run test`` hands whole files to two workers in collection order
+    (``--dist loadfile``); started last, a long file kept one worker busy while the other idled."""
+    by_file: dict[str, list] = defaultdict(list)
+    for item in items:
+        by_file[item.nodeid.split("::", 1)[0]].append(item)
+    total = {f: sum(recorded.get(_function_key(i.nodeid), 0.0) for i in its) for f, its in by_file.items()}
+    order = sorted(by_file, key=lambda f: -total[f])  # stable: ties keep collection order
+    return [item for f in order for item in by_file[f]]
 
 
 _measured: defaultdict[str, float] = defaultdict(float)
