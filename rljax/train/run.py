@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
 import pathlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -84,7 +83,6 @@ from rljax.train.worker import Worker
 
 __all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "Run", "mini_batch_groups"]
 
-logger = logging.getLogger(__name__)
 
 #: Checkpoint items of the state tree (``params/<item>``): the trained policy parameters (a LoRA
 #: run: its adapters), a LoRA run's base when the warm start trained it, PPO's critic, and the
@@ -399,9 +397,6 @@ class Run:
         self.state = dataclasses.replace(self.state, params=r.params[POLICY], frozen=frozen)
 
     # -- training --------------------------------------------------------------------------------------
-    def train_config(self, algorithm: str) -> TrainConfig:
-        return self.train_configs[algorithm]
-
     def train(self, batch: Any, *, algorithm: str) -> dict[str, float]:
         """One optimizer step of the policy on a packed mini-batch (``[R, L]`` host arrays) with
         ``algorithm``'s objective: the jitted :func:`~rljax.train.step.train_step`, or
