@@ -4,7 +4,7 @@ Checked statically from the source (``ast``), counting imports inside functions 
 import is still a dependency):
 
     types, progress  <-  core  <-  algorithms  <-  data, chat, envs  <-  models  <-  inference
-        <-  rollout, evaluation  <-  train
+        <-  rollout, recording, evaluation, gateway, report  <-  train
 
 A module may import any module of its own layer or a lower one; the module graph must be acyclic.
 """
@@ -31,6 +31,8 @@ LAYERS: dict[str, int] = {
     "rljax.rollout": 6,
     "rljax.recording": 6,
     "rljax.evaluation": 6,
+    "rljax.gateway": 6,
+    "rljax.report": 6,
     "rljax.train": 7,
 }
 
