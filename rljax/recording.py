@@ -212,6 +212,8 @@ class RecordedCall:
       temperature: the temperature the Step records (:func:`recorded_temperature`).
       reward: the Step's reward (scalar, or one per completion token); settable.
       stop_reason: the Step's stop reason, initially the completion's finish reason; settable.
+      returned: the assistant message the caller was answered with, when a front door answers a
+        client (the gateway sets it); None means :attr:`reply` is what was returned.
     """
 
     index: int
@@ -221,6 +223,7 @@ class RecordedCall:
     reward: Reward = 0.0
     stop_reason: str = ""
     renderer: Renderer | None = dataclasses.field(default=None, repr=False)
+    returned: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.stop_reason:

@@ -80,7 +80,7 @@ from rljax.chat.base import Renderer
 from rljax.data import StepBatch
 from rljax.envs.base import Action, Task, as_step_result, mean_numeric_metrics
 from rljax.inference.engine import Completion, Engine, SamplingParams
-from rljax.recording import StepRecorder
+from rljax.recording import RecordedCall, StepRecorder
 from rljax.types import Step, TrajectoryID
 
 __all__ = [
@@ -209,6 +209,10 @@ class TrajectoryRecord:
       env_metrics: what ``env.get_metrics()`` returned (envs that have it).
       close_error: the exception text when ``env.close()`` failed (the trajectory stands).
       exception: the exception object of the error (its traceback included), when there is one.
+      calls: the recorder's calls, one per step in the same order (each call's
+        ``prompt.messages`` is the conversation the engine was prompted with; ``returned`` what the
+        caller was answered, set by front doors that answer a client, else None and ``reply``
+        stands). Rollout records (``rollouts/step_<S>.jsonl``) are written from them.
     """
 
     trajectory_id: TrajectoryID
@@ -225,6 +229,7 @@ class TrajectoryRecord:
     close_error: str | None = None
     exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
     aggregate_metrics: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    calls: list[RecordedCall] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def errored(self) -> bool:
@@ -355,6 +360,7 @@ async def _run_trajectory(
     if rec.errored:  # get_metrics may have failed after the episode: decided only now
         recorder.fail("abort" if rec.error_kind == "engine" else "error")
     rec.steps = recorder.steps()
+    rec.calls = list(recorder.calls)
     rec.num_turns = len(rec.steps)
     rec.reward = 0.0 if rec.errored or not rec.steps else float(rec.steps[-1].reward)
     return rec
