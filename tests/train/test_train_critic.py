@@ -314,8 +314,14 @@ def test_critic_step_equals_the_hand_computed_update(value_clip):
 
     new, metrics = critic_step(state, batch, old, returns, cc)
     np.testing.assert_allclose(float(metrics["critic/value_loss"]), float(loss), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    leaves = zip(jax.tree.leaves(new.params), jax.tree.leaves(want), jax.tree.leaves(grads), strict=True)
+    for a, b, g in leaves:
+        a, b, g = np.asarray(a), np.asarray(b), np.abs(np.asarray(g))
+        # Adam's first step moves each parameter by lr * g / (|g| + eps): lr * sign(g) wherever |g|
+        # is well above float32 gradient noise (~1e-6 of the largest), any value in [-lr, lr] below it
+        settled = g > 1e-4 * g.max()
+        np.testing.assert_allclose(a[settled], b[settled], rtol=1e-5, atol=1e-7)
+        assert np.all(np.abs(a - b) <= 2 * 1e-2 + 1e-6)
     if value_clip is not None:
         assert 0 < float(metrics["critic/clip_frac"]) < 1
 

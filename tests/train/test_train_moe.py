@@ -90,7 +90,8 @@ def test_replaying_own_routing_changes_nothing_and_flips_are_counted():
     # replaying the flipped record computes another network's logprobs; not replaying ignores it
     _, m_no = jax.jit(loss_and_grads)(plain, fb, counts)
     np.testing.assert_allclose(float(m_no["loss"]), float(m_plain["loss"]), rtol=1e-6)
-    assert abs(float(m["loss"]) - float(m_plain["loss"])) > 1e-4
+    # 1e3 x the relative agreement of equal programs asserted above (rtol 1e-6)
+    assert abs(float(m["loss"]) - float(m_plain["loss"])) > 1e-3 * abs(float(m_plain["loss"]))
 
 
 def test_aux_losses_add_their_terms_and_reach_the_router():
