@@ -55,8 +55,8 @@ class WandbConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MlflowConfig:
-    """MLflow: runs of ``experiment`` at ``tracking_uri`` (None = ``file:<workdir>/mlruns``);
-    ``run_name`` None = the workdir's name."""
+    """MLflow: runs of ``experiment`` at ``tracking_uri`` (None = ``$MLFLOW_TRACKING_URI``, else
+    ``sqlite:///<workdir>/mlflow.db``); ``run_name`` None = the workdir's name."""
 
     tracking_uri: str | None = None
     experiment: str = "rljax"

@@ -1,7 +1,9 @@
 """The MLflow sink (``config.report.sinks=[..., "mlflow"]``, settings ``config.report.mlflow``).
 
-Through ``mlflow.MlflowClient(tracking_uri)`` (default ``file:<workdir>/mlruns``, a local file
-store): a run of ``experiment`` (created when missing) named ``run_name``; the run config is its
+Through ``mlflow.MlflowClient(tracking_uri)`` (default: ``$MLFLOW_TRACKING_URI`` when set, else
+``sqlite:///<workdir>/mlflow.db``, MLflow's recommended local store; a ``file:`` store works too
+where ``MLFLOW_ALLOW_FILE_STORE=true``, since MLflow 3 put it in maintenance mode): a run of
+``experiment`` (created when missing) named ``run_name``; the run config is its
 params (flat keys; values cut to MLflow's 6000 characters). Metrics are ``log_batch``-ed with
 ``step=S``; MLflow keys allow letters, digits and ``_-. :/`` only, so other characters become ``_``
 (``eval/pass@1`` -> ``eval/pass_1``) and non-finite values are left out (JSONL writes them as null).
@@ -13,6 +15,7 @@ continues that run (and leaves its params as they are).
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import re
 import time
@@ -54,7 +57,11 @@ class MlflowSink(Sink):
             from mlflow.entities import Param
         except ImportError as e:
             raise ImportError("the mlflow sink needs the mlflow package: pip install 'rljax[report]'") from e
-        uri = self.config.tracking_uri or (pathlib.Path(run.workdir) / "mlruns").absolute().as_uri()
+        uri = (
+            self.config.tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{(pathlib.Path(run.workdir) / 'mlflow.db').absolute()}"
+        )
         self.tracking_uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         recorded = load_run_ids(run.workdir).get(self.name, {}) if run.resume else {}

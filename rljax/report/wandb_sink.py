@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +27,12 @@ __all__ = ["WandbSink"]
 
 def _config_value(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool, type(None), list)) else str(v)
+
+
+def _new_run_id() -> str:
+    """8 random lowercase letters and digits (the form of W&B's own run ids)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 class WandbSink(Sink):
@@ -43,7 +51,7 @@ class WandbSink(Sink):
         except ImportError as e:
             raise ImportError("the wandb sink needs the wandb package: pip install 'rljax[report]'") from e
         recorded = load_run_ids(run.workdir).get(self.name, {}) if run.resume else {}
-        self.run_id = recorded.get("id") or wandb.util.generate_id()
+        self.run_id = recorded.get("id") or _new_run_id()
         directory = os.environ.get("WANDB_DIR") or str(run.workdir)
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(
