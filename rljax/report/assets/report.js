@@ -43,6 +43,11 @@
     return (a !== 0 && (a < 1e-3 || a >= 1e5)) ? v.toExponential(2) : v.toPrecision(4).replace(/\.?0+$/, "");
   }
 
+  function short(v) {  // an axis label: 3 significant digits
+    var a = Math.abs(v);
+    return (a !== 0 && (a < 1e-2 || a >= 1e4)) ? v.toExponential(1) : String(Number(v.toPrecision(3)));
+  }
+
   // ---- metric plots ---------------------------------------------------------------------------
   function series(key) {
     var by = {};
@@ -50,10 +55,10 @@
     return Object.keys(by).map(Number).sort(function (a, b) { return a - b; }).map(function (s) { return [s, by[s]]; });
   }
   function plot(key) {
-    var pts = series(key), W = 220, H = 92, L = 34, R = 4, T = 6, B = 14;
+    var pts = series(key), W = 220, H = 70, L = 40, R = 4, T = 6, B = 14;
     var box = el("div", { cls: "plot", "data-key": key });
     var last = pts.length ? pts[pts.length - 1][1] : null;
-    box.appendChild(el("div", { cls: "t" }, [el("span", { text: key }), el("span", { text: "last " + fmt(last) })]));
+    box.appendChild(el("div", { cls: "t" }, [el("span", { text: key, title: key }), el("span", { text: "last " + fmt(last) })]));
     var s = svg("svg", { viewBox: "0 0 " + W + " " + H, preserveAspectRatio: "none" });
     if (!pts.length) { box.appendChild(el("div", { cls: "empty", text: "no data" })); return box; }
     var xs = pts.map(function (p) { return p[0]; }), ys = pts.map(function (p) { return p[1]; });
@@ -64,7 +69,7 @@
     function Y(y) { return T + (1 - (y - y0) / (y1 - y0)) * (H - T - B); }
     s.appendChild(svg("line", { x1: L, y1: T, x2: L, y2: H - B, stroke: "#ccd" }));
     s.appendChild(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#ccd" }));
-    [[y1, Y(y1) + 7], [y0, Y(y0)]].forEach(function (t) { var e = svg("text", { x: 2, y: t[1] }); e.textContent = fmt(t[0]); s.appendChild(e); });
+    [[y1, Y(y1) + 7], [y0, Y(y0)]].forEach(function (t) { var e = svg("text", { x: L - 3, y: t[1], "text-anchor": "end" }); e.textContent = short(t[0]); s.appendChild(e); });
     [[x0, L, "start"], [x1, W - R, "end"]].forEach(function (t) { var e = svg("text", { x: t[1], y: H - 2, "text-anchor": t[2] }); e.textContent = "step " + fmt(t[0]); s.appendChild(e); });
     s.appendChild(svg("polyline", { points: pts.map(function (p) { return X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1); }).join(" ") }));
     if (pts.length <= 60) pts.forEach(function (p) {
