@@ -300,6 +300,16 @@ class TensorBoardSink:
             self._writer.add_scalar(key, float(value), global_step=step)
         self._writer.flush()
 
+    def histogram(self, step: int, tag: str, values: np.ndarray) -> None:
+        """A histogram event of ``values`` (1-D numbers) under ``tag`` at ``step``."""
+        self._writer.add_histogram(tag, np.asarray(values, np.float64), global_step=_check_step(step))
+        self._writer.flush()
+
+    def text(self, step: int, tag: str, markdown: str) -> None:
+        """A text (Markdown) event under ``tag`` at ``step``."""
+        self._writer.add_text(tag, markdown, global_step=_check_step(step))
+        self._writer.flush()
+
     def close(self) -> None:
         """Flushes and closes the event file."""
         self._writer.close()

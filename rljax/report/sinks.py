@@ -231,8 +231,7 @@ class TensorBoardMetricsSink(Sink):
         for key, values in distributions.items():
             values = np.asarray(values, np.float64)
             if values.size:
-                self.writer._writer.add_histogram(f"dist/{key}", values, global_step=step)
-        self.writer._writer.flush()
+                self.writer.histogram(step, f"dist/{key}", values)
 
     def log_samples(self, step: int, table: SampleTable) -> None:
         assert self.writer is not None, "open() the sink first"
@@ -243,8 +242,7 @@ class TensorBoardMetricsSink(Sink):
 
         lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
         lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in table.rows[: self.MAX_TEXT_ROWS]]
-        self.writer._writer.add_text("rollouts", "\n".join(lines), global_step=step)
-        self.writer._writer.flush()
+        self.writer.text(step, "rollouts", "\n".join(lines))
 
     def close(self) -> None:
         if self.writer is not None:

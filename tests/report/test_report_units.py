@@ -202,3 +202,40 @@ def test_the_page_is_self_contained_and_escapes_its_data(tmp_path):
     assert "prompt_ids" not in data["steps"]["1"][0] and data["steps"]["1"][0]["prompt_len"] == 2
     assert np.isclose(data["metrics"][0]["reward/mean"], 0.5)
     assert pathlib.Path(tmp_path / "rollouts" / "step_1.jsonl").exists()
+
+
+def _tb_events(logdir: pathlib.Path):
+    """Every Event of the TFRecord files in ``logdir`` (8-byte length, 4-byte crc, data, 4-byte crc),
+    parsed with tensorboardX's own protobuf classes."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(logdir.glob("events.out.tfevents*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12 : pos + 12 + length])
+            out.append(event)
+            pos += 12 + length + 4
+    return out
+
+
+def test_tensorboard_gets_histograms_and_the_sample_table(tmp_path):
+    from rljax.report.sinks import SampleTable, TensorBoardMetricsSink
+
+    sink = TensorBoardMetricsSink(tmp_path)
+    sink.open(RunInfo(tmp_path))
+    sink.log_metrics(2, {"reward/mean": 0.25})
+    sink.log_distributions(2, {"reward": np.array([0.0, 1.0, 1.0]), "empty": np.array([])})
+    sink.log_samples(2, SampleTable((("q#0", "env", 1, "[]", "a|b", 1.0, 0.5, "stop", 3, "trained"),)))
+    sink.close()
+    values = {(e.step, v.tag): v for e in _tb_events(tmp_path / "tb") for v in e.summary.value}
+    assert values[(2, "reward/mean")].simple_value == 0.25
+    histo = values[(2, "dist/reward")].histo
+    assert (histo.num, histo.sum, histo.min, histo.max) == (3, 2.0, 0.0, 1.0)
+    assert (2, "dist/empty") not in values
+    text = values[(2, "rollouts/text_summary")].tensor.string_val[0].decode()
+    assert "| trajectory_id | env |" in text and "a\\|b" in text
