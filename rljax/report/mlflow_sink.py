@@ -7,7 +7,8 @@ where ``MLFLOW_ALLOW_FILE_STORE=true``, since MLflow 3 put it in maintenance mod
 params (flat keys; values cut to MLflow's 6000 characters). Metrics are ``log_batch``-ed with
 ``step=S``; MLflow keys allow letters, digits and ``_-. :/`` only, so other characters become ``_``
 (``eval/pass@1`` -> ``eval/pass_1``) and non-finite values are left out (JSONL writes them as null).
-Rollout samples are table artifacts ``rollouts/step_<S>.json``; MLflow has no histograms, so
+Rollout samples are table artifacts ``rollouts/step_<S>.json`` (an experiment this sink creates in a
+local store keeps its artifacts in ``<workdir>/mlflow-artifacts``); MLflow has no histograms, so
 distributions are not sent. The run id is kept in ``<workdir>/report_runs.json``: ``--resume``
 continues that run (and leaves its params as they are).
 """
@@ -69,11 +70,17 @@ class MlflowSink(Sink):
             self.run_id = recorded["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            # a local store (sqlite / file) would put artifacts under ./mlruns of the CWD: keep them
+            # in the workdir; a tracking server decides for itself
+            local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+            artifacts = (
+                (pathlib.Path(run.workdir) / "mlflow-artifacts").absolute().as_uri() if local else None
+            )
             experiment = self.client.get_experiment_by_name(self.config.experiment)
             experiment_id = (
                 experiment.experiment_id
                 if experiment is not None
-                else self.client.create_experiment(self.config.experiment)
+                else self.client.create_experiment(self.config.experiment, artifact_location=artifacts)
             )
             created = self.client.create_run(experiment_id, run_name=self.config.run_name or run.name)
             self.run_id = created.info.run_id

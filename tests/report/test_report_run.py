@@ -258,6 +258,7 @@ def test_mlflow_history_equals_metrics_jsonl_and_resume_keeps_the_run(run):
         assert history.keys() == want.keys(), key
         for s, v in want.items():
             assert math.isclose(history[s], v, rel_tol=1e-6, abs_tol=1e-12), (key, s)
+    assert mlrun.info.artifact_uri.startswith((run["workdir"] / "mlflow-artifacts").as_uri())  # not ./mlruns
     artifacts = {a.path for a in client.list_artifacts(ids["run_id"], "rollouts")}
     assert artifacts == {f"rollouts/step_{s}.json" for s in (1, 2, 3)}
 
