@@ -320,6 +320,16 @@ def test_the_report_renders_in_headless_chromium(run):
     assert int(status["data-tokens"]) == sum(len(r["completion_ids"]) for r in last)
     assert dom.count('class="tok"') == int(status["data-tokens"])
     assert dom.count('class="plot"') >= 4
+    # another step and colour, named in the URL's fragment
+    dom = _browse(
+        chromium, run["tmp"], "--dump-dom", out.as_uri() + "#step=1&color=advantage&show=filtered"
+    ).stdout
+    Status().feed(dom)
+    status, first = Status.attrs, _records(run["workdir"], 1)
+    assert status.get("data-state") == "ok" and int(status["data-step"]) == 1, dom[-2000:]
+    filtered = [r for r in first if r["status"] == "filtered"]
+    assert int(status["data-calls"]) == len(filtered) > 0
+    assert int(status["data-tokens"]) == sum(len(r["completion_ids"]) for r in filtered)
     shot = run["tmp"] / "report.png"
     _browse(chromium, run["tmp"], f"--screenshot={shot}", "--window-size=1280,900", out.as_uri())
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

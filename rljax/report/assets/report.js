@@ -17,6 +17,14 @@
   var state = { step: null, color: "logprob", show: "all", sort: "id" };
   var steps = Object.keys(DATA.steps).map(Number).sort(function (a, b) { return a - b; });
   if (steps.length) state.step = steps[steps.length - 1];
+  // the view can be named in the URL: report.html#step=2&color=advantage&show=filtered&sort=reward
+  location.hash.replace(/^#/, "").split("&").forEach(function (kv) {
+    var p = kv.split("="), k = p[0], v = decodeURIComponent(p[1] || "");
+    if (k === "step" && steps.indexOf(Number(v)) >= 0) state.step = Number(v);
+    else if (k === "color" && ["logprob", "advantage", "mask"].indexOf(v) >= 0) state.color = v;
+    else if (k === "show" && ["all", "trained", "filtered", "errored", "dropped"].indexOf(v) >= 0) state.show = v;
+    else if (k === "sort" && ["id", "reward"].indexOf(v) >= 0) state.sort = v;
+  });
 
   function el(tag, attrs, children) {
     var e = document.createElement(tag);
