@@ -38,6 +38,9 @@ MIN_EXAMPLES = {
     "rljax.rollout": 1,
     "rljax.train.checkpoint": 1,
     "rljax.train.metrics": 1,
+    "rljax.report.metrics": 5,
+    "rljax.report.records": 1,
+    "rljax.report.sinks": 2,
 }
 
 

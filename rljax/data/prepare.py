@@ -41,7 +41,7 @@ import numpy as np
 from rljax.algorithms import Algorithm
 from rljax.data.batch import StepBatch
 from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
-from rljax.data.merge import merge_metrics, merge_steps, plan_merge
+from rljax.data.merge import MergePlan, merge_metrics, merge_steps, plan_merge
 from rljax.data.pack import STREAM_DEFAULTS
 from rljax.data.step_advantages import compute_step_advantages
 from rljax.types import ERROR_STOP_REASONS, Step
@@ -72,6 +72,10 @@ class PreparedSamples:
       token_rewards: critic algorithms (ppo): per-token rewards (:func:`token_rewards`); their
         advantages are computed on packed rows from the critic's values (zeros here).
       metrics: filter, merge and echo metrics, keys prefixed by their stage.
+      sample_of_step: per input step (batch order), the index in ``samples`` of the sample it
+        trained in (the merge plan's; the identity without merging). Rollout records use it.
+      step_advantages: per input step, its per-token advantages before merging.
+      step_filtered: per input step, whether an enforcing filter zeroed its loss mask.
     """
 
     samples: list[Step]
@@ -82,6 +86,9 @@ class PreparedSamples:
     ref_logprobs: list[np.ndarray] | None = None
     token_rewards: list[np.ndarray] | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    sample_of_step: tuple[int, ...] = ()
+    step_advantages: tuple[np.ndarray, ...] = ()
+    step_filtered: tuple[bool, ...] = ()
 
     def streams(self) -> dict[str, list[np.ndarray] | None]:
         """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`, plus ``token_rewards``
@@ -222,9 +229,18 @@ def prepare_samples(
         adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
     if comp != "rl" or critic:  # no advantages (yet) or no group baseline: these would mask every token
         filters = [f for f in filters if not isinstance(f, (ZeroAdvantageFilter, ZeroVarianceGroupFilter))]
+    unfiltered = batch
     if filters:
         batch, fm = apply_filters(batch, filters, advantages=adv)
         metrics.update(fm)
+    trace: dict[str, Any] = {
+        "step_advantages": tuple(np.asarray(a, np.float32) for a in adv),
+        "step_filtered": tuple(
+            bool(np.any(np.asarray(a.loss_mask))) and not np.any(np.asarray(b.loss_mask))
+            for a, b in zip(unfiltered, batch, strict=True)
+        ),
+        "sample_of_step": tuple(range(len(batch))),
+    }
     rewards = token_rewards(batch.steps) if critic else None
     echo = bool(algorithm.observation_ce) and comp == "rl"
     if echo and not merge:
@@ -236,6 +252,7 @@ def prepare_samples(
     if merge:
         plan = plan_merge(batch.steps)  # once: merging and carrying arrays along share it
         merged = merge_steps(batch, plan)
+        trace["sample_of_step"] = _sample_of_step(plan)
         if echo:
             from rljax.data.echo import response_roles
 
@@ -250,7 +267,7 @@ def prepare_samples(
     adv = [np.asarray(a, np.float32) for a in adv]
 
     if comp == "rl" and not echo:
-        return PreparedSamples(samples, adv, token_rewards=rewards, metrics=metrics)
+        return PreparedSamples(samples, adv, token_rewards=rewards, metrics=metrics, **trace)
     if echo:
         from rljax.data.echo import echo_streams
 
@@ -261,17 +278,31 @@ def prepare_samples(
         ]
         metrics.update(es.metrics)
         return PreparedSamples(
-            samples, adv, rl_weights=list(es.rl_weights), ce_weights=list(es.ce_weights), metrics=metrics
+            samples,
+            adv,
+            rl_weights=list(es.rl_weights),
+            ce_weights=list(es.ce_weights),
+            metrics=metrics,
+            **trace,
         )
     if comp == "ce":
-        return PreparedSamples(samples, adv, ce_weights=_mask_weights(samples), metrics=metrics)
+        return PreparedSamples(samples, adv, ce_weights=_mask_weights(samples), metrics=metrics, **trace)
     # ref_kl
     if score is None:
         raise ValueError(f"algorithm {algorithm.name!r} feeds ref_kl: prepare_samples needs score=")
     ref = _check_scores(score(samples), samples, f"{algorithm.name} reference scorer")
     return PreparedSamples(
-        samples, adv, ref_kl_weights=_mask_weights(samples), ref_logprobs=ref, metrics=metrics
+        samples, adv, ref_kl_weights=_mask_weights(samples), ref_logprobs=ref, metrics=metrics, **trace
     )
+
+
+def _sample_of_step(plan: MergePlan) -> tuple[int, ...]:
+    """Per input step, the index of the merged sample holding it."""
+    out = [0] * plan.num_steps
+    for k, idx in enumerate(plan.samples):
+        for i in idx:
+            out[i] = k
+    return tuple(out)
 
 
 def prefixed(metrics: Mapping[str, Any], algorithm: str, *, multi: bool) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """What a run reports: per-step metric rows from rollouts and evals, and where they go.
 
 :func:`rollout_step_metrics` and :func:`eval_metrics` turn a :class:`~rljax.rollout.RolloutResult`
-into the metric keys of the run (``reward/*``, ``rollout/*``, ``eval/*``); :class:`RunSinks` writes
-rows to the stdout table, ``metrics.jsonl``, TensorBoard and the plot (RL steps under ``workdir``,
-the warm start under ``workdir/warmstart``).
+into the metric keys of the run (``reward/*``, ``rollout/*``, ``eval/*``); :class:`RunSinks` sends
+rows, distributions and rollout samples to the run's sinks (:mod:`rljax.report.sinks`; RL steps under
+``workdir``, the warm start under ``workdir/warmstart``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,17 @@ import numpy as np
 
 from rljax import evaluation
 from rljax.envs.base import Task
-from rljax.rollout import RolloutResult
-from rljax.train import metrics as metrics_lib
+from rljax.report import metrics as metrics_lib
+from rljax.report import sinks as sinks_lib
+from rljax.report.config import ReportConfig
+from rljax.report.records import (
+    PreparationTrace,
+    rollout_distributions,
+    rollout_records,
+    sample_table,
+    write_rollout_records,
+)
+from rljax.rollout import RolloutResult, TrajectoryRecord
 
 __all__ = ["RunSinks", "eval_metrics", "rollout_step_metrics"]
 
@@ -81,10 +90,12 @@ def eval_metrics(
 
 
 class RunSinks:
-    """The run's metrics: :class:`rljax.train.metrics.MetricsLogger` for RL steps (``workdir``: stdout
-    table, ``metrics.jsonl``, TensorBoard, ``metrics.png``) and another for the warm start
-    (``workdir/warmstart``). On resume, JSONL lines of steps after the checkpoint are dropped first,
-    so the file reads as one uninterrupted run; a fresh run starts a fresh file.
+    """The run's sinks (:mod:`rljax.report.sinks`): for RL steps the stdout table plus
+    ``config.report.sinks`` (``jsonl``: ``metrics.jsonl`` and ``metrics.png``; ``tensorboard``;
+    ``wandb``; ``mlflow``), all opened here (a sink that cannot start raises); the warm start gets
+    its own local logger (``workdir/warmstart``: table, JSONL, TensorBoard, plot), since its steps
+    are not RL steps. On resume, JSONL lines of steps after the checkpoint are dropped first, so the
+    file reads as one uninterrupted run; a fresh run starts a fresh file.
 
     ``enabled=False`` (every process but 0 of a multi-process run) writes nothing anywhere."""
 
@@ -95,10 +106,14 @@ class RunSinks:
         resume_step: int | None,
         table_keys: Sequence[str],
         enabled: bool = True,
+        report: ReportConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume: bool | None = None,
     ) -> None:
         self.enabled = enabled
         self.workdir = workdir
         self.warmstart: metrics_lib.MetricsLogger | None = None
+        self.report = report if report is not None else ReportConfig()
         if not enabled:
             return
         path = workdir / metrics_lib.JSONL_NAME
@@ -114,14 +129,25 @@ class RunSinks:
             path.write_text("".join(k + "\n" for k in kept))
         elif path.exists():
             path.unlink()
-        self.rl = metrics_lib.MetricsLogger(workdir, table_keys=table_keys)
+        sinks: list[sinks_lib.Sink] = [sinks_lib.StdoutSink(table_keys)]
+        for name in self.report.sinks:
+            sinks.append(_make_sink(name, self.report, workdir))
+        self.rl = sinks_lib.SinkSet(sinks)
+        self.rl.open(
+            sinks_lib.RunInfo(
+                workdir,
+                config=sinks_lib.flat_config(config or {}),
+                resume=resume_step is not None if resume is None else resume,
+                resume_step=resume_step,
+            )
+        )
 
     def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> None:
         if not self.enabled:
             return
         scalars = {k: v for k, v in metrics.items() if k not in metrics_lib.RESERVED_KEYS}
         if phase == "rl":
-            self.rl.log(step, scalars)
+            self.rl.log_metrics(step, scalars)
             return
         if self.warmstart is None:
             ws_dir = self.workdir / "warmstart"
@@ -132,9 +158,43 @@ class RunSinks:
             )
         self.warmstart.log(step, scalars)
 
+    def log_rollouts(
+        self,
+        step: int,
+        trajectories: Sequence[TrajectoryRecord],
+        trace: PreparationTrace | None,
+        *,
+        save: bool,
+    ) -> None:
+        """Distributions of RL step ``step`` to the sinks; with ``save``, its rollout records to
+        ``rollouts/step_<step>.jsonl`` and a sample table to the sinks."""
+        if not self.enabled:
+            return
+        self.rl.log_distributions(step, rollout_distributions(trajectories, trace))
+        if save:
+            records = rollout_records(trajectories, trace)
+            write_rollout_records(self.workdir, step, records)
+            self.rl.log_samples(step, sample_table(records, seed=step))
+
     def close(self) -> None:
         if not self.enabled:
             return
         self.rl.close()
         if self.warmstart is not None:
             self.warmstart.close()
+
+
+def _make_sink(name: str, report: ReportConfig, workdir: pathlib.Path) -> sinks_lib.Sink:
+    if name == "jsonl":
+        return sinks_lib.JsonlMetricsSink(workdir)
+    if name == "tensorboard":
+        return sinks_lib.TensorBoardMetricsSink(workdir)
+    if name == "wandb":
+        from rljax.report.wandb_sink import WandbSink
+
+        return WandbSink(report.wandb)
+    if name == "mlflow":
+        from rljax.report.mlflow_sink import MlflowSink
+
+        return MlflowSink(report.mlflow)
+    raise ValueError(f"unknown report sink {name!r}")

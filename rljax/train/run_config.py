@@ -44,6 +44,7 @@ from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
 from rljax.models.lora import LoRAConfig
+from rljax.report.config import ReportConfig
 from rljax.rollout import RolloutConfig
 from rljax.train.critic import CriticSection
 from rljax.train.optim import OptimizerConfig
@@ -289,6 +290,7 @@ class TrainerSection:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     table_keys: tuple = DEFAULT_TABLE_KEYS
+    save_rollouts_every: int = 0  # N: rollouts/step_<S>.jsonl + a sample table every N steps (0 = never)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +315,7 @@ class RunConfig:
     critic: CriticSection = _field(CriticSection())
     lora: LoRAConfig | None = None  # None (or an empty mapping) = full training
     trainer: TrainerSection = _field(TrainerSection())
+    report: ReportConfig = _field(ReportConfig())  # sinks: jsonl, tensorboard, wandb, mlflow
     mesh: MeshConfig = _field(MeshConfig())  # size 1 = no mesh (one device)
 
     @property
@@ -504,7 +507,14 @@ def _validate(cfg: RunConfig) -> RunConfig:
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)
     # num_steps=0: the warm start only (and a step-0 checkpoint)
-    for key in ("num_steps", "mini_batch_prompts", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    for key in (
+        "num_steps",
+        "mini_batch_prompts",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "save_rollouts_every",
+    ):
         _at_least(f"config.trainer.{key}", getattr(t, key), 0)
     _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
@@ -601,6 +611,8 @@ _OBJECT_FIELDS = {
     "trainer.filters",
     "trainer.row_buckets",
     "trainer.table_keys",
+    "report.sinks",
+    "report.wandb.tags",
     "engine.urls",
     "engine.max_model_len",
     "objective.max_len",
@@ -647,6 +659,8 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
     "trainer.table_keys",
+    "trainer.save_rollouts_every",
+    "report",
     "engine.urls",
     "engine.python",
     "engine.num_servers",

@@ -56,12 +56,14 @@ from rljax.data.filters import make_filter
 from rljax.data.pack import make_mini_batches
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
 from rljax.envs.base import Task
+from rljax.report import metrics as metrics_lib
+from rljax.report.records import PreparationTrace
 from rljax.rollout import RolloutResult
-from rljax.train import metrics as metrics_lib
 from rljax.train.builders import build_model, build_tokenizer
 from rljax.train.distributed import is_main_process
 from rljax.train.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.train.run import Run, mini_batch_groups
+from rljax.train.run_config import config_record
 from rljax.train.step import TrainState
 from rljax.train.tasks import TaskIterator
 
@@ -116,6 +118,7 @@ class Trainer:
         # metric keys get a /<algorithm> suffix when the run's envs train with more than one algorithm
         self.multi_algorithm = len({self.algorithms.for_env(e).name for e in self.env_tasks.factories}) > 1
         self.rl_step = 0
+        self.trace: PreparationTrace | None = None
         self.history: list[dict[str, Any]] = []
 
     # -- the run's parts, by their usual names -----------------------------------------------------
@@ -151,6 +154,7 @@ class Trainer:
         train_rows: list[dict[str, float]] = []
         critic_rows: list[dict[str, float]] = []
         shuffle_seed = int(parts.np_rng.integers(0, 2**31 - 1))
+        self.trace = PreparationTrace(self.rl_step + 1)  # which sample each step trained in (records)
         for name, part in split_by_algorithm(batch).items():
             alg = _algorithm_named(self.algorithms, name)
             prep = prepare_samples(
@@ -162,6 +166,7 @@ class Trainer:
                 observation_filter=self.observation_filters[alg.name],
             )
             metrics.update(prefixed(prep.metrics, name, multi=multi))
+            self.trace.add(part.steps, prep)
             num_groups = len({s.trajectory_id.instance_id for s in prep.samples})
             mini_batches = make_mini_batches(
                 prep.samples,
@@ -210,6 +215,9 @@ class Trainer:
                 resume_step=resumed,
                 table_keys=self.cfg.trainer.table_keys,
                 enabled=is_main_process(),
+                report=self.cfg.report,
+                config=config_record(self.cfg),
+                resume=self.resume,
             )
             try:
                 return self._run(resumed)
@@ -302,6 +310,9 @@ class Trainer:
             metrics["time/elapsed_s"] = time.perf_counter() - run_start
             metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
             self.history.append({"step": step_no, **metrics})
+            every = t.save_rollouts_every
+            save = bool(every) and step_no % every == 0
+            self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
             self.sinks.log(step_no, metrics)
         return self.history
 
