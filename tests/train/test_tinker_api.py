@@ -99,12 +99,14 @@ def test_cross_entropy_and_adam_match_references(server, client):
     seqs = [_seq(rng, 9), _seq(rng, 5)]
     weights = [rng.uniform(0, 1, len(s) - 1).astype(np.float32) for s in seqs]
     data = [_datum(s, weights=w) for s, w in zip(seqs, weights, strict=True)]
-    adam = types.AdamParams(learning_rate=0.05, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
+    adam = types.AdamParams(learning_rate=0.05, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.1)
 
     def ce(params):
-        return sum(-(w * _jax_logp(graphdef, params, frozen, s)).sum() for s, w in zip(seqs, weights, strict=True))
+        return sum(
+            -(w * _jax_logp(graphdef, params, frozen, s)).sum() for s, w in zip(seqs, weights, strict=True)
+        )
 
-    tx = optax.adamw(0.05, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.1)
+    tx = optax.adamw(0.05, b1=0.8, b2=0.9, eps=1e-3, weight_decay=0.1)
     ref_params, opt = p0, tx.init(p0)
     for step in range(2):
         out = tc.forward_backward(data, "cross_entropy").result()
@@ -235,16 +237,138 @@ def test_unsupported_losses_are_refused(server, client):
     tc = client.create_lora_training_client(base_model=BASE, rank=2).result()
     seq = np.arange(3, 9)
     with pytest.raises(Exception, match="stable_reinforce"):
-        tc.forward_backward([_datum(seq, logprobs=np.zeros(5, np.float32), advantages=np.ones(5, np.float32))],
-                            "stable_reinforce").result()  # fmt: skip
+        tc.forward_backward(
+            [_datum(seq, logprobs=np.zeros(5, np.float32), advantages=np.ones(5, np.float32))],
+            "stable_reinforce",
+        ).result()
     with pytest.raises(Exception, match="beta"):
-        tc.forward_backward([_datum(seq, logprobs=np.zeros(5, np.float32), advantages=np.ones(5, np.float32))],
-                            "dro").result()  # fmt: skip
+        tc.forward_backward(
+            [_datum(seq, logprobs=np.zeros(5, np.float32), advantages=np.ones(5, np.float32))], "dro"
+        ).result()
 
 
 def test_malformed_body_is_a_clear_400(server):
-    r = httpx.post(f"{server.base_url}/api/v1/forward_backward", content=b"\xff\x00garbage",
-                   headers={"content-type": "application/x-protobuf", "x-api-key": KEY})  # fmt: skip
+    r = httpx.post(
+        f"{server.base_url}/api/v1/forward_backward",
+        content=b"\xff\x00garbage",
+        headers={"content-type": "application/x-protobuf", "x-api-key": KEY},
+    )
     assert r.status_code == 400 and "malformed" in r.json()["detail"]
     r = httpx.post(f"{server.base_url}/api/v1/optim_step", content=b"{not json", headers={"x-api-key": KEY})
     assert r.status_code == 400
+
+
+def _forward_logp(tc, seq: np.ndarray) -> np.ndarray:
+    return tc.forward([_datum(seq)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_sample_compute_logprobs_and_forward_agree(server, client):
+    rng = np.random.default_rng(5)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    seq = _seq(rng, 8)
+    tc.forward_backward([_datum(seq)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()  # B != 0: the adapter matters
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = [int(t) for t in seq[:5]]
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 2, params, include_prompt_logprobs=True).result()
+    assert len(res.sequences) == 2 and all(len(s.tokens) == 6 for s in res.sequences)
+    assert all(s.stop_reason == "length" for s in res.sequences)
+    full = np.array(prompt + list(res.sequences[0].tokens))
+    fwd = _forward_logp(tc, full)
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints([int(t) for t in full])).result()
+    assert lps[0] is None
+    np.testing.assert_allclose(np.array(lps[1:], np.float64), fwd, atol=1e-6)  # same program: equal
+    assert res.prompt_logprobs[0] is None
+    np.testing.assert_allclose(np.array(res.prompt_logprobs[1:]), fwd[:4], atol=1e-6)
+    np.testing.assert_allclose(res.sequences[0].logprobs, fwd[4:], atol=2e-4)  # the sampler's own program
+    # the sampler serves a snapshot: training on does not change it
+    tc.forward_backward([_datum(seq)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    again = sampler.compute_logprobs(types.ModelInput.from_ints([int(t) for t in full])).result()
+    assert again == lps
+    # named sampler weights on disk -> a sampling client by path serves the CURRENT weights
+    path = tc.save_weights_for_sampler("now").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/now"
+    by_path = client.create_sampling_client(model_path=path).result()
+    now = by_path.compute_logprobs(types.ModelInput.from_ints([int(t) for t in full])).result()
+    np.testing.assert_allclose(np.array(now[1:], np.float64), _forward_logp(tc, full), atol=1e-6)
+
+
+def test_two_lora_clients_are_independent(server, client):
+    rng = np.random.default_rng(11)
+    a = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    b = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    seq = _seq(rng, 9)
+    before_b, before_a = _forward_logp(b, seq), _forward_logp(a, seq)
+    for _ in range(3):
+        a.forward_backward([_datum(seq)], "cross_entropy").result()
+        a.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    np.testing.assert_array_equal(_forward_logp(b, seq), before_b)
+    assert (_forward_logp(a, seq) > before_a).mean() > 0.5  # a learned its sequence
+    assert server.service.models[b.model_id].step == 0 and server.service.models[a.model_id].step == 3
+
+
+def test_save_and_load_state_round_trip(server, client):
+    rng = np.random.default_rng(13)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    seq = _seq(rng, 7)
+    tc.forward_backward([_datum(seq)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    path = tc.save_state("s1").result().path
+    m = server.service.models[tc.model_id]
+    saved = jax.tree.map(np.array, (m.params, m.opt_state))
+    tc.forward_backward([_datum(seq)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    tc.load_state_with_optimizer(path).result()
+    m = server.service.models[tc.model_id]
+    _close((m.params, m.opt_state), saved, rtol=0, atol=0)
+    restored = client.create_training_client_from_state_with_optimizer(path).result()
+    r = server.service.models[restored.model_id]
+    _close((r.params, r.opt_state), saved, rtol=0, atol=0)
+    assert r.step == 1 and restored.get_info().lora_rank == 4
+    listed = client.create_rest_client().list_checkpoints(tc.model_id).result()
+    assert [c.tinker_path for c in listed.checkpoints] == [path]
+    # integrity: a damaged checkpoint is refused with a clear error
+    directory = server.service.root / tc.model_id / "weights" / "s1"
+    victim = max(
+        (f for f in directory.rglob("*") if f.is_file() and f.name != "manifest.json"),
+        key=lambda f: f.stat().st_size,
+    )
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    with pytest.raises(Exception, match="damaged"):
+        tc.load_state(path).result()
+
+
+def test_bad_input_is_a_clear_error_and_harms_no_one(server, client):
+    good = client.create_lora_training_client(base_model=BASE, rank=4, seed=9).result()
+    seq = np.arange(3, 10)
+    before = _forward_logp(good, seq)
+    with pytest.raises(Exception, match="unknown base model"):
+        client.create_lora_training_client(base_model="no/such-model", rank=4).result()
+    with pytest.raises(Exception, match="server's maximum"):
+        client.create_lora_training_client(base_model=BASE, rank=64).result()
+    bad = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        bad.forward_backward([_datum(np.array([3, 4, 10**6]))], "cross_entropy").result()
+    bad = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(Exception, match="one value per token"):
+        bad.forward_backward([_datum(seq, weights=np.ones(3, np.float32))], "cross_entropy").result()
+    bad = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(Exception, match="no gradients"):
+        bad.optim_step(types.AdamParams(learning_rate=0.1)).result()
+    np.testing.assert_array_equal(_forward_logp(good, seq), before)
+    good.forward_backward([_datum(seq)], "cross_entropy").result()
+    assert good.optim_step(types.AdamParams()).result().metrics["step:max"] == 1.0
+
+
+def test_sessions_expire_and_release_their_models(server):
+    svc = server.service
+    sid = svc.create_session()
+    rid = svc.create_model(sid, BASE, {"rank": 2}, None)
+    kind, result = svc.retrieve(rid, timeout=60)
+    assert kind == "json" and result["model_id"] in svc.models
+    svc.sessions[sid].last_seen -= svc.options.session_timeout_s + 1
+    svc._reap_once()
+    svc.retrieve(svc._submit("barrier", None, lambda: {}), timeout=60)  # the drop ran before it
+    assert result["model_id"] not in svc.models and sid not in svc.sessions

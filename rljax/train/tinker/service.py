@@ -141,20 +141,20 @@ class TinkerService:
     def _reap(self) -> None:
         while not self._closed:
             time.sleep(min(5.0, self.options.session_timeout_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                dead = [
-                    s for s in self.sessions.values() if now - s.last_seen > self.options.session_timeout_s
-                ]
-                for s in dead:
-                    del self.sessions[s.session_id]
+            self._reap_once()
+
+    def _reap_once(self) -> None:
+        """Expires every session silent for longer than ``session_timeout_s``."""
+        now = time.monotonic()
+        with self._lock:
+            dead = [s for s in self.sessions.values() if now - s.last_seen > self.options.session_timeout_s]
             for s in dead:
-                log.info(
-                    "session %s expired (no heartbeat for %.0f s)",
-                    s.session_id,
-                    self.options.session_timeout_s,
-                )
-                self.finish_session(s)
+                del self.sessions[s.session_id]
+        for s in dead:
+            log.info(
+                "session %s expired (no heartbeat for %.0f s)", s.session_id, self.options.session_timeout_s
+            )
+            self.finish_session(s)
 
     def finish_session(self, session: _Session | str) -> None:
         """Drops a session's models (parameters, gradients, Adam state) and samplers."""
@@ -332,7 +332,7 @@ class TinkerService:
     # -- forward / backward --------------------------------------------------------------------------------
     def submit_forward_backward(self, req: FwdBwdRequest) -> str:
         self.model(req.model_id)
-        check_config(req.loss_fn, req.loss_fn_config)  # unknown losses fail before they queue
+        _loss_config(req.loss_fn, req.loss_fn_config)  # unknown losses fail before they queue
         if not req.data:
             raise UserError("forward_backward: no data")
         return self._submit("forward_backward", req.model_id, lambda: None, fwd=req)
@@ -380,7 +380,7 @@ class TinkerService:
         """Runs requests of ONE model with one loss as one packed batch; one output per request."""
         first = reqs[0]
         m = self.model(first.model_id)
-        config = check_config(first.loss_fn, first.loss_fn_config)
+        config = _loss_config(first.loss_fn, first.loss_fn_config)
         per_req = [self._datums(r) for r in reqs]
         datums = [d for ds in per_req for d in ds]
         defaults = {"weights": 1.0, "logprobs": 0.0, "advantages": 0.0, "sequence_ratio_mask": 1.0}
@@ -623,6 +623,13 @@ class TinkerService:
             return sampler.sample(prompt, n, params, stop_ids, want_prompt_lp)
 
         return self._submit("sample", None, sample), ids
+
+
+def _loss_config(loss_fn: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
+    try:
+        return check_config(loss_fn, config)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _same_step(a: _Job, b: _Job) -> bool:
