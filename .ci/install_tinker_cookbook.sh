@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment that runs tinker-cookbook loops against rljax's Tinker API.
 #
-# tinker-cookbook pins transformers<=5.5.4 (and brings torch), so it lives in its OWN venv, never in
+# tinker-cookbook pins transformers<=5.5.4 (and brings torch; 0.6.x needs tml-renderers>=0.4.1,
+# which the package index here lacks, hence 0.5.8), so it lives in its OWN venv, never in
 # rljax's; it talks to the server (python -m launch.serve) over HTTP only. Tests find its python via
 # $RLJAX_TINKER_COOKBOOK_PYTHON or <repo>/.tinker-cookbook-venv/bin/python.
 #
@@ -10,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-COOKBOOK_SPEC=${RLJAX_TINKER_COOKBOOK_SPEC:-tinker-cookbook==0.6.1}
+COOKBOOK_SPEC=${RLJAX_TINKER_COOKBOOK_SPEC:-tinker-cookbook==0.5.8}
 TINKER_SPEC=${RLJAX_TINKER_SPEC:-tinker==0.38.0}
 VENV=${1:-${RLJAX_TINKER_COOKBOOK_VENV:-.tinker-cookbook-venv}}
 PY=${RLJAX_TINKER_COOKBOOK_BASE_PYTHON:-python3.11}

@@ -56,7 +56,7 @@ def main() -> None:
     config = tinker_config.get_config()
     if args.model30m:
         config.model.init.update(
-            hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
+            hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=4, head_dim=64
         )
     srv = serve_in_thread(config, tempfile.mkdtemp(prefix="tinker_bench_"))
     try:

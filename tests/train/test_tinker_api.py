@@ -305,7 +305,7 @@ def test_two_lora_clients_are_independent(server, client):
         a.forward_backward([_datum(seq)], "cross_entropy").result()
         a.optim_step(types.AdamParams(learning_rate=0.05)).result()
     np.testing.assert_array_equal(_forward_logp(b, seq), before_b)
-    assert (_forward_logp(a, seq) > before_a).mean() > 0.5  # a learned its sequence
+    assert _forward_logp(a, seq).sum() > before_a.sum()  # a learned its sequence
     assert server.service.models[b.model_id].step == 0 and server.service.models[a.model_id].step == 3
 
 

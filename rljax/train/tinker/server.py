@@ -130,7 +130,9 @@ def make_app(service: TinkerService) -> FastAPI:
     async def create_model(request: Request) -> dict[str, Any]:
         data = await body(request)
         sid, base = need(data, "session_id", "base_model")
-        rid = service.create_model(sid, base, data.get("lora_config"), data.get("optimizer_config"))
+        rid = service.create_model(
+            sid, base, data.get("lora_config"), data.get("optimizer_config"), data.get("model_seq_id")
+        )
         return future(rid)
 
     @app.post("/api/v1/get_info")
@@ -189,6 +191,7 @@ def make_app(service: TinkerService) -> FastAPI:
             optimizer=bool(data.get("optimizer")),
             model_id=data.get("model_id"),
             session_id=data.get("session_id"),
+            model_seq_id=data.get("model_seq_id"),
         )
         return future(rid)
 

@@ -286,6 +286,7 @@ class TinkerService:
         base_model: str,
         lora: Mapping[str, Any] | None,
         optimizer: Mapping[str, Any] | None,
+        model_seq_id: int | None = None,
     ) -> str:
         session = self._session(session_id)
         self._check_base(base_model)
@@ -295,7 +296,7 @@ class TinkerService:
             )
         cfg = self._lora_config(lora)
         seed = int((lora or {}).get("seed") or 0)
-        model_id = f"model-{uuid.uuid4().hex[:12]}"
+        model_id = _model_id(session_id, model_seq_id)
 
         def create() -> dict[str, Any]:
             m = make_trainable(self.base, model_id, base_model, lora=cfg, seed=seed)
@@ -513,11 +514,12 @@ class TinkerService:
         model_id: str | None = None,
         session_id: str | None = None,
         base_model: str | None = None,
+        model_seq_id: int | None = None,
     ) -> str:
         """``load_state[_with_optimizer]`` into an existing model, or (``session_id``) into a new one
         created from the checkpoint's recorded LoRA settings."""
         self._parse_path(path)
-        new_id = model_id or f"model-{uuid.uuid4().hex[:12]}"
+        new_id = model_id or _model_id(session_id or "", model_seq_id)
         session = self._session(session_id) if model_id is None else None
 
         def load() -> dict[str, Any]:
@@ -623,6 +625,14 @@ class TinkerService:
             return sampler.sample(prompt, n, params, stop_ids, want_prompt_lp)
 
         return self._submit("sample", None, sample), ids
+
+
+def _model_id(session_id: str, model_seq_id: int | None) -> str:
+    """The SDK's model id of a session's ``model_seq_id``-th training client (it derives it itself
+    when it creates a client from a checkpoint)."""
+    if model_seq_id is None:
+        return f"{session_id}:train:{uuid.uuid4().hex[:8]}"
+    return f"{session_id}:train:{int(model_seq_id)}"
 
 
 def _loss_config(loss_fn: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
