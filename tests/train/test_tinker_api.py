@@ -4,6 +4,9 @@ References are independent of the server's code path: logprobs from the model's 
 (``Decoder.logits`` of ``hidden_states`` of the UNPACKED sequence) in float64 numpy, the loss
 formulas written here from the Tinker documentation, gradients by ``jax.grad`` of those formulas,
 and Adam by ``optax.adamw`` with the SDK's hyperparameters.
+
+Marked ``integration``: a real HTTP server (uvicorn in a thread, one per module) trained end to end
+through the SDK.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from configs import tinker as tinker_config  # noqa: E402
 from rljax.models import sequence_logprobs  # noqa: E402
 from rljax.train.step import merge_model  # noqa: E402
 from rljax.train.tinker import serve_in_thread  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 BASE = "rljax/tiny"
 KEY = "tml-test-key"
