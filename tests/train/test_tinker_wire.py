@@ -85,3 +85,20 @@ def test_loss_options():
         check_config("nope", None)
     with pytest.raises(ValueError, match="stable_reinforce"):
         check_config("stable_reinforce", None)
+
+
+def test_api_keys_are_checked_when_configured():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from rljax.train.tinker.server import make_app
+    from rljax.train.tinker.service import ServiceOptions
+
+    app = make_app(SimpleNamespace(options=ServiceOptions(api_keys=("tml-right",))))
+    with TestClient(app) as c:
+        assert c.get("/api/v1/healthz").status_code == 401
+        assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+        assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-right"}).json() == {"status": "ok"}
+    with TestClient(make_app(SimpleNamespace(options=ServiceOptions()))) as c:  # no keys: any key
+        assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-x"}).status_code == 200
