@@ -377,3 +377,27 @@ def test_sessions_expire_and_release_their_models(server):
     svc._reap_once()
     svc.retrieve(svc._submit("barrier", None, lambda: {}), timeout=60)  # the drop ran before it
     assert result["model_id"] not in svc.models and sid not in svc.sessions
+
+
+def test_a_restarted_server_loads_saved_states(server, client):
+    """A new service on the same workdir (fresh sessions and models) loads a checkpoint of the old one."""
+    from rljax.train.tinker.service import TinkerService
+
+    rng = np.random.default_rng(17)
+    tc = client.create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
+    tc.forward_backward([_datum(_seq(rng, 6))], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    path = tc.save_state("restart").result().path
+    old = server.service.models[tc.model_id]
+    restarted = TinkerService(server.service.run, server.service.root.parent, server.service.options)
+    try:
+        sid = restarted.create_session()
+        kind, result = restarted.retrieve(
+            restarted.load_state(path, optimizer=True, session_id=sid, model_seq_id=0), timeout=120
+        )
+        assert kind == "json", result
+        new = restarted.models[result["model_id"]]
+        _close((new.params, new.opt_state), (old.params, old.opt_state), rtol=0, atol=0)
+        assert new.step == 1 and new.lora.rank == 2
+    finally:
+        restarted.close()
