@@ -11,6 +11,8 @@ through the SDK.
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import jax
 import jax.numpy as jnp
@@ -56,10 +58,15 @@ def _datum(seq: np.ndarray, **inputs: np.ndarray) -> types.Datum:
     )
 
 
-def _logits(graphdef, params, frozen, seq: np.ndarray) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_of_tokens(graphdef, params, frozen, tokens: jax.Array) -> jax.Array:
     model = merge_model(graphdef, params, frozen)
-    hidden = model.hidden_states(jnp.asarray(seq[None, :-1], jnp.int32)).hidden
-    return model.logits(hidden)[0]
+    return model.logits(model.hidden_states(tokens[None]).hidden)[0]
+
+
+def _logits(graphdef, params, frozen, seq: np.ndarray) -> jax.Array:
+    """float32 logits of the whole unpacked input ``seq[:-1]`` (the model's own head)."""
+    return _logits_of_tokens(graphdef, params, frozen, jnp.asarray(seq[:-1], jnp.int32))
 
 
 def _ref_logp(graphdef, params, frozen, seq: np.ndarray) -> np.ndarray:
@@ -112,6 +119,7 @@ def test_cross_entropy_and_adam_match_references(server, client):
         )
 
     tx = optax.adamw(0.05, b1=0.8, b2=0.9, eps=1e-3, weight_decay=0.1)
+    grad_ce = jax.jit(jax.grad(ce))
     ref_params, opt = p0, tx.init(p0)
     for step in range(2):
         out = tc.forward_backward(data, "cross_entropy").result()
@@ -125,7 +133,7 @@ def test_cross_entropy_and_adam_match_references(server, client):
             lp = np.asarray(sequence_logprobs(model, jnp.asarray(seqs[0][None], jnp.int32)))[0, 1:]
             np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), lp, atol=2e-5)
         tc.optim_step(adam).result()
-        updates, opt = tx.update(jax.grad(ce)(ref_params), opt, ref_params)
+        updates, opt = tx.update(grad_ce(ref_params), opt, ref_params)
         ref_params = optax.apply_updates(ref_params, updates)
         _close(server.service.models[tc.model_id].params, ref_params, atol=1e-4, rtol=1e-4)
     assert m.step == 2
@@ -138,7 +146,7 @@ def test_full_finetune_step_matches_adam(server, client):
     seq = _seq(rng, 7)
     tc.forward_backward([_datum(seq)], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=0.5)).result()
-    grads = jax.grad(lambda p: -_jax_logp(graphdef, p, frozen, seq).sum())(p0)
+    grads = jax.jit(jax.grad(lambda p: -_jax_logp(graphdef, p, frozen, seq).sum()))(p0)
     grads = optax.clip_by_global_norm(0.5).update(grads, None)[0]
     tx = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)  # the SDK's AdamParams defaults
     updates, _ = tx.update(grads, tx.init(p0), p0)
@@ -215,7 +223,7 @@ def test_policy_losses_match_formulas(server, client, name, cfg):
             for s, q, a in zip(seqs, qs, advs, strict=True)
         )
 
-    _close(server.service.models[tc.model_id].pending, jax.grad(loss)(p0), atol=3e-5, rtol=1e-3)
+    _close(server.service.models[tc.model_id].pending, jax.jit(jax.grad(loss))(p0), atol=3e-5, rtol=1e-3)
 
 
 def test_custom_loss_through_the_sdk(server, client):
