@@ -1,0 +1,125 @@
+"""Tinker API benchmark (issue 22): the cost of the HTTP front door over the same work in-process.
+
+1. training: ``forward_backward`` (cross_entropy, ``--datums`` datums of ``--len`` tokens) +
+   ``optim_step`` through the real ``tinker`` SDK against an in-process server, vs the SAME jitted
+   calls made directly on a :class:`~rljax.train.tinker.trainable.TrainableModel` (packing included).
+   Goal: API / in-process <= 1.15x.
+2. sampling: ``SamplingClient.sample`` (``--samples`` completions of ``--new`` tokens) through the API
+   vs the embedded sampler's ``generate`` called directly on the same weights.
+
+Both sides run after a warm-up (compilation excluded), median of ``--reps`` repetitions.
+
+    python benchmarks/tinker_bench.py                # the tiny default model (configs/tinker.py)
+    python benchmarks/tinker_bench.py --model30m     # a ~30M-parameter Qwen3-shaped model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up: compile
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--datums", type=int, default=8)
+    ap.add_argument("--len", type=int, default=120)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--model30m", action="store_true", help="a ~30M-parameter model instead of the tiny one")
+    args = ap.parse_args()
+
+    import tinker
+    from tinker import types
+
+    from configs import tinker as tinker_config
+    from rljax.inference.engine import SamplingParams
+    from rljax.train.tinker import serve_in_thread
+    from rljax.train.tinker.packing import Datum, pack_datums
+
+    config = tinker_config.get_config()
+    if args.model30m:
+        config.model.init.update(
+            hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=4, head_dim=64
+        )
+    srv = serve_in_thread(config, tempfile.mkdtemp(prefix="tinker_bench_"))
+    try:
+        client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench")
+        tc = client.create_lora_training_client(base_model=srv.service.options.base_model, rank=8).result()
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(3, 200, args.len + 1) for _ in range(args.datums)]
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([int(t) for t in s[:-1]]),
+                loss_fn_inputs={"target_tokens": np.asarray(s[1:], np.int64)},
+            )
+            for s in seqs
+        ]
+        adam = types.AdamParams(learning_rate=1e-4)
+
+        def api_step() -> None:
+            fb = tc.forward_backward(data, "cross_entropy")
+            opt = tc.optim_step(adam)
+            fb.result()
+            opt.result()
+
+        api = _median_time(api_step, args.reps)
+        model = srv.service.models[tc.model_id]
+        datums = [Datum(s[:-1].astype(np.int32), s[1:].astype(np.int32), {}) for s in seqs]
+
+        def direct_step() -> None:
+            packed = pack_datums(
+                datums, float_inputs={"weights": 1.0}, min_len=srv.service.options.min_seq_len
+            )
+            model.forward("cross_entropy", packed.arrays, {}, packed.num_segments, backward=True)
+            model.optim_step({"learning_rate": 1e-4})
+
+        direct = _median_time(direct_step, args.reps)
+        print(
+            f"train step ({args.datums} x {args.len} tokens): API {api * 1e3:.1f} ms, in-process "
+            f"{direct * 1e3:.1f} ms, ratio {api / direct:.2f}x (goal <= 1.15x)"
+        )
+
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = [int(t) for t in seqs[0][:16]]
+        params = types.SamplingParams(max_tokens=args.new, temperature=1.0, seed=1, stop=[])
+        api_s = _median_time(
+            lambda: sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result(),
+            args.reps,
+        )
+        session = next(s for s in srv.service.samplers.sessions.values() if s.model.model_id == tc.model_id)
+        sp = [SamplingParams(max_tokens=args.new, temperature=1.0, seed=1 + i) for i in range(args.samples)]
+
+        def direct_sample() -> None:
+            async def run() -> None:
+                await asyncio.gather(*(session.engine.generate(prompt, s) for s in sp))
+
+            asyncio.run_coroutine_threadsafe(run(), session.loop).result()
+
+        direct_s = _median_time(direct_sample, args.reps)
+        print(
+            f"sampling ({args.samples} x {args.new} tokens): API {api_s * 1e3:.1f} ms, embedded sampler "
+            f"{direct_s * 1e3:.1f} ms, ratio {api_s / direct_s:.2f}x"
+        )
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Serve the Tinker training API (the protocol of the ``tinker`` SDK 0.38.0) for a config's model.
+
+    python -m launch.serve --config=configs/tinker.py --port=8000 --workdir=/tmp/rljax_tinker
+
+then, in any process::
+
+    import tinker
+    service = tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="any")
+    training = service.create_lora_training_client(base_model="rljax/tiny", rank=8)
+
+The model is the config's (``model.hf_path`` = an HF checkpoint directory, else a fresh model of
+``model.init``; ``tokenizer.name``), listed by ``get_server_capabilities`` under ``--base_model``
+(default: the checkpoint directory's name, or ``rljax/tiny``). Bound to 127.0.0.1 unless ``--host``
+says otherwise; ``--api_key`` (repeatable) makes the server refuse other keys. Checkpoints
+(``save_state``, ``save_weights_for_sampler``) go to ``<workdir>/tinker/<model_id>/`` and survive a
+restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/tinker.py", "The run config of the served model."
+)
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (127.0.0.1: this machine only).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_tinker", "Where checkpoints are written.")
+_BASE_MODEL = flags.DEFINE_string("base_model", None, "Name clients use for the model (default: derived).")
+_API_KEYS = flags.DEFINE_multi_string("api_key", [], "Accepted API keys (none given: any key is accepted).")
+_MAX_RANK = flags.DEFINE_integer("max_lora_rank", 64, "Largest LoRA rank a client may ask for.")
+_LORA_ALPHA = flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (adapter scale alpha / rank).")
+_TIMEOUT = flags.DEFINE_float("session_timeout_s", 120.0, "Expire sessions silent (no heartbeat) this long.")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import uvicorn
+
+    from rljax.train.tinker import build_service
+    from rljax.train.tinker.server import make_app
+
+    options = dict(
+        max_lora_rank=_MAX_RANK.value,
+        lora_alpha=_LORA_ALPHA.value,
+        api_keys=tuple(_API_KEYS.value),
+        session_timeout_s=_TIMEOUT.value,
+    )
+    if _BASE_MODEL.value:
+        options["base_model"] = _BASE_MODEL.value
+    service = build_service(_CONFIG.value, _WORKDIR.value, **options)
+    absl_logging.info("serving %s on http://%s:%d", service.options.base_model, _HOST.value, _PORT.value)
+    print(f"rljax Tinker API: {service.options.base_model} on http://{_HOST.value}:{_PORT.value}", flush=True)
+    try:
+        uvicorn.run(make_app(service), host=_HOST.value, port=_PORT.value, log_level="warning")
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    app.run(main)
