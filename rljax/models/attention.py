@@ -220,6 +220,7 @@ def causal_attention(
     segment_ids: chex.Array,
     block_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
+    kernel: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
 ) -> chex.Array:
     """Causal, segment-masked GQA of packed rows over themselves, skipping fully masked key blocks.
 
@@ -242,6 +243,9 @@ def causal_attention(
       segment_ids: ``int [B, T]``, 0 = padding, samples ``1..k`` packed in each row.
       block_size: queries per block (static), or None for one block.
       precision: matmul precision.
+      kernel: ``kernel(q_block, k_prefix, v_prefix, mask) -> out_block`` computing one block's masked
+        attention (``mask bool [B, Tq, S]``); default :func:`grouped_attention` with ``precision``
+        (:mod:`rljax.models.attention_backends` passes fused kernels).
 
     Returns:
       ``[B, T, N, D]`` in the dtype of ``q``.
@@ -254,10 +258,15 @@ def causal_attention(
     chex.assert_equal_shape([k, v])
     chex.assert_equal_shape_prefix([q, k, v, segment_ids], 2)
     t = q.shape[1]
+    if kernel is None:
+
+        def kernel(q_: jax.Array, k_: jax.Array, v_: jax.Array, mask: jax.Array) -> jax.Array:
+            return grouped_attention(q_, k_, v_, mask, precision=precision)
+
     if block_size is None or t <= block_size:
         slots = jnp.arange(t, dtype=jnp.int32)
         mask = attention_mask(segment_ids, segment_ids, slots, slots)
-        return grouped_attention(q, k, v, mask, precision=precision)
+        return kernel(q, k, v, mask)
     if block_size <= 0:
         raise ValueError(f"attention block_size must be a positive int or None, got {block_size}")
 
@@ -267,7 +276,7 @@ def causal_attention(
             # Slicing inside the checkpoint keeps the full k, v (not one prefix per block) as residuals.
             q_slots, kv_slots = jnp.arange(start, end, dtype=jnp.int32), jnp.arange(end, dtype=jnp.int32)
             mask = attention_mask(seg[:, start:end], seg[:, :end], q_slots, kv_slots)
-            return grouped_attention(q_i, k_all[:, :end], v_all[:, :end], mask, precision=precision)
+            return kernel(q_i, k_all[:, :end], v_all[:, :end], mask)
 
         return attend
 
