@@ -157,7 +157,8 @@ class Attention(nnx.Module):
                 v,
                 segment_ids=segment_ids,
                 mesh=context,
-                chunk_size=chunk_size,
+                # a C-th of the query block: per-device attention workspace shrinks with C as well
+                chunk_size=None if chunk_size is None else max(chunk_size // context.shape["context"], 1),
                 precision=self.precision,
                 implementation="cudnn" if backend == "cudnn" else None,
             )
