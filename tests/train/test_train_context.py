@@ -215,3 +215,18 @@ def test_context_with_remat_and_micro_batches_equals_context_1(batches, referenc
         assert micro.tokens.sharding.spec == P(None, ("data", "fsdp"), "context")
         state, metrics = train_mini_batch(state, micro, counts)
         _check(state, metrics, want_params, want_metrics)
+
+
+def test_run_config_mesh_context_and_attention_keys():
+    from rljax.train.builders import build_model
+    from rljax.train.run_config import parse_run_config
+
+    cfg = parse_run_config({"mesh": {"data": 2, "context": 4}, "trainer": {"seq_len": 1024}})
+    assert cfg.mesh.context == 4 and cfg.mesh.size == 8
+    assert parse_run_config({}).mesh.context == 1 and parse_run_config({}).model.attention == "auto"
+    with pytest.raises(ValueError, match="config.mesh.context.*multiple of 2 x context = 8"):
+        parse_run_config({"mesh": {"data": 2, "context": 4}, "trainer": {"seq_len": 1028}})
+    with pytest.raises(ValueError, match="config.model.attention"):
+        parse_run_config({"model": {"attention": "flash"}})
+    section = parse_run_config({"model": {"attention": "xla"}}).model
+    assert build_model(section, vocab_size=300, seed=0).attention == "xla"
