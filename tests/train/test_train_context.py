@@ -191,6 +191,7 @@ def _check(state, metrics, want_params, want_metrics):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "axes",
     [dict(data=4, context=2), dict(fsdp=2, context=4), dict(data=2, context=2, tensor=2)],
@@ -206,6 +207,7 @@ def test_train_steps_with_context_equal_context_1(axes, batches, reference_run):
         _check(state, metrics, want_params, want_metrics)
 
 
+@pytest.mark.slow
 def test_context_with_remat_and_micro_batches_equals_context_1(batches, reference_run):
     mesh = make_mesh(data=2, context=4)
     state = TrainState.create(tf.make_model(0, remat="full"), CONFIG, mesh=mesh)
@@ -230,3 +232,25 @@ def test_run_config_mesh_context_and_attention_keys():
         parse_run_config({"model": {"attention": "flash"}})
     section = parse_run_config({"model": {"attention": "xla"}}).model
     assert build_model(section, vocab_size=300, seed=0).attention == "xla"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [2, 4])
+def test_moe_forward_and_routing_equal_context_1(shards):
+    """The MoE family: logprobs and the router's per-token statistics return in natural token order."""
+    from flax import nnx
+
+    from rljax.models import Decoder, tiny_config
+
+    cfg = tiny_config("qwen3_moe", vocab_size=64, hidden_size=32, head_dim=8, num_layers=2)
+    model = Decoder(cfg, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(shards)
+    tokens = rng.integers(0, 64, (2, 32)).astype(np.int32)
+    seg = _packed_segments(2, 32, seed=11)
+    forward = jax.jit(lambda m, t, s: sequence_forward(m, t, segment_ids=s, with_routing=True))
+    want = forward(model, tokens, seg)
+    with jax.set_mesh(make_mesh(data=8 // shards, context=shards)):
+        got = forward(model, tokens, seg)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, **LOGPROB_TOL)
+    np.testing.assert_allclose(got.routing.logits, want.routing.logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got.routing.experts, want.routing.experts)
