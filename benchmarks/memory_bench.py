@@ -155,8 +155,8 @@ def fit_memory(lengths: list[int], step_bytes: list[float]) -> tuple[float, floa
     """Least-squares ``bytes = a + b T + c T^2``: returns ``(a, b, c)``.
 
     >>> a, b, c = fit_memory([1, 2, 3, 4], [3 + 2 * t for t in (1, 2, 3, 4)])
-    >>> round(a, 6), round(b, 6), round(c, 6)
-    (3.0, 2.0, 0.0)
+    >>> [round(x, 6) + 0.0 for x in (a, b, c)]  # + 0.0 turns a rounded -0.0 into 0.0
+    [3.0, 2.0, 0.0]
     """
     c, b, a = np.polyfit(np.asarray(lengths, float), np.asarray(step_bytes, float), 2)
     return float(a), float(b), float(c)
