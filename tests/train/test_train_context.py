@@ -12,6 +12,8 @@ are far below what a wrong mask or a misplaced chunk gives (>= 1e-2 on logprobs)
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,3 +256,30 @@ def test_moe_forward_and_routing_equal_context_1(shards):
     np.testing.assert_allclose(got.logprobs, want.logprobs, **LOGPROB_TOL)
     np.testing.assert_allclose(got.routing.logits, want.routing.logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(got.routing.experts, want.routing.experts)
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_context_sizes(batches, reference_run, tmp_path):
+    """Saved from a context=4 mesh after one step, restored bit-equal onto context=2 and onto one
+    device; the restored state's next step equals the reference's second step."""
+    from rljax.train import checkpoint
+
+    mesh = make_mesh(data=2, context=4)
+    state = TrainState.create(tf.make_model(0), CONFIG, mesh=mesh)
+    sharded = shard_batch(batches[0], mesh)
+    state, _ = train_step(state, sharded, mini_batch_counts(sharded, OBJ))
+    checkpoint.save(tmp_path / "ckpt", 1, params=state.params, opt_state=state.opt_state)
+    saved = tf.params_numpy(state)
+    for target_mesh in (make_mesh(fsdp=2, context=2, tensor=2), None):
+        target = TrainState.create(tf.make_model(1), CONFIG, mesh=target_mesh)
+        restored = checkpoint.restore(tmp_path / "ckpt", params=target.params, opt_state=target.opt_state)
+        for got, want in zip(jax.tree.leaves(restored.params), saved, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        if target_mesh is not None:
+            assert jax.tree.leaves(restored.params)[0].sharding == jax.tree.leaves(target.params)[0].sharding
+    resumed = dataclasses.replace(
+        target, params=restored.params, opt_state=restored.opt_state, step=restored.step
+    )
+    resumed = dataclasses.replace(resumed, step=jnp.asarray(restored.step, jnp.int32))
+    resumed, metrics = train_step(resumed, batches[1], mini_batch_counts(batches[1], OBJ))
+    _check(resumed, metrics, *reference_run[1])
