@@ -18,6 +18,16 @@ Goals: (c) at 16k within 1.3x of (c) at 2k (memory bounded by the budget, not th
 
     python benchmarks/memory_bench.py          # ~3-5 min on 2 CPU cores
     python benchmarks/memory_bench.py --quick  # 1k-4k tokens, a smaller model
+
+Long rows (issue 23, ``--long``): ONE packed row of 8k / 16k / 32k / 64k tokens (8 samples each),
+remat "full", a small Qwen3-shaped model, at ``mesh.context`` 1 (one device) and 4 (4 of the fake
+CPU devices, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Memory per device is XLA's
+compiled analysis (the SPMD program of one device); the fit ``step_bytes = a + b T + c T^2`` gives
+the linear slope ``b`` (bytes per token) and the quadratic term ``c`` (0 when nothing ``T x T``
+exists). Goal: context=4 / context=1 per-device step memory <= 0.35x at 16k. Step time is measured
+for the rows up to ``--time-up-to`` tokens (CPU attention at 64k takes minutes).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory_bench.py --long
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from rljax.data.pack import pack
 from rljax.models import Decoder, ModelConfig, num_params
 from rljax.train.memory import compiled_memory, device_peak_bytes
 from rljax.train.optim import OptimizerConfig
+from rljax.train.sharding import make_mesh, shard_batch
 from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
 from rljax.types import Step
 
@@ -92,10 +103,109 @@ def _measure(cfg: ModelConfig, tokens: int, kind: str) -> dict[str, float]:
     return out
 
 
+LONG = ModelConfig(
+    model_type="qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
+    num_heads=2, num_kv_heads=1, head_dim=64, qk_norm=True, tie_word_embeddings=True,
+    max_position_embeddings=65536,
+)  # fmt: skip
+LONG_SIZES = (8192, 16384, 32768, 65536)
+CONTEXT_GOAL = 0.35
+
+
+def _long_row(cfg: ModelConfig, length: int, seed: int = 0):
+    """One row of ``length`` tokens: 8 packed samples of ``length / 8`` (prompt 1/8 of each)."""
+    rng = np.random.default_rng(seed)
+    n = length // 8
+    prompt = n // 8
+    steps = [
+        Step(rng.integers(1, cfg.vocab_size, prompt).tolist(),
+             rng.integers(1, cfg.vocab_size, n - prompt).tolist(),
+             (f"q{i}", 0), response_logprobs=(-rng.random(n - prompt)).tolist())
+        for i in range(8)
+    ]  # fmt: skip
+    adv = [rng.normal(size=n - prompt).astype(np.float32) for _ in steps]
+    return pack(steps, seq_len=length, advantages=adv, row_buckets=[1]).batch
+
+
+def measure_long_row(cfg: ModelConfig, length: int, context: int, *, timed: bool) -> dict[str, float]:
+    """Compiled per-device memory (and, if ``timed``, seconds of one step) of a train step on one row."""
+    model = Decoder(cfg, rngs=nnx.Rngs(0), remat="full")
+    config = TrainConfig(
+        objective=ObjectiveConfig(), optimizer=OptimizerConfig(learning_rate=1e-5), chunk_size=1024
+    )
+    mesh = None if context == 1 else make_mesh(context=context, devices=jax.devices()[:context])
+    state = TrainState.create(model, config, mesh=mesh)
+    batch = _long_row(cfg, length)
+    if mesh is not None:
+        batch = shard_batch(batch, mesh)
+    counts = mini_batch_counts(batch, config.objective)
+    out = dict(compiled_memory(train_step, state, batch, counts))
+    if timed:
+        state, m = train_step(state, batch, counts)
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        state, m = train_step(state, batch, counts)
+        jax.block_until_ready(m)
+        out["seconds"] = time.perf_counter() - t0
+        out["loss"] = float(m["loss"])
+    return out
+
+
+def fit_memory(lengths: list[int], step_bytes: list[float]) -> tuple[float, float, float]:
+    """Least-squares ``bytes = a + b T + c T^2``: returns ``(a, b, c)``.
+
+    >>> a, b, c = fit_memory([1, 2, 3, 4], [3 + 2 * t for t in (1, 2, 3, 4)])
+    >>> [round(x, 6) + 0.0 for x in (a, b, c)]  # + 0.0 turns a rounded -0.0 into 0.0
+    [3.0, 2.0, 0.0]
+    """
+    c, b, a = np.polyfit(np.asarray(lengths, float), np.asarray(step_bytes, float), 2)
+    return float(a), float(b), float(c)
+
+
+def long_rows(sizes: tuple[int, ...], time_up_to: int) -> None:
+    """The ``--long`` table: per-device memory and step time at context 1 and 4, the fit, the ratio."""
+    if len(jax.devices()) < 4:
+        raise SystemExit("--long needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    params = num_params(Decoder(LONG, rngs=nnx.Rngs(0)))
+    print(f"long rows: {params / 1e6:.2f}M params ({LONG.num_layers} layers, hidden {LONG.hidden_size}, "
+          f"{LONG.num_heads} heads / {LONG.num_kv_heads} kv), remat full, float32; "
+          f"device {jax.devices()[0].device_kind}")  # fmt: skip
+    print(f"{'context':>7} {'tokens':>7} {'temp MiB':>10} {'step MiB':>10} {'step s':>8}")
+    results: dict[tuple[int, int], dict[str, float]] = {}
+    for context in (1, 4):
+        for length in sizes:
+            r = results[context, length] = measure_long_row(LONG, length, context, timed=length <= time_up_to)
+            secs = f"{r['seconds']:8.2f}" if "seconds" in r else f"{'-':>8}"
+            print(f"{context:7d} {length:7d} {r['step_temp_bytes'] / 2**20:10.1f} "
+                  f"{r['step_bytes'] / 2**20:10.1f} {secs}", flush=True)  # fmt: skip
+    for context in (1, 4):
+        ys = [results[context, n]["step_bytes"] for n in sizes]
+        a, b, c = fit_memory(list(sizes), ys)
+        share = c * sizes[-1] ** 2 / ys[-1]
+        print(f"context={context}: step_bytes ~ {a / 2**20:.1f} MiB + {b / 1024:.2f} KiB/token * T "
+              f"+ {c:.3e} B/token^2 * T^2 (quadratic share at {sizes[-1]}: {share:.1%})")
+    for context in (1, 4):
+        both = [n for n in sizes if "seconds" in results[context, n]]
+        if both:
+            print(f"context={context} step time: " + ", ".join(
+                f"{n}: {results[context, n]['seconds']:.2f} s" for n in both))  # fmt: skip
+    if 16384 in sizes:
+        ratio = results[4, 16384]["step_bytes"] / results[1, 16384]["step_bytes"]
+        verdict = "met" if ratio <= CONTEXT_GOAL else "NOT met"
+        print(f"per-device step memory at 16k, context=4 / context=1: {ratio:.3f}x "
+              f"(goal <= {CONTEXT_GOAL}x: {verdict})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--long", action="store_true", help="long rows at context 1 and 4 (issue 23)")
+    parser.add_argument("--time-up-to", type=int, default=8192, help="--long: time steps up to this length")
+    parser.add_argument("--long-sizes", type=str, default=",".join(map(str, LONG_SIZES)))
     args = parser.parse_args()
+    if args.long:
+        long_rows(tuple(int(x) for x in args.long_sizes.split(",")), args.time_up_to)
+        return
     cfg = QUICK if args.quick else MODEL
     sizes = (1024, 2048, 4096) if args.quick else (2048, 4096, 8192, 16384)
     params = num_params(Decoder(cfg, rngs=nnx.Rngs(0)))

@@ -30,12 +30,15 @@ from configs import default
 def get_config() -> config_dict.ConfigDict:
     c = default.get_config()
     c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
-    c.model.update(param_dtype="float32", compute_dtype="bfloat16", remat="full")
+    # attention "auto": cuDNN fused attention on GPU with bf16 compute ("xla" to compare; "cudnn" to insist)
+    c.model.update(param_dtype="float32", compute_dtype="bfloat16", remat="full", attention="auto")
     c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
     c.renderer.name = "qwen3"
     c.renderer.kwargs = dict(retention="tool_cycle")
     c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
-    c.mesh.update(data=1, fsdp=8, tensor=1)  # product = number of trainer devices
+    # product = number of trainer devices; context > 1 splits each row's tokens (long agent trajectories,
+    # e.g. fsdp=2, context=4 for 32k-64k rows; trainer.seq_len must be a multiple of 2 * context)
+    c.mesh.update(data=1, fsdp=8, tensor=1, context=1)
     c.engine.update(
         kind="vllm",
         dtype="bfloat16",  # weights served (cast from the float32 master on every sync)

@@ -39,6 +39,7 @@ def get_config() -> config_dict.ConfigDict:
         compute_dtype="bfloat16",
         remat="full",
         router_replay="r3",
+        attention="auto",  # cuDNN fused attention on GPU (bf16 compute)
     )
     c.tokenizer.name = "/path/to/Qwen3-30B-A3B"
     c.renderer.name = "qwen3"
@@ -53,7 +54,9 @@ def get_config() -> config_dict.ConfigDict:
         moe_aux_loss_coef=1e-3,
         router_z_loss_coef=1e-4,
     )
-    c.mesh.update(data=1, fsdp=2, tensor=1, expert=4)  # product = number of trainer devices
+    # product = number of trainer devices; for 40k-token agent rows (SkyRL: CP 4 beside EP 8) add
+    # context=4 (each row's tokens split over it, load-balanced; seq_len a multiple of 8)
+    c.mesh.update(data=1, fsdp=2, tensor=1, expert=4, context=1)
     c.engine.update(
         kind="vllm",
         dtype="bfloat16",

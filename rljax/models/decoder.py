@@ -34,12 +34,19 @@ from flax import nnx
 from rljax.models.attention import (
     apply_rope,
     cache_attention,
-    causal_attention,
-    causal_block_size,
     segment_positions,
     to_cache_layout,
 )
+from rljax.models.attention_backends import ATTENTION_BACKENDS, resolve_attention, self_attention
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
+from rljax.models.context import (
+    constrain_tokens,
+    context_attention,
+    context_mesh,
+    load_balance,
+    pad_for_context,
+    unbalance,
+)
 from rljax.models.kv_cache import KVCache
 from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
 from rljax.models.moe import Routing, SparseMoeBlock
@@ -126,6 +133,8 @@ class Attention(nnx.Module):
         cache_segment_ids: jax.Array | None = None,
         cache_index: jax.Array | None = None,
         chunk_size: int | None = None,
+        backend: str = "xla",
+        context: jax.sharding.AbstractMesh | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -135,14 +144,33 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        if layer_cache is None:
+        if layer_cache is None and context is not None:
             new_cache = None
-            out = causal_attention(
+            if backend == "splash":
+                raise ValueError(
+                    "model.attention='splash' does not run with mesh.context > 1 yet (its mask is static, a "
+                    "context shard's offsets are not); use attention='xla' or 'cudnn' with mesh.context > 1"
+                )
+            out = context_attention(
                 q,
                 k,
                 v,
                 segment_ids=segment_ids,
-                block_size=causal_block_size(t, max_block_size=chunk_size),
+                mesh=context,
+                # a C-th of the query block: per-device attention workspace shrinks with C as well
+                chunk_size=None if chunk_size is None else max(chunk_size // context.shape["context"], 1),
+                precision=self.precision,
+                implementation="cudnn" if backend == "cudnn" else None,
+            )
+        elif layer_cache is None:
+            new_cache = None
+            out = self_attention(
+                q,
+                k,
+                v,
+                segment_ids=segment_ids,
+                backend=backend,
+                max_block_size=chunk_size,
                 precision=self.precision,
             )
         else:
@@ -226,12 +254,20 @@ class Decoder(nnx.Module):
         only to the keys before its end, see :func:`rljax.models.attention.causal_attention`).
       moe_impl: grouped expert compute of MoE layers ("auto", "ragged", "tiled", "dense"; see
         :mod:`rljax.models.moe`).
+      attention: attention backend of the training forward, one of
+        :data:`rljax.models.attention_backends.ATTENTION_BACKENDS` ("auto": cuDNN on GPU with
+        bf16/fp16 compute, splash on TPU, XLA otherwise; resolved when the forward is traced, see
+        :func:`rljax.models.attention_backends.resolve_attention`). Decoding always uses XLA.
       rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
 
     MoE families (qwen2_moe / qwen3_moe): the layers in ``config.moe_layers`` have a
     :class:`rljax.models.moe.SparseMoeBlock`; :meth:`hidden_states` and :meth:`decode` also return
     their router statistics when asked (``with_routing=True``) and every forward accepts
     ``routed_experts`` (router replay).
+
+    Context parallelism: under an ambient mesh with a ``context`` axis (:mod:`rljax.models.context`)
+    :meth:`hidden_states` splits every row's tokens over it (load-balanced) and returns them in
+    natural order.
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
@@ -250,9 +286,12 @@ class Decoder(nnx.Module):
         precision: jax.lax.PrecisionLike = None,
         attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
         moe_impl: str = "auto",
+        attention: str = "auto",
         rngs: nnx.Rngs,
     ) -> None:
         remat = _remat_policy_name(remat)
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         if attention_chunk_size is not None and attention_chunk_size <= 0:
             raise ValueError(
                 f"attention_chunk_size must be a positive int or None, got {attention_chunk_size}"
@@ -264,6 +303,7 @@ class Decoder(nnx.Module):
         self.remat = remat
         self.precision = precision
         self.attention_chunk_size = attention_chunk_size
+        self.attention = attention
         init = jax.nn.initializers.normal(_INIT_STD)
         self.embed_tokens = nnx.Param(
             init(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype),
@@ -326,6 +366,15 @@ class Decoder(nnx.Module):
         segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
         routed_experts = self._check_routed(tokens, routed_experts)
         inv_freq = self._inv_freq()
+        backend = resolve_attention(getattr(self, "attention", "auto"), dtype=self.dtype)
+        mesh = context_mesh()
+        length = tokens.shape[1]
+        if mesh is not None:  # context parallelism: pad to 2C chunks, load-balanced order (module doc)
+            shards = mesh.shape["context"]
+            tokens, segment_ids, positions, routed_experts = (
+                None if a is None else load_balance(pad_for_context(a, shards), shards)
+                for a in (tokens, segment_ids, positions, routed_experts)
+            )
 
         def run_block(block: Block, x: jax.Array, routed: jax.Array | None):
             out, _, router = block(
@@ -335,13 +384,19 @@ class Decoder(nnx.Module):
                 segment_ids=segment_ids,
                 inv_freq=inv_freq,
                 chunk_size=self.attention_chunk_size,
+                backend=backend,
+                context=mesh,
             )
+            if mesh is not None:
+                out = constrain_tokens(out, mesh)
             return out, router
 
         remat = _remat_policy_name(self.remat)
         if remat != "none":
             run_block = nnx.remat(run_block, policy=_REMAT_POLICY_FNS[remat])
         x = self._embed(tokens, segment_ids)
+        if mesh is not None:
+            x = constrain_tokens(x, mesh)
         routers = []
         for block in self.layers:
             routed = None
@@ -350,7 +405,11 @@ class Decoder(nnx.Module):
             x, router = run_block(block, x, routed)
             if router is not None:
                 routers.append(router)
-        return DecoderOutput(self.norm(x), _stack_routing(routers) if with_routing else None)
+        hidden, routing = self.norm(x), _stack_routing(routers) if with_routing else None
+        if mesh is not None:  # back to the natural token order (and length)
+            shards = mesh.shape["context"]
+            hidden, routing = jax.tree.map(lambda a: unbalance(a, shards)[:, :length], (hidden, routing))
+        return DecoderOutput(hidden, routing)
 
     def _check_routed(self, tokens: chex.Array, routed_experts: chex.Array | None) -> jax.Array | None:
         if routed_experts is None:

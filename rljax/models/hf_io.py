@@ -160,6 +160,7 @@ def from_hf_state_dict(
     precision: jax.lax.PrecisionLike = None,
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
     moe_impl: str = "auto",
+    attention: str = "auto",
 ) -> Decoder:
     """Builds a :class:`Decoder` from HF-named tensors without random initialization.
 
@@ -184,6 +185,7 @@ def from_hf_state_dict(
             precision=precision,
             attention_chunk_size=attention_chunk_size,
             moe_impl=moe_impl,
+            attention=attention,
             rngs=nnx.Rngs(0),
         )
     )
@@ -283,6 +285,7 @@ def from_pretrained(
     precision: jax.lax.PrecisionLike = None,
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
     moe_impl: str = "auto",
+    attention: str = "auto",
     adapter: str | os.PathLike | None = None,
 ) -> Decoder:
     """Loads a HF checkpoint directory (``config.json`` + safetensors, sharded or not) as a Decoder.
@@ -307,6 +310,7 @@ def from_pretrained(
         precision=precision,
         attention_chunk_size=attention_chunk_size,
         moe_impl=moe_impl,
+        attention=attention,
     )
     if adapter is not None:
         from rljax.models.lora import load_adapter  # lora imports the layers, not hf_io

@@ -43,6 +43,7 @@ from rljax.data.filters import make_filter
 from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
+from rljax.models.attention_backends import ATTENTION_BACKENDS
 from rljax.models.lora import LoRAConfig
 from rljax.report.config import ReportConfig
 from rljax.rollout import RolloutConfig
@@ -148,13 +149,17 @@ class ModelSection:
     inputs, ``dots_saveable``: also keep matmul outputs without batch dims). ``router_replay`` (MoE
     models): ``"r3"`` replays the experts the sampler routed every token to in the train forward
     (gates recomputed from the current router); ``"off"`` routes afresh. ``routing/flip_fraction``
-    (the share of tokens whose trainer top-k differs from the sampler's) is logged either way."""
+    (the share of tokens whose trainer top-k differs from the sampler's) is logged either way.
+    ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN on GPU with
+    bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``splash``
+    (:mod:`rljax.models.attention_backends`)."""
 
     hf_path: str = ""
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
     router_replay: str = "off"
+    attention: str = "auto"
     init: dict = _field(DEFAULT_INIT)
 
 
@@ -485,6 +490,13 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
     _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
     _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
+    _one_of("config.model.attention", cfg.model.attention, ATTENTION_BACKENDS)
+    if cfg.mesh.context > 1 and t.seq_len % (2 * cfg.mesh.context):
+        raise _fail(
+            "config.mesh.context",
+            f"trainer.seq_len={t.seq_len} must be a multiple of 2 x context = {2 * cfg.mesh.context} "
+            "(each device holds two load-balanced chunks of every row)",
+        )
     for key in ("moe_aux_loss_coef", "router_z_loss_coef"):
         if getattr(cfg.objective, key) < 0:
             raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")

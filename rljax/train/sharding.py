@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from rljax.models.sharding import DEFAULT_RULES, EXPERT_MESH_AXES, MESH_AXES, Rules, param_shardings
+from rljax.models.context import CONTEXT_AXIS
+from rljax.models.sharding import DEFAULT_RULES, Rules, param_shardings
 
 # Row axes of a batch; "expert" exists only on expert-parallel meshes (filtered by mesh.shape).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
@@ -46,9 +47,10 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     expert: int | None = None
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("data", "fsdp", "tensor", "expert"):
+        for axis in ("data", "fsdp", "tensor", "expert", "context"):
             size = getattr(self, axis)
             if size is None and axis == "expert":
                 continue
@@ -57,7 +59,7 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor * (self.expert or 1)
+        return self.data * self.fsdp * self.tensor * (self.expert or 1) * self.context
 
     def make(self) -> Mesh:
         """:func:`make_mesh` of these axis sizes over all devices."""
@@ -70,6 +72,7 @@ def make_mesh(
     fsdp: int = 1,
     tensor: int = 1,
     expert: int | None = None,
+    context: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh with ``Auto`` axis types over ``devices`` (default: all).
@@ -77,6 +80,8 @@ def make_mesh(
     ``expert`` (MoE expert parallelism): when given, the mesh is ``(data, fsdp, expert, tensor)``;
     experts are sharded over ``expert`` and batch rows over ``(data, fsdp, expert)``. MoE layers
     exchange tokens over it when the step runs under ``jax.set_mesh(mesh)``.
+    ``context`` > 1 (context parallelism, :mod:`rljax.models.context`): a ``context`` axis before
+    ``tensor``; every row's tokens are split over it (batch arrays ``P(rows, "context")``).
     Raises ``ValueError`` unless the axis sizes multiply to the number of devices.
 
     >>> mesh = make_mesh(data=1, devices=jax.devices()[:1])
@@ -87,6 +92,8 @@ def make_mesh(
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     if expert is not None:
         sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    if context != 1:
+        sizes = {**{k: v for k, v in sizes.items() if k != "tensor"}, CONTEXT_AXIS: context, "tensor": tensor}
     for name, size in sizes.items():
         if not (isinstance(size, int) and size >= 1):
             raise ValueError(f"mesh axis {name} must be a positive int, got {size!r}")
@@ -96,7 +103,7 @@ def make_mesh(
             f"mesh {' x '.join(f'{k}={v}' for k, v in sizes.items())} = {total} devices, but "
             f"{len(devices)} devices are given; choose axis sizes whose product is {len(devices)}"
         )
-    axes = MESH_AXES if expert is None else EXPERT_MESH_AXES
+    axes = tuple(sizes)
     return jax.make_mesh(
         tuple(sizes.values()), axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices
     )
@@ -112,15 +119,25 @@ def batch_parallelism(mesh: Mesh) -> int:
 
 
 def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
-    """``NamedSharding`` of per-token arrays: rows over ``(data, fsdp)``; ``stacked`` adds a leading
-    (whole) micro-batch axis.
+    """``NamedSharding`` of per-token arrays: rows over ``(data, fsdp)``, tokens over ``context`` when
+    the mesh has it; ``stacked`` adds a leading (whole) micro-batch axis.
 
     >>> batch_sharding(make_mesh(devices=jax.devices()[:1])).spec == PartitionSpec(("data", "fsdp"), None)
     True
     """
     rows = tuple(a for a in BATCH_AXES if a in mesh.shape)
-    spec = PartitionSpec(None, rows, None) if stacked else PartitionSpec(rows, None)
+    tokens = CONTEXT_AXIS if CONTEXT_AXIS in mesh.shape else None
+    spec = PartitionSpec(None, rows, tokens) if stacked else PartitionSpec(rows, tokens)
     return NamedSharding(mesh, spec)
+
+
+def context_parallelism(mesh: Mesh | None) -> int:
+    """Size of the ``context`` axis of ``mesh`` (1 without one or without a mesh).
+
+    >>> context_parallelism(make_mesh(devices=jax.devices()[:1]))
+    1
+    """
+    return 1 if mesh is None or CONTEXT_AXIS not in mesh.shape else int(mesh.shape[CONTEXT_AXIS])
 
 
 def shard_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
@@ -146,6 +163,7 @@ def shard_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
             raise ValueError(
                 f"batch arrays must be {'[k, R, L] (stacked)' if stacked else '[R, L]'}; got shape {x.shape}"
             )
+        _check_context_split(x, row_axis + 1, mesh)
         global_shape = list(x.shape)
         global_shape[row_axis] *= processes
         if global_shape[row_axis] % shards:
@@ -187,9 +205,19 @@ def shard_global_batch(batch: Any, mesh: Mesh, *, stacked: bool = False) -> Any:
                 f"the batch has {x.shape[row_axis]} rows, not a multiple of data*fsdp={shards}; "
                 f"pack with data_parallel={shards} (pads with fully masked rows)"
             )
+        _check_context_split(x, row_axis + 1, mesh)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(place, batch)
+
+
+def _check_context_split(x: np.ndarray, token_axis: int, mesh: Mesh) -> None:
+    shards = context_parallelism(mesh)
+    if shards > 1 and x.shape[token_axis] % (2 * shards):
+        raise ValueError(
+            f"rows of {x.shape[token_axis]} tokens cannot be split over mesh.context={shards} in "
+            f"2 x {shards} load-balanced chunks; use a trainer.seq_len that is a multiple of {2 * shards}"
+        )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -38,6 +38,7 @@ micro-batches; skip non-finite updates as in ``optax.apply_if_finite``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -399,10 +400,19 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
-    grads, metrics = jax.grad(_loss, has_aux=True)(
-        state.params, state.graphdef, batch, counts, state.config, state.frozen
-    )
+    with _context_mesh(state.mesh):
+        grads, metrics = jax.grad(_loss, has_aux=True)(
+            state.params, state.graphdef, batch, counts, state.config, state.frozen
+        )
     return _constrain(state, grads, like="params"), metrics
+
+
+def _context_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """The state's mesh as the ambient (abstract) mesh while tracing when it has a ``context`` axis,
+    so the model splits rows over it (:mod:`rljax.models.context`); a no-op otherwise."""
+    if train_sharding.context_parallelism(mesh) == 1:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:

@@ -14,6 +14,8 @@ Modes:
   fault    joins, then process ``--victim`` sleeps (to be killed by the test) while the other waits
            in a barrier (``--wait barrier``) or a collective (``--wait collective``).
   connect  joins a run whose coordinator never comes up (expects a clear initialize error).
+  context  2 train steps on a (data=2, context=2, tensor=2) mesh (context parallelism, each process
+           feeding its rows whole); writes the gathered params and metrics (``context.npz``).
 
 The environment must give each process its own devices (``XLA_FLAGS`` with
 ``--xla_force_host_platform_device_count``) and ``JAX_PLATFORMS=cpu``.
@@ -41,7 +43,7 @@ def log(*args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "restore", "fault", "connect"])
+    parser.add_argument("mode", choices=["train", "restore", "fault", "connect", "context"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--process_id", type=int, required=True)
@@ -80,6 +82,8 @@ def main() -> int:
         return fault(args)
     if args.mode == "train":
         return train(args)
+    if args.mode == "context":
+        return context(args)
     return restore(args)
 
 
@@ -103,6 +107,41 @@ def fault(args) -> int:
         return 3
     log("UNEXPECTED: the wait returned")
     return 0
+
+
+def context(args) -> int:
+    import jax
+    import numpy as np
+
+    from rljax.train.sharding import make_mesh, shard_batch
+    from rljax.train.step import TrainState, mini_batch_counts, train_step
+
+    tf, config, _, _, gather = _setup()
+    mesh = make_mesh(data=2, context=2, tensor=2)
+    state = TrainState.create(tf.make_model(0), config, mesh=mesh)
+    history = []
+    for i in range(CONTEXT_STEPS):
+        batch = tf.make_batch(100 + i)
+        rows = distributed.process_share(int(batch.tokens.shape[0]))
+        local = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows.start : rows.stop], batch)
+        sharded = shard_batch(local, mesh)
+        state, metrics = train_step(state, sharded, mini_batch_counts(sharded, config.objective))
+        history.append({k: float(v) for k, v in metrics.items()})
+    params = gather(state.params)
+    if distributed.is_main_process():
+        keys = sorted(history[0])
+        np.savez(
+            args.out / "context.npz",
+            **{f"p{i}": x for i, x in enumerate(params)},
+            metric_keys=np.array(keys),
+            metrics=np.array([[m[k] for k in keys] for m in history]),
+        )
+    distributed.barrier("done", timeout_s=60)
+    log("DONE")
+    return 0
+
+
+CONTEXT_STEPS = 2
 
 
 def _setup():

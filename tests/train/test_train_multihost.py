@@ -180,6 +180,29 @@ def test_two_processes_train_like_one(two_process_train, one_process_run):
 
 
 @pytest.mark.subprocess
+def test_two_processes_with_context_parallelism_train_like_one(tmp_path):
+    """mesh (data=2, context=2, tensor=2) over 2 processes x 4 devices equals 1 process x 8 devices."""
+    run = Run("context", tmp_path)
+    mesh = make_mesh(data=2, context=2, tensor=2)
+    state = TrainState.create(tf.make_model(0), CONFIG, mesh=mesh)
+    want = []
+    for i in range(2):
+        sharded = shard_batch(tf.make_batch(100 + i), mesh)
+        state, metrics = train_step(state, sharded, mini_batch_counts(sharded, OBJ))
+        want.append({k: float(v) for k, v in metrics.items()})
+    run.check()
+    with np.load(tmp_path / "context.npz") as z:
+        keys, metrics = list(z["metric_keys"]), z["metrics"]
+    for step in range(2):
+        got = dict(zip(keys, metrics[step], strict=True))
+        for key in ("loss", "loss/rl", "loss/ce", "grad_norm", "entropy"):
+            np.testing.assert_allclose(got[key], want[step][key], rtol=1e-5, atol=1e-7)
+    params, _ = gather_npz(tmp_path / "context.npz")
+    for got, want_p in zip(params, tf.params_numpy(state), strict=True):
+        np.testing.assert_allclose(got, want_p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.subprocess
 def test_weights_for_vllm_written_by_both_processes(two_process_train):
     """``write_distributed``: each host gathers one whole parameter at a time and writes the ones
     dealt to it; together the files equal the single-process HF state dict bit for bit, and the

@@ -1,0 +1,214 @@
+"""Attention backends of the training forward: XLA (blocked, any platform), cuDNN (GPU), splash (TPU).
+
+``model.attention`` picks one of :data:`ATTENTION_BACKENDS`:
+
+========  ========================================================================================
+auto      ``cudnn`` on GPU when the compute dtype is bfloat16/float16 (cuDNN's fused attention has
+          no float32 kernel), ``splash`` on TPU, ``xla`` otherwise (CPU: the path that always ran)
+xla       :func:`rljax.models.attention.causal_attention`: causal query blocks, XLA einsums
+cudnn     ``jax.nn.dot_product_attention(implementation="cudnn")``, called per causal query block
+          with the boolean mask of that block (``[B, 1, block, prefix]``, never ``T x T``)
+splash    Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) with a
+          causal mask and ``SegmentIds``: the kernel skips fully masked ``(q, kv)`` blocks itself
+========  ========================================================================================
+
+Every backend computes the same function (the packing convention of SPEC §2.6):
+``out[b, i] = softmax_j(q_i . k_j / sqrt(D) + log mask[b, i, j]) v_j`` with
+``mask[b, i, j] = (slot_j <= slot_i) & (seg[b, i] == seg[b, j])``, grouped-query heads
+(query head ``h`` reads key/value head ``h // (N / K)``).
+
+Asking for a backend on a platform without it raises ``ValueError`` naming what would work;
+:func:`fused_causal_attention` with ``implementation="xla"`` runs the cuDNN wrapper's masks and
+blocking on CPU (what the tests compare), and :func:`splash_causal_attention` with
+``interpret=True`` runs the real splash kernel in the Pallas interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rljax.models.attention import attention_mask, causal_attention, causal_block_size
+
+#: ``model.attention`` values.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash")
+#: Compute dtypes cuDNN's fused attention supports.
+CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+_SPLASH_BLOCK = 512
+
+
+def resolve_attention(name: str, *, platform: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
+    """The concrete backend (``"xla"``, ``"cudnn"`` or ``"splash"``) of ``model.attention = name``.
+
+    ``platform`` default: ``jax.default_backend()`` (``"cpu"``, ``"gpu"``, ``"tpu"``). ``auto``
+    picks cuDNN on GPU for bfloat16/float16 compute, splash on TPU, XLA otherwise. Raises
+    ``ValueError`` for an unknown name, ``cudnn`` off GPU or with float32 compute, ``splash`` off TPU.
+
+    >>> resolve_attention("auto", platform="cpu"), resolve_attention("auto", platform="tpu")
+    ('xla', 'splash')
+    >>> resolve_attention("auto", platform="gpu"), resolve_attention("auto", platform="gpu", dtype="bfloat16")
+    ('xla', 'cudnn')
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    platform = jax.default_backend() if platform is None else platform
+    dtype_name = jnp.dtype(dtype).name
+    if name == "auto":
+        if platform == "gpu" and dtype_name in CUDNN_DTYPES:
+            return "cudnn"
+        return "splash" if platform == "tpu" else "xla"
+    if name == "cudnn":
+        if platform != "gpu":
+            raise ValueError(
+                f"model.attention='cudnn' needs a GPU (cuDNN fused attention), but JAX runs on {platform!r}; "
+                "use 'auto' (picks per platform) or 'xla'"
+            )
+        if dtype_name not in CUDNN_DTYPES:
+            raise ValueError(
+                f"model.attention='cudnn' needs compute_dtype in {CUDNN_DTYPES} (cuDNN has no {dtype_name} "
+                "fused attention); set model.compute_dtype='bfloat16' or use attention='auto' / 'xla'"
+            )
+    if name == "splash" and platform != "tpu":
+        raise ValueError(
+            f"model.attention='splash' needs a TPU (Pallas Mosaic kernel), but JAX runs on {platform!r}; "
+            "use 'auto' (picks per platform) or 'xla'"
+        )
+    return name
+
+
+def dot_product_kernel(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, implementation: str
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` of ``q [B, T, N, D]``, ``k, v [B, S, K, D]`` under ``mask [B, T, S]``.
+
+    The mask enters as ``[B, 1, T, S]`` (the same for every head); the scale is ``1 / sqrt(D)``.
+    """
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+
+
+def fused_causal_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    segment_ids: chex.Array,
+    block_size: int | None = None,
+    implementation: str = "cudnn",
+) -> chex.Array:
+    """:func:`rljax.models.attention.causal_attention` with each query block computed by
+    ``jax.nn.dot_product_attention(implementation=implementation)``.
+
+    The blocks are those of ``causal_attention`` (queries ``[s, e)`` attend to keys ``[0, e)``), so the
+    mask handed to the kernel is ``[B, 1, e - s, e]``: memory ``O(block * T)`` like the XLA path.
+    ``implementation="xla"`` runs the same masks and blocks with JAX's reference implementation
+    (any platform).
+
+    >>> q = jnp.zeros((1, 3, 2, 4)); kv = jnp.arange(12.).reshape(1, 3, 1, 4); seg = jnp.array([[1, 1, 2]])
+    >>> out = fused_causal_attention(q, kv, kv, segment_ids=seg, block_size=2, implementation="xla")
+    >>> out[0, :, 0, 0].tolist()
+    [0.0, 2.0, 8.0]
+    """
+    kernel = functools.partial(dot_product_kernel, implementation=implementation)
+    return causal_attention(q, k, v, segment_ids=segment_ids, block_size=block_size, kernel=kernel)
+
+
+def fused_packed_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    q_segment_ids: chex.Array,
+    kv_segment_ids: chex.Array,
+    q_slots: chex.Array,
+    kv_slots: chex.Array,
+    implementation: str = "cudnn",
+) -> chex.Array:
+    """Masked attention with explicit slots (a context shard's queries against gathered keys) by
+    ``jax.nn.dot_product_attention``; the mask is :func:`rljax.models.attention.attention_mask`."""
+    mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)
+    return dot_product_kernel(q, k, v, mask, implementation=implementation)
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(length: int, heads: int, block: int, interpret: bool):  # noqa: ANN202 (Pallas kernel)
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(heads)])
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block,
+        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+        block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+
+
+def splash_causal_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    segment_ids: chex.Array,
+    block_size: int = _SPLASH_BLOCK,
+    interpret: bool = False,
+) -> chex.Array:
+    """Causal, segment-masked GQA by Pallas splash attention (TPU; ``interpret=True`` on any platform).
+
+    Rows are padded to a multiple of the kernel block (``min(block_size, 128 * ceil(T / 128))``)
+    with segment 0 (padding, after every real token, so causality hides it from them); key/value
+    heads are repeated to the query heads (HF ``repeat_kv`` order); queries are scaled by
+    ``1 / sqrt(D)`` (the kernel does not scale); one kernel call per row (``vmap``).
+
+    >>> q = jnp.zeros((1, 3, 2, 4)); kv = jnp.arange(12.).reshape(1, 3, 1, 4); seg = jnp.array([[1, 1, 2]])
+    >>> out = splash_causal_attention(q, kv, kv, segment_ids=seg, interpret=True)
+    >>> [round(x, 4) for x in out[0, :, 0, 0].tolist()]
+    [0.0, 2.0, 8.0]
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    chex.assert_rank([q, k, v, segment_ids], [4, 4, 4, 2])
+    b, t, n, d = q.shape
+    groups = n // k.shape[2]
+    block = min(block_size, -(-t // 128) * 128)
+    pad = (-t) % block
+    padded = t + pad
+
+    def heads_first(x: jax.Array) -> jax.Array:  # [B, T, H, D] -> [B, H, T + pad, D]
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    qh = heads_first(q * jnp.asarray(d**-0.5, q.dtype))
+    kh, vh = heads_first(jnp.repeat(k, groups, axis=2)), heads_first(jnp.repeat(v, groups, axis=2))
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
+    kernel = _splash_kernel(padded, n, block, interpret)
+
+    def one_row(q_: jax.Array, k_: jax.Array, v_: jax.Array, s: jax.Array) -> jax.Array:
+        return kernel(q_, k_, v_, segment_ids=SegmentIds(q=s, kv=s))
+
+    out = jax.vmap(one_row)(qh, kh, vh, seg)
+    return out.transpose(0, 2, 1, 3)[:, :t].astype(q.dtype)
+
+
+def self_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    segment_ids: chex.Array,
+    backend: str,
+    max_block_size: int | None,
+    precision: jax.lax.PrecisionLike = None,
+) -> chex.Array:
+    """The training forward's attention of packed rows over themselves with a resolved ``backend``
+    (``"xla"``, ``"cudnn"``, ``"splash"``; see :func:`resolve_attention`)."""
+    t = q.shape[1]
+    if backend == "xla":
+        block = causal_block_size(t, max_block_size=max_block_size)
+        return causal_attention(q, k, v, segment_ids=segment_ids, block_size=block, precision=precision)
+    if backend == "cudnn":
+        block = causal_block_size(t, max_block_size=max_block_size)
+        return fused_causal_attention(q, k, v, segment_ids=segment_ids, block_size=block)
+    if backend == "splash":
+        return splash_causal_attention(q, k, v, segment_ids=segment_ids)
+    raise ValueError(f"unknown resolved attention backend {backend!r} (expected xla, cudnn or splash)")

@@ -1,0 +1,182 @@
+"""Context parallelism: each packed row's tokens split over the mesh axis ``context``.
+
+When the ambient mesh (``jax.sharding.use_abstract_mesh`` / ``jax.set_mesh``; the train step enters
+its state's mesh) has a ``context`` axis of size ``C > 1``, :meth:`rljax.models.Decoder.hidden_states`
+cuts every row of ``L`` tokens (padded with segment 0 to a multiple of ``2C``) into ``2C`` chunks
+of ``m = L / 2C`` tokens and gives device ``i`` the chunks ``i`` and ``2C - 1 - i``
+(:func:`load_balance`): under a causal mask an early chunk attends to few keys and a late chunk
+to many, so every device gets the same amount of attention work ("zig-zag" split, as Megatron
+context parallelism and MaxText's load-balanced ring/all-gather do). Embedding, norms, MLP / MoE
+are per token and run on the local tokens; the final hidden states return to the natural order
+(:func:`unbalance`), so logprobs, losses and metrics see the tokens where they always were.
+
+Attention (:func:`context_attention`): inside ``shard_map`` over ``context`` (the other mesh axes
+stay automatic), every device all-gathers the keys, values and segment ids of the row (``C`` times
+its own ``2m`` tokens, restored to natural order) and attends its two query chunks to them with the
+mask ``(kv_slot <= q_slot) & (seg_q == seg_kv)`` written in GLOBAL token indices (slots): chunk
+``i`` only needs keys ``[0, L/2)`` (it lies in the first half), chunk ``2C - 1 - i`` all of them,
+so a device computes ``m * (L/2 + L)`` scores instead of ``2m * L``. The backward of the all-gather
+is a reduce-scatter of the key/value gradients.
+
+All-gather vs ring: a ring overlaps ``C - 1`` key/value block transfers with compute and holds 2
+blocks of K/V at a time; the all-gather holds all ``L`` keys/values of a layer (``2 * L * K * D``
+values, small next to the activations with grouped-query heads, e.g. 8 KV heads x 128 = 1/4 of a
+4096-wide hidden state) and is one collective XLA schedules itself. On the CPU fake devices of the
+tests there is nothing to overlap, so the simpler and exactly-masked all-gather is used; a ring is
+future work for bandwidth-bound multi-node meshes.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from rljax.models.attention import _in_query_blocks, attention_mask, grouped_attention
+
+CONTEXT_AXIS = "context"
+#: Mesh axes that split batch rows (present ones only).
+ROW_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+
+
+def context_mesh() -> jax.sharding.AbstractMesh | None:
+    """The ambient mesh when it has a ``context`` axis of size > 1, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+        return None
+    return mesh if mesh.shape[CONTEXT_AXIS] > 1 else None
+
+
+def load_balance(x: chex.Array, shards: int, *, axis: int = 1) -> jax.Array:
+    """Reorders ``axis`` (length ``L``, a multiple of ``2 * shards``) so that a contiguous split into
+    ``shards`` parts gives part ``i`` the chunks ``i`` and ``2 * shards - 1 - i`` of ``L / (2 shards)``.
+
+    >>> load_balance(jnp.arange(8)[None], 2).tolist()
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
+    """
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    length = x.shape[0]
+    if length % (2 * shards):
+        raise ValueError(f"load_balance needs a length divisible by 2 * shards = {2 * shards}, got {length}")
+    halves = x.reshape(2, shards, length // (2 * shards), *x.shape[1:])
+    early, late = halves[0], jnp.flip(halves[1], axis=0)
+    out = jnp.stack([early, late], axis=1).reshape(length, *x.shape[1:])
+    return jnp.moveaxis(out, 0, axis)
+
+
+def unbalance(x: chex.Array, shards: int, *, axis: int = 1) -> jax.Array:
+    """Inverse of :func:`load_balance`.
+
+    >>> unbalance(load_balance(jnp.arange(8)[None], 2), 2).tolist()
+    [[0, 1, 2, 3, 4, 5, 6, 7]]
+    """
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    length = x.shape[0]
+    pairs = x.reshape(shards, 2, length // (2 * shards), *x.shape[1:])
+    early, late = pairs[:, 0], jnp.flip(pairs[:, 1], axis=0)
+    out = jnp.concatenate([early, late], axis=0).reshape(length, *x.shape[1:])
+    return jnp.moveaxis(out, 0, axis)
+
+
+def token_spec(mesh: jax.sharding.AbstractMesh, ndim: int) -> PartitionSpec:
+    """``PartitionSpec`` of a ``[B, L, ...]`` activation: rows over the row axes, tokens over ``context``."""
+    rows = tuple(a for a in ROW_AXES if a in mesh.axis_names)
+    return PartitionSpec(rows or None, CONTEXT_AXIS, *([None] * (ndim - 2)))
+
+
+def constrain_tokens(x: jax.Array, mesh: jax.sharding.AbstractMesh) -> jax.Array:
+    """``x [B, L, ...]`` pinned to :func:`token_spec` (rows over data/fsdp/expert, tokens over context)."""
+    return jax.lax.with_sharding_constraint(x, token_spec(mesh, x.ndim))
+
+
+def context_attention(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    *,
+    segment_ids: chex.Array,
+    mesh: jax.sharding.AbstractMesh,
+    chunk_size: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Causal, segment-masked GQA of load-balanced rows split over the ``context`` axis.
+
+    ``q [B, L, N, D]``, ``k, v [B, L, K, D]`` and ``segment_ids [B, L]`` are in the order of
+    :func:`load_balance` (global view). Equal to ``unbalance``-ing, running
+    :func:`rljax.models.attention.causal_attention` in natural order and ``load_balance``-ing the
+    output. ``implementation``: None = XLA einsums (:func:`grouped_attention`, ``chunk_size``
+    query blocks); ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that
+    implementation on the same blocks and masks.
+    """
+    shards = mesh.shape[CONTEXT_AXIS]
+    length = q.shape[1]
+    m = length // (2 * shards)
+
+    def kernel(q_i: jax.Array, k_i: jax.Array, v_i: jax.Array, mask: jax.Array) -> jax.Array:
+        if implementation is None:
+            return grouped_attention(q_i, k_i, v_i, mask, precision=precision)
+        return jax.nn.dot_product_attention(q_i, k_i, v_i, mask=mask[:, None], implementation=implementation)
+
+    def attend(q_chunk: jax.Array, seg_chunk: jax.Array, first: jax.Array, keys: int, k_nat, v_nat, seg_nat):
+        kv_slots = jnp.arange(keys, dtype=jnp.int32)
+        q_slots = first + jnp.arange(m, dtype=jnp.int32)
+        k_p, v_p, s_p = k_nat[:, :keys], v_nat[:, :keys], seg_nat[:, :keys]
+
+        def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> jax.Array:
+            return kernel(q_b, k_p, v_p, attention_mask(seg_b, s_p, slots_b, kv_slots))
+
+        return _in_query_blocks(block, q_chunk, seg_chunk, q_slots, chunk_size)
+
+    def local(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array) -> jax.Array:
+        i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
+        gather = jax.tree.map(
+            lambda a: unbalance(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), shards),
+            (k_l, v_l, seg_l),
+        )
+        early = attend(q_l[:, :m], seg_l[:, :m], i * m, length // 2, *gather)
+        late = attend(q_l[:, m:], seg_l[:, m:], (2 * shards - 1 - i) * m, length, *gather)
+        return jnp.concatenate([early, late], axis=1)
+
+    spec4 = PartitionSpec(None, CONTEXT_AXIS, None, None)
+    spec2 = PartitionSpec(None, CONTEXT_AXIS)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec4, spec4, spec4, spec2),
+        out_specs=spec4,
+        axis_names={CONTEXT_AXIS},
+    )(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def pad_for_context(x: jax.Array | None, shards: int, *, value: int = 0) -> jax.Array | None:
+    """``x [B, L, ...]`` padded on axis 1 with ``value`` to a multiple of ``2 * shards`` tokens."""
+    if x is None:
+        return None
+    pad = (-x.shape[1]) % (2 * shards)
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def context_size(mesh: jax.sharding.AbstractMesh | None) -> int:
+    """Size of the ``context`` axis of ``mesh`` (1 without one)."""
+    if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[CONTEXT_AXIS])
+
+
+__all__ = [
+    "CONTEXT_AXIS",
+    "constrain_tokens",
+    "context_attention",
+    "context_mesh",
+    "context_size",
+    "load_balance",
+    "pad_for_context",
+    "token_spec",
+    "unbalance",
+]
