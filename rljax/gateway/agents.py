@@ -53,7 +53,14 @@ from rljax.rollout import (
 )
 from rljax.types import TrajectoryID
 
-__all__ = ["AgentFn", "CommandAgent", "agent_rollout", "load_agent", "parse_agent_result", "run_agent_rollout"]
+__all__ = [
+    "AgentFn",
+    "CommandAgent",
+    "agent_rollout",
+    "load_agent",
+    "parse_agent_result",
+    "run_agent_rollout",
+]
 
 AgentFn = Callable[..., Any]
 
@@ -126,7 +133,11 @@ class CommandAgent:
             RLJAX_AGENT_KWARGS=json.dumps(kwargs, default=str),
         )
         proc = await asyncio.create_subprocess_shell(
-            self.command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd
+            self.command,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=self.cwd,
         )
         try:
             out, err = await proc.communicate()
@@ -172,7 +183,7 @@ async def _call_agent(
     import openai
 
     timeout = config.env_timeout_s or 3600.0
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout)
         try:
             return await fn(task, client, **kwargs)
@@ -227,7 +238,10 @@ async def _run_agent_trajectory(
     except TimeoutError as e:
         ran_out = config.env_timeout_s is not None and loop.time() - start >= config.env_timeout_s
         if ran_out:
-            rec.fail("env_timeout", EnvTimeoutError(f"the agent took longer than env_timeout_s={config.env_timeout_s}"))
+            rec.fail(
+                "env_timeout",
+                EnvTimeoutError(f"the agent took longer than env_timeout_s={config.env_timeout_s}"),
+            )
         else:
             rec.fail("env", e)
     except Exception as e:  # the agent's failure errors its trajectory, never the run
@@ -269,7 +283,7 @@ async def agent_rollout(
     agent: AgentFn | str | Mapping[str, AgentFn | str],
     engine: Engine | Mapping[str, Engine],
     gateway: Gateway,
-    config: RolloutConfig = RolloutConfig(),
+    config: RolloutConfig | None = None,
     agent_kwargs: Mapping[str, Any] | None = None,
     vocab_size: int | None = None,
 ) -> RolloutResult:
@@ -285,6 +299,7 @@ async def agent_rollout(
       agent_kwargs: keyword arguments for the agent, or a mapping ``Task.env`` -> them.
       vocab_size: enables the token-id range check of the batch.
     """
+    config = RolloutConfig() if config is None else config
     tasks = list(tasks)
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
@@ -317,7 +332,9 @@ async def agent_rollout(
         _raise_all_errored(records)
     steps = [s for r in records if not (r.errored and config.on_error == "drop") for s in r.steps]
     metrics = rollout_metrics(records, wall)
-    return RolloutResult(StepBatch(steps, vocab_size=vocab_size, metadata={"rollout": metrics}), metrics, records)
+    return RolloutResult(
+        StepBatch(steps, vocab_size=vocab_size, metadata={"rollout": metrics}), metrics, records
+    )
 
 
 def run_agent_rollout(tasks: Sequence[Task], *, gateway: Gateway, **kwargs: Any) -> RolloutResult:

@@ -27,7 +27,9 @@ def _tool_calls(message: Any) -> list[dict[str, Any]]:
             args = json.loads(call.function.arguments or "{}")
         except ValueError:
             args = call.function.arguments
-        calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}})
+        calls.append(
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+        )
     return calls
 
 

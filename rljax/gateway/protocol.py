@@ -145,7 +145,9 @@ def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
     for k, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise _bad(f"{param}[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param)
+            raise _bad(
+                f"{param}[{k}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param
+            )
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
@@ -199,19 +201,31 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
     for k, tool in enumerate(tools):
         param = f"tools[{k}]"
         fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
+        if (
+            not isinstance(tool, Mapping)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, Mapping)
+        ):
             raise _bad(f"{param} must be {{'type': 'function', 'function': {{...}}}}", param, "invalid_tool")
         name = fn.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise _bad(f"{param}.function.name must be a non-empty string of <= 64 chars", param, "invalid_tool")
+            raise _bad(
+                f"{param}.function.name must be a non-empty string of <= 64 chars", param, "invalid_tool"
+            )
         params = fn.get("parameters")
-        if params is not None and (not isinstance(params, Mapping) or params.get("type", "object") != "object"):
-            raise _bad(f"{param}.function.parameters must be a JSON schema of type 'object'", param, "invalid_tool")
+        if params is not None and (
+            not isinstance(params, Mapping) or params.get("type", "object") != "object"
+        ):
+            raise _bad(
+                f"{param}.function.parameters must be a JSON schema of type 'object'", param, "invalid_tool"
+            )
         out.append({"type": "function", "function": {k2: v for k2, v in fn.items() if v is not None}})
     return out
 
 
-def _number(body: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def _number(
+    body: Mapping[str, Any], key: str, lo: float, hi: float, *, lo_open: bool = False
+) -> float | None:
     value = body.get(key)
     if value is None:
         return None
@@ -256,7 +270,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise _bad("'stop' must be a string or a list of strings", "stop")
     if body.get("top_logprobs"):
-        raise _bad("'top_logprobs' > 0 is not supported (the sampled token's logprob is returned)", "top_logprobs")
+        raise _bad(
+            "'top_logprobs' > 0 is not supported (the sampled token's logprob is returned)", "top_logprobs"
+        )
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
@@ -282,9 +298,10 @@ def wire_message(reply: Mapping[str, Any], call_ids: Sequence[str]) -> dict[str,
     """The assistant message on the wire: ``reply`` (parsed from the sampled ids) with tool-call
     ids ``call_ids`` and JSON-string arguments.
 
-    >>> wire_message({"role": "assistant", "content": "", "tool_calls": [
+    >>> m = wire_message({"role": "assistant", "content": "", "tool_calls": [
     ...     {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}, ["c9"])
-    {'role': 'assistant', 'content': '', 'tool_calls': [{'id': 'c9', 'type': 'function', 'function': {'name': 'f', 'arguments': '{"x": 1}'}}]}
+    >>> m["tool_calls"]
+    [{'id': 'c9', 'type': 'function', 'function': {'name': 'f', 'arguments': '{"x": 1}'}}]
     """
     message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ""}
     if reply.get("reasoning_content") is not None:
@@ -386,7 +403,12 @@ def stream_chunks(a: Answer, req: ChatRequest) -> Iterator[dict[str, Any]]:
         yield chunk({"content": piece})
     for k, call in enumerate(m.get("tool_calls") or ()):
         fn = call["function"]
-        head = {"index": k, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+        head = {
+            "index": k,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": ""},
+        }
         yield chunk({"tool_calls": [head]})
         for piece in _pieces(fn["arguments"]):
             yield chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})

@@ -260,7 +260,9 @@ class Gateway:
         except Exception as e:
             if session.open and session.error is None:
                 session.error = ("engine", f"{type(e).__name__}: {e}")
-            raise GatewayError(500, f"the engine failed: {e}", type="server_error", code="engine_error") from e
+            raise GatewayError(
+                500, f"the engine failed: {e}", type="server_error", code="engine_error"
+            ) from e
         if not session.open:
             raise GatewayError(401, "the rollout ended while this call was in flight; it was not recorded",
                                code="invalid_api_key")  # fmt: skip
@@ -350,4 +352,3 @@ class Gateway:
         except GatewayError as e:
             return JSONResponse(e.body(), status_code=e.status)
         return JSONResponse({"ok": True})
-
