@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from gateway_helpers import CHATML, CONFIG, IM_END, LOOKUP, TOOL_CALL, Loop, Scripted, ids_of, open_session
+from gateway_helpers import CHATML, IM_END, LOOKUP, TOOL_CALL, Loop, Scripted, ids_of, open_session
 from tolerances import LOGPROB_TOL
 
 from rljax.gateway import Gateway
@@ -18,7 +18,10 @@ from rljax.inference.scoring import score_sequences
 from rljax.models.tiny import tiny_model
 from rljax.rollout import RolloutConfig
 
-QUESTION = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "What color is the zob?"}]
+QUESTION = [
+    {"role": "system", "content": "Use the tool."},
+    {"role": "user", "content": "What color is the zob?"},
+]
 
 
 def tool_then_answer(prompt: str) -> str:
@@ -52,7 +55,11 @@ def test_openai_sdk_tool_calls_are_recorded_exactly(loop, gateway):
     async def body():
         c = client(gateway, s.key)
         r1 = await c.chat.completions.create(
-            model="any", messages=QUESTION, tools=[LOOKUP], logprobs=True, extra_body={"return_token_ids": True}
+            model="any",
+            messages=QUESTION,
+            tools=[LOOKUP],
+            logprobs=True,
+            extra_body={"return_token_ids": True},
         )
         m1 = r1.choices[0].message
         history = [*QUESTION, m1.model_dump(exclude_none=True)]
@@ -68,7 +75,8 @@ def test_openai_sdk_tool_calls_are_recorded_exactly(loop, gateway):
     # what the client got: exactly the call written in the scripted ids (independent reference)
     m1 = r1.choices[0].message
     assert r1.choices[0].finish_reason == "tool_calls"
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in m1.tool_calls] == [("lookup", {"key": "zob"})]
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in m1.tool_calls]
+    assert got == [("lookup", {"key": "zob"})]
     assert list(c0.completion.ids) == [*ids_of(TOOL_CALL), IM_END]
     assert c0.returned["tool_calls"][0]["function"]["arguments"] == m1.tool_calls[0].function.arguments
     # prompt ids: the renderer's render of the messages sent; extras and logprobs as recorded
@@ -76,13 +84,15 @@ def test_openai_sdk_tool_calls_are_recorded_exactly(loop, gateway):
     assert r1.model_extra["prompt_token_ids"] == list(c0.prompt.ids)
     assert r1.choices[0].model_extra["token_ids"] == list(c0.completion.ids)
     assert [t.logprob for t in r1.choices[0].logprobs.content] == [-0.25] * len(c0.completion.ids)
-    assert r1.usage.prompt_tokens == len(c0.prompt.ids) and r1.usage.completion_tokens == len(c0.completion.ids)
+    assert r1.usage.prompt_tokens == len(c0.prompt.ids)
+    assert r1.usage.completion_tokens == len(c0.completion.ids)
     # the second call extends the first: previous prompt + completion + the bridge, token for token
     assert c1.prompt.parent == 0
     n = len(c0.prompt.ids) + len(c0.completion.ids)
     assert list(c1.prompt.ids[:n]) == [*c0.prompt.ids, *c0.completion.ids]
     norm = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in history]
-    norm[2] = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "lookup", "arguments": {"key": "zob"}}}]}
+    call = {"function": {"name": "lookup", "arguments": {"key": "zob"}}}
+    norm[2] = {"role": "assistant", "content": "", "tool_calls": [call]}
     assert list(c1.prompt.ids) == CHATML.render_ids(norm, add_generation_prompt=True, tools=[LOOKUP])
     assert r2.choices[0].message.content == "It is red." and r2.choices[0].finish_reason == "stop"
     assert [s.prompt_ids for s in s.recorder.steps()] == [list(c0.prompt.ids), list(c1.prompt.ids)]
@@ -122,10 +132,13 @@ def test_streaming_gives_the_same_record_and_message(loop, gateway):
     assert len(chunks) > 4  # reasoning, tool-call name and argument deltas came in pieces
     assert usage.completion_tokens == r.usage.completion_tokens
     a, b = plain.recorder.steps()[0], streamed.recorder.steps()[0]
-    assert (a.prompt_ids, a.response_ids, a.response_logprobs) == (b.prompt_ids, b.response_ids, b.response_logprobs)
-    assert plain.recorder.calls[0].returned["tool_calls"][0]["function"] == streamed.recorder.calls[0].returned[
-        "tool_calls"
-    ][0]["function"]
+    assert (a.prompt_ids, a.response_ids) == (b.prompt_ids, b.response_ids)
+    assert a.response_logprobs == b.response_logprobs
+
+    def without_ids(m: dict) -> dict:  # tool-call ids are fresh per call
+        return {**m, "tool_calls": [{**tc, "id": None} for tc in m["tool_calls"]]}
+
+    assert without_ids(plain.recorder.calls[0].returned) == without_ids(streamed.recorder.calls[0].returned)
 
 
 def _stopping_model(vocab: int):
@@ -154,7 +167,8 @@ def test_logprobs_equal_a_rescore_by_the_policy(loop, gateway):
     call = s.recorder.calls[0]
     prompt, ids = list(call.prompt.ids), list(call.completion.ids)
     ref = score_sequences(model, [prompt + ids], temperature=0.8)[0][len(prompt) :]
-    np.testing.assert_allclose(np.asarray(call.completion.logprobs), np.asarray(ref, np.float64), **LOGPROB_TOL)
+    got = np.asarray(call.completion.logprobs)
+    np.testing.assert_allclose(got, np.asarray(ref, np.float64), **LOGPROB_TOL)
     assert [t.logprob for t in r.choices[0].logprobs.content] == list(call.completion.logprobs)
     assert r.choices[0].message.content == CHATML.parse_response(ids).content
     assert s.recorder.steps()[0].temperature == 0.8
@@ -180,13 +194,15 @@ def test_litellm_call_is_recorded(loop, gateway):
     call = s.recorder.calls[0]
     assert r.choices[0].message.content == "blue"
     assert list(call.completion.ids) == [*ids_of("blue"), IM_END]
-    assert list(call.prompt.ids) == CHATML.render_ids([{"role": "user", "content": "color?"}], add_generation_prompt=True)
+    sent = [{"role": "user", "content": "color?"}]
+    assert list(call.prompt.ids) == CHATML.render_ids(sent, add_generation_prompt=True)
 
 
 def _post(gw: Gateway, path: str, key: str | None, body: bytes | dict) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(gw.base_url + path, content=content, headers={**headers, "content-type": "application/json"})
+    headers["content-type"] = "application/json"
+    return httpx.post(gw.base_url + path, content=content, headers=headers)
 
 
 def test_credentials_loopback_and_reward_isolation(loop, gateway):
@@ -216,22 +232,32 @@ def test_credentials_loopback_and_reward_isolation(loop, gateway):
     gateway.close_session(b)
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def req(messages: list | None = None, **extra: object) -> dict:
+    return {"model": "m", "messages": HI if messages is None else messages, **extra}
+
+
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+
+
 @pytest.mark.parametrize(
     "body, param, code",
     [
         (b'{"model": "m", "messages": [', None, None),
-        ({"model": "m", "messages": []}, "messages", None),
-        ({"model": "m", "messages": [{"role": "user", "content": "x" * 2100}]}, "messages", "context_length_exceeded"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", None),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]", "invalid_tool"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0]", "invalid_tool"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", None),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["two tokens"]}, "stop", None),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature", None),
-        ({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None),
-        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content", None),
+        (req([]), "messages", None),
+        (req([{"role": "user", "content": "x" * 2100}]), "messages", "context_length_exceeded"),
+        (req(n=2), "n", None),
+        (req(tools=[{"type": "function"}]), "tools[0]", "invalid_tool"),
+        (req(tools=[BAD_TOOL]), "tools[0]", "invalid_tool"),
+        (req(tool_choice="required"), "tool_choice", None),
+        (req(stop=["two tokens"]), "stop", None),
+        (req(temperature=-1), "temperature", None),
+        (req([{"role": "robot", "content": "hi"}]), "messages[0]", None),
+        (req([{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content", None),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_openai_errors_and_are_not_recorded(gateway, body, param, code):
     engine = Scripted(lambda p: "ok")
     s = open_session(gateway, engine)
@@ -242,7 +268,7 @@ def test_bad_requests_get_openai_errors_and_are_not_recorded(gateway, body, para
     assert (err["param"], err["code"]) == (param, code)
     assert s.recorder.calls == () and engine.prompts == []
     # the rollout goes on: a good call afterwards is recorded
-    ok = _post(gateway, "/chat/completions", s.key, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    ok = _post(gateway, "/chat/completions", s.key, req())
     assert ok.status_code == 200 and len(s.recorder.calls) == 1
     gateway.close_session(s)
 
@@ -250,20 +276,20 @@ def test_bad_requests_get_openai_errors_and_are_not_recorded(gateway, body, para
 def test_budget_single_token_stop_and_engine_failure(gateway):
     engine = Scripted(lambda p: "abcdefgh")
     s = open_session(gateway, engine, config=RolloutConfig(group_size=1, max_tokens=5, max_context_len=512))
-    msgs = [{"role": "user", "content": "hi"}]
-    r = _post(gateway, "/chat/completions", s.key, {"model": "m", "messages": msgs, "max_tokens": 50}).json()
-    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5  # rollout.max_tokens
-    r = _post(gateway, "/chat/completions", s.key, {"model": "m", "messages": msgs, "max_completion_tokens": 3}).json()
+    r = _post(gateway, "/chat/completions", s.key, req(max_tokens=50)).json()
+    # rollout.max_tokens caps what a call asks for
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
+    r = _post(gateway, "/chat/completions", s.key, req(max_completion_tokens=3)).json()
     assert r["usage"]["completion_tokens"] == 3
-    _post(gateway, "/chat/completions", s.key, {"model": "m", "messages": msgs, "stop": ["\n"]})
-    assert engine.samplings[-1].stop_token_ids == (*CHATML.stop_token_ids(), *ids_of("\n"))  # one-token stops: stop ids
+    _post(gateway, "/chat/completions", s.key, req(stop=["\n"]))  # a one-token stop string: a stop id
+    assert engine.samplings[-1].stop_token_ids == (*CHATML.stop_token_ids(), *ids_of("\n"))
 
     class Broken(Scripted):
         async def generate(self, *a, **k):
             raise ConnectionError("server died")
 
     t = open_session(gateway, Broken(lambda p: ""))
-    r = _post(gateway, "/chat/completions", t.key, {"model": "m", "messages": msgs})
+    r = _post(gateway, "/chat/completions", t.key, req())
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert t.recorder.calls == () and t.error[0] == "engine"
     gateway.close_session(s), gateway.close_session(t)
