@@ -115,6 +115,7 @@ class Gateway:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._single_token: dict[str, int | None] = {}
+        self._ssl: Any = None  # one ssl.SSLContext for every client (see client())
         routes = [
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
@@ -158,6 +159,25 @@ class Gateway:
                 self._task.result()  # raises the startup error
                 raise RuntimeError("the gateway stopped while starting")
             await asyncio.sleep(0.002)
+
+    def client(self, session: Session, *, timeout: float | None = None, sync: bool = False) -> Any:
+        """An ``openai.AsyncOpenAI`` (``sync``: ``openai.OpenAI``) bound to ``session``'s rollout:
+        ``base_url`` = :attr:`base_url`, ``api_key`` = its key, no retries (a retried call would be a
+        second recorded step). Each has its own small connection pool (one shared pool with hundreds
+        of connections makes httpcore's per-request scan quadratic) over one shared SSL context
+        (building one per client costs ~0.1 s of certificate loading). Close it when done."""
+        import ssl
+
+        import httpx
+        import openai
+
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        kwargs: dict[str, Any] = dict(base_url=self.base_url, api_key=session.key, max_retries=0,
+                                      timeout=timeout or 3600.0)  # fmt: skip
+        if sync:
+            return openai.OpenAI(http_client=httpx.Client(verify=self._ssl, timeout=None), **kwargs)
+        return openai.AsyncOpenAI(http_client=httpx.AsyncClient(verify=self._ssl, timeout=None), **kwargs)
 
     async def stop(self) -> None:
         """Stops serving (open sessions are ended first: their keys get 401 if it restarts)."""

@@ -260,7 +260,8 @@ def test_agent_command(loop, tmp_path):
     script.write_text(
         "import json, os, openai\n"
         "task = json.loads(os.environ['RLJAX_TASK'])\n"
-        "r = openai.OpenAI().chat.completions.create(model='m', messages=[{'role': 'user', 'content': task['id']}])\n"
+        "msgs = [{'role': 'user', 'content': task['id']}]\n"
+        "r = openai.OpenAI().chat.completions.create(model='m', messages=msgs)\n"
         "print('some log line')\n"
         "print(json.dumps({'reward': float(r.choices[0].message.content == 'ok'), 'metrics': {'k': 1}}))\n"
     )
