@@ -23,7 +23,8 @@ Every request must carry a rollout's secret key (``Authorization: Bearer <key>``
    at ``min(max_tokens asked, rollout.max_tokens, max_context_len - len(prompt))``;
 4. samples ``engine.generate(prompt ids)`` and records the completion (exact ids, logprobs, weight
    version, routed experts, finish reason) as the call's Step; the answer is the assistant message
-   parsed FROM THOSE IDS (``RecordedCall.returned`` is set to exactly what the client got).
+   parsed FROM THOSE IDS (``RecordedCall.returned`` is set to exactly what the client got; a tool
+   call that does not parse comes back as text, as vLLM does, so the client sees the attempt).
 
 Where it runs: ON THE EVENT LOOP OF THE ROLLOUTS (:meth:`Gateway.start` is awaited on it; uvicorn's
 ``Server.serve`` as a task). The engines' ``generate`` is a coroutine of that loop (the embedded
@@ -52,6 +53,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rljax.chat.base import Renderer
+from rljax.chat.tool_calls import split_reasoning
 from rljax.envs.base import Task
 from rljax.gateway.protocol import (
     Answer,
@@ -288,7 +290,7 @@ class Gateway:
                                code="invalid_api_key")  # fmt: skip
         temperature = sampling.temperature
         call = rec.record(prompt, completion, temperature=temperature)
-        reply = call.reply
+        reply = self._answer_of(call)
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in reply.get("tool_calls") or ()]
         message = wire_message(reply, call_ids)
         call.returned = message
@@ -309,6 +311,22 @@ class Gateway:
             token_texts=texts,
             weight_version=completion.weight_version,
         )
+
+    def _answer_of(self, call: Any) -> dict[str, Any]:
+        """The assistant message to answer with: the reply parsed from the sampled ids; when a
+        tool call in it does not parse, vLLM's fallback: the turn's text (reasoning split off) as
+        content and no tool calls, so the client sees what the model wrote (and the call extends
+        from exactly that: ``RecordedCall.returned``)."""
+        parsed = call.parsed
+        if not parsed.errors:
+            return call.reply
+        ids = list(call.completion.ids)
+        text = self.renderer.decode(ids[:-1] if parsed.stopped else ids)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+            message["content"] = split_reasoning(text)[1]
+        return message
 
     # -- HTTP -------------------------------------------------------------------------------------------
     def _session_of(self, request: Request) -> Session | None:

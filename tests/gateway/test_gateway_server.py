@@ -141,6 +141,32 @@ def test_streaming_gives_the_same_record_and_message(loop, gateway):
     assert without_ids(plain.recorder.calls[0].returned) == without_ids(streamed.recorder.calls[0].returned)
 
 
+def test_a_malformed_tool_call_comes_back_as_text_and_still_extends(loop, gateway):
+    bad = "Let me look.\n<tool_call>\n{oops}\n</tool_call>"
+    engine = Scripted(lambda p: "fine" if "again" in p else bad)
+    s = open_session(gateway, engine)
+
+    async def body():
+        c = client(gateway, s.key)
+        r = await c.chat.completions.create(model="m", messages=QUESTION, tools=[LOOKUP])
+        msgs = [
+            *QUESTION,
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "again"},
+        ]
+        await c.chat.completions.create(model="m", messages=msgs, tools=[LOOKUP])
+        await c.close()
+        return r
+
+    r = loop.run(body)
+    m = r.choices[0].message
+    assert m.content == bad and not m.tool_calls and r.choices[0].finish_reason == "stop"
+    c0, c1 = s.recorder.calls
+    assert c0.parsed.errors and c0.returned == {"role": "assistant", "content": bad}
+    assert c1.prompt.parent == 0  # the text the client got extends the call
+    gateway.close_session(s)
+
+
 def _stopping_model(vocab: int):
     """Random tiny decoder that ends turns often (only <|im_end|> reads a large embedding coordinate)."""
     model = tiny_model(vocab_size=vocab, num_layers=1)
