@@ -1,0 +1,172 @@
+"""The verifiers adapter (rljax.gateway.verifiers): a verifiers environment defined here with
+verifiers' own classes (tests/gateway/vf_helpers.py: a taskset, a task whose rubric is two weighted
+``@vf.reward`` methods and a ``@vf.metric``, an in-process harness, the local subprocess runtime),
+loaded by id, run as an agent function with a real ``openai.AsyncOpenAI`` pointed at a scripted
+OpenAI-compatible server (a double of the protocol only).
+
+Expected rewards are hand-computed from the rubric: ``correct`` (weight 2) = exact match of the final
+reply with the task's answer, ``brief`` (weight 0.5) = final reply at most 2 characters; the script
+answers the follow-up with the true sum, so a task whose stated answer is the sum scores
+2 * 1 + 0.5 * 1 = 2.5 and one whose stated answer is wrong 2 * 0 + 0.5 * 1 = 0.5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import vf_helpers as h  # noqa: E402
+
+from rljax.envs.base import Task  # noqa: E402
+from rljax.gateway.verifiers import (  # noqa: E402
+    KEY_VAR_PREFIX,
+    VerifiersAgent,
+    VerifiersEpisodeError,
+    verifiers_agent,
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    h.register_env()
+    s = h.ScriptedServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def agent(server):
+    return verifiers_agent(h.ENV_ID, h.LOCAL)
+
+
+def _rows(*rows):
+    return {**h.LOCAL, "taskset": {"rows": [list(r) for r in rows]}}
+
+
+def test_tasks_are_the_tasksets_tasks(agent):
+    tasks = agent.tasks(env_name="arith")
+    assert [t.messages for t in tasks] == [
+        ({"role": "system", "content": "You add numbers."}, {"role": "user", "content": f"What is {q}?"})
+        for q in ("2+3", "4+4", "1+1")
+    ]
+    assert all(t.env == "arith" and t.split == "train" and t.data_source == h.ENV_ID for t in tasks)
+    assert len({t.id for t in tasks}) == 3 and all(t.id.startswith("arith:") for t in tasks)
+    # the episode's task is rebuilt from the wire data: same class, same data, same key
+    vf_tasks = list(agent.env.taskset)
+    for t, original in zip(tasks, vf_tasks, strict=True):
+        rebuilt = agent.vf_task(t)
+        assert type(rebuilt) is h.ArithTask and rebuilt.data == original.data and rebuilt.key == original.key
+        assert t.id == f"arith:{original.key[:16]}"
+    # held-out tasks from other taskset fields; limit keeps the first N
+    held = agent.tasks(env_name="arith", split="test", taskset_args={"rows": [[5, 6, "11"], [7, 1, "8"]]})
+    assert [t.messages[-1]["content"] for t in held] == ["What is 5+6?", "What is 7+1?"]
+    assert all(t.split == "test" for t in held) and not {t.id for t in held} & {t.id for t in tasks}
+    assert len(agent.tasks(env_name="arith", limit=2)) == 2
+
+
+def test_episodes_return_the_rubric_reward_and_metrics(agent, server):
+    tasks = agent.tasks(env_name="arith")
+    keys = [f"rollout-{i}" for i in range(len(tasks))]
+    before = len(server.requests)
+
+    async def main():
+        out = await asyncio.gather(*(agent(t, server.client(k)) for t, k in zip(tasks, keys, strict=True)))
+        await agent.aclose()
+        return out
+
+    results = asyncio.run(main())
+    assert [r["reward"] for r in results] == [2.5, 2.5, 0.5]
+    assert results[2]["metrics"] == {
+        "num_turns": 2.0,
+        "reply_chars": 1.0,
+        "reward/brief": 1.0,
+        "reward/correct": 0.0,
+    }
+    assert results[0]["metrics"]["reward/correct"] == 1.0
+    # every call reached the endpoint with its own rollout's key, the served model, and the messages
+    # the harness sent (the follow-up extends the first call's conversation with the reply it got)
+    calls = server.requests[before:]
+    assert sorted(k for k, _ in calls) == sorted(keys * 2)
+    for key, task in zip(keys, tasks, strict=True):
+        first, second = (b for k, b in calls if k == key)
+        assert first["model"] == second["model"] == server.model
+        assert first["messages"] == [dict(m) for m in task.messages]
+        assert second["messages"] == [
+            *first["messages"],
+            {"role": "assistant", "content": h.scripted_reply(first["messages"])},
+            {"role": "user", "content": h.FOLLOW_UP},
+        ]
+        assert second["max_tokens"] == 8
+    # the per-episode key variables and interception clients are gone
+    assert not [k for k in os.environ if k.startswith(KEY_VAR_PREFIX)]
+    interception = agent.env._interception
+    assert interception is None  # aclose exited env.serving()
+
+
+def test_streamed_calls_relay_and_score():
+    agent = VerifiersAgent(h.ENV_ID, _rows([3, 4, "7", "stream"]))
+    s = h.ScriptedServer()
+    try:
+        (task,) = agent.tasks(env_name="arith")
+        result = asyncio.run(agent(task, s.client("k-stream")))
+        assert result["reward"] == 2.5
+        assert s.requests[0][1]["stream"] is True and "stream" not in s.requests[1][1]
+        assert s.requests[1][1]["messages"][2] == {"role": "assistant", "content": "Let me add 3 and 4."}
+    finally:
+        s.close()
+
+
+def test_an_episode_whose_harness_raises_is_an_error(server):
+    agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3", "harness_raises"]))
+    (task,) = agent.tasks(env_name="arith")
+    with pytest.raises(VerifiersEpisodeError, match="the harness failed on purpose"):
+        asyncio.run(agent(task, server.client("k-raise")))
+    assert not [k for k, _ in server.requests if k == "k-raise"]
+
+
+def test_an_episode_whose_rubric_fails_is_an_error(server):
+    agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3", "reward_raises"]))
+    (task,) = agent.tasks(env_name="arith")
+    with pytest.raises(VerifiersEpisodeError, match="ZeroDivisionError") as err:
+        asyncio.run(agent(task, server.client("k-rubric")))
+    assert "the rubric failed on purpose" in str(err.value)
+    assert len([k for k, _ in server.requests if k == "k-rubric"]) == 2  # the calls ran, scoring failed
+
+
+def test_a_rejected_key_errors_the_episode(server):
+    agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3"]))
+    (task,) = agent.tasks(env_name="arith")
+    rejected = server.rejected
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="not-a-rollout-key", max_retries=0)
+    with pytest.raises(VerifiersEpisodeError, match="401"):
+        asyncio.run(agent(task, client))
+    assert server.rejected == rejected + 1 and not [k for k, _ in server.requests if k == "not-a-rollout-key"]
+
+
+def test_an_episode_without_model_calls_is_scored(server):
+    agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3", "no_call"]))
+    (task,) = agent.tasks(env_name="arith")
+    result = asyncio.run(agent(task, server.client("k-silent")))
+    assert result == {
+        "reward": 0.5,
+        "metrics": {"num_turns": 0.0, "reply_chars": 0.0, "reward/brief": 1.0, "reward/correct": 0.0},
+    }
+
+
+def test_bad_ids_configs_and_tasks_are_refused(agent):
+    with pytest.raises(ModuleNotFoundError, match="no-such-env"):
+        verifiers_agent("no-such-env", h.LOCAL)
+    with pytest.raises(ValueError, match="contradicts"):
+        VerifiersAgent(h.ENV_ID, {"taskset": {"id": "other"}})
+    with pytest.raises(ValueError, match="non-empty"):
+        VerifiersAgent("", {})
+    with pytest.raises(ValueError, match="not made by VerifiersAgent.tasks"):
+        agent.vf_task(Task("t0", {"question": "1+1"}))
+    dupes = VerifiersAgent(h.ENV_ID, _rows([1, 1, "2"], [1, 1, "2"]))
+    assert len(dupes.tasks(env_name="d")) == 2  # idx is part of the data, so equal rows differ
