@@ -577,6 +577,7 @@ class Run:
     def close(self) -> None:
         """Stops the engines (launched servers, frozen-model clients) and the workers."""
         if self.engines is not None:
+            self.scheduler.close()
             self.engines.close()
             self.rollout_worker.close()
             self.scoring_worker.close()

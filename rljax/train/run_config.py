@@ -168,6 +168,13 @@ class EnvSection:
     ``dataset=dict(train=PATH, eval=PATH, format="auto", eval_fraction=None)`` (``eval`` a separate
     file, or ``eval_fraction`` a held-out share of ``train``); then ``num_*_tasks`` (if set) keep the
     first N rows of each split.
+
+    An agent instead of an environment class (:mod:`rljax.gateway`): ``agent = "module:function"``
+    (``async def function(task, client, **kwargs)`` with an ``openai.AsyncOpenAI`` bound to its
+    rollout; ``kwargs`` are this section's ``kwargs``) or ``agent_command = "..."`` (an external
+    process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set per rollout). Its calls go through the
+    run's gateway; its tasks come from ``dataset`` or from the task maker ``env`` names (e.g.
+    ``env="lookup"``), whose env class the agent does not use (only the warm start does).
     """
 
     env: str = ""
@@ -176,6 +183,8 @@ class EnvSection:
     num_train_tasks: int | None = None
     num_eval_tasks: int | None = None
     dataset: dict = _field({})
+    agent: str = ""
+    agent_command: str = ""
 
 
 DEFAULT_ENVS = {
@@ -549,6 +558,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.envs.{name}.dataset", "give eval (a file) or eval_fraction, not both")
         if env.dataset and env.task_kwargs:
             raise _fail(f"config.envs.{name}.task_kwargs", "tasks come from the dataset; drop task_kwargs")
+        if env.agent and env.agent_command:
+            raise _fail(f"config.envs.{name}", "give agent (a function) or agent_command, not both")
+        if env.agent and (env.agent.count(":") != 1 or not all(env.agent.split(":"))):
+            raise _fail(f"config.envs.{name}.agent", f"expected 'module:function', got {env.agent!r}")
         for key in ("num_train_tasks", "num_eval_tasks"):
             _at_least(f"config.envs.{name}.{key}", getattr(env, key), 0)
     for k in cfg.eval.pass_k:

@@ -38,7 +38,13 @@ from rljax.algorithms import AlgorithmConfig
 from rljax.chat.base import Renderer
 from rljax.data.filters import DynamicSampler
 from rljax.envs.base import Task
-from rljax.rollout import RolloutResult, merge_rollout_results, rollout, rollout_metrics
+from rljax.rollout import (
+    RolloutResult,
+    _raise_all_errored,
+    merge_rollout_results,
+    rollout,
+    rollout_metrics,
+)
 from rljax.train.distributed import allgather_objects, barrier, process_share
 from rljax.train.engines import EngineSet
 from rljax.train.run_config import RunConfig
@@ -133,6 +139,7 @@ class RolloutScheduler:
         self._serves = 0
         self.next_step = 0
         self.task_states: dict[int, dict[str, Any]] = {}  # step -> iterator state before its draw
+        self.gateway: Any = None  # the OpenAI-compatible gateway of agent envs (rljax.gateway.Gateway)
 
     # -- versions ------------------------------------------------------------------------------------
     def version_for(self, step: int) -> int:
@@ -169,6 +176,55 @@ class RolloutScheduler:
             await asyncio.to_thread(barrier, f"rljax_serve_v{version}_{self._serves}")
         self._serves += 1
 
+    # -- rollouts --------------------------------------------------------------------------------------
+    async def run_rollout(self, tasks: Sequence[Task], engine: Any, config: Any) -> RolloutResult:
+        """The rollout of ``tasks``: env tasks by the env loop, agent envs' tasks
+        (``config.envs.<name>.agent``) through the run's gateway (started on this loop at first
+        use), both at once; one result (envs' records first, then agents')."""
+        agents = self.env_tasks.agents
+        env_part = [t for t in tasks if t.env not in agents]
+        agent_part = [t for t in tasks if t.env in agents]
+        both = bool(env_part) and bool(agent_part)
+        sub = dataclasses.replace(config, raise_on_all_errored=False) if both else config
+        jobs = []
+        if env_part or not agent_part:
+            jobs.append(
+                rollout(
+                    env_part,
+                    engine=engine,
+                    renderer=self.renderer,
+                    make_env=self.env_tasks.factories,
+                    config=sub,
+                    vocab_size=self.vocab_size,
+                )
+            )
+        if agent_part:
+            from rljax.gateway import Gateway, agent_rollout
+
+            if self.gateway is None:
+                self.gateway = Gateway(self.renderer)
+            jobs.append(
+                agent_rollout(
+                    agent_part,
+                    agent=agents,
+                    engine=engine,
+                    gateway=self.gateway,
+                    config=sub,
+                    agent_kwargs=self.env_tasks.agent_kwargs,
+                    vocab_size=self.vocab_size,
+                )
+            )
+        result = merge_rollout_results(await asyncio.gather(*jobs))
+        records = result.trajectories
+        if both and config.raise_on_all_errored and records and all(r.errored for r in records):
+            _raise_all_errored(records)
+        return result
+
+    def close(self) -> None:
+        """Stops the gateway (when agents started one)."""
+        if self.gateway is not None and self.gateway.started:
+            self.worker.submit(self.gateway.stop).result(timeout=30)
+
     # -- submitting ------------------------------------------------------------------------------------
     def start(self, step: int) -> None:
         """The next submitted rollout is that of ``step`` (a fresh or resumed run)."""
@@ -202,14 +258,7 @@ class RolloutScheduler:
             round_config = config
             if round_no:
                 round_config = dataclasses.replace(config, seed=derive_seed(config.seed, round_no))
-            return await rollout(
-                round_tasks,
-                engine=engines,
-                renderer=self.renderer,
-                make_env=self.env_tasks.factories,
-                config=round_config,
-                vocab_size=self.vocab_size,
-            )
+            return await self.run_rollout(round_tasks, engines, round_config)
 
         async def job() -> RolloutResult:
             await self.serve(version)
@@ -287,14 +336,7 @@ class RolloutScheduler:
 
         async def job() -> RolloutResult:
             await self.serve(version)
-            return await rollout(
-                self.share(self.env_tasks.eval),
-                engine=self.engines.policy,
-                renderer=self.renderer,
-                make_env=self.env_tasks.factories,
-                config=config,
-                vocab_size=self.vocab_size,
-            )
+            return await self.run_rollout(self.share(self.env_tasks.eval), self.engines.policy, config)
 
         return self.worker.submit(job)
 

@@ -112,11 +112,18 @@ def _dataset_tasks(name: str, spec: EnvSection, *, seed: int) -> tuple[list[Task
 
 @dataclasses.dataclass(frozen=True)
 class EnvTasks:
-    """Env name -> zero-argument factory, and the run's train / eval tasks (``Task.env`` = env name)."""
+    """Env name -> zero-argument factory, and the run's train / eval tasks (``Task.env`` = env name).
+
+    ``agents``: env name -> agent function of the envs run as agents through the gateway
+    (``config.envs.<name>.agent`` / ``agent_command``), ``agent_kwargs`` their keyword arguments;
+    their factories build the env class of their task maker (the warm start's demonstrations), or
+    raise when there is none."""
 
     factories: Mapping[str, Callable[[], Any]]
     train: tuple[Task, ...]
     eval: tuple[Task, ...]
+    agents: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    agent_kwargs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def by_id(self) -> dict[str, Task]:
         return {t.id: t for t in self.train}
@@ -141,10 +148,15 @@ def build_env_tasks(
                 f"config.envs.<name> = dict(env=...) for each, or drop them"
             )
     factories: dict[str, Callable[[], Any]] = {}
+    agents: dict[str, Callable[..., Any]] = {}
+    agent_kwargs: dict[str, dict[str, Any]] = {}
     train: list[Task] = []
     evals: list[Task] = []
     for name, spec in cfg.envs.items():
-        if make_env is not None and name in make_env:
+        if spec.agent or spec.agent_command:
+            agents[name], agent_kwargs[name] = _agent_of(name, spec), dict(spec.kwargs)
+            factories[name] = _agent_env_factory(name, spec)
+        elif make_env is not None and name in make_env:
             factories[name] = make_env[name]
         else:
             kwargs = dict(spec.kwargs)
@@ -160,6 +172,13 @@ def build_env_tasks(
         elif spec.dataset:
             tr, ev = _dataset_tasks(name, spec, seed=cfg.seed)
         else:
+            if (spec.agent or spec.agent_command) and spec.env not in builtin_envs.TASK_MAKERS \
+                    and not spec.env.startswith("reasoning_gym:"):  # fmt: skip
+                raise ValueError(
+                    f"config.envs.{name}: an agent's tasks come from dataset=dict(train=...) or from the "
+                    f"task maker env= names ({sorted(builtin_envs.TASK_MAKERS)}, 'reasoning_gym:<dataset>'); "
+                    f"env={spec.env!r} is neither"
+                )
             tk = dict(spec.task_kwargs)
             n_train = 256 if spec.num_train_tasks is None else spec.num_train_tasks
             n_eval = 0 if spec.num_eval_tasks is None else spec.num_eval_tasks
@@ -167,4 +186,29 @@ def build_env_tasks(
             ev = builtin_envs.make_tasks(spec.env, n_eval, seed=cfg.seed + 1, split="test", **tk)
         train += [dataclasses.replace(t, env=name) for t in tr]
         evals += [dataclasses.replace(t, env=name) for t in ev]
-    return EnvTasks(factories=factories, train=tuple(train), eval=tuple(evals))
+    return EnvTasks(
+        factories=factories, train=tuple(train), eval=tuple(evals), agents=agents, agent_kwargs=agent_kwargs
+    )
+
+
+def _agent_of(name: str, spec: EnvSection) -> Callable[..., Any]:
+    """The agent function of an agent env (imported now: a wrong name fails before anything runs)."""
+    from rljax.gateway.agents import CommandAgent, load_agent
+
+    try:
+        return load_agent(spec.agent) if spec.agent else CommandAgent(spec.agent_command)
+    except ValueError as e:
+        raise ValueError(f"config.envs.{name}: {e}") from None
+
+
+def _agent_env_factory(name: str, spec: EnvSection) -> Callable[[], Any]:
+    """An agent env's factory: its task maker's env class (the warm start reads its solutions)."""
+    kind = spec.env
+    if kind in builtin_envs.ENVS:
+        kwargs = dict(spec.kwargs)
+        return lambda: builtin_envs.make_env(kind, **kwargs)
+
+    def no_env() -> Any:
+        raise ValueError(f"config.envs.{name} is an agent (config.envs.{name}.agent): it has no env class")
+
+    return no_env

@@ -1,0 +1,354 @@
+"""The OpenAI-compatible gateway: an ASGI app in front of rljax's engine that records every call.
+
+A :class:`Gateway` serves, on ``http://127.0.0.1:<port>/v1`` by default (loopback only)::
+
+    POST /v1/chat/completions   OpenAI chat completions (stream or not); every call is a Step
+    GET  /v1/models             the served model name
+    POST /v1/rewards            {"reward": r} (the rollout's final reward) or
+                                {"reward": r, "completion_id": "chatcmpl-..."} (that call's reward)
+                                (also at /rl/set_reward, AReaL's name)
+
+Every request must carry a rollout's secret key (``Authorization: Bearer <key>``, or
+``x-api-key``): :meth:`Gateway.open_session` makes one per rollout; an unknown or ended key gets
+401 and nothing is recorded. For each call the gateway
+
+1. validates the request (:mod:`rljax.gateway.protocol`; 400 with OpenAI's error body otherwise);
+2. builds the prompt with the session's :class:`~rljax.recording.StepRecorder`: when the messages
+   extend an earlier call of the same rollout (its messages, then the assistant message it was
+   answered with, then new ones) the prompt is that call's prompt ids + completion ids + the
+   renderer's bridge for the new messages, token for token; otherwise a full render with the run's
+   renderer (a new sample after merging);
+3. rejects a prompt of ``>= max_context_len`` tokens (400 ``context_length_exceeded``: nothing is
+   recorded and the rollout goes on, so a harness can summarize and retry), and caps the completion
+   at ``min(max_tokens asked, rollout.max_tokens, max_context_len - len(prompt))``;
+4. samples ``engine.generate(prompt ids)`` and records the completion (exact ids, logprobs, weight
+   version, routed experts, finish reason) as the call's Step; the answer is the assistant message
+   parsed FROM THOSE IDS (``RecordedCall.returned`` is set to exactly what the client got).
+
+Where it runs: ON THE EVENT LOOP OF THE ROLLOUTS (:meth:`Gateway.start` is awaited on it; uvicorn's
+``Server.serve`` as a task). The engines' ``generate`` is a coroutine of that loop (the embedded
+sampler batches requests on it; the vLLM client's HTTP pool lives on it) and agent functions run on
+it too, so a call costs no thread hop and no cross-loop future; uvicorn in its own thread would add
+two hops per call and GIL contention with the rollout thread for nothing. An agent that blocks the
+loop (synchronous code inside ``async def``) would stall it: synchronous agent functions are run in
+threads (:mod:`rljax.gateway.agents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rljax.chat.base import Renderer
+from rljax.envs.base import Task
+from rljax.gateway.protocol import (
+    Answer,
+    ChatRequest,
+    GatewayError,
+    completion_body,
+    error_body,
+    finish_reason_of,
+    parse_chat_request,
+    sse,
+    stream_chunks,
+    wire_message,
+)
+from rljax.gateway.sessions import Session, SessionRegistry
+from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.recording import StepRecorder
+from rljax.rollout import RolloutConfig, request_seed
+
+__all__ = ["Gateway"]
+
+DEFAULT_MODEL_NAME = "rljax-policy"
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers (the run owns SIGINT / SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _unauthorized(message: str = "invalid or ended API key: every rollout has its own key") -> JSONResponse:
+    return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
+
+
+class Gateway:
+    """An OpenAI-compatible server that records each rollout's calls (see the module docstring).
+
+    Args:
+      renderer: the run's chat renderer (prompts, bridges, parsing the sampled ids).
+      host: the address it binds (default loopback only; "0.0.0.0" exposes it).
+      port: the port (0: a free one, see :attr:`port` after :meth:`start`).
+      model_name: what ``GET /v1/models`` lists (requests may name any model).
+    """
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = DEFAULT_MODEL_NAME,
+    ) -> None:
+        self.renderer = renderer
+        self.host = host
+        self.port = int(port)
+        self.model_name = model_name
+        self.sessions = SessionRegistry()
+        self.stop_ids = tuple(int(i) for i in renderer.stop_token_ids())
+        self._server: _QuietServer | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._single_token: dict[str, int | None] = {}
+        routes = [
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/rewards", self._reward, methods=["POST"]),
+            Route("/rl/set_reward", self._reward, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes)
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._server is not None and self._server.started and not self._task.done()
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``http://host:port/v1``)."""
+        if not self.started:
+            raise RuntimeError("the gateway is not started: await gateway.start() on the rollouts' loop")
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        """Starts serving on the running event loop (a no-op when already serving on it)."""
+        loop = asyncio.get_running_loop()
+        if self.started:
+            if loop is not self._loop:
+                raise RuntimeError("the gateway serves on another event loop; stop() it there first")
+            return
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, lifespan="off", log_level="warning", access_log=False, backlog=4096,
+            timeout_keep_alive=60,
+        )  # fmt: skip
+        self._server = _QuietServer(config)
+        self._loop = loop
+        self._task = loop.create_task(self._server.serve(sockets=[sock]), name="rljax-gateway")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup error
+                raise RuntimeError("the gateway stopped while starting")
+            await asyncio.sleep(0.002)
+
+    async def stop(self) -> None:
+        """Stops serving (open sessions are ended first: their keys get 401 if it restarts)."""
+        for session in list(self.sessions._sessions.values()):
+            self.sessions.close(session)
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 10)
+        self._server = self._task = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    # -- sessions ---------------------------------------------------------------------------------------
+    def open_session(
+        self,
+        recorder: StepRecorder,
+        engine: Engine,
+        config: RolloutConfig,
+        *,
+        task: Task | None = None,
+        repetition: int = 0,
+    ) -> Session:
+        """A new rollout: its calls (with ``session.key`` as API key) are recorded on ``recorder``,
+        sampled from ``engine`` within ``config``'s budgets and default sampling."""
+        return self.sessions.open(recorder, engine, config, task=task, repetition=repetition)
+
+    def close_session(self, session: Session) -> None:
+        """Ends a rollout: its key gets 401 from now on; calls in flight are answered 401, unrecorded."""
+        self.sessions.close(session)
+
+    # -- the call -----------------------------------------------------------------------------------------
+    def _stop_id(self, text: str) -> int:
+        if text not in self._single_token:
+            ids = self.renderer.tokenizer.encode(text, add_special_tokens=False)
+            self._single_token[text] = int(ids[0]) if len(ids) == 1 else None
+        tid = self._single_token[text]
+        if tid is None:
+            raise GatewayError(
+                400,
+                f"stop string {text!r} is not one token; the engine stops on token ids, so only "
+                "single-token stop strings are supported",
+                param="stop",
+            )
+        return tid
+
+    def _sampling(self, session: Session, req: ChatRequest, prompt_len: int) -> SamplingParams:
+        cfg = session.config
+        budget = min(req.max_tokens or cfg.max_tokens, cfg.max_tokens, cfg.max_context_len - prompt_len)
+        seed = req.seed
+        if seed is None and cfg.seed is not None and session.task is not None:
+            seed = request_seed(cfg.seed, session.task.id, session.repetition, session.calls_started)
+        try:
+            return SamplingParams(
+                temperature=cfg.temperature if req.temperature is None else req.temperature,
+                top_p=cfg.top_p if req.top_p is None else req.top_p,
+                top_k=cfg.top_k if req.top_k is None else req.top_k,
+                max_tokens=budget,
+                stop_token_ids=(*self.stop_ids, *(self._stop_id(s) for s in req.stop)),
+                seed=None if seed is None else int(seed) % 2**31,
+            )
+        except ValueError as e:
+            raise GatewayError(400, str(e)) from None
+
+    async def complete(self, session: Session, req: ChatRequest) -> Answer:
+        """Runs one validated call of ``session``: prompt, engine, record; the answer to send."""
+        rec = session.recorder
+        cfg = session.config
+        try:
+            prompt = rec.prompt_for(req.messages, tools=req.tools)
+        except (ValueError, TypeError, KeyError) as e:
+            raise GatewayError(400, f"the messages cannot be rendered: {e}", param="messages") from None
+        n = len(prompt.ids)
+        if n >= cfg.max_context_len:
+            raise GatewayError(
+                400,
+                f"the prompt is {n} tokens; the context budget (rollout.max_context_len) is "
+                f"{cfg.max_context_len} tokens, prompt and completion together",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        sampling = self._sampling(session, req, n)
+        session.calls_started += 1
+        try:
+            completion = await session.engine.generate(
+                list(prompt.ids), sampling, session_id=str(rec.trajectory_id)
+            )
+            if not isinstance(completion, Completion):
+                raise TypeError(f"engine.generate returned {type(completion).__name__}, not a Completion")
+            if completion.finish_reason == "abort" or not completion.ids:
+                raise RuntimeError(
+                    f"the engine returned finish_reason={completion.finish_reason!r} with "
+                    f"{len(completion.ids)} ids"
+                )
+        except Exception as e:
+            if session.open and session.error is None:
+                session.error = ("engine", f"{type(e).__name__}: {e}")
+            raise GatewayError(
+                500, f"the engine failed: {e}", type="server_error", code="engine_error"
+            ) from e
+        if not session.open:
+            raise GatewayError(401, "the rollout ended while this call was in flight; it was not recorded",
+                               code="invalid_api_key")  # fmt: skip
+        temperature = sampling.temperature
+        call = rec.record(prompt, completion, temperature=temperature)
+        reply = call.reply
+        call_ids = [f"call_{secrets.token_hex(8)}" for _ in reply.get("tool_calls") or ()]
+        message = wire_message(reply, call_ids)
+        call.returned = message
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        session.call_ids[rid] = call.index
+        texts = None
+        if req.logprobs:
+            texts = [self.renderer.tokenizer.decode([t]) for t in completion.ids]
+        return Answer(
+            id=rid,
+            created=int(time.time()),
+            model=req.model or self.model_name,
+            message=message,
+            finish_reason=finish_reason_of(completion.finish_reason, message),
+            prompt_ids=prompt.ids,
+            completion_ids=completion.ids,
+            logprobs=completion.logprobs,
+            token_texts=texts,
+            weight_version=completion.weight_version,
+        )
+
+    # -- HTTP -------------------------------------------------------------------------------------------
+    def _session_of(self, request: Request) -> Session | None:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        return self.sessions.get(key)
+
+    @staticmethod
+    async def _json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def _chat(self, request: Request) -> Response:
+        session = self._session_of(request)
+        if session is None:
+            return _unauthorized()
+        try:
+            req = parse_chat_request(await self._json(request))
+            answer = await self.complete(session, req)
+        except GatewayError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        if req.stream:
+            return StreamingResponse(self._events(answer, req), media_type="text/event-stream")
+        return JSONResponse(completion_body(answer, req))
+
+    @staticmethod
+    async def _events(answer: Answer, req: ChatRequest) -> AsyncIterator[bytes]:
+        for chunk in stream_chunks(answer, req):
+            yield sse(chunk)
+        yield b"data: [DONE]\n\n"
+
+    async def _models(self, request: Request) -> Response:
+        if self._session_of(request) is None:
+            return _unauthorized()
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rljax"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _reward(self, request: Request) -> Response:
+        session = self._session_of(request)
+        if session is None:
+            return _unauthorized()
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict):
+                raise GatewayError(400, "the body must be {'reward': number, 'completion_id'?: str}")
+            reward = body.get("reward")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
+                    or abs(reward) == float("inf"):  # fmt: skip
+                raise GatewayError(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
+            cid = body.get("completion_id")
+            if cid is None:
+                session.reward = float(reward)
+            elif cid in session.call_ids:
+                session.recorder.calls[session.call_ids[cid]].reward = float(reward)
+            else:
+                raise GatewayError(404, f"this rollout has no completion {cid!r}", param="completion_id",
+                                   code="not_found")  # fmt: skip
+        except GatewayError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse({"ok": True})
