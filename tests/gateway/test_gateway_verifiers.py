@@ -5,14 +5,15 @@ loaded by id, run as an agent function with a real ``openai.AsyncOpenAI`` pointe
 OpenAI-compatible server (a double of the protocol only).
 
 Expected rewards are hand-computed from the rubric: ``correct`` (weight 2) = exact match of the final
-reply with the task's answer, ``brief`` (weight 0.5) = final reply at most 2 characters; the script
-answers the follow-up with the true sum, so a task whose stated answer is the sum scores
-2 * 1 + 0.5 * 1 = 2.5 and one whose stated answer is wrong 2 * 0 + 0.5 * 1 = 0.5.
+reply with the task's answer, ``brief`` (weight 0.5) = 1 / (1 + length of the final reply); the script
+answers the follow-up with the true one-digit sum, so a task whose stated answer is the sum scores
+2 * 1 + 0.5 * 1/2 = 2.25 and one whose stated answer is wrong 2 * 0 + 0.5 * 1/2 = 0.25.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 
@@ -75,15 +76,18 @@ def test_episodes_return_the_rubric_reward_and_metrics(agent, server):
 
     async def main():
         out = await asyncio.gather(*(agent(t, server.client(k)) for t, k in zip(tasks, keys, strict=True)))
+        # each episode's endpoint client was closed and dropped from the interception servers
+        servers = agent.env._interception.servers
+        assert servers and not [c for s in servers for c in s.clients if KEY_VAR_PREFIX in c]
         await agent.aclose()
         return out
 
     results = asyncio.run(main())
-    assert [r["reward"] for r in results] == [2.5, 2.5, 0.5]
+    assert [r["reward"] for r in results] == [2.25, 2.25, 0.25]
     assert results[2]["metrics"] == {
         "num_turns": 2.0,
         "reply_chars": 1.0,
-        "reward/brief": 1.0,
+        "reward/brief": 0.5,
         "reward/correct": 0.0,
     }
     assert results[0]["metrics"]["reward/correct"] == 1.0
@@ -113,7 +117,7 @@ def test_streamed_calls_relay_and_score():
     try:
         (task,) = agent.tasks(env_name="arith")
         result = asyncio.run(agent(task, s.client("k-stream")))
-        assert result["reward"] == 2.5
+        assert result["reward"] == 2.25
         assert s.requests[0][1]["stream"] is True and "stream" not in s.requests[1][1]
         assert s.requests[1][1]["messages"][2] == {"role": "assistant", "content": "Let me add 3 and 4."}
     finally:
@@ -170,3 +174,75 @@ def test_bad_ids_configs_and_tasks_are_refused(agent):
         agent.vf_task(Task("t0", {"question": "1+1"}))
     dupes = VerifiersAgent(h.ENV_ID, _rows([1, 1, "2"], [1, 1, "2"]))
     assert len(dupes.tasks(env_name="d")) == 2  # idx is part of the data, so equal rows differ
+
+
+def test_verifiers_config_errors_are_clear():
+    from rljax.train.run_config import parse_run_config
+
+    def envs(**spec):
+        return {"envs": {"arith": {"verifiers": h.ENV_ID, **spec}}}
+
+    with pytest.raises(ValueError, match=r"drop \['agent'\]"):
+        parse_run_config(envs(agent="m:f"))
+    with pytest.raises(ValueError, match="eval_env_args"):
+        parse_run_config(envs(num_eval_tasks=2))
+    with pytest.raises(ValueError, match="only verifiers envs"):
+        parse_run_config({"envs": {"lookup": {"env_args": {"x": 1}}}})
+    cfg = parse_run_config(envs(env_args=h.LOCAL, eval_env_args={"rows": [[1, 2, "3"]]}))
+    assert cfg.envs["arith"].verifiers == h.ENV_ID and cfg.envs["arith"].env_args == h.LOCAL
+
+
+def test_build_env_tasks_of_a_verifiers_env(server):
+    from rljax.train.run_config import parse_run_config
+    from rljax.train.tasks import build_env_tasks
+
+    spec = {"verifiers": h.ENV_ID, "env_args": h.LOCAL, "eval_env_args": {"rows": [[5, 6, "11"]]}}
+    built = build_env_tasks(parse_run_config({"envs": {"arith": {**spec, "num_train_tasks": 2}}}))
+    assert [t.messages[-1]["content"] for t in built.train] == ["What is 2+3?", "What is 4+4?"]
+    assert [t.messages[-1]["content"] for t in built.eval] == ["What is 5+6?"]
+    assert isinstance(built.agents["arith"], VerifiersAgent) and built.agent_kwargs["arith"] == {}
+    with pytest.raises(ValueError, match="has no env class"):
+        built.factories["arith"]()
+    with pytest.raises(ValueError, match=r"config.envs.arith.verifiers: ModuleNotFoundError"):
+        build_env_tasks(parse_run_config({"envs": {"arith": {"verifiers": "no-such-env"}}}))
+
+
+@pytest.mark.integration
+def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
+    """The whole path: config.envs.arith.verifiers -> the run's real gateway in front of the
+    embedded sampler (tiny model) -> 2 RL steps. Each trajectory's trained reward (on its last step)
+    is the rubric of the final reply its harness received, recomputed here (``h.rubric``); every
+    trajectory made both calls through the gateway."""
+    from recipes import load_recipe
+
+    from rljax.train.trainer import Trainer
+
+    h.register_env()
+    h.REPLIES.clear()
+    c = load_recipe("smoke")
+    c.envs = {"arith": dict(verifiers=h.ENV_ID, env_args=_rows([2, 3, "5"], [4, 4, "8"], [1, 1, "3"]))}
+    c.warmstart.num_steps = 0
+    c.rollout.update(group_size=2, max_tokens=8)
+    c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=0, checkpoint_every=0)
+    t = Trainer(c, tmp_path)
+    batches = []
+    train_on = t._train_on
+    t._train_on = lambda batch: (batches.append(batch), train_on(batch))[1]
+    history = t.run()
+    assert len(history) == 2 and len(batches) == 2
+    tasks = t.env_tasks.by_id()
+    for batch in batches:
+        last = [s for s in batch.steps if s.is_last_step]
+        assert len(last) == 4 and len(batch.steps) == 8  # 2 prompts x 2 repetitions x 2 calls
+        by_group: dict[str, list[float]] = {}
+        for s in last:
+            by_group.setdefault(s.trajectory_id.instance_id, []).append(float(s.reward))
+        for tid, rewards in by_group.items():
+            d = tasks[tid].data["verifiers"]["data"]
+            expected = [h.rubric(r, d["answer"]) for r in h.REPLIES[(d["a"], d["b"])]]
+            # this step's two repetitions are among the task's recorded replies (a task drawn twice
+            # across the 2 steps has 4)
+            assert all(any(abs(r - e) < 1e-6 for e in expected) for r in rewards), (rewards, expected)
+    for row in history:
+        assert row["rollout/num_errored"] == 0.0 if "rollout/num_errored" in row else True
+        assert math.isfinite(row["loss"]) if "loss" in row else True

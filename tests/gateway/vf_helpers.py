@@ -23,6 +23,13 @@ ENV_ID = "rljax-vf-arith"  # verifiers reads "-" as "_": module rljax_vf_arith
 MODULE = "rljax_vf_arith"
 FOLLOW_UP = "Reply with the number only."
 LOCAL = {"agent": {"runtime": {"type": "subprocess"}}}
+REPLIES: dict[tuple[int, int], list[str]] = {}  # (a, b) -> the final replies the harness received
+
+
+def rubric(reply: str, answer: str) -> float:
+    """The task's reward, written out independently: 2 * exact match + 0.5 / (1 + reply length)."""
+    reply = reply.strip()
+    return 2.0 * float(reply == answer) + 0.5 / (1.0 + len(reply))
 
 
 class ArithData(vf.TaskData):
@@ -43,7 +50,7 @@ class ArithTask(vf.Task[ArithData, vf.State, vf.TaskConfig]):
 
     @vf.reward(weight=0.5)
     async def brief(self, trace: vf.Trace) -> float:
-        return float(len(trace.last_reply) <= 2)
+        return 1.0 / (1.0 + len(trace.last_reply))
 
     @vf.metric
     async def reply_chars(self, trace: vf.Trace) -> float:
@@ -107,7 +114,8 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                 {"role": "assistant", "content": first},
                 {"role": "user", "content": FOLLOW_UP},
             ]
-            await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+            second = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+            REPLIES.setdefault((data.a, data.b), []).append(second.choices[0].message.content or "")
         finally:
             await client.close()
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
