@@ -141,6 +141,20 @@ def test_an_episode_whose_rubric_fails_is_an_error(server):
     assert len([k for k, _ in server.requests if k == "k-rubric"]) == 2  # the calls ran, scoring failed
 
 
+def test_an_episode_whose_task_setup_or_env_hook_raises_is_an_error(server):
+    agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3", "setup_raises"]))
+    (task,) = agent.tasks(env_name="arith")
+    with pytest.raises(VerifiersEpisodeError, match="the task setup failed on purpose"):
+        asyncio.run(agent(task, server.client("k-setup")))
+    assert not [k for k, _ in server.requests if k == "k-setup"]
+    agent = VerifiersAgent(h.ENV_ID, {**_rows([1, 2, "3", "env_raises"], [2, 2, "4"]), "id": h.CHECKED_ID})
+    assert type(agent.env).__name__ == "CheckedEnv"
+    failing, fine = agent.tasks(env_name="arith")
+    with pytest.raises(VerifiersEpisodeError, match="the env's finalize failed on purpose"):
+        asyncio.run(agent(failing, server.client("k-env")))
+    assert asyncio.run(agent(fine, server.client("k-env-ok")))["reward"] == 2.25
+
+
 def test_a_rejected_key_errors_the_episode(server):
     agent = VerifiersAgent(h.ENV_ID, _rows([1, 2, "3"]))
     (task,) = agent.tasks(env_name="arith")
@@ -225,12 +239,49 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
     c.rollout.update(group_size=2, max_tokens=8)
     c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=0, checkpoint_every=0)
     t = Trainer(c, tmp_path)
-    batches = []
-    train_on = t._train_on
+    batches, results = [], []
+    train_on, run_rollout = t._train_on, t.scheduler.run_rollout
     t._train_on = lambda batch: (batches.append(batch), train_on(batch))[1]
+
+    async def capture(*args, **kwargs):
+        results.append(await run_rollout(*args, **kwargs))
+        return results[-1]
+
+    t.scheduler.run_rollout = capture
     history = t.run()
-    assert len(history) == 2 and len(batches) == 2
+    assert len(history) == 2 and len(batches) == 2 and len(results) == 2
     tasks = t.env_tasks.by_id()
+    # each episode's two model calls are its trajectory's two recorded calls: the first prompt is the
+    # task's messages, the follow-up extends the first call's exact ids (the relayed conversation is
+    # the one the gateway answered), and the reward is the rubric of the final reply it returned
+    renderer = t.scheduler.renderer
+    for rec in (r for res in results for r in res.trajectories):
+        assert not rec.errored and len(rec.calls) == 2, rec.error
+        task = tasks[rec.trajectory_id.instance_id]
+        first, second = rec.calls
+        assert first.prompt.messages == [dict(m) for m in task.messages]
+        returned = [c.returned or c.reply for c in rec.calls]
+        # the follow-up reached the gateway as the harness sent it: the first call's messages, the
+        # reply it got, the follow-up question
+        n = len(first.prompt.messages)
+        assert second.prompt.messages[:n] == first.prompt.messages
+        assert second.prompt.messages[n]["content"] == returned[0]["content"]
+        assert second.prompt.messages[n + 1 :] == [{"role": "user", "content": h.FOLLOW_UP}]
+        # its prompt ids: the first call's exact ids + the bridge, or (only where the renderer cannot
+        # bridge: a first turn cut by max_tokens or ended by another stop token) a full render of
+        # what was sent
+        follow_up = second.prompt.messages[n + 1 :]
+        if renderer.bridge(first.prompt.ids, first.completion.ids, follow_up) is not None:
+            head = first.prompt.ids + first.completion.ids
+            assert rec.bridged == [True] and second.prompt.parent == 0
+            assert second.prompt.ids[: len(head)] == head
+        else:
+            full = renderer.render_with_roles(second.prompt.messages, add_generation_prompt=True).ids
+            assert rec.bridged == [False] and second.prompt.ids == list(full)
+        final = returned[1].get("content") or ""
+        d = task.data["verifiers"]["data"]
+        assert final in h.REPLIES[(d["a"], d["b"])]
+        assert abs(rec.reward - h.rubric(final, d["answer"])) < 1e-9
     for batch in batches:
         last = [s for s in batch.steps if s.is_last_step]
         assert len(last) == 4 and len(batch.steps) == 8  # 2 prompts x 2 repetitions x 2 calls
@@ -243,6 +294,5 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
             # this step's two repetitions are among the task's recorded replies (a task drawn twice
             # across the 2 steps has 4)
             assert all(any(abs(r - e) < 1e-6 for e in expected) for r in rewards), (rewards, expected)
-    for row in history:
-        assert row["rollout/num_errored"] == 0.0 if "rollout/num_errored" in row else True
-        assert math.isfinite(row["loss"]) if "loss" in row else True
+    for row in history:  # trained on the rubric's rewards: they vary within groups, the loss is finite
+        assert row["rollout/num_errored"] == 0.0 and row["reward/std"] > 0.0 and math.isfinite(row["loss"])

@@ -36,11 +36,15 @@ class ArithData(vf.TaskData):
     a: int
     b: int
     answer: str
-    mode: str = "ok"  # "ok" | "stream" | "harness_raises" | "reward_raises" | "no_call"
+    mode: str = "ok"  # ok | stream | harness_raises | reward_raises | setup_raises | env_raises | no_call
 
 
 class ArithTask(vf.Task[ArithData, vf.State, vf.TaskConfig]):
     """Two-turn arithmetic: the rubric is the exact match of the final reply with ``answer``."""
+
+    async def setup(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
+        if self.data.mode == "setup_raises":
+            raise KeyError("the task setup failed on purpose")
 
     @vf.reward(weight=2.0)
     async def correct(self, task: ArithData, trace: vf.Trace) -> float:
@@ -121,6 +125,18 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
 
+class CheckedEnv(vf.SingleAgentEnv):
+    """The single-agent env with a cross-trace check (``finalize``) that raises for ``env_raises``
+    tasks: an env-level hook failing (paired with the taskset by ``env_args={"id": CHECKED_ID}``)."""
+
+    async def finalize(self, task: vf.Task, episode: vf.Episode) -> None:
+        if task.data.mode == "env_raises":
+            raise RuntimeError("the env's finalize failed on purpose")
+
+
+CHECKED_ID = "rljax-vf-checked"
+
+
 def register_env() -> None:
     """Makes ``ENV_ID`` loadable by id: verifiers imports the module named by the id (``-`` -> ``_``)
     and takes the Taskset (and the Harness, the taskset's default) from its ``__all__``."""
@@ -131,6 +147,10 @@ def register_env() -> None:
     module.ChatHarness = ChatHarness
     module.__all__ = ["ArithTaskset", "ChatHarness"]
     sys.modules[MODULE] = module
+    checked = types.ModuleType("rljax_vf_checked")
+    checked.CheckedEnv = CheckedEnv
+    checked.__all__ = ["CheckedEnv"]
+    sys.modules["rljax_vf_checked"] = checked
 
 
 def scripted_reply(messages: list[dict]) -> str:
