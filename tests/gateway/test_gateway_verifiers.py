@@ -296,3 +296,18 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
             assert all(any(abs(r - e) < 1e-6 for e in expected) for r in rewards), (rewards, expected)
     for row in history:  # trained on the rubric's rewards: they vary within groups, the loss is finite
         assert row["rollout/num_errored"] == 0.0 and row["reward/std"] > 0.0 and math.isfinite(row["loss"])
+
+
+def test_loading_by_id_finds_an_installed_package(tmp_path, monkeypatch):
+    """An environment package on the import path (as ``pip install`` puts it) loads by its id, in
+    verifiers' spellings: ``-`` for ``_``, and hub ids ``owner/name@version``."""
+    package = tmp_path / "rljax_vf_installed"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from vf_helpers import ArithTaskset, ChatHarness\n\n__all__ = ['ArithTaskset', 'ChatHarness']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for env_id in ("rljax-vf-installed", "someone/rljax-vf-installed@0.1.0"):
+        agent = verifiers_agent(env_id, h.LOCAL)
+        assert type(agent.env.taskset) is h.ArithTaskset
+        assert [t.data_source for t in agent.tasks(env_name="x")] == [env_id] * 3
