@@ -15,8 +15,9 @@ bookkeeping, and decides for each call how its prompt is built::
     steps = rec.finish(reward=1.0)                          # one Step per call
 
 **Extension.** A call's messages *extend* an earlier call ``c`` when they are ``c``'s messages,
-then ``c``'s reply (the assistant message parsed from the ids ``c`` sampled, compared with
-:func:`same_reply`), then anything new. Its prompt is then built by the renderer's bridge::
+then ``c``'s reply (the assistant message parsed from the ids ``c`` sampled, or what a front door
+answered its client with, ``c.returned``; compared with :func:`same_reply`), then anything new.
+Its prompt is then built by the renderer's bridge::
 
     prompt = c.prompt.ids + c.completion.ids + renderer.bridge_with_roles(c.prompt.ids,
                                                                           c.completion.ids, new)
@@ -337,7 +338,8 @@ class StepRecorder:
             prev = c.prompt.messages
             if prev is None or c.prompt.tools != tools or len(messages) <= len(prev) or len(prev) < best:
                 continue
-            if messages[: len(prev)] == prev and self.same_reply(messages[len(prev)], c.reply):
+            answered = c.returned if c.returned is not None else c.reply  # what the caller got
+            if messages[: len(prev)] == prev and self.same_reply(messages[len(prev)], answered):
                 parent, best = c.index, len(prev)
         return parent
 

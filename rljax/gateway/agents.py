@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import importlib
 import inspect
 import json
@@ -178,26 +179,22 @@ def _for_task(value: Any, task: Task, what: str) -> Any:
 
 
 async def _call_agent(
-    fn: AgentFn, task: Task, base_url: str, key: str, config: RolloutConfig, kwargs: Mapping[str, Any]
+    fn: AgentFn, task: Task, gateway: Gateway, session: Any, config: RolloutConfig, kwargs: Mapping[str, Any]
 ) -> Any:
-    import openai
-
-    timeout = config.env_timeout_s or 3600.0
+    timeout = config.env_timeout_s
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout)
+        client = gateway.client(session, timeout=timeout)
         try:
             return await fn(task, client, **kwargs)
         finally:
             await client.close()
-
-    def run_sync() -> Any:
-        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout)
-        try:
-            return fn(task, client, **kwargs)
-        finally:
-            client.close()
-
-    result = await asyncio.get_running_loop().run_in_executor(_SYNC_AGENTS, run_sync)
+    sync_client = gateway.client(session, timeout=timeout, sync=True)
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(
+            _SYNC_AGENTS, functools.partial(fn, task, sync_client, **kwargs)
+        )
+    finally:
+        sync_client.close()
     if inspect.isawaitable(result):
         result = await result
     return result
@@ -233,7 +230,7 @@ async def _run_agent_trajectory(
     value: Any = None
     try:
         value = await asyncio.wait_for(
-            _call_agent(agent, task, gateway.base_url, session.key, config, kwargs), config.env_timeout_s
+            _call_agent(agent, task, gateway, session, config, kwargs), config.env_timeout_s
         )
     except TimeoutError as e:
         ran_out = config.env_timeout_s is not None and loop.time() - start >= config.env_timeout_s

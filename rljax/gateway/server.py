@@ -23,7 +23,8 @@ Every request must carry a rollout's secret key (``Authorization: Bearer <key>``
    at ``min(max_tokens asked, rollout.max_tokens, max_context_len - len(prompt))``;
 4. samples ``engine.generate(prompt ids)`` and records the completion (exact ids, logprobs, weight
    version, routed experts, finish reason) as the call's Step; the answer is the assistant message
-   parsed FROM THOSE IDS (``RecordedCall.returned`` is set to exactly what the client got).
+   parsed FROM THOSE IDS (``RecordedCall.returned`` is set to exactly what the client got; a tool
+   call that does not parse comes back as text, as vLLM does, so the client sees the attempt).
 
 Where it runs: ON THE EVENT LOOP OF THE ROLLOUTS (:meth:`Gateway.start` is awaited on it; uvicorn's
 ``Server.serve`` as a task). The engines' ``generate`` is a coroutine of that loop (the embedded
@@ -52,6 +53,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rljax.chat.base import Renderer
+from rljax.chat.tool_calls import split_reasoning
 from rljax.envs.base import Task
 from rljax.gateway.protocol import (
     Answer,
@@ -115,6 +117,7 @@ class Gateway:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._single_token: dict[str, int | None] = {}
+        self._ssl: Any = None  # one ssl.SSLContext for every client (see client())
         routes = [
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
@@ -158,6 +161,25 @@ class Gateway:
                 self._task.result()  # raises the startup error
                 raise RuntimeError("the gateway stopped while starting")
             await asyncio.sleep(0.002)
+
+    def client(self, session: Session, *, timeout: float | None = None, sync: bool = False) -> Any:
+        """An ``openai.AsyncOpenAI`` (``sync``: ``openai.OpenAI``) bound to ``session``'s rollout:
+        ``base_url`` = :attr:`base_url`, ``api_key`` = its key, no retries (a retried call would be a
+        second recorded step). Each has its own small connection pool (one shared pool with hundreds
+        of connections makes httpcore's per-request scan quadratic) over one shared SSL context
+        (building one per client costs ~0.1 s of certificate loading). Close it when done."""
+        import ssl
+
+        import httpx
+        import openai
+
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        kwargs: dict[str, Any] = dict(base_url=self.base_url, api_key=session.key, max_retries=0,
+                                      timeout=timeout or 3600.0)  # fmt: skip
+        if sync:
+            return openai.OpenAI(http_client=httpx.Client(verify=self._ssl, timeout=None), **kwargs)
+        return openai.AsyncOpenAI(http_client=httpx.AsyncClient(verify=self._ssl, timeout=None), **kwargs)
 
     async def stop(self) -> None:
         """Stops serving (open sessions are ended first: their keys get 401 if it restarts)."""
@@ -268,7 +290,7 @@ class Gateway:
                                code="invalid_api_key")  # fmt: skip
         temperature = sampling.temperature
         call = rec.record(prompt, completion, temperature=temperature)
-        reply = call.reply
+        reply = self._answer_of(call)
         call_ids = [f"call_{secrets.token_hex(8)}" for _ in reply.get("tool_calls") or ()]
         message = wire_message(reply, call_ids)
         call.returned = message
@@ -289,6 +311,22 @@ class Gateway:
             token_texts=texts,
             weight_version=completion.weight_version,
         )
+
+    def _answer_of(self, call: Any) -> dict[str, Any]:
+        """The assistant message to answer with: the reply parsed from the sampled ids; when a
+        tool call in it does not parse, vLLM's fallback: the turn's text (reasoning split off) as
+        content and no tool calls, so the client sees what the model wrote (and the call extends
+        from exactly that: ``RecordedCall.returned``)."""
+        parsed = call.parsed
+        if not parsed.errors:
+            return call.reply
+        ids = list(call.completion.ids)
+        text = self.renderer.decode(ids[:-1] if parsed.stopped else ids)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+            message["content"] = split_reasoning(text)[1]
+        return message
 
     # -- HTTP -------------------------------------------------------------------------------------------
     def _session_of(self, request: Request) -> Session | None:
