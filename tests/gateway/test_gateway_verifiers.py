@@ -311,3 +311,45 @@ def test_loading_by_id_finds_an_installed_package(tmp_path, monkeypatch):
         agent = verifiers_agent(env_id, h.LOCAL)
         assert type(agent.env.taskset) is h.ArithTaskset
         assert [t.data_source for t in agent.tasks(env_name="x")] == [env_id] * 3
+
+
+def test_through_the_real_gateway_every_call_is_an_exact_step():
+    """The real gateway in front of an instant engine (answers closed with end-of-turn): every
+    episode is one trajectory of 2 steps, the follow-up's prompt is the first call's exact prompt +
+    completion ids + the renderer's bridge, and the reward sits on the last step."""
+    from rljax.chat import ChatMLRenderer, toy_tokenizer
+    from rljax.gateway import Gateway, agent_rollout
+    from rljax.rollout import RolloutConfig
+
+    h.register_env()
+    renderer = ChatMLRenderer(toy_tokenizer("chatml"))
+    agent = VerifiersAgent(h.ENV_ID, _rows([2, 3, "5"], [4, 4, "8"], [1, 1, "3"]))
+    tasks = agent.tasks(env_name="arith")
+    config = RolloutConfig(group_size=2, max_tokens=32, max_context_len=512, env_timeout_s=60.0)
+
+    async def main():
+        gateway = Gateway(renderer)
+        try:
+            return await agent_rollout(
+                tasks, agent=agent, engine=h.InstantEngine(renderer), gateway=gateway, config=config
+            )
+        finally:
+            await agent.aclose()
+            await gateway.stop()
+
+    result = asyncio.run(main())
+    assert result.metrics["num_errored"] == 0 and len(result.trajectories) == 6
+    for rec in result.trajectories:
+        first, second = rec.calls
+        assert rec.bridged == [True] and second.prompt.parent == 0
+        follow_up = [{"role": "user", "content": h.FOLLOW_UP}]
+        expected = renderer.bridge(first.prompt.ids, first.completion.ids, follow_up)
+        assert second.prompt.ids == expected
+        assert first.prompt.ids == renderer.render_ids(
+            [dict(m) for m in next(t for t in tasks if t.id == rec.trajectory_id.instance_id).messages],
+            add_generation_prompt=True,
+        )
+    rewards = sorted(r.reward for r in result.trajectories)
+    assert rewards == [0.25, 0.25, 2.25, 2.25, 2.25, 2.25]
+    last = [s for s in result.batch.steps if s.is_last_step]
+    assert sorted(float(s.reward) for s in last) == rewards and len(result.batch.steps) == 12

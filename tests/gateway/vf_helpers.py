@@ -160,6 +160,10 @@ def scripted_reply(messages: list[dict]) -> str:
     return str(a + b) if messages[-1]["content"] == FOLLOW_UP else f"Let me add {a} and {b}."
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # socketserver's default listen backlog (5) refuses concurrent clients
+
+
 class ScriptedServer:
     """A scripted OpenAI-compatible server on 127.0.0.1 (a protocol double): valid keys are those
     in ``keys``; every accepted chat request is appended to ``requests`` as ``(key, body)``."""
@@ -277,7 +281,7 @@ class ScriptedServer:
                     },
                 )
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -294,3 +298,27 @@ class ScriptedServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class InstantEngine:
+    """An engine double that answers at once, by the script (:func:`scripted_reply` of the decoded
+    prompt), each answer closed with the renderer's end-of-turn id; logprobs -0.1."""
+
+    weight_version = 0
+
+    def __init__(self, renderer: Any) -> None:
+        self.renderer = renderer
+        self.end = renderer.stop_token_ids()[0]
+
+    async def generate(self, prompt_ids: Any, sampling: Any, *, session_id: str | None = None) -> Any:
+        from rljax.inference.engine import Completion
+
+        text = self.renderer.decode(list(prompt_ids))
+        a, b = map(int, re.findall(r"What is (\d+)\+(\d+)\?", text)[0])
+        reply = str(a + b) if FOLLOW_UP in text else f"Let me add {a} and {b}."
+        ids = (*self.renderer.tokenizer.encode(reply, add_special_tokens=False), self.end)
+        ids = ids[: sampling.max_tokens]
+        return Completion(ids, (-0.1,) * len(ids), "stop" if ids[-1] == self.end else "length", 0)
+
+    async def update_weights(self, model: Any, *, version: int | None = None) -> int:
+        return 0
