@@ -319,3 +319,29 @@ def test_budget_single_token_stop_and_engine_failure(gateway):
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert t.recorder.calls == () and t.error[0] == "engine"
     gateway.close_session(s), gateway.close_session(t)
+
+
+def test_weight_version_and_routed_experts_are_recorded_per_call(gateway):
+    """Each call carries the weight version that served it (async training) and the engine's MoE
+    routing (router replay), unchanged."""
+    import asyncio
+
+    class Versioned(Scripted):
+        async def generate(self, prompt_ids, sampling, *, session_id=None):
+            version = self.weight_version
+            await asyncio.sleep(0.01)
+            c = await super().generate(prompt_ids, sampling, session_id=session_id)
+            routing = np.full((len(prompt_ids) + len(c.ids) - 1, 1, 2), version, np.int32)
+            return type(c)(c.ids, c.logprobs, c.finish_reason, version, routed_experts=routing)
+
+    engine = Versioned(lambda p: "ok", weight_version=3)
+    s = open_session(gateway, engine)
+    _post(gateway, "/chat/completions", s.key, req())
+    engine.weight_version = 4
+    r = _post(gateway, "/chat/completions", s.key, req()).json()
+    assert r["weight_version"] == 4
+    steps = s.recorder.steps()
+    assert [st.policy_version for st in steps] == [3, 4]
+    assert [int(st.routed_experts[0, 0, 0]) for st in steps] == [3, 4]
+    assert steps[0].routed_experts.shape == (len(steps[0].prompt_ids) + len(steps[0].response_ids) - 1, 1, 2)
+    gateway.close_session(s)
