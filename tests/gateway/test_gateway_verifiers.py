@@ -224,9 +224,9 @@ def test_build_env_tasks_of_a_verifiers_env(server):
 @pytest.mark.integration
 def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
     """The whole path: config.envs.arith.verifiers -> the run's real gateway in front of the
-    embedded sampler (tiny model) -> 2 RL steps. Each trajectory's trained reward (on its last step)
-    is the rubric of the final reply its harness received, recomputed here (``h.rubric``); every
-    trajectory made both calls through the gateway."""
+    embedded sampler (tiny model) -> 2 RL steps and an evaluation of the held-out taskset. Each
+    trajectory's trained reward (on its last step) is the rubric of the final reply its harness
+    received, recomputed here (``h.rubric``); every trajectory made both calls through the gateway."""
     from recipes import load_recipe
 
     from rljax.train.trainer import Trainer
@@ -234,10 +234,16 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
     h.register_env()
     h.REPLIES.clear()
     c = load_recipe("smoke")
-    c.envs = {"arith": dict(verifiers=h.ENV_ID, env_args=_rows([2, 3, "5"], [4, 4, "8"], [1, 1, "3"]))}
+    c.envs = {
+        "arith": dict(
+            verifiers=h.ENV_ID,
+            env_args=_rows([2, 3, "5"], [4, 4, "8"], [1, 1, "3"]),
+            eval_env_args={"rows": [[5, 2, "7"]]},
+        )
+    }
     c.warmstart.num_steps = 0
     c.rollout.update(group_size=2, max_tokens=8)
-    c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=0, checkpoint_every=0)
+    c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=2, checkpoint_every=0)
     t = Trainer(c, tmp_path)
     batches, results = [], []
     train_on, run_rollout = t._train_on, t.scheduler.run_rollout
@@ -249,8 +255,9 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
 
     t.scheduler.run_rollout = capture
     history = t.run()
-    assert len(history) == 2 and len(batches) == 2 and len(results) == 2
-    tasks = t.env_tasks.by_id()
+    assert len(history) == 2 and len(batches) == 2 and len(results) == 3  # 2 steps + 1 eval
+    assert "eval/reward_mean" in history[-1] and not t.scheduler.gateway.started  # stopped with the run
+    tasks = {task.id: task for task in (*t.env_tasks.train, *t.env_tasks.eval)}
     # each episode's two model calls are its trajectory's two recorded calls: the first prompt is the
     # task's messages, the follow-up extends the first call's exact ids (the relayed conversation is
     # the one the gateway answered), and the reward is the rubric of the final reply it returned
