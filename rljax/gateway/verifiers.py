@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -351,8 +352,6 @@ class VerifiersAgent:
     async def __call__(self, task: Task, client: Any) -> dict[str, Any]:
         """Runs one verifiers episode of ``task`` against ``client``'s endpoint; returns its rubric's
         ``{"reward", "metrics"}`` (module doc) or raises :class:`VerifiersEpisodeError`."""
-        import os
-
         import verifiers.v1 as vf
 
         vf_task = self.vf_task(task)
