@@ -6,13 +6,16 @@ same tool answers and the same reward (the env's :meth:`~ToolLookupEnv.step` sco
 but driven by an ordinary chat loop over ``client.chat.completions.create``. ``kwargs`` are the
 env's constructor arguments (``config.envs.lookup.kwargs``), plus ``max_turns`` (the env loop's
 ``rollout.max_turns``: a rollout that has not finished after that many calls ends with reward 0,
-as the env loop's last intermediate step has).
+as the env loop's last intermediate step has; so does a conversation that outgrows
+``rollout.max_context_len``: the gateway answers 400 ``context_length_exceeded``).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import openai
 
 from rljax.envs.base import Action, Task
 from rljax.envs.tool_lookup import ToolLookupEnv
@@ -38,7 +41,15 @@ async def lookup_agent(task: Task, client: Any, *, max_turns: int = 3, **env_kwa
     env = ToolLookupEnv(**env_kwargs)
     messages: list[dict[str, Any]] = env.reset(task)
     for turn in range(max_turns):
-        response = await client.chat.completions.create(model="policy", messages=messages, tools=env.tools)
+        try:
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=env.tools
+            )
+        except openai.BadRequestError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            # the env loop ends such a trajectory ("length") with its last step's reward: 0 here
+            return {"reward": 0.0, "metrics": {"turns": turn, "correct": False}}
         choice = response.choices[0]
         msg = choice.message
         calls = _tool_calls(msg)
