@@ -576,6 +576,12 @@ def _validate(cfg: RunConfig) -> RunConfig:
             other = [k for k in other if getattr(env, k)]
             if other:
                 raise _fail(f"config.envs.{name}", f"a verifiers env has its own tasks, agent: drop {other}")
+            if cfg.warmstart.num_steps:
+                raise _fail(
+                    "config.warmstart.num_steps",
+                    f"the warm start replays env demonstrations (env.solution); verifiers env {name!r} has "
+                    "none: set it to 0",
+                )
             if env.num_eval_tasks and not env.eval_env_args:
                 raise _fail(
                     f"config.envs.{name}.num_eval_tasks",

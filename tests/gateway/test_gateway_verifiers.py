@@ -194,12 +194,14 @@ def test_verifiers_config_errors_are_clear():
     from rljax.train.run_config import parse_run_config
 
     def envs(**spec):
-        return {"envs": {"arith": {"verifiers": h.ENV_ID, **spec}}}
+        return {"envs": {"arith": {"verifiers": h.ENV_ID, **spec}}, "warmstart": {"num_steps": 0}}
 
     with pytest.raises(ValueError, match=r"drop \['agent'\]"):
         parse_run_config(envs(agent="m:f"))
     with pytest.raises(ValueError, match="eval_env_args"):
         parse_run_config(envs(num_eval_tasks=2))
+    with pytest.raises(ValueError, match="config.warmstart.num_steps"):
+        parse_run_config({"envs": {"arith": {"verifiers": h.ENV_ID}}})  # the default warm start is on
     with pytest.raises(ValueError, match="only verifiers envs"):
         parse_run_config({"envs": {"lookup": {"env_args": {"x": 1}}}})
     cfg = parse_run_config(envs(env_args=h.LOCAL, eval_env_args={"rows": [[1, 2, "3"]]}))
@@ -211,14 +213,15 @@ def test_build_env_tasks_of_a_verifiers_env(server):
     from rljax.train.tasks import build_env_tasks
 
     spec = {"verifiers": h.ENV_ID, "env_args": h.LOCAL, "eval_env_args": {"rows": [[5, 6, "11"]]}}
-    built = build_env_tasks(parse_run_config({"envs": {"arith": {**spec, "num_train_tasks": 2}}}))
+    no_ws = {"warmstart": {"num_steps": 0}}
+    built = build_env_tasks(parse_run_config({"envs": {"arith": {**spec, "num_train_tasks": 2}}, **no_ws}))
     assert [t.messages[-1]["content"] for t in built.train] == ["What is 2+3?", "What is 4+4?"]
     assert [t.messages[-1]["content"] for t in built.eval] == ["What is 5+6?"]
     assert isinstance(built.agents["arith"], VerifiersAgent) and built.agent_kwargs["arith"] == {}
     with pytest.raises(ValueError, match="has no env class"):
         built.factories["arith"]()
     with pytest.raises(ValueError, match=r"config.envs.arith.verifiers: ModuleNotFoundError"):
-        build_env_tasks(parse_run_config({"envs": {"arith": {"verifiers": "no-such-env"}}}))
+        build_env_tasks(parse_run_config({"envs": {"arith": {"verifiers": "no-such-env"}}, **no_ws}))
 
 
 @pytest.mark.integration
