@@ -39,8 +39,9 @@ interception server when the episode ends.
 
 Serving: verifiers' env-level resources (the interception server pool, shared tool servers, the env's
 ``start``/``stop``) are held for the life of the event loop the rollouts run on (the trainer's rollout
-worker keeps one loop for the run), entered by the first episode on that loop and exited when the
-loop's tasks are cancelled or on :meth:`VerifiersAgent.aclose`.
+worker keeps one loop for the run), entered by the first episode on that loop and exited on
+:meth:`VerifiersAgent.aclose` (a run calls it when it closes, before stopping its gateway) or when
+the loop's tasks are cancelled (the end of an ``asyncio.run``).
 
 Errors: an episode that is not ``ok`` (a harness that raised or exited non-zero, a failed model call,
 a task setup / rubric that raised, an env hook that raised) raises :class:`VerifiersEpisodeError`
