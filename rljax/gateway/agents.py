@@ -35,6 +35,7 @@ import inspect
 import json
 import math
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -116,6 +117,7 @@ class CommandAgent:
     Result: the last non-empty stdout line parsed as JSON (see :func:`parse_agent_result`), or
     None when it is not JSON (the reward must then have been posted). A non-zero exit is an error
     (its stderr's tail in the message). A cancelled rollout (time limit) kills the process.
+    ``RLJAX_ROLLOUT_BASE_URL`` is the rollout's own base URL (for tools that take no API key).
     """
 
     def __init__(self, command: str, *, cwd: str | None = None) -> None:
@@ -132,6 +134,8 @@ class CommandAgent:
             OPENAI_API_KEY=str(client.api_key),
             RLJAX_TASK=json.dumps(_task_json(task), default=str),
             RLJAX_AGENT_KWARGS=json.dumps(kwargs, default=str),
+            RLJAX_ROLLOUT_BASE_URL=str(client.base_url).rstrip("/").removesuffix("/v1")
+            + f"/rollouts/{client.api_key}/v1",
         )
         proc = await asyncio.create_subprocess_shell(
             self.command,
@@ -263,6 +267,8 @@ async def _run_agent_trajectory(
         rec.fail("env", "the agent made no LLM call through the gateway: there is nothing to train on")
     if rec.errored:
         recorder.fail("abort" if rec.error_kind == "engine" else "error")
+    if rec.exception is not None and not _picklable(rec.exception):  # records cross processes
+        rec.exception = RuntimeError(rec.error)
     calls = recorder.calls
     rec.steps = recorder.finish(reward if (calls and not rec.errored) else None)
     rec.calls = list(calls)
@@ -272,6 +278,14 @@ async def _run_agent_trajectory(
     if not rec.errored:
         rec.end = "length" if calls[-1].stop_reason == "length" else "done"
     return rec
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 async def agent_rollout(

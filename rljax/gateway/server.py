@@ -9,8 +9,9 @@ A :class:`Gateway` serves, on ``http://127.0.0.1:<port>/v1`` by default (loopbac
                                 (also at /rl/set_reward, AReaL's name)
 
 Every request must carry a rollout's secret key (``Authorization: Bearer <key>``, or
-``x-api-key``): :meth:`Gateway.open_session` makes one per rollout; an unknown or ended key gets
-401 and nothing is recorded. For each call the gateway
+``x-api-key``), or use the rollout's own base URL ``/rollouts/<key>/v1`` (:meth:`Gateway.rollout_base_url`):
+:meth:`Gateway.open_session` makes one key per rollout; an unknown or ended key gets 401 and
+nothing is recorded. For each call the gateway
 
 1. validates the request (:mod:`rljax.gateway.protocol`; 400 with OpenAI's error body otherwise);
 2. builds the prompt with the session's :class:`~rljax.recording.StepRecorder`: when the messages
@@ -118,12 +119,14 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._single_token: dict[str, int | None] = {}
         self._ssl: Any = None  # one ssl.SSLContext for every client (see client())
-        routes = [
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
-            Route("/v1/rewards", self._reward, methods=["POST"]),
-            Route("/rl/set_reward", self._reward, methods=["POST"]),
-        ]
+        routes = []
+        for prefix in ("", "/rollouts/{key}"):  # the key as API key, or in a per-rollout base URL
+            routes += [
+                Route(prefix + "/v1/chat/completions", self._chat, methods=["POST"]),
+                Route(prefix + "/v1/models", self._models, methods=["GET"]),
+                Route(prefix + "/v1/rewards", self._reward, methods=["POST"]),
+                Route(prefix + "/rl/set_reward", self._reward, methods=["POST"]),
+            ]
         self.app = Starlette(routes=routes)
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -329,7 +332,14 @@ class Gateway:
         return message
 
     # -- HTTP -------------------------------------------------------------------------------------------
+    def rollout_base_url(self, session: Session) -> str:
+        """``session``'s own base URL (``.../rollouts/<key>/v1``): for harnesses that can set a base
+        URL but not an API key (any API key is then accepted)."""
+        return f"http://{self.host}:{self.port}/rollouts/{session.key}/v1"
+
     def _session_of(self, request: Request) -> Session | None:
+        if "key" in request.path_params:
+            return self.sessions.get(request.path_params["key"])
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
         return self.sessions.get(key)

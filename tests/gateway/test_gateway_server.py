@@ -242,13 +242,17 @@ def test_credentials_loopback_and_reward_isolation(loop, gateway):
         r = _post(gateway, "/chat/completions", key, chat)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     rb = _post(gateway, "/chat/completions", b.key, chat).json()
+    # b's own base URL works without a key; a wrong one is refused
+    url = gateway.rollout_base_url(b)
+    assert httpx.post(url + "/chat/completions", json=chat).status_code == 200 and len(b.recorder.calls) == 2
+    assert httpx.post(url.replace(b.key, "nope") + "/chat/completions", json=chat).status_code == 401
     ra = _post(gateway, "/chat/completions", a.key, chat).json()
     # a cannot put a reward on b's call; its own call and its final reward are fine
     assert _post(gateway, "/rewards", a.key, {"reward": 5.0, "completion_id": rb["id"]}).status_code == 404
     assert _post(gateway, "/rewards", a.key, {"reward": 0.5, "completion_id": ra["id"]}).status_code == 200
     assert _post(gateway, "/rewards", a.key, {"reward": 1.0}).status_code == 200
     assert _post(gateway, "/rewards", a.key, {"reward": "much"}).status_code == 400
-    assert [c.reward for c in b.recorder.calls] == [0.0] and b.reward is None
+    assert [c.reward for c in b.recorder.calls] == [0.0, 0.0] and b.reward is None
     assert [c.reward for c in a.recorder.calls] == [0.5] and a.reward == 1.0
     gateway.close_session(a)
     r = _post(gateway, "/chat/completions", a.key, chat)
