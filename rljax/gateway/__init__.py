@@ -6,7 +6,9 @@
 * :mod:`rljax.gateway.sessions`: per-rollout secret keys -> step recorders;
 * :mod:`rljax.gateway.agents`: agent functions / commands and :func:`agent_rollout`, which
   returns the same :class:`~rljax.rollout.RolloutResult` as the env loop;
-* :mod:`rljax.gateway.lookup_agent`: the built-in ``lookup`` task as an agent function.
+* :mod:`rljax.gateway.lookup_agent`: the built-in ``lookup`` task as an agent function;
+* :mod:`rljax.gateway.verifiers`: verifiers environments as agent functions
+  (``config.envs.<name>.verifiers``); imported on use (the ``verifiers`` extra).
 """
 
 from rljax.gateway.agents import AgentFn, CommandAgent, agent_rollout, load_agent, run_agent_rollout

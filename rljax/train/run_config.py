@@ -181,6 +181,12 @@ class EnvSection:
     process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set per rollout). Its calls go through the
     run's gateway; its tasks come from ``dataset`` or from the task maker ``env`` names (e.g.
     ``env="lookup"``), whose env class the agent does not use (only the warm start does).
+
+    A verifiers environment (:mod:`rljax.gateway.verifiers`, the ``verifiers`` extra):
+    ``verifiers = "<environment id>"`` runs its episodes as the agent (its rubric's reward);
+    ``env_args`` is verifiers' env config (its ``[env]`` block: ``taskset`` fields, ``agent.runtime``,
+    ...); train tasks are its taskset's, eval tasks those of the taskset with ``eval_env_args``
+    (taskset fields, e.g. ``{"split": "test"}``) applied; ``num_*_tasks`` keep the first N.
     """
 
     env: str = ""
@@ -191,6 +197,9 @@ class EnvSection:
     dataset: dict = _field({})
     agent: str = ""
     agent_command: str = ""
+    verifiers: str = ""
+    env_args: dict = _field({})
+    eval_env_args: dict = _field({})
 
 
 DEFAULT_ENVS = {
@@ -584,6 +593,24 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.envs.{name}", "give agent (a function) or agent_command, not both")
         if env.agent and (env.agent.count(":") != 1 or not all(env.agent.split(":"))):
             raise _fail(f"config.envs.{name}.agent", f"expected 'module:function', got {env.agent!r}")
+        if env.verifiers:
+            other = ("agent", "agent_command", "dataset", "task_kwargs", "kwargs")
+            other = [k for k in other if getattr(env, k)]
+            if other:
+                raise _fail(f"config.envs.{name}", f"a verifiers env has its own tasks, agent: drop {other}")
+            if cfg.warmstart.num_steps:
+                raise _fail(
+                    "config.warmstart.num_steps",
+                    f"the warm start replays env demonstrations (env.solution); verifiers env {name!r} has "
+                    "none: set it to 0",
+                )
+            if env.num_eval_tasks and not env.eval_env_args:
+                raise _fail(
+                    f"config.envs.{name}.num_eval_tasks",
+                    "a verifiers env's eval tasks need eval_env_args (the held-out taskset's fields)",
+                )
+        elif env.env_args or env.eval_env_args:
+            raise _fail(f"config.envs.{name}.env_args", "only verifiers envs (verifiers=<id>) take it")
         for key in ("num_train_tasks", "num_eval_tasks"):
             _at_least(f"config.envs.{name}.{key}", getattr(env, key), 0)
     for k in cfg.eval.pass_k:

@@ -221,8 +221,12 @@ class RolloutScheduler:
         return result
 
     def close(self) -> None:
-        """Stops the gateway (when agents started one)."""
+        """Stops the gateway (when agents started one), after the agents that hold resources on the
+        rollout loop (an ``aclose`` method: verifiers envs' serving resources) released them."""
         if self.gateway is not None and self.gateway.started:
+            for agent in self.env_tasks.agents.values():
+                if hasattr(agent, "aclose"):
+                    self.worker.submit(agent.aclose).result(timeout=30)
             self.worker.submit(self.gateway.stop).result(timeout=30)
 
     # -- submitting ------------------------------------------------------------------------------------

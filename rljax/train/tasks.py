@@ -153,7 +153,10 @@ def build_env_tasks(
     train: list[Task] = []
     evals: list[Task] = []
     for name, spec in cfg.envs.items():
-        if spec.agent or spec.agent_command:
+        if spec.verifiers:
+            agents[name], agent_kwargs[name] = _verifiers_agent(name, spec), {}
+            factories[name] = _no_env(name)
+        elif spec.agent or spec.agent_command:
             agents[name], agent_kwargs[name] = _agent_of(name, spec), dict(spec.kwargs)
             factories[name] = _agent_env_factory(name, spec)
         elif make_env is not None and name in make_env:
@@ -169,6 +172,8 @@ def build_env_tasks(
             factories[name] = lambda kind=spec.env, kwargs=kwargs: builtin_envs.make_env(kind, **kwargs)
         if tasks is not None and name in tasks:
             tr, ev = tasks[name]
+        elif spec.verifiers:
+            tr, ev = _verifiers_tasks(name, spec, agents[name])
         elif spec.dataset:
             tr, ev = _dataset_tasks(name, spec, seed=cfg.seed)
         else:
@@ -212,3 +217,33 @@ def _agent_env_factory(name: str, spec: EnvSection) -> Callable[[], Any]:
         raise ValueError(f"config.envs.{name} is an agent (config.envs.{name}.agent): it has no env class")
 
     return no_env
+
+
+def _verifiers_agent(name: str, spec: EnvSection) -> Callable[..., Any]:
+    """A verifiers env's agent (the env loaded now: a wrong id or config fails before anything runs)."""
+    from rljax.gateway.verifiers import verifiers_agent
+
+    try:
+        return verifiers_agent(spec.verifiers, spec.env_args)
+    except (ImportError, ValueError, TypeError) as e:
+        raise ValueError(f"config.envs.{name}.verifiers: {type(e).__name__}: {e}") from None
+
+
+def _no_env(name: str) -> Callable[[], Any]:
+    def no_env() -> Any:
+        raise ValueError(f"config.envs.{name} is a verifiers env (run as an agent): it has no env class")
+
+    return no_env
+
+
+def _verifiers_tasks(name: str, spec: EnvSection, agent: Any) -> tuple[list[Task], list[Task]]:
+    """A verifiers env's train tasks (its taskset) and eval tasks (the taskset with eval_env_args)."""
+    train = agent.tasks(env_name=name, split="train", limit=spec.num_train_tasks)
+    evals = []
+    if spec.eval_env_args and spec.num_eval_tasks != 0:
+        evals = agent.tasks(
+            env_name=name, split="test", taskset_args=spec.eval_env_args, limit=spec.num_eval_tasks
+        )
+    if not train:
+        raise ValueError(f"config.envs.{name}: verifiers env {spec.verifiers!r} yields no tasks")
+    return train, evals
