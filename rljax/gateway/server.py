@@ -143,6 +143,8 @@ class Gateway:
 
     async def start(self) -> None:
         """Starts serving on the running event loop (a no-op when already serving on it)."""
+        import openai  # noqa: F401 - imported now, not by the first rollout's client (seconds)
+
         loop = asyncio.get_running_loop()
         if self.started:
             if loop is not self._loop:
