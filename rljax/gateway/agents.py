@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -42,6 +41,7 @@ from typing import Any
 
 from rljax.data import StepBatch
 from rljax.envs.base import Task
+from rljax.envs.rewards import load_function
 from rljax.gateway.server import Gateway
 from rljax.inference.engine import Engine
 from rljax.recording import StepRecorder
@@ -76,20 +76,12 @@ def load_agent(spec: str | AgentFn) -> AgentFn:
     """
     if callable(spec):
         return spec
-    if not isinstance(spec, str) or spec.count(":") != 1:
+    if not isinstance(spec, str):
         raise ValueError(f"an agent is named 'module:function', got {spec!r}")
-    module_name, _, attr = spec.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent {spec!r}: cannot import {module_name!r} ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"agent {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"agent {spec!r} is not callable")
-    return obj
+        return load_function(spec)  # the loader reward functions use (rljax.envs.rewards)
+    except ValueError as e:
+        raise ValueError(f"agent: {e}") from None
 
 
 def parse_agent_result(value: Any) -> tuple[float | None, dict[str, Any]]:
