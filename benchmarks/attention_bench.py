@@ -9,11 +9,17 @@ Three parts, one run:
    backend passes when its error is within 2x the XLA backend's own bfloat16 error (+ 1e-3).
 2. **Model parity.** A Qwen3-shaped model with bfloat16 compute: per-token logprobs and the loss
    and gradient norm of one train step with ``attention="cudnn"`` vs ``"xla"`` vs a float32 model.
-3. **Speed and memory.** Attention forward + backward at 4k-64k tokens per row (xla, the cuDNN
-   wrapper, and cuDNN's own dense causal kernel on one unpacked row as the floor), then whole train
-   steps on one long packed row (remat "full") with XLA's compiled per-step memory.
+3. **Speed and memory.** Attention forward + backward at 4k-64k tokens per row (xla, the block-wise
+   cuDNN wrapper, with ``--backends`` also ``cudnn_ragged``, and cuDNN's own dense causal kernel on
+   one unpacked row as the floor), then whole train steps on one long packed row (remat "full")
+   with XLA's compiled per-step memory.
 
-    python benchmarks/attention_bench.py           # on a GPU (cuDNN); ~3 min on an H100
+On a GPU the kernel parity also runs ``cudnn_ragged`` (cuDNN's packed variable-length kernel) and
+``cudnn-fallback`` (the ragged path with a bound of one run, so ``lax.cond`` takes the block path).
+
+    python benchmarks/attention_bench.py           # on a GPU (cuDNN); ~8 min on an H200
+    python benchmarks/attention_bench.py --parts attention,train --backends cudnn,cudnn_ragged \
+        --attention-sizes 16384 --train-sizes 16384
     python benchmarks/attention_bench.py --quick   # CPU smoke run: the cuDNN wrapper's masks in
                                                    # JAX's reference implementation, small sizes
 """
@@ -33,7 +39,8 @@ from flax import nnx
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
 from rljax.models import Decoder, ModelConfig, num_params
-from rljax.models.attention_backends import fused_causal_attention, self_attention
+from rljax.models.attention import causal_block_size
+from rljax.models.attention_backends import fused_causal_attention, packed_cudnn_attention, self_attention
 from rljax.models.logprobs import sequence_logprobs
 from rljax.train.memory import compiled_memory
 from rljax.train.optim import OptimizerConfig
@@ -80,12 +87,14 @@ def dense_reference(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) ->
 def attention_fn(backend: str, chunk: int) -> Callable[..., jax.Array]:
     if backend == "reference":
         return dense_reference
-    name = "cudnn" if backend.startswith("cudnn") else "xla"
 
     def fn(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
         if backend == "cudnn-reference-impl":  # the cuDNN wrapper's masks in JAX's reference code (CPU)
             return fused_causal_attention(q, k, v, segment_ids=seg, block_size=chunk, implementation="xla")
-        return self_attention(q, k, v, segment_ids=seg, backend=name, max_block_size=chunk)
+        if backend == "cudnn-fallback":  # ragged with a bound of 1 run: lax.cond takes the block path
+            block = causal_block_size(q.shape[1], max_block_size=chunk)
+            return packed_cudnn_attention(q, k, v, segment_ids=seg, block_size=block, max_runs=1)
+        return self_attention(q, k, v, segment_ids=seg, backend=backend, max_block_size=chunk)
 
     return fn
 
@@ -108,7 +117,12 @@ def kernel_parity(backends: list[str], length: int, chunk: int) -> bool:
     errors: dict[str, list[float]] = {}
     for backend in backends:
         fn = attention_fn(backend, chunk)
-        got = jax.jit(lambda *a, fn=fn: value_and_grads(fn, *a))(q, k, v, seg, cot)
+        try:
+            got = jax.jit(lambda *a, fn=fn: value_and_grads(fn, *a))(q, k, v, seg, cot)
+        except Exception as e:  # noqa: BLE001 (a kernel that does not run is a FAIL, reported)
+            print(f"{backend:>22} {type(e).__name__}: {str(e)[:600]}", flush=True)
+            errors[backend] = [float("inf")] * 4
+            continue
         pairs = zip(got, ref, strict=True)
         errors[backend] = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r))) for g, r in pairs]
         print(f"{backend:>22} " + " ".join(f"{e:9.2e}" for e in errors[backend]), flush=True)
@@ -246,6 +260,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: small sizes, reference kernels")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--parts", default="kernel,model,attention,train")
+    parser.add_argument(
+        "--attention-sizes", default="", help="comma-separated row lengths (default per mode)"
+    )
+    parser.add_argument("--train-sizes", default="", help="comma-separated row lengths (default per mode)")
+    parser.add_argument("--backends", default="", help="GPU: backends of the speed parts (default xla,cudnn)")
     args = parser.parse_args()
     gpu = jax.default_backend() == "gpu"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})", flush=True)
@@ -258,14 +277,18 @@ def main() -> None:
     else:
         cfg, parity_len, chunk = MODEL, 4096, 1024
         att_sizes, train_sizes = [4096, 8192, 16384, 32768, 65536], [16384, 32768, 65536]
+    att_sizes = [int(x) for x in args.attention_sizes.split(",")] if args.attention_sizes else att_sizes
+    train_sizes = [int(x) for x in args.train_sizes.split(",")] if args.train_sizes else train_sizes
+    speed = args.backends.split(",") if args.backends else (["xla", "cudnn"] if gpu else ["xla"])
     if "kernel" in parts:
-        ok &= kernel_parity(["xla", cudnn], parity_len, chunk)
+        ok &= kernel_parity(["xla", cudnn, "cudnn_ragged", "cudnn-fallback"] if gpu else ["xla", cudnn],
+                            parity_len, chunk)  # fmt: skip
     if "model" in parts:
         ok &= model_parity(cfg, "cudnn" if gpu else "xla", parity_len)
     if "attention" in parts:
-        attention_speed(["xla", cudnn] if gpu else ["xla"], att_sizes, chunk, args.reps)
+        attention_speed(speed, att_sizes, chunk, args.reps)
     if "train" in parts:
-        train_speed(cfg, ["xla", "cudnn"] if gpu else ["xla"], train_sizes, args.reps)
+        train_speed(cfg, [b for b in speed if b in ("xla", "cudnn", "cudnn_ragged")], train_sizes, args.reps)
     print("parity: " + ("PASS" if ok else "FAIL"))
     if not ok:
         raise SystemExit(1)

@@ -160,7 +160,8 @@ class Attention(nnx.Module):
                 # a C-th of the query block: per-device attention workspace shrinks with C as well
                 chunk_size=None if chunk_size is None else max(chunk_size // context.shape["context"], 1),
                 precision=self.precision,
-                implementation="cudnn" if backend == "cudnn" else None,
+                # a context shard's queries against gathered keys: explicit slots, so the masked kernel
+                implementation="cudnn" if backend in ("cudnn", "cudnn_ragged") else None,
             )
         elif layer_cache is None:
             new_cache = None

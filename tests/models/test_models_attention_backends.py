@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax.models import Decoder, tiny_config
-from rljax.models.attention import causal_attention
+from rljax.models import Decoder, attention_backends, tiny_config
+from rljax.models.attention import attention_mask, causal_attention, grouped_attention
 from rljax.models.attention_backends import (
     fused_causal_attention,
+    packed_cudnn_attention,
     resolve_attention,
+    runs_mask,
+    segment_runs,
     splash_causal_attention,
 )
 
@@ -57,6 +60,9 @@ def test_resolve_attention_per_platform_and_clear_errors():
     assert resolve_attention("auto", platform="tpu") == "splash"
     assert resolve_attention("xla", platform="tpu") == "xla"
     assert resolve_attention("cudnn", platform="gpu", dtype=jnp.float16) == "cudnn"
+    assert resolve_attention("cudnn_ragged", platform="gpu", dtype=jnp.bfloat16) == "cudnn_ragged"
+    with pytest.raises(ValueError, match="'cudnn_ragged' needs a GPU"):
+        resolve_attention("cudnn_ragged", platform="cpu")
     assert resolve_attention("splash", platform="tpu") == "splash"
     with pytest.raises(ValueError, match="'cudnn' needs a GPU.*runs on 'cpu'"):
         resolve_attention("cudnn", platform="cpu", dtype=jnp.bfloat16)
@@ -129,3 +135,56 @@ def test_decoder_attention_option():
             forward(model, tokens)
     with pytest.raises(ValueError, match="attention must be one of"):
         Decoder(cfg, attention="flash", rngs=nnx.Rngs(0))
+
+
+def test_segment_runs_are_the_packed_samples_as_cudnn_ragged_metadata(qkv):
+    seg = qkv[3]
+    lengths, offsets, count = segment_runs(seg, 4)
+    # hand-computed from the fixture: row 0 = 13 + 18 + 9 tokens; row 1 = 25 + 9 + 6 padding
+    assert lengths.tolist() == [[13, 18, 9, -1], [25, 9, 6, -1]]
+    assert offsets.tolist() == [[0, 13, 31, -1, -1], [0, 25, 34, -1, -1]]
+    assert count.tolist() == [3, 3]
+    # the mask cuDNN's ragged causal kernel applies is the packing mask on every token
+    slots = jnp.arange(T)
+    np.testing.assert_array_equal(runs_mask(lengths, offsets, T), attention_mask(seg, seg, slots, slots))
+
+
+def test_segment_runs_reports_rows_over_the_bound():
+    seg = jnp.array([[1, 2, 3, 4, 0, 0]])
+    lengths, offsets, count = segment_runs(seg, 3)
+    assert count.tolist() == [5]  # more than 3: the caller must not use the (truncated) metadata
+    assert lengths.tolist() == [[1, 1, 1]] and offsets.tolist() == [[0, 1, 2, -1]]
+
+
+def ragged_reference_kernel(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, *, scale):
+    """Stands in for cuDNN's ragged causal kernel on CPU: attention under the mask its metadata means."""
+    assert bias is None and mask is None and scale == pytest.approx(D**-0.5)
+    assert q_seqlen is kv_seqlen and q_offsets is kv_offsets  # self-attention: one set of runs
+    return grouped_attention(q, k, v, runs_mask(q_seqlen, q_offsets, q.shape[1]), precision="highest")
+
+
+@pytest.mark.parametrize("max_runs", [3, 2])  # 2 < the fixture's 3 runs per row: the exact block path
+def test_packed_cudnn_path_equals_reference_and_falls_back_over_the_bound(qkv, monkeypatch, max_runs):
+    q, k, v, seg = qkv
+    calls = []
+
+    def kernel_factory():
+        def kernel(*args, **kwargs):
+            calls.append(max_runs)
+            return ragged_reference_kernel(*args, **kwargs)
+
+        return kernel
+
+    monkeypatch.setattr(attention_backends, "_cudnn_ragged_kernel", kernel_factory)
+    blocked = []
+    real_fused = attention_backends.fused_causal_attention
+
+    def fused_xla(q_, k_, v_, *, segment_ids, block_size):  # the block path with JAX's reference kernel
+        blocked.append(max_runs)
+        return real_fused(q_, k_, v_, segment_ids=segment_ids, block_size=block_size, implementation="xla")
+
+    monkeypatch.setattr(attention_backends, "fused_causal_attention", fused_xla)
+    out = jax.jit(lambda q_, k_, v_: packed_cudnn_attention(q_, k_, v_, segment_ids=seg, block_size=16,
+                                                           max_runs=max_runs))(q, k, v)  # fmt: skip
+    assert calls and blocked  # lax.cond traces both branches
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, seg), atol=2e-5)
