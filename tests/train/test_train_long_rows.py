@@ -14,12 +14,14 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
+from rljax.inference.sampler import generate_tokens
 from rljax.models import Decoder, tiny_config
 from rljax.models.logprobs import sequence_forward
 from rljax.train.step import (
@@ -102,3 +104,24 @@ def test_64k_micro_batches_and_scoring_forward_have_no_t_by_t_array(state):
 def train_step_args(state, batch):
     """``(state without frozen, frozen, batch)``: the jitted step's leading arguments."""
     return dataclasses.replace(state, frozen=nnx.State({})), state.frozen, batch
+
+
+def test_embedded_sampler_64k_prompt_has_no_t_by_t_array_and_linear_memory(state):
+    """The embedded sampler's whole program (prefill into a 64k KV cache, then the decode loop): the
+    prompt's attention runs in 1024-query blocks against the cache (chunked prefill), so no buffer
+    exceeds two score blocks, and memory doubles with the prompt."""
+    temps = {}
+    for length in (32768, 65536):
+        prompt = jnp.ones((1, length - 64), jnp.int32)
+        program = jax.jit(
+            lambda m, p: generate_tokens(
+                m, p, jnp.ones_like(p), temperature=jnp.ones(1), top_k=jnp.zeros(1, jnp.int32),
+                top_p=jnp.ones(1), max_new=jnp.full(1, 64, jnp.int32),
+                stop_ids=jnp.full((1, 1), -1, jnp.int32), seeds=jnp.zeros(1, jnp.uint32), max_new_tokens=64,
+            )[:2]
+        )  # fmt: skip
+        compiled = program.lower(state.model, prompt).compile()
+        temps[length] = compiled.memory_analysis().temp_size_in_bytes
+        # the KV cache (length slots) is the largest thing; scores are heads x 1024 x length
+        assert _largest_buffer(compiled) <= 2 * CFG.num_heads * BLOCK * length, length
+    assert temps[65536] / temps[32768] <= 2.3, temps
