@@ -30,7 +30,7 @@ from flax import nnx
 from rljax.core.advantages import gae
 from rljax.core.losses import explained_variance, value_clipped_tokens, value_loss
 from rljax.models.value import values as model_values
-from rljax.train.step import TrainState, apply_gradients
+from rljax.train.step import TrainState, apply_gradients, context_scope
 from rljax.types import PackedBatch
 
 __all__ = ["CriticConfig", "CriticSection", "critic_step", "critic_values", "ppo_advantages"]
@@ -95,8 +95,10 @@ def _values(params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch) -> ja
 
 @jax.jit
 def critic_values(state: TrainState, batch: PackedBatch) -> jax.Array:
-    """float32 ``[R, L]`` values of the critic ``state`` on a packed ``batch`` (0 on padding)."""
-    return _values(state.params, state.graphdef, batch)
+    """float32 ``[R, L]`` values of the critic ``state`` on a packed ``batch`` (0 on padding); rows
+    split over the state's ``context`` mesh axis when it has one."""
+    with context_scope(state.mesh):
+        return _values(state.params, state.graphdef, batch)
 
 
 def ppo_advantages(
@@ -168,9 +170,10 @@ def critic_step(
     for ``returns``), ``critic/grad_norm``, ``critic/lr``, ``critic/update_skipped``.
     """
     global_tokens = jnp.sum(jnp.asarray(batch.loss_mask) != 0).astype(jnp.float32)
-    grads, metrics = jax.grad(_critic_loss, has_aux=True)(
-        state.params, state.graphdef, batch, old_values, returns, global_tokens, config
-    )
+    with context_scope(state.mesh):
+        grads, metrics = jax.grad(_critic_loss, has_aux=True)(
+            state.params, state.graphdef, batch, old_values, returns, global_tokens, config
+        )
     state, out = apply_gradients(state, grads, metrics)
     out["critic/grad_norm"] = out.pop("grad_norm")
     out["critic/lr"] = out.pop("lr")

@@ -23,7 +23,6 @@ from rljax.algorithms import Algorithm
 from rljax.chat.base import Renderer
 from rljax.data.demonstrations import condition_on_demonstration, slice_response
 from rljax.envs.base import Task
-from rljax.inference.scoring import score_sequences
 from rljax.train.engines import EngineSet
 from rljax.train.worker import Worker
 from rljax.types import Step
@@ -41,7 +40,8 @@ class ReferenceScorers:
       worker: the worker teacher requests run on.
       renderer: renders demonstration hints (opsd).
       tasks_by_id: train tasks by id (their ``demonstration``).
-      current_model: returns the live policy as a model (opsd scores with current parameters).
+      score: scores token sequences under the live policy at per-sequence temperatures
+        (:meth:`rljax.train.run.Run.score`; opsd scores with current parameters).
     """
 
     def __init__(
@@ -50,13 +50,13 @@ class ReferenceScorers:
         worker: Worker,
         renderer: Renderer,
         tasks_by_id: Mapping[str, Task],
-        current_model: Callable[[], Any],
+        score: Callable[..., list[np.ndarray]],
     ) -> None:
         self.engines = engines
         self.worker = worker
         self.renderer = renderer
         self.tasks_by_id = dict(tasks_by_id)
-        self.current_model = current_model
+        self.score = score
         self._hints: dict[str | None, Any] = {}
 
     def hint(self, demonstration: str | None) -> Any:
@@ -95,9 +95,7 @@ class ReferenceScorers:
             seqs.append(ids)
             starts.append(start)
         # the reference at each sample's own temperature, like the student's logp in the objective
-        scores = score_sequences(
-            self.current_model(), seqs, temperature=[float(s.temperature) for s in samples]
-        )
+        scores = self.score(seqs, temperature=[float(s.temperature) for s in samples])
         return [
             slice_response(sc, st, len(s.response_ids))
             for sc, st, s in zip(scores, starts, samples, strict=True)

@@ -25,6 +25,7 @@ Model of the split: Tunix's RL cluster (models, engines, weight sync) vs its lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -203,7 +204,7 @@ class Run:
         self.rollout_worker = Worker("rljax-rollout")
         self.scoring_worker = Worker("rljax-scoring")  # teacher scoring, beside the rollouts
         self.references = ReferenceScorers(
-            self.engines, self.scoring_worker, self.renderer, self.env_tasks.by_id(), self.current_model
+            self.engines, self.scoring_worker, self.renderer, self.env_tasks.by_id(), self.score
         )
         self.scheduler = RolloutScheduler(
             cfg,
@@ -448,7 +449,8 @@ class Run:
         """Per-token logprobs of the current policy on a packed batch (``[R, L]``; 0 at each sample's
         first token and on padding), logits divided by ``batch.temperatures``."""
         packed = self._shard(batch)
-        out = _jit_packed_logprobs(self.state.graphdef, self.state.params, self.state.frozen, packed)
+        with self._context_scope():
+            out = _jit_packed_logprobs(self.state.graphdef, self.state.params, self.state.frozen, packed)
         return np.asarray(host_local_copy(out), np.float32)
 
     def critic_mini_batches(
@@ -567,12 +569,24 @@ class Run:
 
         return self.rollout_worker.submit(job).result()
 
-    def score(self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0) -> list[np.ndarray]:
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float | Sequence[float] = 1.0
+    ) -> list[np.ndarray]:
         """Per-token logprobs of whole token sequences under the current policy (entry t =
-        log p(seq[t] | seq[:t]); entry 0 is 0)."""
+        log p(seq[t] | seq[:t]); entry 0 is 0), at one temperature or one per sequence. With a
+        ``context`` mesh axis the rows are split over it (long trajectories)."""
         from rljax.inference.scoring import score_sequences
 
-        return score_sequences(self.current_model(), sequences, temperature=temperature)
+        with self._context_scope():
+            return score_sequences(self.current_model(), sequences, temperature=temperature)
+
+    def _context_scope(self) -> contextlib.AbstractContextManager:
+        """``jax.set_mesh`` of the policy's mesh when it has a ``context`` axis (the scoring forwards
+        then split rows over it, as the train step does); a no-op otherwise."""
+        mesh = self.state.mesh
+        if train_sharding.context_parallelism(mesh) == 1:
+            return contextlib.nullcontext()
+        return jax.set_mesh(mesh)
 
     def close(self) -> None:
         """Stops the engines (launched servers, frozen-model clients) and the workers."""

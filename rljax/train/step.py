@@ -400,16 +400,17 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
-    with _context_mesh(state.mesh):
+    with context_scope(state.mesh):
         grads, metrics = jax.grad(_loss, has_aux=True)(
             state.params, state.graphdef, batch, counts, state.config, state.frozen
         )
     return _constrain(state, grads, like="params"), metrics
 
 
-def _context_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+def context_scope(mesh: Mesh | None) -> contextlib.AbstractContextManager:
     """The state's mesh as the ambient (abstract) mesh while tracing when it has a ``context`` axis,
-    so the model splits rows over it (:mod:`rljax.models.context`); a no-op otherwise."""
+    so the model splits rows over it (:mod:`rljax.models.context`); a no-op otherwise. Used inside
+    the jitted steps (train, critic); host code calling a jitted forward enters ``jax.set_mesh``."""
     if train_sharding.context_parallelism(mesh) == 1:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
