@@ -333,9 +333,16 @@ def _attribute(run: list[Piece], offsets: Sequence[tuple[int, int]]) -> Iterator
 
 #: Below this many characters in all, the texts of a render are encoded one by one, not in a batch.
 _PARALLEL_ENCODE_CHARS = 4096
+#: A renderer's cache of encoded texts keeps texts of at most this many characters (template
+#: scaffolding such as ``"\n"`` or ``"assistant\n"`` recurs in every render and bridge) ...
+_CACHED_TEXT_CHARS = 64
+#: ... and at most this many of them.
+_CACHED_TEXTS = 4096
+
+Encoded = tuple[Sequence[int], Sequence[tuple[int, int]]]
 
 
-def _encode_texts(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+def _encode_texts(tokenizer: Any, texts: list[str], cache: dict[str, Encoded] | None = None) -> list[Encoded]:
     """``(ids, char offsets)`` of each text, as ``tokenizer(texts, add_special_tokens=False,
     return_offsets_mapping=True)`` gives them.
 
@@ -345,33 +352,48 @@ def _encode_texts(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], lis
     per call (a chat call's prompt is rendered on the request path of the gateway). Short
     inputs (a bridge, a short conversation) are encoded one text at a time: ``encode_batch``
     hands several texts to a thread pool, which for a few hundred characters costs several times
-    the encoding itself in CPU (the same ids and offsets either way).
+    the encoding itself in CPU (the same ids and offsets either way). On that path, short texts
+    are looked up in / added to ``cache`` (text -> encoding; the renderer's, for its tokenizer).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
-        backend is not None
-        and backend.truncation is None
-        and backend.padding is None
-        and bool(backend.encode_special_tokens) == bool(getattr(tokenizer, "split_special_tokens", False))
+        backend is None
+        or backend.truncation is not None
+        or backend.padding is not None
+        or bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False))
     ):
-        if sum(map(len, texts)) < _PARALLEL_ENCODE_CHARS:  # encode_batch's thread pool costs more
-            encodings = [backend.encode(t, add_special_tokens=False) for t in texts]
-        else:
-            encodings = backend.encode_batch(texts, add_special_tokens=False)
-        return [(e.ids, e.offsets) for e in encodings]
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    return list(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
+    if sum(map(len, texts)) >= _PARALLEL_ENCODE_CHARS:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    out = []
+    for text in texts:
+        hit = None if cache is None else cache.get(text)
+        if hit is None:
+            e = backend.encode(text, add_special_tokens=False)
+            hit = (tuple(e.ids), tuple(e.offsets))
+            if cache is not None and len(text) <= _CACHED_TEXT_CHARS and len(cache) < _CACHED_TEXTS:
+                cache[text] = hit
+        out.append(hit)
+    return out
 
 
-def encode_pieces(tokenizer: Any, pieces: Sequence[Piece], special_ids: Mapping[str, int]) -> Rendered:
+def encode_pieces(
+    tokenizer: Any,
+    pieces: Sequence[Piece],
+    special_ids: Mapping[str, int],
+    *,
+    cache: dict[str, Encoded] | None = None,
+) -> Rendered:
     """Tokenizes pieces: special pieces map to their id, each text run is encoded whole.
 
     Tokens are attributed to the piece holding their first character and count as body when
     they overlap a body piece (a BPE token may straddle a boundary, e.g. ``"\\n\\n"``).
+    ``cache``: encodings of short texts of ``tokenizer`` (see :func:`_encode_texts`).
     """
     runs = _text_runs(pieces)
     texts = ["".join(p.text for p in r) for r in runs if isinstance(r, list)]
-    encoded = _encode_texts(tokenizer, texts) if texts else []
+    encoded = _encode_texts(tokenizer, texts, cache) if texts else []
     ids: list[int] = []
     roles: list[str | None] = []
     indices: list[int | None] = []
@@ -565,6 +587,7 @@ class TemplateRenderer(Renderer):
     ):
         self.tokenizer = tokenizer
         self._special_ids = require_special_tokens(tokenizer, special_tokens, fmt=self.FORMAT)
+        self._encoded: dict[str, Encoded] = {}  # short texts' encodings (encode_pieces)
         check_piecewise_tokenization(tokenizer, self.END_OF_TURN, fmt=self.FORMAT)
         self._end_of_turn_id = self._special_ids[self.END_OF_TURN]
         stops = [self._end_of_turn_id]
@@ -600,7 +623,7 @@ class TemplateRenderer(Renderer):
             add_generation_prompt=add_generation_prompt,
             tools=normalize_tools(tools),
         )
-        return encode_pieces(self.tokenizer, pieces, self._special_ids)
+        return encode_pieces(self.tokenizer, pieces, self._special_ids, cache=self._encoded)
 
     def stop_token_ids(self) -> list[int]:
         return list(self._stop_ids)
@@ -634,7 +657,9 @@ class TemplateRenderer(Renderer):
         )
         if cut is None:  # pragma: no cover - every format closes the assistant turn
             return None
-        return encode_pieces(self.tokenizer, pieces[cut + 1 :], self._special_ids).shifted(base)
+        return encode_pieces(
+            self.tokenizer, pieces[cut + 1 :], self._special_ids, cache=self._encoded
+        ).shifted(base)
 
     def demonstration_hint(
         self, demonstration: str | None, *, template: str | None = None

@@ -16,6 +16,7 @@ from rljax.chat import (
     Qwen25Renderer,
     make_renderer,
 )
+from rljax.chat import base as base_module
 from rljax.chat.base import Piece, _encode_texts, encode_pieces
 
 # name -> (tokenizer key, renderer factory, apply_chat_template kwargs, conversation kwargs)
@@ -358,6 +359,25 @@ def test_encode_pieces_fast_path_equals_the_tokenizer_call(toks, state, long):
     assert [list(ids) for ids, _ in got] == [list(ids) for ids in want["input_ids"]]
     want_offsets = [list(map(tuple, offs)) for offs in want["offset_mapping"]]
     assert [list(map(tuple, offs)) for _, offs in got] == want_offsets
+
+
+def test_cached_text_encodings_render_the_same_ids(toks, monkeypatch):
+    """A renderer caches the encodings of short texts (template scaffolding); renders that hit the
+    cache, and renders once the cache is full, equal apply_chat_template."""
+    monkeypatch.setattr(base_module, "_CACHED_TEXTS", 6)
+    tok = toks["chatml"]
+    r = ChatMLRenderer(tok)
+    convs = [
+        [{"role": "user", "content": text}, {"role": "assistant", "content": text[::-1]}]
+        for text in [*BOUNDARY_TEXTS, "x" * 100]
+    ]
+    for _ in range(2):
+        for messages in convs:
+            for gen in (False, True):
+                want = cf.hf_ids(tok, messages, add_generation_prompt=gen)
+                assert r.render_ids(messages, add_generation_prompt=gen) == want
+    assert 0 < len(r._encoded) <= 6
+    assert all(len(text) <= base_module._CACHED_TEXT_CHARS for text in r._encoded)
 
 
 def test_naive_piecewise_tokenization_would_differ(toks):
