@@ -40,18 +40,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from rljax.chat.base import Renderer
 from rljax.chat.tool_calls import split_reasoning
@@ -76,6 +74,7 @@ from rljax.rollout import RolloutConfig, request_seed
 __all__ = ["Gateway"]
 
 DEFAULT_MODEL_NAME = "rljax-policy"
+_log = logging.getLogger(__name__)
 
 
 class _QuietServer(uvicorn.Server):
@@ -86,8 +85,47 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def _unauthorized(message: str = "invalid or ended API key: every rollout has its own key") -> JSONResponse:
-    return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What a handler gets: the request's headers (names lower-cased), the key of a per-rollout
+    base URL (``/rollouts/<key>/...``) or None, and the raw body."""
+
+    headers: dict[str, str]
+    path_key: str | None
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """A response: status, body bytes, content type."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _json_reply(obj: Any, status: int = 200) -> _Reply:
+    return _Reply(status, _json_bytes(obj))
+
+
+def _unauthorized(message: str = "invalid or ended API key: every rollout has its own key") -> _Reply:
+    return _json_reply(error_body(message, code="invalid_api_key"), 401)
+
+
+async def _read_body(receive: Callable[[], Awaitable[dict[str, Any]]]) -> bytes | None:
+    """The request body (None when the client disconnected first)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class Gateway:
@@ -119,15 +157,14 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._single_token: dict[str, int | None] = {}
         self._ssl: Any = None  # one ssl.SSLContext for every client (see client())
-        routes = []
-        for prefix in ("", "/rollouts/{key}"):  # the key as API key, or in a per-rollout base URL
-            routes += [
-                Route(prefix + "/v1/chat/completions", self._chat, methods=["POST"]),
-                Route(prefix + "/v1/models", self._models, methods=["GET"]),
-                Route(prefix + "/v1/rewards", self._reward, methods=["POST"]),
-                Route(prefix + "/rl/set_reward", self._reward, methods=["POST"]),
-            ]
-        self.app = Starlette(routes=routes)
+        # path (after an optional /rollouts/<key> prefix) -> (method, handler)
+        self._routes: dict[str, tuple[str, Callable[[_Request], Awaitable[_Reply]]]] = {
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+            "/v1/rewards": ("POST", self._reward),
+            "/rl/set_reward": ("POST", self._reward),
+        }
+        self.app = self._asgi  # what uvicorn serves
 
     # -- lifecycle --------------------------------------------------------------------------------------
     @property
@@ -158,7 +195,7 @@ class Gateway:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, lifespan="off", log_level="warning", access_log=False, backlog=4096,
+            self.app, interface="asgi3", lifespan="off", log_level="warning", access_log=False, backlog=4096,
             timeout_keep_alive=60,
         )  # fmt: skip
         self._server = _QuietServer(config)
@@ -342,52 +379,88 @@ class Gateway:
         URL but not an API key (any API key is then accepted)."""
         return f"http://{self.host}:{self.port}/rollouts/{session.key}/v1"
 
-    def _session_of(self, request: Request) -> Session | None:
-        if "key" in request.path_params:
-            return self.sessions.get(request.path_params["key"])
+    async def _asgi(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        """The ASGI app: a dict lookup of the path, the body read whole, one handler call, the
+        response written as one start and one body message (no framework: routing, request and
+        response objects and middleware layers cost more than the handlers on the call path)."""
+        if scope["type"] != "http":  # lifespan is off; no websockets
+            return
+        path = scope["path"]
+        key = None
+        if path.startswith("/rollouts/"):  # a per-rollout base URL: /rollouts/<key>/v1/...
+            key, _, rest = path[len("/rollouts/") :].partition("/")
+            path = "/" + rest
+        route = self._routes.get(path.rstrip("/") or "/")
+        if route is None:
+            reply = _json_reply(error_body(f"no such endpoint: {scope['path']}", code="not_found"), 404)
+        elif scope["method"] != route[0]:
+            reply = _json_reply(error_body(f"{scope['path']} takes {route[0]}, not {scope['method']}",
+                                           code="method_not_allowed"), 405)  # fmt: skip
+        else:
+            body = await _read_body(receive)
+            if body is None:
+                return
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            try:
+                reply = await route[1](_Request(headers, key, body))
+            except Exception as e:  # a bug: the client gets a 500 with OpenAI's error body
+                _log.exception("gateway: %s %s failed", scope["method"], scope["path"])
+                reply = _json_reply(
+                    error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), 500
+                )
+        await send({
+            "type": "http.response.start",
+            "status": reply.status,
+            "headers": [(b"content-type", reply.content_type.encode()),
+                        (b"content-length", str(len(reply.body)).encode())],
+        })  # fmt: skip
+        await send({"type": "http.response.body", "body": reply.body})
+
+    def _session_of(self, request: _Request) -> Session | None:
+        if request.path_key is not None:
+            return self.sessions.get(request.path_key)
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
         return self.sessions.get(key)
 
     @staticmethod
-    async def _json(request: Request) -> Any:
-        raw = await request.body()
+    def _json(request: _Request) -> Any:
         try:
-            return json.loads(raw)
+            return json.loads(request.body)
         except ValueError as e:
             raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
 
-    async def _chat(self, request: Request) -> Response:
+    async def _chat(self, request: _Request) -> _Reply:
         session = self._session_of(request)
         if session is None:
             return _unauthorized()
         try:
-            req = parse_chat_request(await self._json(request))
+            req = parse_chat_request(self._json(request))
             answer = await self.complete(session, req)
         except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        if req.stream:
-            return StreamingResponse(self._events(answer, req), media_type="text/event-stream")
-        return JSONResponse(completion_body(answer, req))
+            return _json_reply(e.body(), e.status)
+        if req.stream:  # the whole answer is known: every event in one write
+            events = b"".join(sse(chunk) for chunk in stream_chunks(answer, req)) + b"data: [DONE]\n\n"
+            return _Reply(200, events, "text/event-stream; charset=utf-8")
+        return _json_reply(completion_body(answer, req))
 
-    @staticmethod
-    async def _events(answer: Answer, req: ChatRequest) -> AsyncIterator[bytes]:
-        for chunk in stream_chunks(answer, req):
-            yield sse(chunk)
-        yield b"data: [DONE]\n\n"
-
-    async def _models(self, request: Request) -> Response:
+    async def _models(self, request: _Request) -> _Reply:
         if self._session_of(request) is None:
             return _unauthorized()
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rljax"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return _json_reply({"object": "list", "data": [model]})
 
-    async def _reward(self, request: Request) -> Response:
+    async def _reward(self, request: _Request) -> _Reply:
         session = self._session_of(request)
         if session is None:
             return _unauthorized()
         try:
-            body = await self._json(request)
+            body = self._json(request)
             if not isinstance(body, dict):
                 raise GatewayError(400, "the body must be {'reward': number, 'completion_id'?: str}")
             reward = body.get("reward")
@@ -403,5 +476,5 @@ class Gateway:
                 raise GatewayError(404, f"this rollout has no completion {cid!r}", param="completion_id",
                                    code="not_found")  # fmt: skip
         except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        return JSONResponse({"ok": True})
+            return _json_reply(e.body(), e.status)
+        return _json_reply({"ok": True})
