@@ -34,6 +34,12 @@ it too, so a call costs no thread hop and no cross-loop future; uvicorn in its o
 two hops per call and GIL contention with the rollout thread for nothing. An agent that blocks the
 loop (synchronous code inside ``async def``) would stall it: synchronous agent functions are run in
 threads (:mod:`rljax.gateway.agents`).
+
+What a call costs (``benchmarks/gateway_bench.py``): the app is a plain ASGI callable (a dict of
+routes, the body read whole, one start and one body message; no web framework), the prompt of a
+call that extends an earlier one is the bridge (only the new messages are rendered and tokenized),
+and uvicorn parses HTTP with ``httptools`` when it is installed (``pip install httptools``: about
+0.2 ms less per call than its pure-Python ``h11``).
 """
 
 from __future__ import annotations

@@ -325,6 +325,31 @@ def test_budget_single_token_stop_and_engine_failure(gateway):
     gateway.close_session(s), gateway.close_session(t)
 
 
+def test_routing_unknown_paths_methods_and_internal_errors(gateway, monkeypatch):
+    """The plain ASGI router: 404 / 405 with OpenAI error bodies, a trailing slash is the same
+    endpoint, and a bug in a handler answers 500 (server_error) instead of dropping the connection."""
+    s = open_session(gateway, Scripted(lambda p: "ok"))
+    auth = {"Authorization": f"Bearer {s.key}"}
+    root = gateway.base_url.removesuffix("/v1")
+    r = httpx.post(root + "/v1/embeddings", json={"input": "x"}, headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(gateway.base_url + "/chat/completions", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(gateway.base_url + "/chat/completions/", json=req(), headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    r = httpx.get(gateway.rollout_base_url(s) + "/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == gateway.model_name
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway, "_answer_of", broken)
+    r = httpx.post(gateway.base_url + "/chat/completions", json=req(), headers=auth)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "a bug" in r.json()["error"]["message"]
+    gateway.close_session(s)
+
+
 def test_weight_version_and_routed_experts_are_recorded_per_call(gateway):
     """Each call carries the weight version that served it (async training) and the engine's MoE
     routing (router replay), unchanged."""
