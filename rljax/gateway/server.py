@@ -3,6 +3,8 @@
 A :class:`Gateway` serves, on ``http://127.0.0.1:<port>/v1`` by default (loopback only)::
 
     POST /v1/chat/completions   OpenAI chat completions (stream or not); every call is a Step
+    POST /v1/messages           Anthropic Messages (stream or not), served as a chat completion
+                                (:mod:`rljax.gateway.anthropic_api`); /v1/messages/count_tokens
     GET  /v1/models             the served model name
     POST /v1/rewards            {"reward": r} (the rollout's final reward) or
                                 {"reward": r, "completion_id": "chatcmpl-..."} (that call's reward)
@@ -61,6 +63,13 @@ import uvicorn
 from rljax.chat.base import Renderer
 from rljax.chat.tool_calls import split_reasoning
 from rljax.envs.base import Task
+from rljax.gateway.anthropic_api import (
+    anthropic_error_body,
+    message_body,
+    sse_event,
+    stream_events,
+    to_chat_body,
+)
 from rljax.gateway.protocol import (
     Answer,
     ChatRequest,
@@ -229,6 +238,8 @@ class Gateway:
             "/v1/models": ("GET", self._models),
             "/v1/rewards": ("POST", self._reward),
             "/rl/set_reward": ("POST", self._reward),
+            "/v1/messages": ("POST", self._messages),
+            "/v1/messages/count_tokens": ("POST", self._count_tokens),
         }
         self.app = self._asgi  # what uvicorn serves
 
@@ -371,8 +382,16 @@ class Gateway:
         except ValueError as e:
             raise GatewayError(400, str(e)) from None
 
-    async def complete(self, session: Session, req: ChatRequest) -> Answer:
-        """Runs one validated call of ``session``: prompt, engine, record; the answer to send."""
+    async def complete(
+        self,
+        session: Session,
+        req: ChatRequest,
+        *,
+        id_prefix: str = "chatcmpl-",
+        tool_id_prefix: str = "call_",
+    ) -> Answer:
+        """Runs one validated call of ``session``: prompt, engine, record; the answer to send (its
+        id and its tool calls' ids start with ``id_prefix`` / ``tool_id_prefix``)."""
         rec = session.recorder
         cfg = session.config
         try:
@@ -413,10 +432,10 @@ class Gateway:
         temperature = sampling.temperature
         call = rec.record(prompt, completion, temperature=temperature)
         reply = self._answer_of(call)
-        call_ids = [f"call_{secrets.token_hex(8)}" for _ in reply.get("tool_calls") or ()]
+        call_ids = [f"{tool_id_prefix}{secrets.token_hex(8)}" for _ in reply.get("tool_calls") or ()]
         message = wire_message(reply, call_ids)
         call.returned = message
-        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        rid = f"{id_prefix}{secrets.token_hex(12)}"
         session.call_ids[rid] = call.index
         texts = None
         if req.logprobs:
@@ -525,6 +544,49 @@ class Gateway:
             events = b"".join(sse(chunk) for chunk in stream_chunks(answer, req)) + b"data: [DONE]\n\n"
             return _Reply(200, events, "text/event-stream; charset=utf-8")
         return _json_reply(completion_body(answer, req))
+
+    # -- Anthropic Messages ---------------------------------------------------------------------------
+    async def _messages(self, request: _Request) -> _Reply:
+        """``POST /v1/messages``: converted to a chat request, served and recorded like one
+        (:mod:`rljax.gateway.anthropic_api`); errors as Anthropic's error body."""
+        session = self._session_of(request)
+        if session is None:
+            return _json_reply(
+                anthropic_error_body(401, "invalid or ended API key: every rollout has its own key"), 401
+            )
+        try:
+            req = parse_chat_request(to_chat_body(self._json(request)))
+            answer = await self.complete(session, req, id_prefix="msg_", tool_id_prefix="toolu_")
+        except GatewayError as e:
+            return _json_reply(anthropic_error_body(e.status, e.message), e.status)
+        stop_sequence = None
+        if req.stop and answer.finish_reason != "length":
+            last = int(answer.completion_ids[-1])
+            stop_sequence = next((s for s in req.stop if self._single_token.get(s) == last), None)
+        if req.stream:
+            events = b"".join(sse_event(name, data) for name, data in stream_events(answer, stop_sequence))
+            return _Reply(200, events, "text/event-stream; charset=utf-8")
+        return _json_reply(message_body(answer, stop_sequence))
+
+    async def _count_tokens(self, request: _Request) -> _Reply:
+        """``POST /v1/messages/count_tokens``: the prompt's length as this rollout's next call
+        would build it (bridged or rendered; nothing is recorded)."""
+        session = self._session_of(request)
+        if session is None:
+            return _json_reply(
+                anthropic_error_body(401, "invalid or ended API key: every rollout has its own key"), 401
+            )
+        try:
+            body = self._json(request)
+            if isinstance(body, dict):
+                body = {**body, "max_tokens": None, "stream": None}
+            req = parse_chat_request(to_chat_body(body))
+            prompt = session.recorder.prompt_for(req.messages, tools=req.tools)
+        except GatewayError as e:
+            return _json_reply(anthropic_error_body(e.status, e.message), e.status)
+        except (ValueError, TypeError, KeyError) as e:
+            return _json_reply(anthropic_error_body(400, f"the messages cannot be rendered: {e}"), 400)
+        return _json_reply({"input_tokens": len(prompt.ids)})
 
     async def _models(self, request: _Request) -> _Reply:
         if self._session_of(request) is None:
