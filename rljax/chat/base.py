@@ -315,29 +315,85 @@ def _text_runs(pieces: Sequence[Piece]) -> list[list[Piece] | Piece]:
 def _attribute(run: list[Piece], offsets: Sequence[tuple[int, int]]) -> Iterator[tuple[Piece, bool]]:
     """For each token (by char offsets) its first piece and whether it overlaps a body piece."""
     starts = []
+    bodies = [0]  # bodies[k]: how many of run[:k] are body pieces (an overlap test in O(1))
     pos = 0
     for p in run:
         starts.append(pos)
         pos += len(p.text)
+        bodies.append(bodies[-1] + p.is_body)
+    if len(run) == 1:
+        yield from ((run[0], run[0].is_body) for _ in offsets)
+        return
+    right, left = bisect.bisect_right, bisect.bisect_left
     for start, end in offsets:
-        first = max(0, bisect.bisect_right(starts, start) - 1)
-        last = max(first, bisect.bisect_left(starts, max(end, start + 1)) - 1)
-        yield run[first], any(run[k].is_body for k in range(first, last + 1))
+        first = max(0, right(starts, start) - 1)
+        last = max(first, left(starts, max(end, start + 1)) - 1)
+        yield run[first], bodies[last + 1] > bodies[first]
 
 
-def encode_pieces(tokenizer: Any, pieces: Sequence[Piece], special_ids: Mapping[str, int]) -> Rendered:
+#: Below this many characters in all, the texts of a render are encoded one by one, not in a batch.
+_PARALLEL_ENCODE_CHARS = 4096
+#: A renderer's cache of encoded texts keeps texts of at most this many characters (template
+#: scaffolding such as ``"\n"`` or ``"assistant\n"`` recurs in every render and bridge) ...
+_CACHED_TEXT_CHARS = 64
+#: ... and at most this many of them.
+_CACHED_TEXTS = 4096
+
+Encoded = tuple[Sequence[int], Sequence[tuple[int, int]]]
+
+
+def _encode_texts(tokenizer: Any, texts: list[str], cache: dict[str, Encoded] | None = None) -> list[Encoded]:
+    """``(ids, char offsets)`` of each text, as ``tokenizer(texts, add_special_tokens=False,
+    return_offsets_mapping=True)`` gives them.
+
+    A Hugging Face fast tokenizer's ``__call__`` configures its Rust tokenizer (no truncation, no
+    padding, ``split_special_tokens``) and then calls its ``encode_batch``; when the Rust
+    tokenizer is already in that state it is called directly, which skips ~0.1 ms of Python
+    per call (a chat call's prompt is rendered on the request path of the gateway). Short
+    inputs (a bridge, a short conversation) are encoded one text at a time: ``encode_batch``
+    hands several texts to a thread pool, which for a few hundred characters costs several times
+    the encoding itself in CPU (the same ids and offsets either way). On that path, short texts
+    are looked up in / added to ``cache`` (text -> encoding; the renderer's, for its tokenizer).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is None
+        or backend.truncation is not None
+        or backend.padding is not None
+        or bool(backend.encode_special_tokens) != bool(getattr(tokenizer, "split_special_tokens", False))
+    ):
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
+    if sum(map(len, texts)) >= _PARALLEL_ENCODE_CHARS:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    out = []
+    for text in texts:
+        hit = None if cache is None else cache.get(text)
+        if hit is None:
+            e = backend.encode(text, add_special_tokens=False)
+            hit = (tuple(e.ids), tuple(e.offsets))
+            if cache is not None and len(text) <= _CACHED_TEXT_CHARS and len(cache) < _CACHED_TEXTS:
+                cache[text] = hit
+        out.append(hit)
+    return out
+
+
+def encode_pieces(
+    tokenizer: Any,
+    pieces: Sequence[Piece],
+    special_ids: Mapping[str, int],
+    *,
+    cache: dict[str, Encoded] | None = None,
+) -> Rendered:
     """Tokenizes pieces: special pieces map to their id, each text run is encoded whole.
 
     Tokens are attributed to the piece holding their first character and count as body when
     they overlap a body piece (a BPE token may straddle a boundary, e.g. ``"\\n\\n"``).
+    ``cache``: encodings of short texts of ``tokenizer`` (see :func:`_encode_texts`).
     """
     runs = _text_runs(pieces)
     texts = ["".join(p.text for p in r) for r in runs if isinstance(r, list)]
-    encoded = (
-        tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        if texts
-        else {"input_ids": [], "offset_mapping": []}
-    )
+    encoded = _encode_texts(tokenizer, texts, cache) if texts else []
     ids: list[int] = []
     roles: list[str | None] = []
     indices: list[int | None] = []
@@ -350,7 +406,7 @@ def encode_pieces(tokenizer: Any, pieces: Sequence[Piece], special_ids: Mapping[
             indices.append(r.message_index)
             body.append(r.is_body)
             continue
-        run_ids, offsets = encoded["input_ids"][k], encoded["offset_mapping"][k]
+        run_ids, offsets = encoded[k]
         k += 1
         for tok, (piece, is_body) in zip(run_ids, _attribute(r, offsets), strict=True):
             ids.append(int(tok))
@@ -531,6 +587,7 @@ class TemplateRenderer(Renderer):
     ):
         self.tokenizer = tokenizer
         self._special_ids = require_special_tokens(tokenizer, special_tokens, fmt=self.FORMAT)
+        self._encoded: dict[str, Encoded] = {}  # short texts' encodings (encode_pieces)
         check_piecewise_tokenization(tokenizer, self.END_OF_TURN, fmt=self.FORMAT)
         self._end_of_turn_id = self._special_ids[self.END_OF_TURN]
         stops = [self._end_of_turn_id]
@@ -566,7 +623,7 @@ class TemplateRenderer(Renderer):
             add_generation_prompt=add_generation_prompt,
             tools=normalize_tools(tools),
         )
-        return encode_pieces(self.tokenizer, pieces, self._special_ids)
+        return encode_pieces(self.tokenizer, pieces, self._special_ids, cache=self._encoded)
 
     def stop_token_ids(self) -> list[int]:
         return list(self._stop_ids)
@@ -600,7 +657,9 @@ class TemplateRenderer(Renderer):
         )
         if cut is None:  # pragma: no cover - every format closes the assistant turn
             return None
-        return encode_pieces(self.tokenizer, pieces[cut + 1 :], self._special_ids).shifted(base)
+        return encode_pieces(
+            self.tokenizer, pieces[cut + 1 :], self._special_ids, cache=self._encoded
+        ).shifted(base)
 
     def demonstration_hint(
         self, demonstration: str | None, *, template: str | None = None

@@ -1,8 +1,10 @@
 """Train any agent harness: an OpenAI-compatible gateway that records every call as an exact Step.
 
-* :mod:`rljax.gateway.server`: :class:`Gateway`, the ASGI app (Starlette on uvicorn, loopback by
-  default) serving ``/v1/chat/completions`` / ``/v1/models`` / ``/v1/rewards`` in front of an engine;
+* :mod:`rljax.gateway.server`: :class:`Gateway`, the ASGI app (a plain ASGI router on uvicorn,
+  loopback by default) serving ``/v1/chat/completions`` / ``/v1/models`` / ``/v1/rewards`` in front
+  of an engine;
 * :mod:`rljax.gateway.protocol`: the OpenAI request / response / server-sent-event mapping;
+* :mod:`rljax.gateway.anthropic_api`: Anthropic's ``/v1/messages`` on top of the chat path;
 * :mod:`rljax.gateway.sessions`: per-rollout secret keys -> step recorders;
 * :mod:`rljax.gateway.agents`: agent functions / commands and :func:`agent_rollout`, which
   returns the same :class:`~rljax.rollout.RolloutResult` as the env loop;

@@ -16,7 +16,8 @@ from rljax.chat import (
     Qwen25Renderer,
     make_renderer,
 )
-from rljax.chat.base import Piece, encode_pieces
+from rljax.chat import base as base_module
+from rljax.chat.base import Piece, _encode_texts, encode_pieces
 
 # name -> (tokenizer key, renderer factory, apply_chat_template kwargs, conversation kwargs)
 QWEN_CONV = dict(max_calls=2)
@@ -332,6 +333,51 @@ def test_encode_pieces_equals_whole_string_tokenization(toks, parts):
     pieces = [Piece(p, "user", 0, special=p in specials) for p in parts]
     rendered = encode_pieces(tok, pieces, specials)
     assert rendered.ids == tok("".join(parts), add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["one-by-one", "batch"])
+@pytest.mark.parametrize("state", ["plain", "truncation", "split_special_tokens"])
+def test_encode_pieces_fast_path_equals_the_tokenizer_call(toks, state, long):
+    """encode_pieces calls the Rust tokenizer directly only when that equals calling the HF
+    tokenizer (no truncation / padding set on it, same split_special_tokens); otherwise the HF
+    call (which resets those settings first). Either way: the ids and offsets of the HF call."""
+    tok = toks["chatml"]
+    texts = [*BOUNDARY_TEXTS, "user\nWhat is <think> 2+2?", "x" * 50]
+    if long:  # past _PARALLEL_ENCODE_CHARS: encode_batch
+        texts.append("lorem ipsum <|im_end|> dolor\n\n" * 200)
+    want = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    backend = tok.backend_tokenizer
+    try:
+        if state == "truncation":
+            backend.enable_truncation(max_length=3)
+        elif state == "split_special_tokens":
+            backend.encode_special_tokens = True  # the HF call sets it back to tok.split_special_tokens
+        got = _encode_texts(tok, texts)
+    finally:
+        backend.no_truncation()
+        backend.encode_special_tokens = tok.split_special_tokens
+    assert [list(ids) for ids, _ in got] == [list(ids) for ids in want["input_ids"]]
+    want_offsets = [list(map(tuple, offs)) for offs in want["offset_mapping"]]
+    assert [list(map(tuple, offs)) for _, offs in got] == want_offsets
+
+
+def test_cached_text_encodings_render_the_same_ids(toks, monkeypatch):
+    """A renderer caches the encodings of short texts (template scaffolding); renders that hit the
+    cache, and renders once the cache is full, equal apply_chat_template."""
+    monkeypatch.setattr(base_module, "_CACHED_TEXTS", 6)
+    tok = toks["chatml"]
+    r = ChatMLRenderer(tok)
+    convs = [
+        [{"role": "user", "content": text}, {"role": "assistant", "content": text[::-1]}]
+        for text in [*BOUNDARY_TEXTS, "x" * 100]
+    ]
+    for _ in range(2):
+        for messages in convs:
+            for gen in (False, True):
+                want = cf.hf_ids(tok, messages, add_generation_prompt=gen)
+                assert r.render_ids(messages, add_generation_prompt=gen) == want
+    assert 0 < len(r._encoded) <= 6
+    assert all(len(text) <= base_module._CACHED_TEXT_CHARS for text in r._encoded)
 
 
 def test_naive_piecewise_tokenization_would_differ(toks):

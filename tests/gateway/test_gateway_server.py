@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 
 import httpx
@@ -323,6 +325,108 @@ def test_budget_single_token_stop_and_engine_failure(gateway):
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
     assert t.recorder.calls == () and t.error[0] == "engine"
     gateway.close_session(s), gateway.close_session(t)
+
+
+def test_routing_unknown_paths_methods_and_internal_errors(gateway, monkeypatch):
+    """The plain ASGI router: 404 / 405 with OpenAI error bodies, a trailing slash is the same
+    endpoint, and a bug in a handler answers 500 (server_error) instead of dropping the connection."""
+    s = open_session(gateway, Scripted(lambda p: "ok"))
+    auth = {"Authorization": f"Bearer {s.key}"}
+    root = gateway.base_url.removesuffix("/v1")
+    r = httpx.post(root + "/v1/embeddings", json={"input": "x"}, headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(gateway.base_url + "/chat/completions", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(gateway.base_url + "/chat/completions/", json=req(), headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    r = httpx.get(gateway.rollout_base_url(s) + "/models")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == gateway.model_name
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway, "_answer_of", broken)
+    r = httpx.post(gateway.base_url + "/chat/completions", json=req(), headers=auth)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "a bug" in r.json()["error"]["message"]
+    gateway.close_session(s)
+
+
+def test_in_process_client_answers_and_records_as_http(loop, gateway, monkeypatch):
+    """Gateway.client's calls on the gateway's loop go to the app without a socket: the same
+    answers (streamed too) and the same records as the same calls over HTTP; used from another
+    event loop, the client talks HTTP."""
+    direct = []
+    app = gateway.app  # uvicorn serves this one; the in-process transport calls gateway.app
+
+    async def spy(scope, receive, send):
+        direct.append(scope["path"])
+        await app(scope, receive, send)
+
+    monkeypatch.setattr(gateway, "app", spy)
+
+    async def conversation(c: openai.AsyncOpenAI) -> list:
+        r1 = await c.chat.completions.create(model="m", messages=QUESTION, tools=[LOOKUP])
+        m1 = r1.choices[0].message
+        history = [*QUESTION, m1.model_dump(exclude_none=True)]
+        history.append({"role": "tool", "tool_call_id": m1.tool_calls[0].id, "content": "red"})
+        stream = await c.chat.completions.create(model="m", messages=history, tools=[LOOKUP], stream=True)
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        await c.close()
+        return [
+            [(t.function.name, t.function.arguments) for t in m1.tool_calls],
+            r1.choices[0].finish_reason,
+            text,
+        ]
+
+    runs = {}
+    for in_process in (True, False):
+        s = open_session(gateway, Scripted(tool_then_answer))
+        make = functools.partial(gateway.client, s, in_process=in_process)
+        runs[in_process] = loop.run(lambda make=make: conversation(make())), s
+    (got, a), (want, b) = runs[True], runs[False]
+    assert got == want == [[("lookup", '{"key": "zob"}')], "tool_calls", "It is red."]
+    for ca, cb in zip(a.recorder.calls, b.recorder.calls, strict=True):
+        assert (ca.prompt.ids, list(ca.completion.ids)) == (cb.prompt.ids, list(cb.completion.ids))
+    assert direct == ["/v1/chat/completions"] * 2 and a.recorder.calls[1].prompt.parent == 0
+    # the same kind of client driven from another event loop (a thread's): over HTTP
+    c = loop.run(lambda: _make_client(gateway, b))
+    r = asyncio.run(c.chat.completions.create(model="m", messages=HI))
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert direct == ["/v1/chat/completions"] * 2 and len(b.recorder.calls) == 3
+    gateway.close_session(a), gateway.close_session(b)
+
+
+async def _make_client(gateway: Gateway, session) -> openai.AsyncOpenAI:
+    return gateway.client(session)
+
+
+def test_in_process_client_cancelled_or_timed_out_calls(loop, gateway):
+    """Like over HTTP: a cancelled caller leaves its call running (recorded while the rollout is
+    open); the request's timeout is the SDK's APITimeoutError."""
+    s = open_session(gateway, Scripted(lambda p: "slow", delay=0.3))
+
+    async def cancelled() -> None:
+        c = gateway.client(s)
+        call = asyncio.ensure_future(c.chat.completions.create(model="m", messages=HI))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0.5)
+        await c.close()
+
+    loop.run(cancelled)
+    assert [list(c.completion.ids) for c in s.recorder.calls] == [[*ids_of("slow"), IM_END]]
+
+    async def timed_out() -> None:
+        c = gateway.client(s, timeout=0.05)
+        try:
+            with pytest.raises(openai.APITimeoutError):
+                await c.chat.completions.create(model="m", messages=HI)
+        finally:
+            await c.close()
+
+    loop.run(timed_out)
+    gateway.close_session(s)
 
 
 def test_weight_version_and_routed_experts_are_recorded_per_call(gateway):
