@@ -619,10 +619,10 @@ class TinkerService:
         params = dict(body.get("sampling_params") or {})
         want_prompt_lp = bool(body.get("prompt_logprobs"))
         ids = [f"seq-{uuid.uuid4().hex[:12]}" for _ in range(n)]
-        stop_ids = self.samplers.stop_ids(params.get("stop"), self.run.tokenizer)
+        stops = self.samplers.stops(params.get("stop"), self.run.tokenizer)
 
         def sample() -> bytes:
-            return sampler.sample(prompt, n, params, stop_ids, want_prompt_lp)
+            return sampler.sample(prompt, n, params, stops, want_prompt_lp)
 
         return self._submit("sample", None, sample), ids
 
