@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +40,39 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+MODEL30M = dict(
+    hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=4, head_dim=64
+)
+
+
+@contextlib.contextmanager
+def _server_process(model30m: bool, port: int):
+    """``python -m launch.serve`` (same config) in its own process; yields its base URL."""
+    import httpx
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    flags = [f"--config.model.init.{k}={v}" for k, v in MODEL30M.items()] if model30m else []
+    env = {**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.serve", "--config=configs/tinker.py", f"--port={port}",
+         f"--workdir={tempfile.mkdtemp(prefix='tinker_bench_proc_')}", *flags],
+        cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"launch.serve exited with {proc.returncode}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--datums", type=int, default=8)
@@ -43,6 +81,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model30m", action="store_true", help="a ~30M-parameter model instead of the tiny one")
+    ap.add_argument(
+        "--server-process", action="store_true", help="the API side against launch.serve in its own process"
+    )
     args = ap.parse_args()
 
     import tinker
@@ -50,18 +91,24 @@ def main() -> None:
 
     from configs import tinker as tinker_config
     from rljax.inference.engine import SamplingParams
-    from rljax.train.tinker import serve_in_thread
+    from rljax.train.tinker import free_port, serve_in_thread
     from rljax.train.tinker.packing import Datum, pack_datums
 
     config = tinker_config.get_config()
     if args.model30m:
-        config.model.init.update(
-            hidden_size=512, intermediate_size=1536, num_layers=10, num_heads=8, num_kv_heads=4, head_dim=64
-        )
+        config.model.init.update(MODEL30M)
     srv = serve_in_thread(config, tempfile.mkdtemp(prefix="tinker_bench_"))
+    stack = contextlib.ExitStack()
     try:
-        client = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench")
-        tc = client.create_lora_training_client(base_model=srv.service.options.base_model, rank=8).result()
+        url = (
+            stack.enter_context(_server_process(args.model30m, free_port())) if args.server_process else None
+        )
+        local = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench")
+        client = tinker.ServiceClient(base_url=url, api_key="tml-bench") if url else local
+        base = srv.service.options.base_model
+        tc = client.create_lora_training_client(base_model=base, rank=8).result()
+        # the in-process side's model (same seed and rank: the same adapter as the API's)
+        tc_local = local.create_lora_training_client(base_model=base, rank=8).result() if url else tc
         rng = np.random.default_rng(0)
         seqs = [rng.integers(3, 200, args.len + 1) for _ in range(args.datums)]
         data = [
@@ -80,7 +127,7 @@ def main() -> None:
             opt.result()
 
         api = _median_time(api_step, args.reps)
-        model = srv.service.models[tc.model_id]
+        model = srv.service.models[tc_local.model_id]
         datums = [Datum(s[:-1].astype(np.int32), s[1:].astype(np.int32), {}) for s in seqs]
 
         def direct_step() -> None:
@@ -92,6 +139,7 @@ def main() -> None:
 
         direct = _median_time(direct_step, args.reps)
         print(
+            f"[{'server process' if url else 'server thread'}] "
             f"train step ({args.datums} x {args.len} tokens): API {api * 1e3:.1f} ms, in-process "
             f"{direct * 1e3:.1f} ms, ratio {api / direct:.2f}x (goal <= 1.15x)"
         )
@@ -103,7 +151,11 @@ def main() -> None:
             lambda: sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result(),
             args.reps,
         )
-        session = next(s for s in srv.service.samplers.sessions.values() if s.model.model_id == tc.model_id)
+        if url:
+            tc_local.save_weights_and_get_sampling_client().result()
+        session = next(
+            s for s in srv.service.samplers.sessions.values() if s.model.model_id == tc_local.model_id
+        )
         sp = [SamplingParams(max_tokens=args.new, temperature=1.0, seed=1 + i) for i in range(args.samples)]
 
         def direct_sample() -> None:
@@ -118,6 +170,7 @@ def main() -> None:
             f"{direct_s * 1e3:.1f} ms, ratio {api_s / direct_s:.2f}x"
         )
     finally:
+        stack.close()
         srv.stop()
 
 

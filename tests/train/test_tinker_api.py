@@ -308,6 +308,29 @@ def test_sample_compute_logprobs_and_forward_agree(server, client):
     np.testing.assert_allclose(np.array(now[1:], np.float64), _forward_logp(tc, full), atol=1e-6)
 
 
+def test_stop_strings_end_samples_where_the_text_first_holds_them(server, client):
+    """A sample with a (multi-token) stop string is the same-seed sample without stops, cut after the
+    first token whose decoded completion contains the string (kept), its logprobs unchanged."""
+    tok = server.service.run.tokenizer
+    sampler = client.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+    free = types.SamplingParams(max_tokens=24, temperature=1.0, seed=11, stop=[])
+    full = sampler.sample(prompt, 3, free).result().sequences
+    stop = tok.decode(list(full[0].tokens[6:9]))  # 3 tokens of sample 0: it must stop there
+    assert len(tok.encode(stop, add_special_tokens=False)) > 1
+    params = types.SamplingParams(max_tokens=24, temperature=1.0, seed=11, stop=[stop])
+    cut = sampler.sample(prompt, 3, params).result().sequences
+    for f, c in zip(full, cut, strict=True):
+        ids = list(f.tokens)
+        n = next((k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k])), None)
+        if n is None:
+            assert list(c.tokens) == ids and c.stop_reason == "length"
+        else:
+            assert list(c.tokens) == ids[:n] and c.stop_reason == "stop"
+        np.testing.assert_allclose(c.logprobs, f.logprobs[: len(c.tokens)], atol=1e-6)
+    assert len(cut[0].tokens) <= 9 and cut[0].stop_reason == "stop"
+
+
 def test_two_lora_clients_are_independent(server, client):
     rng = np.random.default_rng(11)
     a = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()

@@ -102,3 +102,34 @@ def test_api_keys_are_checked_when_configured():
         assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-right"}).json() == {"status": "ok"}
     with TestClient(make_app(SimpleNamespace(options=ServiceOptions()))) as c:  # no keys: any key
         assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-x"}).status_code == 200
+
+
+def test_stop_strings_cut_at_the_first_token_that_completes_them():
+    from rljax.chat import toy_tokenizer
+    from rljax.train.tinker.sampling import SamplerPool, Stops, cut_at_stop_string
+
+    tok = toy_tokenizer("chatml")
+    rng = np.random.default_rng(0)
+
+    def reference(ids, strings):  # every prefix, shortest first
+        for n in range(1, len(ids) + 1):
+            if any(s in tok.decode(ids[:n]) for s in strings):
+                return n
+        return None
+
+    texts = ["ab\n\nUser: hi", "no stop here", "\n\nUser:", "x\n\nUs", "é\n\nUser:é", "<|im_end|>\n\nUser:"]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        for strings in (["\n\nUser:"], ["User", "b\n"], ["é"], ["<|im_end|>"], []):
+            assert cut_at_stop_string(ids, strings, tok) == reference(ids, strings), (text, strings)
+    for _ in range(50):  # random byte strings, random stops taken from them
+        ids = [int(t) for t in rng.integers(32, 127, size=int(rng.integers(1, 30)))]
+        i = int(rng.integers(0, len(ids)))
+        stop = tok.decode(ids[i : i + int(rng.integers(1, 4))])
+        assert cut_at_stop_string(ids, [stop], tok) == reference(ids, [stop])
+    # single-token strings also stop the engine early; longer ones are only cut afterwards
+    stops = SamplerPool.stops(["<|im_end|>", "\n\nUser:", 7], tok)
+    assert stops.ids == (tok.convert_tokens_to_ids("<|im_end|>"), 7)
+    assert stops.strings == ("<|im_end|>", "\n\nUser:")
+    assert SamplerPool.stops(None, tok) == Stops((tok.eos_token_id,))  # None: EOS
+    assert SamplerPool.stops([], tok) == Stops()  # []: nothing

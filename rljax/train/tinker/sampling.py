@@ -3,8 +3,12 @@
 adapter over the shared base, or full weights).
 
 ``SamplingParams`` of the SDK map onto rljax's: ``temperature``, ``top_p``, ``top_k`` (-1: off),
-``max_tokens`` (None: 64), ``seed``, ``stop`` (token ids, or strings that are one token each; None:
-the tokenizer's EOS; ``[]``: none). Prompt logprobs (``prompt_logprobs=True``, ``compute_logprobs``)
+``max_tokens`` (None: 64), ``seed``, ``stop`` (token ids or strings; None: the tokenizer's EOS;
+``[]``: none). A stop string ends a completion at the first token whose decoded completion text
+contains it (that token kept, as the SDK's renderers expect: they split the text on the string); the
+engine stops early on stop ids and on strings that are one token, and a longer string cuts the
+finished completion afterwards (sampling is causal, so the kept tokens and their logprobs are exactly
+those of a run that had stopped there). Prompt logprobs (``prompt_logprobs=True``, ``compute_logprobs``)
 come from the SAME jitted program as the training forward
 (:func:`rljax.train.tinker.trainable.target_logprobs` on the packed prompt), so they equal the
 training client's ``forward`` logprobs on those tokens; entry 0 is None (no context).
@@ -29,9 +33,41 @@ from rljax.train.tinker.packing import Datum, pack_datums
 from rljax.train.tinker.trainable import TrainableModel, make_trainable, target_logprobs
 from rljax.train.tinker.wire import encode_sample_response
 
-__all__ = ["SamplerPool", "SamplingSession"]
+__all__ = ["SamplerPool", "SamplingSession", "Stops", "cut_at_stop_string"]
 
 DEFAULT_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Stops:
+    """What ends a completion: token ``ids`` (the engine stops on them) and ``strings`` (matched in
+    the decoded completion text with ``tokenizer``)."""
+
+    ids: tuple[int, ...] = ()
+    strings: tuple[str, ...] = ()
+    tokenizer: Any = None
+
+
+def cut_at_stop_string(ids: Sequence[int], strings: Sequence[str], tokenizer: Any) -> int | None:
+    """The length of the shortest prefix of ``ids`` whose decoded text contains one of ``strings``
+    (None: no prefix does). Containment only grows with the prefix, so a binary search over prefix
+    lengths decodes O(log n) prefixes."""
+    strings = [s for s in strings if s]
+
+    def hit(n: int) -> bool:
+        text = tokenizer.decode(list(ids[:n]))
+        return any(s in text for s in strings)
+
+    if not strings or not ids or not hit(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # hit(hi) holds; find the smallest such n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclasses.dataclass
@@ -61,7 +97,7 @@ class SamplingSession:
         prompt: list[int],
         n: int,
         params: dict[str, Any],
-        stop_ids: tuple[int, ...],
+        stops: Stops,
         with_prompt_logprobs: bool,
     ) -> bytes:
         """``n`` completions of ``prompt`` (a ``SampleResponse`` protobuf)."""
@@ -72,7 +108,7 @@ class SamplingSession:
             top_p=float(params.get("top_p", 1.0)),
             top_k=None if top_k is None or int(top_k) < 1 else int(top_k),
             max_tokens=int(params.get("max_tokens") or DEFAULT_MAX_TOKENS),
-            stop_token_ids=stop_ids,
+            stop_token_ids=stops.ids,
         )
         sampling = [SamplingParams(**base, seed=None if seed is None else int(seed) + i) for i in range(n)]
 
@@ -80,7 +116,14 @@ class SamplingSession:
             return list(await asyncio.gather(*(self.engine.generate(list(prompt), s) for s in sampling)))
 
         completions = asyncio.run_coroutine_threadsafe(run(), self.loop).result()
-        seqs = [(c.ids, c.logprobs, "length" if c.finish_reason == "length" else "stop") for c in completions]
+        seqs = []
+        for c in completions:
+            ids, logprobs = list(c.ids), list(c.logprobs)
+            reason = "length" if c.finish_reason == "length" else "stop"
+            cut = cut_at_stop_string(ids, stops.strings, stops.tokenizer) if stops.strings else None
+            if cut is not None:
+                ids, logprobs, reason = ids[:cut], logprobs[:cut], "stop"
+            seqs.append((ids, logprobs, reason))
         return encode_sample_response(seqs, self.prompt_logprobs(prompt) if with_prompt_logprobs else None)
 
 
@@ -120,25 +163,26 @@ class SamplerPool:
             self.sessions.pop(sampler_id, None)
 
     @staticmethod
-    def stop_ids(stop: Any, tokenizer: Any) -> tuple[int, ...]:
-        """Token ids that end a completion (see the module docstring)."""
+    def stops(stop: Any, tokenizer: Any) -> Stops:
+        """What ends a completion (see the module docstring)."""
         if stop is None:
             eos = getattr(tokenizer, "eos_token_id", None)
-            return () if eos is None else (int(eos),)
+            return Stops(() if eos is None else (int(eos),))
         if isinstance(stop, (str, int)):
             stop = [stop]
-        out = []
+        ids: list[int] = []
+        strings: list[str] = []
         for s in stop:
             if isinstance(s, str):
-                ids = tokenizer.encode(s, add_special_tokens=False)
-                if len(ids) != 1:
-                    raise ValueError(
-                        f"stop string {s!r} is {len(ids)} tokens; only single-token stops are supported"
-                    )
-                out.append(int(ids[0]))
+                if not s:
+                    continue
+                encoded = tokenizer.encode(s, add_special_tokens=False)
+                if len(encoded) == 1:
+                    ids.append(int(encoded[0]))  # the engine stops on it at once
+                strings.append(s)  # the text check also finds s inside longer tokens or across tokens
             else:
-                out.append(int(s))
-        return tuple(out)
+                ids.append(int(s))
+        return Stops(tuple(ids), tuple(strings), tokenizer if strings else None)
 
 
 def _target_logprobs(graphdef: Any, params: Any, frozen: Any, batch: Any) -> Any:

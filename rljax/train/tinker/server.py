@@ -51,11 +51,13 @@ def make_app(service: TinkerService) -> FastAPI:
     app = FastAPI(title="rljax Tinker-compatible API")
     keys = set(service.options.api_keys)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if keys and request.headers.get("x-api-key") not in keys:
-            return JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, status_code=401)
-        return await call_next(request)
+    if keys:  # an HTTP middleware costs every request a task hop; none when any key is accepted
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Any:
+            if request.headers.get("x-api-key") not in keys:
+                return JSONResponse({"detail": "invalid or missing API key (X-API-Key)"}, status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError) -> JSONResponse:
@@ -223,7 +225,7 @@ def make_app(service: TinkerService) -> FastAPI:
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         (rid,) = need(await body(request), "request_id")
-        kind, result = await asyncio.to_thread(service.retrieve, rid)
+        kind, result = await service.retrieve_async(rid)
         if kind == "pending":
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
         if kind == "proto":

@@ -24,7 +24,9 @@ Protocol facts (tinker SDK 0.38.0) this implements:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -190,17 +192,33 @@ class TinkerService:
         if fut is None:
             return "error", {"error": f"unknown request_id {request_id!r}", "category": "user"}
         try:
-            result = fut.result(timeout=self.options.long_poll_s if timeout is None else timeout)
+            fut.result(timeout=self.options.long_poll_s if timeout is None else timeout)
         except concurrent.futures.TimeoutError:
             return "pending", None
-        except UserError as e:
-            return "error", {"error": str(e), "category": "user"}
-        except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
-            log.exception("request %s failed", request_id)
-            return "error", {"error": f"{type(e).__name__}: {e}", "category": "server"}
-        if isinstance(result, bytes):
-            return "proto", result
-        return "json", result
+        except Exception:  # noqa: BLE001 - reported by _outcome
+            pass
+        return _outcome(request_id, fut)
+
+    async def retrieve_async(self, request_id: str, timeout: float | None = None) -> tuple[str, Any]:
+        """:meth:`retrieve` for the event loop: a finished request answers at once, a pending one is
+        awaited on the loop (no thread held for the long poll)."""
+        with self._lock:
+            fut = self.futures.get(request_id)
+        if fut is None:
+            return "error", {"error": f"unknown request_id {request_id!r}", "category": "user"}
+        if not fut.done():
+            loop, done = asyncio.get_running_loop(), asyncio.Event()
+
+            def wake(_: concurrent.futures.Future) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed (server stopping)
+                    loop.call_soon_threadsafe(done.set)
+
+            fut.add_done_callback(wake)
+            try:
+                await asyncio.wait_for(done.wait(), self.options.long_poll_s if timeout is None else timeout)
+            except TimeoutError:
+                return "pending", None
+        return _outcome(request_id, fut)
 
     # -- the worker ----------------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -619,12 +637,26 @@ class TinkerService:
         params = dict(body.get("sampling_params") or {})
         want_prompt_lp = bool(body.get("prompt_logprobs"))
         ids = [f"seq-{uuid.uuid4().hex[:12]}" for _ in range(n)]
-        stop_ids = self.samplers.stop_ids(params.get("stop"), self.run.tokenizer)
+        stops = self.samplers.stops(params.get("stop"), self.run.tokenizer)
 
         def sample() -> bytes:
-            return sampler.sample(prompt, n, params, stop_ids, want_prompt_lp)
+            return sampler.sample(prompt, n, params, stops, want_prompt_lp)
 
         return self._submit("sample", None, sample), ids
+
+
+def _outcome(request_id: str, fut: concurrent.futures.Future) -> tuple[str, Any]:
+    """A finished request's answer: ``("json", dict)``, ``("proto", bytes)`` or ``("error", dict)``."""
+    e = fut.exception()
+    if isinstance(e, UserError):
+        return "error", {"error": str(e), "category": "user"}
+    if e is not None:  # reported to the client, the server goes on
+        log.error("request %s failed", request_id, exc_info=e)
+        return "error", {"error": f"{type(e).__name__}: {e}", "category": "server"}
+    result = fut.result()
+    if isinstance(result, bytes):
+        return "proto", result
+    return "json", result
 
 
 def _model_id(session_id: str, model_seq_id: int | None) -> str:
