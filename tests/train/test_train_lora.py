@@ -291,10 +291,14 @@ def test_trainer_with_config_lora_trains_adapters_only(tmp_path):
 
 
 def test_lora_after_a_warm_start_keeps_the_warm_started_base(tmp_path):
+    """Also the task run as an agent through the gateway (issue 21: LoRA through the gateway)."""
     c = _config(warm_start=2)
+    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
     t = Trainer(c, tmp_path)
     init_base = numpy_leaves(t.state.frozen)
-    t.run()
+    rows = [r for r in t.run() if "loss" in r]
+    assert t.parts.scheduler.gateway is not None and rows
+    assert all(r["rollout/num_errored"] == 0 and r["rollout/num_steps"] > 0 for r in rows)
     trained_base = numpy_leaves(t.state.frozen)
     assert any(not np.array_equal(a, b) for a, b in zip(trained_base, init_base, strict=True))
     t2 = Trainer(c, tmp_path, resume=True)  # a fresh process would rebuild the untrained base

@@ -138,7 +138,8 @@ def test_moe_micro_batches_equal_whole_batch(rows_per_micro):
 
 def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
     """configs/qwen3_moe_gpu.py from a tiny bf16 Qwen3-MoE checkpoint written by transformers, the
-    embedded engine swapped in: 2 steps on its expert-parallel mesh, with replay and routing metrics."""
+    embedded engine swapped in, the task run as an agent through the gateway (whose recorded calls
+    carry the routed experts): 2 steps on its expert-parallel mesh, with replay and routing metrics."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from recipes import load_recipe
@@ -161,15 +162,19 @@ def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
     c.model.hf_path = c.tokenizer.name = str(tmp_path / "ckpt")
     c.engine.kind = "embedded"
     c.envs.lookup.update(num_train_tasks=8, num_eval_tasks=0)
+    # the task as an agent behind the gateway (issue 21: MoE with router replay through the gateway)
+    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
     c.rollout.update(group_size=2, max_turns=2, max_tokens=16, max_context_len=896)
     c.trainer.update(num_steps=2, prompts_per_step=2, mini_batch_prompts=2, seq_len=1024,
                      micro_batch_tokens=1024, eval_every=0, checkpoint_every=0, table_keys=())  # fmt: skip
     t = Trainer(c, tmp_path / "run")
     assert t.train_configs["grpo"].router_replay and t.mesh.shape["expert"] == 4
     history = t.run()
+    assert t.parts.scheduler.gateway is not None  # the rollouts' calls went through the gateway
     for h in history:
         assert 0.0 <= h["routing/flip_fraction"] <= 1.0 and h["routing/entropy"] > 0
         assert h["update_skipped"] == 0 and h["loss/moe_aux"] > 0
+        assert h["rollout/num_errored"] == 0
     print("sampler (bf16, KV cache) vs trainer routing flips:", [h["routing/flip_fraction"] for h in history])
 
 
