@@ -143,16 +143,19 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
 
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
     """configs/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
-    sync per step under a versioned name, samples recorded with that version; the base never moves."""
+    sync per step under a versioned name, samples recorded with that version; the base never moves.
+    The task runs as an agent through the gateway in front of the vLLM servers (issue 21's modes)."""
+    import rljax.gateway as gateway_mod
     from configs import lora_vllm
 
     c = lora_vllm.get_config()
     small = _small_config()
     for key in ("warmstart", "envs", "rollout", "trainer"):
         c[key] = small[key]
+    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
     c.engine.server.extra_args = small.engine.server.extra_args
     syncs = []
-    real_rollout = scheduler_mod.rollout
+    real_rollout = gateway_mod.agent_rollout
 
     async def recording_rollout(*args, **kwargs):
         engine = kwargs["engine"]
@@ -160,10 +163,11 @@ def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python
         syncs.append(engine.last_adapter_sync)
         return await real_rollout(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_mod, "rollout", recording_rollout)
+    monkeypatch.setattr(gateway_mod, "agent_rollout", recording_rollout)
     t = trainer_mod.Trainer(c, tmp_path / "run")
     base = [np.array(x) for x in jax.tree.leaves(t.state.frozen)]
     history = t.run()
+    assert t.parts.scheduler.gateway is not None
     assert [h["step"] for h in history] == [1, 2]
     assert [s.name.rsplit("-", 1)[-1] for s in syncs] == ["v0", "v1"]
     for s in syncs:
