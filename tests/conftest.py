@@ -82,6 +82,15 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    # pytest-xdist's loadscope/loadfile scheduler re-sorts the files by their NUMBER of tests
+    # (``--loadscope-reorder``, on by default), which undid ``_longest_files_first``: the long
+    # multi-process / vLLM files have few tests each, so they were handed out last. Off here, the
+    # files go out in the order the workers collected them (longest recorded duration first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """Applies the tier markers that follow from what a test uses (see the module docstring)."""
     recorded = {}
