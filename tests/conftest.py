@@ -27,6 +27,33 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _share_compiled_programs() -> None:
+    """One persistent XLA compilation cache for the whole session, in a fresh temporary directory.
+
+    Most of the suite's time is XLA compiling the same tiny-model programs again: in module after
+    module (``_release_compiled_programs`` drops the in-memory caches), in both xdist workers and in
+    every launched process (``python -m launch.*``, multi-process runs). Set here, before jax is
+    imported, the variables reach the xdist workers and every subprocess (they inherit the
+    environment), so each program compiles once per session. The directory starts empty (nothing
+    carries over between sessions) and is removed by the process that created it; a
+    ``JAX_COMPILATION_CACHE_DIR`` already set (or set to "" to disable) is kept as given.
+    """
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rljax-test-xla-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    # every program (jax's default skips those that compiled in under 1 s: most of ours)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+_share_compiled_programs()
+
+
 import gc  # noqa: E402
 
 import jax  # noqa: E402
