@@ -30,9 +30,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def _share_compiled_programs() -> None:
     """One persistent XLA compilation cache for the whole session, in a fresh temporary directory.
 
-    Most of the suite's time is XLA compiling the same tiny-model programs again: in module after
-    module (``_release_compiled_programs`` drops the in-memory caches), in both xdist workers and in
-    every launched process (``python -m launch.*``, multi-process runs). Set here, before jax is
+    Much of the suite's time is XLA compiling tiny-model programs, often the same ones again: in
+    module after module (``_release_compiled_programs`` drops the in-memory caches), in both xdist
+    workers and in launched processes (``python -m launch.*``, multi-process runs). Set here, before jax is
     imported, the variables reach the xdist workers and every subprocess (they inherit the
     environment), so each program compiles once per session. The directory starts empty (nothing
     carries over between sessions) and is removed by the process that created it; a
