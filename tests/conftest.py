@@ -34,7 +34,8 @@ def _share_compiled_programs() -> None:
     module after module (``_release_compiled_programs`` drops the in-memory caches), in both xdist
     workers and in launched processes (``python -m launch.*``, multi-process runs). Set here, before jax is
     imported, the variables reach the xdist workers and every subprocess (they inherit the
-    environment), so each program compiles once per session. The directory starts empty (nothing
+    environment), so a program compiled once is read back afterwards (jax writes only from process 0
+    of a multi-process run). The directory starts empty (nothing
     carries over between sessions) and is removed by the process that created it; a
     ``JAX_COMPILATION_CACHE_DIR`` already set (or set to "" to disable) is kept as given.
     """
