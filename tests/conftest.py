@@ -27,6 +27,34 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _share_compiled_programs() -> None:
+    """One persistent XLA compilation cache for the whole session, in a fresh temporary directory.
+
+    Much of the suite's time is XLA compiling tiny-model programs, often the same ones again: in
+    module after module (``_release_compiled_programs`` drops the in-memory caches), in both xdist
+    workers and in launched processes (``python -m launch.*``, multi-process runs). Set here, before jax is
+    imported, the variables reach the xdist workers and every subprocess (they inherit the
+    environment), so a program compiled once is read back afterwards (jax writes only from process 0
+    of a multi-process run). The directory starts empty (nothing
+    carries over between sessions) and is removed by the process that created it; a
+    ``JAX_COMPILATION_CACHE_DIR`` already set (or set to "" to disable) is kept as given.
+    """
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rljax-test-xla-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    # every program (jax's default skips those that compiled in under 1 s: most of ours)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+_share_compiled_programs()
+
+
 import gc  # noqa: E402
 
 import jax  # noqa: E402
@@ -80,6 +108,15 @@ def pytest_addoption(parser):
         help="write each test function's duration (summed over its parameters) into PATH (JSON), "
         "keeping the entries of functions that did not run",
     )
+
+
+def pytest_configure(config):
+    # pytest-xdist's loadscope/loadfile scheduler re-sorts the files by their NUMBER of tests
+    # (``--loadscope-reorder``, on by default), which undid ``_longest_files_first``: the long
+    # multi-process / vLLM files have few tests each, so they were handed out last. Off here, the
+    # files go out in the order the workers collected them (longest recorded duration first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -149,17 +149,10 @@ def _setup():
     import train_fixtures as tf
     from jax.experimental import multihost_utils
 
-    from rljax.core.objective import ObjectiveConfig
-    from rljax.train.optim import OptimizerConfig
     from rljax.train.sharding import make_mesh
-    from rljax.train.step import TrainConfig, TrainState
+    from rljax.train.step import TrainState
 
-    config = TrainConfig(
-        objective=ObjectiveConfig(),
-        optimizer=OptimizerConfig(
-            learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
-        ),
-    )
+    config = tf.TRAIN_CONFIG
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     assert mesh.devices.size == 8 and not all(d.process_index == 0 for d in mesh.devices.flat)
     state = TrainState.create(tf.make_model(0), config, mesh=mesh)

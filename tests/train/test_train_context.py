@@ -22,13 +22,10 @@ import train_fixtures as tf
 from jax.sharding import PartitionSpec
 from tolerances import LOGPROB_TOL
 
-from rljax.core.objective import ObjectiveConfig
 from rljax.models.context import context_attention, load_balance, unbalance
 from rljax.models.logprobs import sequence_forward
-from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import MeshConfig, make_mesh, shard_batch
 from rljax.train.step import (
-    TrainConfig,
     TrainState,
     mini_batch_counts,
     split_micro_batches,
@@ -37,13 +34,8 @@ from rljax.train.step import (
 )
 
 P = PartitionSpec
-OBJ = ObjectiveConfig()
-CONFIG = TrainConfig(
-    objective=OBJ,
-    optimizer=OptimizerConfig(
-        learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
-    ),
-)
+OBJ = tf.OBJ
+CONFIG = tf.TRAIN_CONFIG  # shared with the other sharded-step tests (train_fixtures)
 NUM_STEPS = 2
 METRICS = ("loss", "loss/rl", "loss/ce", "grad_norm", "entropy", "rl/mismatch_kl")
 

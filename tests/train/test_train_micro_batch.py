@@ -10,22 +10,13 @@ import numpy as np
 import pytest
 import train_fixtures as tf
 
-from rljax.core.objective import ObjectiveConfig
 from rljax.data.micro_batch import micro_batch_rows, pad_rows, split_by_token_budget
 from rljax.train.memory import compiled_memory
-from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
+from rljax.train.step import TrainState, mini_batch_counts, train_mini_batch, train_step
 
-OBJ = ObjectiveConfig()
-# eps=1e-4: see tests/train/test_train_step.py (bounds Adam's amplification of reassociation noise,
-# so re-ordered float32 sums give the same params to rtol 1e-5 / atol 1e-6).
-CONFIG = TrainConfig(
-    objective=OBJ,
-    optimizer=OptimizerConfig(
-        learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
-    ),
-)
+OBJ = tf.OBJ
+CONFIG = tf.TRAIN_CONFIG  # shared with the other sharded-step tests (train_fixtures)
 L = tf.SEQ_LEN  # 32 tokens per row, 8 rows per batch
 
 

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import train_fixtures as tf
 
-from rljax.core.objective import ObjectiveConfig
 from rljax.models import load_hf_tensors
 from rljax.train import checkpoint
 from rljax.train.distributed import (
@@ -39,20 +38,13 @@ from rljax.train.distributed import (
     process_share,
     reduce_metrics,
 )
-from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.train.step import TrainState, mini_batch_counts, train_step
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
-OBJ = ObjectiveConfig()
-# The same config as test_train_sharding.py and multihost_worker.py.
-CONFIG = TrainConfig(
-    objective=OBJ,
-    optimizer=OptimizerConfig(
-        learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
-    ),
-)
+OBJ = tf.OBJ
+CONFIG = tf.TRAIN_CONFIG  # shared with the other sharded-step tests (train_fixtures)
 NUM_STEPS = 3
 RUN_TIMEOUT_S = 240
 

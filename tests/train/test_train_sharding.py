@@ -8,11 +8,8 @@ import pytest
 import train_fixtures as tf
 from jax.sharding import AxisType, PartitionSpec
 
-from rljax.core.objective import ObjectiveConfig
-from rljax.train.optim import OptimizerConfig
 from rljax.train.sharding import batch_parallelism, batch_sharding, make_mesh, shard_batch
 from rljax.train.step import (
-    TrainConfig,
     TrainState,
     mini_batch_counts,
     split_micro_batches,
@@ -21,14 +18,8 @@ from rljax.train.step import (
 )
 
 P = PartitionSpec
-OBJ = ObjectiveConfig()
-# eps=1e-4: see tests/train/test_train_step.py (bounds Adam's amplification of reassociation noise).
-CONFIG = TrainConfig(
-    objective=OBJ,
-    optimizer=OptimizerConfig(
-        learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
-    ),
-)
+OBJ = tf.OBJ
+CONFIG = tf.TRAIN_CONFIG  # shared with the other sharded-step tests (train_fixtures)
 NUM_STEPS = 3
 
 

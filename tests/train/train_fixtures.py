@@ -6,14 +6,30 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
 from rljax.models import Decoder, tiny_config
+from rljax.train.optim import OptimizerConfig
+from rljax.train.step import TrainConfig
 from rljax.types import Step
 
 VOCAB = 128
 ROWS, SEQ_LEN = 8, 32
 
 CONFIG = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, head_dim=16)
+
+OBJ = ObjectiveConfig()
+# The train step's config of the sharding, context, micro-batch and multi-process tests (one config:
+# the same programs compile once per session, in the persistent compilation cache). Clipping is
+# active; eps=1e-4 bounds Adam's amplification of float reassociation noise on near-zero gradients
+# (see tests/train/test_train_step.py), so re-ordered float32 sums give the same params to rtol 1e-5
+# / atol 1e-6.
+TRAIN_CONFIG = TrainConfig(
+    objective=OBJ,
+    optimizer=OptimizerConfig(
+        learning_rate=1e-3, warmup_steps=1, weight_decay=0.1, max_grad_norm=0.05, eps=1e-4
+    ),
+)
 
 
 def make_model(seed: int = 0, **kwargs) -> Decoder:
