@@ -695,7 +695,9 @@ def kl(logp: chex.Array, ref_logp: chex.Array, *, kind: str = "k3") -> jax.Array
 
     With ``d = logp - logp_ref``: ``k1 = d``, ``abs = |d|``, ``k2 = d^2 / 2``;
     ``k3``: ``x = clip(logp_ref - logp, -20, 20)``, ``k3 = clip(exp(x) - x - 1, -10, 10)``
-    (unbiased and non-negative).
+    (unbiased and non-negative), computed as ``expm1(x) - x``: ``exp(x) - 1`` in float32 cancels near
+    ``x = 0`` (the on-policy tokens) and could round below zero; ``expm1(x) >= x`` rounds to a value
+    ``>= x``, so the difference is never negative.
 
     Reference: J. Schulman 2020, "Approximating KL Divergence" (k1/k2/k3).
 
@@ -716,7 +718,7 @@ def kl(logp: chex.Array, ref_logp: chex.Array, *, kind: str = "k3") -> jax.Array
     if kind == "k2":
         return 0.5 * jnp.square(d)
     x = jnp.clip(-d, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-    return jnp.clip(jnp.exp(x) - x - 1.0, -10.0, 10.0)
+    return jnp.clip(jnp.expm1(x) - x, -10.0, 10.0)
 
 
 def entropy_from_logits(logits: chex.Array, temperature: chex.Numeric | chex.Array = 1.0) -> jax.Array:
