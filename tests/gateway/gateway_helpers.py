@@ -17,6 +17,11 @@ IM_END = TOK.convert_tokens_to_ids("<|im_end|>")
 CHATML = ChatMLRenderer(TOK)
 CONFIG = RolloutConfig(group_size=1, max_tokens=256, max_context_len=2048, temperature=1.0)
 TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "zob"}}\n</tool_call>'
+
+
+def tool_then_answer(prompt: str) -> str:
+    """A scripted policy: first turn the lookup call; after a tool response, the answer."""
+    return "It is red." if "<tool_response>" in prompt else TOOL_CALL
 LOOKUP = {
     "type": "function",
     "function": {

@@ -24,13 +24,6 @@ from rljax.train.tasks import build_env_tasks
 CONFIG = RolloutConfig(group_size=1, max_tokens=256, max_context_len=2048, env_timeout_s=60.0)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
 def run(loop: Loop, tasks, agent, engine, *, renderer=CHATML, config=CONFIG, **kw):
     gateway = Gateway(renderer)
 

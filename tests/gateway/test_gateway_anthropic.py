@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from gateway_helpers import CHATML, IM_END, TOOL_CALL, Loop, Scripted, ids_of, open_session
+from gateway_helpers import CHATML, IM_END, TOOL_CALL, Scripted, ids_of, open_session, tool_then_answer
 
 from rljax.gateway import Gateway
 from rljax.gateway.anthropic_api import to_chat_body
@@ -21,25 +21,6 @@ LOOKUP = {
 OPENAI_LOOKUP = {"type": "function", "function": {"name": "lookup", "description": LOOKUP["description"],
                                                   "parameters": LOOKUP["input_schema"]}}  # fmt: skip
 OPENAI_QUESTION = [{"role": "system", "content": SYSTEM}, QUESTION]
-
-
-def tool_then_answer(prompt: str) -> str:
-    return "It is red." if "<tool_response>" in prompt else TOOL_CALL
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def gateway(loop):
-    gw = Gateway(CHATML)
-    loop.run(gw.start)
-    yield gw
-    loop.run(gw.stop)
 
 
 def client(gw: Gateway, key: str, *, bearer: bool = False) -> anthropic.AsyncAnthropic:

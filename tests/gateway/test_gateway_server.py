@@ -11,7 +11,16 @@ import jax
 import numpy as np
 import openai
 import pytest
-from gateway_helpers import CHATML, IM_END, LOOKUP, TOOL_CALL, Loop, Scripted, ids_of, open_session
+from gateway_helpers import (
+    CHATML,
+    IM_END,
+    LOOKUP,
+    TOOL_CALL,
+    Scripted,
+    ids_of,
+    open_session,
+    tool_then_answer,
+)
 from tolerances import LOGPROB_TOL
 
 from rljax.gateway import Gateway
@@ -24,26 +33,6 @@ QUESTION = [
     {"role": "system", "content": "Use the tool."},
     {"role": "user", "content": "What color is the zob?"},
 ]
-
-
-def tool_then_answer(prompt: str) -> str:
-    """First turn: the lookup call; after a tool response: the answer."""
-    return "It is red." if "<tool_response>" in prompt else TOOL_CALL
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def gateway(loop):
-    gw = Gateway(CHATML)
-    loop.run(gw.start)
-    yield gw
-    loop.run(gw.stop)
 
 
 def client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
