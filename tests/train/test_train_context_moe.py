@@ -43,12 +43,7 @@ def batches():
 
 @pytest.fixture(scope="module")
 def reference_run(batches):
-    state = TrainState.create(random_decoder(CFG, seed=0), CONFIG)
-    history = []
-    for b in batches:
-        state, metrics = train_step(state, b, mini_batch_counts(b, OBJ))
-        history.append((tf.params_numpy(state), {k: float(v) for k, v in metrics.items()}))
-    return history
+    return tf.reference_steps(TrainState.create(random_decoder(CFG, seed=0), CONFIG), batches, OBJ)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
 from rljax.models import Decoder, tiny_config
 from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig
+from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.types import Step
 
 VOCAB = 128
@@ -75,3 +75,13 @@ def make_batch(seed: int, *, ce: float = 0.3, rl: float = 1.0):
 
 def params_numpy(state) -> list[np.ndarray]:
     return [np.array(x) for x in jax.tree.leaves(state.params)]
+
+
+def reference_steps(state: TrainState, batches, objective: ObjectiveConfig = OBJ) -> list[tuple[list, dict]]:
+    """``(params, metrics)`` as numpy / floats after each of the unsharded ``train_step`` s over
+    ``batches``: the single-device reference the sharded and context-parallel runs must equal."""
+    history = []
+    for b in batches:
+        state, metrics = train_step(state, b, mini_batch_counts(b, objective))
+        history.append((params_numpy(state), {k: float(v) for k, v in metrics.items()}))
+    return history
