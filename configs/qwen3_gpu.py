@@ -30,7 +30,7 @@ from configs import default
 def get_config() -> config_dict.ConfigDict:
     c = default.get_config()
     c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
-    # attention "auto": cuDNN fused attention on GPU with bf16 compute ("xla" to compare; "cudnn" to insist)
+    # attention "auto": cuDNN's ragged fused attention on GPU with bf16 compute ("xla" / "cudnn" to compare)
     c.model.update(param_dtype="float32", compute_dtype="bfloat16", remat="full", attention="auto")
     c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
     c.renderer.name = "qwen3"

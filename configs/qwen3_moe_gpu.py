@@ -39,7 +39,7 @@ def get_config() -> config_dict.ConfigDict:
         compute_dtype="bfloat16",
         remat="full",
         router_replay="r3",
-        attention="auto",  # cuDNN fused attention on GPU (bf16 compute)
+        attention="auto",  # cuDNN's ragged fused attention on GPU (bf16 compute)
     )
     c.tokenizer.name = "/path/to/Qwen3-30B-A3B"
     c.renderer.name = "qwen3"

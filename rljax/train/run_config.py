@@ -150,8 +150,8 @@ class ModelSection:
     models): ``"r3"`` replays the experts the sampler routed every token to in the train forward
     (gates recomputed from the current router); ``"off"`` routes afresh. ``routing/flip_fraction``
     (the share of tokens whose trainer top-k differs from the sampler's) is logged either way.
-    ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN on GPU with
-    bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (opt-in: cuDNN's
+    ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN's ragged kernel on
+    GPU with bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's
     packed variable-length kernel), ``splash`` (:mod:`rljax.models.attention_backends`)."""
 
     hf_path: str = ""

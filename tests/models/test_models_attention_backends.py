@@ -55,7 +55,7 @@ def qkv():
 
 def test_resolve_attention_per_platform_and_clear_errors():
     assert resolve_attention("auto", platform="cpu") == "xla"
-    assert resolve_attention("auto", platform="gpu", dtype=jnp.bfloat16) == "cudnn"
+    assert resolve_attention("auto", platform="gpu", dtype=jnp.bfloat16) == "cudnn_ragged"
     assert resolve_attention("auto", platform="gpu", dtype=jnp.float32) == "xla"  # no fp32 cuDNN kernel
     assert resolve_attention("auto", platform="tpu") == "splash"
     assert resolve_attention("xla", platform="tpu") == "xla"
