@@ -23,7 +23,9 @@ from collections import defaultdict
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)  # shared helpers: tolerances, recipes, random_steps
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))  # 8 devices; fast compilation (see xla_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -11,13 +11,13 @@ at step N; a wrong step, a fresh (unrestored) model or other seeds would break t
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 from recipes import load_recipe
+from xla_flags import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
@@ -64,8 +64,7 @@ def _assert_equal_evals(got: dict, logged: dict) -> None:
 def test_launch_eval_cli_reproduces_the_logged_eval(run, tmp_path):
     workdir, rows = run
     out = tmp_path / "eval.json"
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     r = subprocess.run(
         [sys.executable, "-m", "launch.eval", "--config=configs/smoke.py", f"--checkpoint={workdir}",
          f"--metrics_out={out}", *_flags()],

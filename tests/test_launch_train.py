@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from xla_flags import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.subprocess  # every test runs python -m launch.train
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, "-m", "launch.train", *args],
         cwd=ROOT,

@@ -41,6 +41,7 @@ import time
 
 import httpx
 import pytest
+from xla_flags import subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # launch.serve + the cookbook's python
 
@@ -118,8 +119,7 @@ def hub(tmp_path_factory) -> pathlib.Path:
 def server(hub, tmp_path_factory):
     """``python -m launch.serve`` on the tiny default model with the local tokenizer, named MODEL."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, not the tests' 8
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = subprocess_env(PYTHONPATH=str(REPO))  # one CPU device, not the tests' 8
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
     proc = subprocess.Popen(
         [

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import train_fixtures as tf
 from jax.sharding import PartitionSpec as P
+from xla_flags import subprocess_env
 
 from rljax.train import checkpoint as ck
 from rljax.train.optim import OptimizerConfig
@@ -378,7 +379,7 @@ print("DONE", flush=True)
 @pytest.mark.subprocess
 def test_kill_9_mid_save_leaves_the_previous_step_latest(tmp_path):
     ck.save(tmp_path, 1, params=_tree(1), opt_state={"count": np.int32(1)}, data_state={"step": 1}, keep=2)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = subprocess_env()
     delays = [0.0, 0.05, 0.2, 1.0]  # after orbax created the step's temporary directory
     # start every child first (imports overlap), then trigger and kill them one by one
     children = [

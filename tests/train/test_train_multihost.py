@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 import train_fixtures as tf
+from xla_flags import xla_flags
 
 from rljax.models import load_hf_tensors
 from rljax.train import checkpoint
@@ -58,7 +59,7 @@ def free_port() -> int:
 def worker_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=xla_flags(4),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
         PYTHONUNBUFFERED="1",

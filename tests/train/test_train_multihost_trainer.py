@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from xla_flags import xla_flags
 
 from rljax.train import checkpoint
 from rljax.train.run import stored_abstract
@@ -60,7 +61,7 @@ def free_port() -> int:
 def env_with(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         CI="true",  # no progress bars in the logs

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 from flax import nnx
 from recipes import load_recipe
 from tolerances import LOGPROB_TOL
+from xla_flags import subprocess_env
 
 from rljax.envs.base import Task
 from rljax.inference import EmbeddedSampler
@@ -150,8 +150,7 @@ def test_make_env_and_tasks_for_unknown_envs_are_errors(tmp_path):
 
 @pytest.mark.subprocess
 def test_list_valued_fields_are_set_from_the_command_line(tmp_path):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env()
     r = subprocess.run(
         [
             sys.executable, "-m", "launch.train", "--config=configs/smoke.py", f"--workdir={tmp_path}",

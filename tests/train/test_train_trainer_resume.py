@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 
 import pytest
 from recipes import load_recipe
+from xla_flags import subprocess_env
 
 from rljax.train import checkpoint as ckpt
 from rljax.train.trainer import Trainer
@@ -109,8 +109,7 @@ def test_resume_in_process_is_bit_for_bit(reference, tmp_path, mode):
 
 
 def _launch(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, CI="true")
-    env.pop("XLA_FLAGS", None)
+    env = subprocess_env(CI="true")
     cmd = [
         sys.executable,
         "-m",
