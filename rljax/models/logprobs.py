@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-    from rljax.models.decoder import Decoder
+    from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
 
 DEFAULT_CHUNK_SIZE = 512
@@ -36,10 +36,12 @@ def token_logprobs_and_entropy(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.PrecisionLike = None,
+    unembedding_lora: UnembeddingLoRA | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets`` and entropy under ``softmax(hidden @ unembedding / temperature)``.
 
-    With ``z = h W / tau`` (float32): ``logp = z[target] - logsumexp(z)`` and
+    With ``z = h W / tau`` (float32; ``z = (h W + (alpha / r) (h A) B) / tau`` with an unembedding
+    adapter, :meth:`rljax.models.Decoder.unembedding_lora`): ``logp = z[target] - logsumexp(z)`` and
     ``entropy = -sum_v softmax(z)_v log softmax(z)_v``. Computed ``chunk_size`` rows at a time
     (``lax.map`` over rematerialized chunks), so ``[N, V]`` logits never exist at once.
 
@@ -50,6 +52,8 @@ def token_logprobs_and_entropy(
       temperature: ``float [N]`` positive temperature of each row.
       chunk_size: rows per chunk (static).
       precision: matmul precision.
+      unembedding_lora: the output projection's LoRA adapter (None: none), applied per chunk as two
+        thin matmuls.
 
     Returns:
       ``(logp, entropy)``, float32 ``[N]`` each.
@@ -81,6 +85,8 @@ def token_logprobs_and_entropy(
     def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, tgt, tau = args
         z = jnp.dot(h, unembedding.astype(h.dtype), precision=precision, preferred_element_type=jnp.float32)
+        if unembedding_lora is not None:
+            z = z + unembedding_lora.delta(h, precision=precision)
         z = z / tau[:, None]
         lse = jax.nn.logsumexp(z, axis=-1)
         # An id outside [0, V) gives NaN (never a negative wrap-around or a clamp).
@@ -204,6 +210,7 @@ def sequence_forward(
         temperature[:, 1:].reshape(n),
         chunk_size=chunk_size,
         precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
     )
     mask = shifted_token_mask(jnp.asarray(segment_ids))
     pad = jnp.zeros((batch, 1), jnp.float32)

@@ -275,7 +275,10 @@ class TinkerService:
                 "(get_server_capabilities lists it)"
             )
 
-    def _lora_config(self, lora: Mapping[str, Any] | None) -> LoRAConfig | None:
+    def _lora_config(self, lora: Mapping[str, Any] | None, *, unembed: bool = True) -> LoRAConfig | None:
+        """The adapter of a LoRA request (``rank``, ``train_attn`` / ``train_mlp`` / ``train_unembed``,
+        each default True as in the SDK); ``unembed=False`` ignores ``train_unembed`` (checkpoints
+        written before unembedding adapters existed)."""
         if lora is None:
             return None
         rank = int(lora.get("rank", 0))
@@ -291,11 +294,10 @@ class TinkerService:
             targets += ["q_proj", "k_proj", "v_proj", "o_proj"]
         if lora.get("train_mlp", True):
             targets += ["gate_proj", "up_proj", "down_proj"]
+        if unembed and lora.get("train_unembed", True):
+            targets += ["lm_head"]
         if not targets:
-            raise UserError(
-                "train_unembed alone is not supported: rljax adapts attention and MLP projections; "
-                "set train_attn or train_mlp"
-            )
+            raise UserError("a LoRA client must train something: set train_attn, train_mlp or train_unembed")
         return LoRAConfig(rank=rank, alpha=self.options.lora_alpha, targets=tuple(targets))
 
     def create_model(
@@ -485,6 +487,7 @@ class TinkerService:
                 overwrite=True,
                 extra={
                     "lora": m.lora_request if m.is_lora else None,
+                    "lora_targets": list(m.lora.targets) if m.is_lora else None,
                     "step": m.step,
                     "base_model": m.base_model,
                     "kind": kind,
@@ -493,6 +496,12 @@ class TinkerService:
             return {"type": "save_weights_for_sampler" if for_sampler else "save_weights", "path": path}
 
         return self._submit("save", model_id, save)
+
+    def _checkpoint_lora(self, extra: Mapping[str, Any]) -> LoRAConfig | None:
+        """The adapter a checkpoint holds: its recorded request, with ``train_unembed`` honoured only
+        when the checkpoint records its targets (older ones were trained without unembedding adapters,
+        whatever they asked for)."""
+        return self._lora_config(extra.get("lora"), unembed="lora_targets" in extra)
 
     def _parse_path(self, path: str) -> tuple[str, str, str]:
         if not path.startswith("tinker://"):
@@ -513,7 +522,7 @@ class TinkerService:
         extra = ckpt.read_extra(directory)
         if template is None:
             template = make_trainable(
-                self.base, "template", extra["base_model"], lora=self._lora_config(extra.get("lora")), seed=0
+                self.base, "template", extra["base_model"], lora=self._checkpoint_lora(extra), seed=0
             )
         opt_target = template.opt_state if (optimizer and kind == "weights") else {}
         try:
@@ -551,7 +560,7 @@ class TinkerService:
                     self.base,
                     new_id,
                     extra["base_model"],
-                    lora=self._lora_config(lora),
+                    lora=self._checkpoint_lora(extra),
                     seed=int((lora or {}).get("seed") or 0),
                 )
                 m.session_id, m.lora_request = session_id or "", dict(lora or {})
@@ -596,8 +605,8 @@ class TinkerService:
         if model_path:
             owner, kind, _ = self._parse_path(model_path)
             params, _, extra = self._read_checkpoint(model_path, self.models.get(owner), optimizer=False)
-            lora = extra.get("lora")
-            m = make_trainable(self.base, owner, extra["base_model"], lora=self._lora_config(lora), seed=0)
+            lora = self._checkpoint_lora(extra)
+            m = make_trainable(self.base, owner, extra["base_model"], lora=lora, seed=0)
             m.params = params
             sid = self.samplers.add(model_path, m, self.options.base_model)
         else:

@@ -142,6 +142,7 @@ def target_logprobs(
         batch["targets"].reshape(rows * length),
         jnp.ones((rows * length,), jnp.float32),
         precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
     )
     return jnp.where(batch["mask"] > 0, logp.reshape(rows, length), 0.0)
 
