@@ -48,7 +48,8 @@ def token_logprobs_and_entropy(
     Args:
       hidden: ``[N, H]`` hidden states (any float dtype).
       unembedding: ``[H, V]`` output projection.
-      targets: ``int [N]`` token whose log-probability is wanted in each row.
+      targets: ``int [N]`` token whose log-probability is wanted in each row, or ``int [N, K]``: K
+        tokens per row (one softmax per row, K of its entries gathered).
       temperature: ``float [N]`` positive temperature of each row.
       chunk_size: rows per chunk (static).
       precision: matmul precision.
@@ -56,27 +57,31 @@ def token_logprobs_and_entropy(
         thin matmuls.
 
     Returns:
-      ``(logp, entropy)``, float32 ``[N]`` each.
+      ``(logp, entropy)``, float32 ``[N]`` each (``logp [N, K]`` for ``[N, K]`` targets).
 
     >>> h = jnp.eye(2); w = jnp.log(jnp.array([[1., 3.], [1., 1.]]))
     >>> lp, ent = token_logprobs_and_entropy(h, w, jnp.array([1, 0]), jnp.ones(2), chunk_size=1)
     >>> [round(float(x), 4) for x in jnp.exp(lp)], [round(float(x), 4) for x in ent]
     ([0.75, 0.5], [0.5623, 0.6931])
     """
-    chex.assert_rank([hidden, unembedding, targets, temperature], [2, 2, 1, 1])
+    chex.assert_rank([hidden, unembedding, temperature], [2, 2, 1])
+    chex.assert_rank(targets, {1, 2})
     chex.assert_equal(hidden.shape[1], unembedding.shape[0])
-    chex.assert_equal_shape([targets, temperature])
     chex.assert_equal(hidden.shape[0], targets.shape[0])
+    chex.assert_equal(hidden.shape[0], temperature.shape[0])
+    multi = targets.ndim == 2
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     n = hidden.shape[0]
     if n == 0:
-        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+        return jnp.zeros(targets.shape, jnp.float32), jnp.zeros((0,), jnp.float32)
     chunk = min(chunk_size, n)
     num_chunks = -(-n // chunk)
     pad = num_chunks * chunk - n
     hidden_c = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, hidden.shape[1])
-    targets_c = jnp.pad(targets.astype(jnp.int32), (0, pad)).reshape(num_chunks, chunk)
+    targets_c = jnp.pad(targets.astype(jnp.int32), ((0, pad),) + ((0, 0),) * multi).reshape(
+        num_chunks, chunk, *targets.shape[1:]
+    )
     temp_c = jnp.pad(temperature.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(
         num_chunks, chunk
     )
@@ -91,13 +96,15 @@ def token_logprobs_and_entropy(
         lse = jax.nn.logsumexp(z, axis=-1)
         # An id outside [0, V) gives NaN (never a negative wrap-around or a clamp).
         tgt = jnp.where(tgt < 0, z.shape[-1], tgt)
-        logp = jnp.take_along_axis(z, tgt[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0] - lse
+        cols = tgt if multi else tgt[:, None]
+        logp = jnp.take_along_axis(z, cols, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
+        logp = logp if multi else logp[:, 0]
         log_probs = z - lse[:, None]
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
         return logp, entropy
 
     logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c))
-    return logp.reshape(-1)[:n], entropy.reshape(-1)[:n]
+    return logp.reshape(-1, *targets.shape[1:])[:n], entropy.reshape(-1)[:n]
 
 
 def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:

@@ -344,6 +344,117 @@ def test_train_unembed_trains_an_output_projection_adapter(server, client):
     assert np.abs(base_lp - want).max() > 1e-2  # the adapter matters: the comparisons can fail
 
 
+def _unembed_only(client, seed: int):
+    """A LoRA client whose only adapter is on the unembedding (rank 4), so gradients have a closed form."""
+    return client.create_lora_training_client(
+        base_model=BASE, rank=4, seed=seed, train_attn=False, train_mlp=False, train_unembed=True
+    ).result()
+
+
+def _set_b(server, tc, seed: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Gives the client's unembedding adapter a non-zero B (so both A and B get gradients): (A, B, scale)."""
+    m = server.service.models[tc.model_id]
+    b = m.params["lm_head_lora"]["lora_b"]
+    b.set_value(jnp.asarray(0.3 * np.random.default_rng(seed).normal(size=b.get_value().shape), jnp.float32))
+    p = _paths(m.params)
+    return p["lm_head_lora.lora_a"], p["lm_head_lora.lora_b"], server.service.options.lora_alpha / 4
+
+
+def _unembed_grads(h, a, b, scale, dz) -> dict[str, np.ndarray]:
+    """float64 gradient of a loss whose logit gradient is ``dz`` (``[N, V]``): logits ``h (W + s A B)``."""
+    return {"lm_head_lora.lora_a": scale * h.T @ dz @ b.T, "lm_head_lora.lora_b": scale * (h @ a).T @ dz}
+
+
+def test_custom_loss_on_a_target_distribution_matches_the_hand_computed_gradient(server, client):
+    """forward_backward_custom with K targets per position (``target_tokens [N, K]``, the SDK's own
+    example) and a target distribution P: the forward's logprobs ``[N, K]`` (ragged K across datums)
+    equal the float64 reference, ``loss:sum`` is ``C = -sum P logp`` and the gradient the SDK's
+    linearized backward leaves is the analytic ``dC/dz = sum_k P_k (softmax - onehot(t_k))`` pushed
+    through ``h (W + s A B)``."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(23)
+    tc = _unembed_only(client, 8)
+    a, b, scale = _set_b(server, tc, 1)
+    data, refs = [], []
+    for n, k in ((7, 3), (5, 2)):
+        seq = _seq(rng, n + 1)
+        targets = rng.integers(3, 200, size=(n, k))
+        dist = rng.dirichlet(np.ones(k), size=n).astype(np.float32)
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints([int(t) for t in seq[:-1]]),
+                loss_fn_inputs={
+                    "target_tokens": targets.astype(np.int64),
+                    "target_distribution": types.TensorData(
+                        data=dist.reshape(-1).tolist(), dtype="float32", shape=[n, k]
+                    ),
+                },
+            )
+        )
+        _, h, logp = _np_unembed_logp(server, seq, a, b, scale)
+        refs.append((h, logp, targets, dist.astype(np.float64)))
+
+    def custom(data, logprobs_list):
+        loss = sum(
+            -(d.loss_fn_inputs["target_distribution"].to_torch() * lp).sum()
+            for d, lp in zip(data, logprobs_list, strict=True)
+        )
+        return loss, {}
+
+    out = tc.forward_backward_custom(data, custom).result()
+    want_loss, grads = 0.0, None
+    for o, (h, logp, targets, dist) in zip(out.loss_fn_outputs, refs, strict=True):
+        lp = np.take_along_axis(logp, targets, axis=1)
+        assert list(o["logprobs"].shape) == list(targets.shape)
+        np.testing.assert_allclose(o["logprobs"].to_numpy().reshape(targets.shape), lp, atol=2e-5)
+        want_loss += -(dist * lp).sum()
+        dz = dist.sum(1, keepdims=True) * np.exp(logp)
+        np.add.at(dz, (np.arange(len(targets))[:, None], targets), -dist)
+        g = _unembed_grads(h, a, b, scale, dz)
+        grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+    assert out.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5)
+    got = _paths(server.service.models[tc.model_id].pending)
+    for k, v in grads.items():
+        np.testing.assert_allclose(got[k], v, atol=2e-5, rtol=1e-4)
+    assert np.abs(grads["lm_head_lora.lora_a"]).max() > 1e-2
+
+
+def test_custom_loss_handle_matches_the_hand_computed_gradient(server, client):
+    """A loss made by ServiceClient.create_custom_loss (traced; this server runs it client-side) reading
+    an extra input: C = -sum exp(logp) A; its gradient is the analytic one, its metric is summed."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(29)
+    tc = _unembed_only(client, 9)
+    a, b, scale = _set_b(server, tc, 2)
+
+    def prob_reinforce(logprobs, advantages):
+        return -(logprobs.exp() * advantages).sum(), {"custom/prob:sum": logprobs.exp().sum()}
+
+    handle = client.create_custom_loss(prob_reinforce, {"logprobs": 1, "advantages": 1}).result()
+    assert handle.loss_id is None  # custom_loss_server_side is off: the SDK runs it
+    seqs = [_seq(rng, 8), _seq(rng, 6)]
+    advs = [rng.normal(size=len(s) - 1).astype(np.float32) for s in seqs]
+    out = tc.forward_backward_custom(
+        [_datum(s, advantages=v) for s, v in zip(seqs, advs, strict=True)], handle
+    ).result()
+    want_loss = want_prob = 0.0
+    grads = None
+    for s, adv in zip(seqs, advs, strict=True):
+        lp, h, logp = _np_unembed_logp(server, s, a, b, scale)
+        want_loss += -(np.exp(lp) * adv).sum()
+        want_prob += np.exp(lp).sum()
+        c = -np.exp(lp) * adv  # dC/dlogp
+        dz = -c[:, None] * np.exp(logp)  # dlogp_t/dz = onehot - softmax
+        dz[np.arange(len(lp)), s[1:]] += c
+        g = _unembed_grads(h, a, b, scale, dz)
+        grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+    assert out.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert out.metrics["custom/prob:sum"] == pytest.approx(want_prob, rel=1e-5)
+    got = _paths(server.service.models[tc.model_id].pending)
+    for k, v in grads.items():
+        np.testing.assert_allclose(got[k], v, atol=2e-5, rtol=1e-4)
+
+
 def test_unsupported_losses_are_refused(server, client):
     tc = client.create_lora_training_client(base_model=BASE, rank=2).result()
     seq = np.arange(3, 9)

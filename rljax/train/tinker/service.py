@@ -377,11 +377,21 @@ class TinkerService:
             missing = [k for k in ("target_tokens", *required) if k not in inputs]
             if missing:
                 raise UserError(f"datum {i}: loss {req.loss_fn!r} needs loss_fn_inputs {missing}")
+            targets = inputs["target_tokens"]
+            if targets.ndim == 2 and req.loss_fn == "cross_entropy" and len(targets) == n:
+                if targets.shape[1] < 1:  # K targets per position: weights, if given, alike
+                    raise UserError(f"datum {i}: target_tokens has shape {list(targets.shape)} (K = 0)")
+                shaped = {"target_tokens": targets.shape, "weights": targets.shape}
+            else:
+                shaped = {}
             for name, x in inputs.items():
-                if x.ndim != 1 or len(x) != n:
+                want = shaped.get(name, (n,))
+                if x.shape != want:
+                    per = "K values per token, as target_tokens" if len(want) == 2 else "one value per token"
                     raise UserError(
                         f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(x.shape)}, but model_input "
-                        f"has {n} tokens (every input is one value per token)"
+                        f"has {n} tokens (every input is {per}; only cross_entropy takes [N, K] "
+                        "target_tokens)"
                     )
             for name, ids in (("model_input", tokens), ("target_tokens", inputs["target_tokens"])):
                 bad = (ids < 0) | (ids >= self.vocab_size)
@@ -415,7 +425,9 @@ class TinkerService:
                 floats[k] = config[k]
         if first.loss_fn == "cross_entropy":
             floats.setdefault("weights", 1.0)
-        packed = pack_datums(datums, float_inputs=floats, min_len=self.options.min_seq_len)
+        packed = pack_datums(
+            datums, float_inputs=floats, min_len=self.options.min_seq_len, target_inputs=("weights",)
+        )
         _, logp = m.forward(
             first.loss_fn, packed.arrays, config, packed.num_segments, backward=not first.forward_only
         )

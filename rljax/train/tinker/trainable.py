@@ -130,21 +130,24 @@ def make_trainable(
 def target_logprobs(
     graphdef: nnx.GraphDef, params: Any, frozen: Any, batch: Mapping[str, jax.Array]
 ) -> jax.Array:
-    """``logp[r, t] = log softmax(logits(x[r, <=t]))[targets[r, t]]`` (0 off the datums)."""
+    """``logp[r, t] = log softmax(logits(x[r, <=t]))[targets[r, t]]`` (0 off the datums); with
+    ``targets [R, L, K]`` (K targets per position), ``logp [R, L, K]`` from one softmax per position."""
     model = merge_model(graphdef, params, frozen)
     hidden = model.hidden_states(
         batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"]
     ).hidden
     rows, length, width = hidden.shape
+    targets = batch["targets"]
     logp, _ = token_logprobs_and_entropy(
         hidden.reshape(rows * length, width),
         model.unembedding(),
-        batch["targets"].reshape(rows * length),
+        targets.reshape(rows * length, *targets.shape[2:]),
         jnp.ones((rows * length,), jnp.float32),
         precision=model.precision,
         unembedding_lora=model.unembedding_lora(),
     )
-    return jnp.where(batch["mask"] > 0, logp.reshape(rows, length), 0.0)
+    mask = batch["mask"].reshape(rows, length, *(1,) * (targets.ndim - 2))
+    return jnp.where(mask > 0, logp.reshape(targets.shape), 0.0)
 
 
 def _loss_impl(graphdef, loss_fn, num_segments, params, frozen, batch, config):  # noqa: ANN001, ANN202
