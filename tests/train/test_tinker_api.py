@@ -11,6 +11,7 @@ through the SDK.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import httpx
@@ -453,6 +454,72 @@ def test_custom_loss_handle_matches_the_hand_computed_gradient(server, client):
     got = _paths(server.service.models[tc.model_id].pending)
     for k, v in grads.items():
         np.testing.assert_allclose(got[k], v, atol=2e-5, rtol=1e-4)
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA compile
+
+
+def _compile_counts(server, tmp_path, min_rows: int, sizes: list[list[int]]) -> tuple[int, int, int]:
+    """Serves the module's model with ``min_rows`` and sends, through the SDK, one warm-up round
+    (two forward_backward, optim_step, forward) then one forward_backward + optim_step + forward per
+    entry of ``sizes`` (its datums' lengths). Returns (XLA compiles, step traces) during the rounds
+    after the warm-up, and the packed row counts seen, as a bit mask."""
+    from rljax.train.tinker import TinkerServer, free_port
+    from rljax.train.tinker.service import TinkerService
+    from rljax.train.tinker.trainable import STEP_TRACES
+
+    options = dataclasses.replace(server.service.options, min_rows=min_rows)
+    srv = TinkerServer(TinkerService(server.service.run, tmp_path, options), "127.0.0.1", free_port())
+    compiles: list[str] = []
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        if event == _BACKEND_COMPILE:
+            compiles.append(event)
+
+    rows = 0
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        tc = (
+            tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+            .create_lora_training_client(base_model=BASE, rank=4, seed=1)
+            .result()
+        )
+        rng = np.random.default_rng(41)
+
+        def round_(lengths: list[int], warm: bool = False) -> None:
+            data = [_datum(_seq(rng, n + 1)) for n in lengths]
+            tc.forward_backward(data, "cross_entropy").result()
+            if warm:
+                tc.forward_backward(data, "cross_entropy").result()  # adds to pending gradients
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            tc.forward(data, "cross_entropy").result()
+
+        round_([30], warm=True)
+        before, traces = len(compiles), sum(STEP_TRACES.values())
+        for lengths in sizes:
+            round_(lengths)
+            rows |= srv.service.last_packed_rows
+        return len(compiles) - before, sum(STEP_TRACES.values()) - traces, rows
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+        srv.stop()
+
+
+def test_requests_of_varying_sizes_reuse_a_few_compiled_steps(server, tmp_path):
+    """Packed rows are a power of two >= min_rows: with min_rows=8, after one warm-up, 10 rounds of
+    1..7 datums of 2..30 tokens (1 to 7 rows of 32) compile NOTHING (no XLA compile event at all, no
+    trace of the step); a batch of 12 datums (16 rows) compiles the 16-row forward and
+    forward_backward once, and small batches after it still compile nothing. The same rounds with
+    min_rows=1 (rows 1, 2, 4, 8) recompile: the counts can fail."""
+    rng = np.random.default_rng(43)
+    small = [list(rng.integers(2, 31, size=int(k))) for k in [1, 3, 7, 2, 5, 1, 6, 4, 7, 2]]
+    assert max(len(x) for x in small) == 7 and min(len(x) for x in small) == 1
+    compiles, traces, rows = _compile_counts(server, tmp_path / "a", 8, small)
+    assert (compiles, traces, rows) == (0, 0, 8)
+    compiles, traces, rows = _compile_counts(server, tmp_path / "b", 8, [[30] * 12, *small[:4]])
+    assert traces == 2 and compiles >= 2 and rows == 8 | 16  # the 16-row fwd + fwd/bwd, once each
+    compiles, traces, rows = _compile_counts(server, tmp_path / "c", 1, small)
+    assert traces >= 4 and compiles >= traces and rows == 1 | 2 | 4 | 8
 
 
 def test_unsupported_losses_are_refused(server, client):

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from rljax.core import losses as core
 
-__all__ = ["LOSS_INPUTS", "SUPPORTED_LOSSES", "check_config", "token_losses"]
+__all__ = ["LOSS_INPUTS", "SEGMENT_LOSSES", "SUPPORTED_LOSSES", "check_config", "token_losses"]
 
 #: loss name -> (required per-token inputs, optional per-token inputs) besides ``target_tokens``.
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -63,6 +63,9 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 SUPPORTED_LOSSES = tuple(LOSS_INPUTS)
+#: Losses that reduce over each datum's tokens (segment sums with a static bound ``num_segments``);
+#: the others are compiled without it (one program for any number of datums).
+SEGMENT_LOSSES = ("gspo",)
 #: scalar options of ``loss_fn_config`` per loss, with defaults (None: required).
 LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},

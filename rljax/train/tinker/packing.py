@@ -3,9 +3,11 @@
 A datum is ``model_input`` tokens ``x[0..N)`` and per-token loss inputs of length N (position i
 predicts ``target_tokens[i]``). Datums are packed first-fit-decreasing into rows of length ``L``
 (a power of two >= the longest datum and >= ``min_len``), several per row as segments (attention
-stays within a segment, positions restart); the row count and the number of segment ids are
-rounded up to powers of two, so the jitted step sees few distinct shapes and recompiles only when a
-batch outgrows every earlier one.
+stays within a segment, positions restart). The row count is a power of two >= ``min_rows`` and the
+segment bound a power of two >= datums + 1 and >= ``min_segments``, so the jitted step sees a small
+fixed set of shapes: every batch of at most ``min_rows`` rows of length ``L`` runs the one program of
+shape ``[min_rows, L]``, larger ones the programs of ``2 min_rows``, ``4 min_rows``, ... rows, each
+compiled once, when first needed.
 
 ``target_tokens`` may be ``[N, K]`` (K targets per position, its ``weights`` shaped alike): the batch
 then packs them as ``[R, L, K']``, ``K'`` its largest K rounded up to a power of two, the extra
@@ -73,6 +75,7 @@ def pack_datums(
     float_inputs: Mapping[str, float],
     min_len: int = 32,
     min_rows: int = 1,
+    min_segments: int = 1,
     target_inputs: Collection[str] = (),
 ) -> PackedDatums:
     """Packs ``datums``; ``float_inputs`` names every float input of the batch with the value it takes
@@ -135,4 +138,4 @@ def pack_datums(
                 )
             elif name in d.inputs:
                 arrays[name][r, s : s + n] = d.inputs[name]
-    return PackedDatums(arrays, where, pow2(len(datums) + 1), widths)
+    return PackedDatums(arrays, where, pow2(len(datums) + 1, min_segments), widths)

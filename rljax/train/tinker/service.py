@@ -12,7 +12,8 @@ Protocol facts (tinker SDK 0.38.0) this implements:
 * A training client sends its requests one at a time in its own order (``seq_id``), so one FIFO
   queue keeps each model's order. ONE worker thread runs the queue: it drains everything pending
   and runs consecutive forward / forward_backward requests of one model with the same loss as ONE
-  packed, fixed-shape jitted step (:mod:`rljax.train.tinker.packing`).
+  packed, fixed-shape jitted step (:mod:`rljax.train.tinker.packing`: rows padded to a power of two
+  >= ``min_rows``, so requests of varying sizes reuse a few compiled programs).
 * Sessions send ``session_heartbeat`` every 10 s; a session silent for ``session_timeout_s`` is
   expired: its models, gradients, optimizer states and samplers are dropped.
 * Checkpoint paths: ``tinker://<model_id>/weights/<name>`` (``save_state``: parameters + Adam state,
@@ -43,7 +44,7 @@ import numpy as np
 
 from rljax.models.lora import LoRAConfig
 from rljax.train import checkpoint as ckpt
-from rljax.train.tinker.losses import LOSS_INPUTS, check_config
+from rljax.train.tinker.losses import LOSS_INPUTS, SEGMENT_LOSSES, check_config
 from rljax.train.tinker.packing import Datum, pack_datums
 from rljax.train.tinker.sampling import SamplerPool
 from rljax.train.tinker.trainable import ADAM_DEFAULTS, TrainableModel, make_trainable
@@ -62,7 +63,9 @@ class UserError(ValueError):
 class ServiceOptions:
     """Server settings: ``base_model`` the name clients ask for; ``max_lora_rank``; ``lora_alpha``
     (the adapters' scale is ``alpha / rank``); ``api_keys`` (empty: any key is accepted);
-    ``session_timeout_s``; ``min_seq_len`` the shortest packed row."""
+    ``session_timeout_s``; ``min_seq_len`` the shortest packed row; ``min_rows`` the fewest packed rows
+    of a step (rows are a power of two >= it: every batch that fits ``min_rows`` rows of one length
+    runs one compiled program, whatever its number or lengths of datums)."""
 
     base_model: str = "rljax/tiny"
     max_lora_rank: int = 64
@@ -70,6 +73,7 @@ class ServiceOptions:
     api_keys: tuple[str, ...] = ()
     session_timeout_s: float = 120.0
     min_seq_len: int = 32
+    min_rows: int = 8
     long_poll_s: float = 20.0
 
 
@@ -96,6 +100,9 @@ class TinkerService:
     def __init__(
         self, run: Any, workdir: str | pathlib.Path, options: ServiceOptions = ServiceOptions()
     ) -> None:
+        for key in ("min_rows", "min_seq_len"):
+            if getattr(options, key) < 1:
+                raise ValueError(f"ServiceOptions.{key} must be >= 1, got {getattr(options, key)}")
         self.run = run
         self.options = options
         self.root = pathlib.Path(workdir).absolute() / "tinker"
@@ -112,6 +119,7 @@ class TinkerService:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.steps_run = 0  # jitted fwd/bwd calls (a packed batch each)
         self.requests_run = 0  # forward_backward requests they served
+        self.last_packed_rows = 0  # rows of the last packed batch
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
@@ -426,13 +434,19 @@ class TinkerService:
         if first.loss_fn == "cross_entropy":
             floats.setdefault("weights", 1.0)
         packed = pack_datums(
-            datums, float_inputs=floats, min_len=self.options.min_seq_len, target_inputs=("weights",)
+            datums,
+            float_inputs=floats,
+            min_len=self.options.min_seq_len,
+            min_rows=self.options.min_rows,
+            min_segments=4 * self.options.min_rows,
+            target_inputs=("weights",),
         )
-        _, logp = m.forward(
-            first.loss_fn, packed.arrays, config, packed.num_segments, backward=not first.forward_only
-        )
+        # the segment bound is static: only the losses that use it compile per bound
+        segments = packed.num_segments if first.loss_fn in SEGMENT_LOSSES else 0
+        _, logp = m.forward(first.loss_fn, packed.arrays, config, segments, backward=not first.forward_only)
         self.steps_run += 1
         self.requests_run += len(reqs)
+        self.last_packed_rows = int(packed.arrays["tokens"].shape[0])
         per_datum = packed.per_datum(logp)
         # each request's loss: its own datums' token losses (recomputed on the host from the outputs)
         out, k = [], 0

@@ -4,7 +4,8 @@ model), Adam state, summed gradients and step count, over a base model shared by
 The jitted programs take the graph definition, the loss name and the segment bound as static
 arguments and everything else (parameters, the frozen base, the packed batch, the loss options,
 Adam's hyperparameters) as arrays, so a client's steps compile once per batch shape, whatever
-learning rate or clip thresholds it sends.
+learning rate or clip thresholds it sends. :data:`STEP_TRACES` counts how often the step was traced
+(once per compiled program: a new shape, loss or model structure), per ``(loss, backward)``.
 
 Adam (``optim_step``): ``AdamParams(learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm)``
 is applied as ``optax.adamw`` (bias-corrected moments, decoupled weight decay ``lr * wd * theta``)
@@ -14,6 +15,7 @@ after clipping the gradient to global norm ``grad_clip_norm`` when it is > 0
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -30,7 +32,10 @@ from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora
 from rljax.train.step import merge_model
 from rljax.train.tinker.losses import token_losses
 
-__all__ = ["ADAM_DEFAULTS", "TrainableModel", "make_trainable"]
+__all__ = ["ADAM_DEFAULTS", "STEP_TRACES", "TrainableModel", "make_trainable"]
+
+#: ``(loss name, backward)`` -> times the jitted forward / backward step was traced (= compiled).
+STEP_TRACES: collections.Counter[tuple[str, bool]] = collections.Counter()
 
 #: The SDK's ``AdamParams`` defaults.
 ADAM_DEFAULTS = dict(
@@ -156,8 +161,22 @@ def _loss_impl(graphdef, loss_fn, num_segments, params, frozen, batch, config): 
     return jnp.sum(per_token), logp
 
 
-_loss = jax.jit(_loss_impl, static_argnums=(0, 1, 2))
-_loss_and_grads = jax.jit(jax.value_and_grad(_loss_impl, argnums=3, has_aux=True), static_argnums=(0, 1, 2))
+def _counted(fn, backward: bool):  # noqa: ANN001, ANN202
+    """``fn`` that counts its traces in :data:`STEP_TRACES` (a Python side effect: it runs only when
+    jit traces, i.e. compiles, never on a cached call)."""
+
+    @functools.wraps(fn)
+    def traced(graphdef, loss_fn, *args):  # noqa: ANN001, ANN202
+        STEP_TRACES[(loss_fn, backward)] += 1
+        return fn(graphdef, loss_fn, *args)
+
+    return traced
+
+
+_loss = jax.jit(_counted(_loss_impl, False), static_argnums=(0, 1, 2))
+_loss_and_grads = jax.jit(
+    _counted(jax.value_and_grad(_loss_impl, argnums=3, has_aux=True), True), static_argnums=(0, 1, 2)
+)
 _add = jax.jit(functools.partial(jax.tree.map, jnp.add))
 
 
