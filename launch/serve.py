@@ -37,6 +37,9 @@ _MIN_ROWS = flags.DEFINE_integer(
     "min_rows", 8, "Fewest packed rows of a training step (a power of two >= it: fewer compiled shapes)."
 )
 _MIN_SEQ_LEN = flags.DEFINE_integer("min_seq_len", 32, "Shortest packed row of a training step.")
+_FUSE = flags.DEFINE_bool(
+    "fuse_clients", True, "Run queued requests of several LoRA clients (one adapter shape) as one step."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -53,6 +56,7 @@ def main(argv: list[str]) -> None:
         session_timeout_s=_TIMEOUT.value,
         min_rows=_MIN_ROWS.value,
         min_seq_len=_MIN_SEQ_LEN.value,
+        fuse_clients=_FUSE.value,
     )
     if _BASE_MODEL.value:
         options["base_model"] = _BASE_MODEL.value

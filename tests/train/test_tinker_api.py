@@ -479,11 +479,8 @@ def _compile_counts(server, tmp_path, min_rows: int, sizes: list[list[int]]) -> 
     rows = 0
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        tc = (
-            tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
-            .create_lora_training_client(base_model=BASE, rank=4, seed=1)
-            .result()
-        )
+        sdk = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        tc = sdk.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
         rng = np.random.default_rng(41)
 
         def round_(lengths: list[int], warm: bool = False) -> None:
@@ -499,7 +496,9 @@ def _compile_counts(server, tmp_path, min_rows: int, sizes: list[list[int]]) -> 
         for lengths in sizes:
             round_(lengths)
             rows |= srv.service.last_packed_rows
-        return len(compiles) - before, sum(STEP_TRACES.values()) - traces, rows
+        result = len(compiles) - before, sum(STEP_TRACES.values()) - traces, rows
+        sdk.close("success").result()  # ends its heartbeats before the server stops
+        return result
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
         srv.stop()
@@ -520,6 +519,107 @@ def test_requests_of_varying_sizes_reuse_a_few_compiled_steps(server, tmp_path):
     assert traces == 2 and compiles >= 2 and rows == 8 | 16  # the 16-row fwd + fwd/bwd, once each
     compiles, traces, rows = _compile_counts(server, tmp_path / "c", 1, small)
     assert traces >= 4 and compiles >= traces and rows == 1 | 2 | 4 | 8
+
+
+def _held(svc, n: int):
+    """A context: the service's worker is held busy until ``n`` more jobs are queued, so requests sent
+    inside it are drained together (as concurrent clients' requests are)."""
+    import contextlib
+    import threading
+    import time
+
+    @contextlib.contextmanager
+    def hold():
+        gate, started = threading.Event(), threading.Event()
+
+        def block() -> dict:
+            started.set()
+            gate.wait(120)
+            return {}
+
+        svc._submit("hold", "hold", block)
+        assert started.wait(60)
+        try:
+            yield
+            deadline = time.monotonic() + 60
+            while svc._queue.qsize() < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert svc._queue.qsize() >= n
+        finally:
+            gate.set()
+
+    return hold()
+
+
+def test_lora_clients_queued_together_run_as_one_step(server, client):
+    """forward_backward requests of two LoRA clients (equal rank) queued together run as ONE step
+    (adapters stacked, the step vmapped over them) and give each client exactly what it gets alone:
+    logprobs, loss and gradients equal a twin client's (same seed, same data) that ran alone, so one
+    client's step never changes another's outputs. A full fine-tuning client and a client of
+    another rank queued with them run on their own, also equal to their twins."""
+    svc = server.service
+    rng = np.random.default_rng(47)
+    data = {
+        k: [_datum(_seq(rng, n)) for n in ns]
+        for k, ns in {"a": (9, 5), "b": (12,), "f": (7,), "r": (6, 4)}.items()
+    }
+    kinds = {
+        "a": dict(rank=4, seed=1),
+        "b": dict(rank=4, seed=2),
+        "f": dict(rank=0),
+        "r": dict(rank=8, seed=3),
+    }
+    clients = {
+        k: client.create_lora_training_client(base_model=BASE, **kw).result() for k, kw in kinds.items()
+    }
+    twins = {k: client.create_lora_training_client(base_model=BASE, **kw).result() for k, kw in kinds.items()}
+    for k in kinds:
+        _close(svc.models[clients[k].model_id].params, svc.models[twins[k].model_id].params, rtol=0, atol=0)
+    alone = {k: twins[k].forward_backward(data[k], "cross_entropy").result() for k in kinds}
+    steps, fused = svc.steps_run, svc.fused_steps
+    with _held(svc, 4):
+        futures = {k: clients[k].forward_backward(data[k], "cross_entropy") for k in kinds}
+    together = {k: f.result() for k, f in futures.items()}
+    assert svc.fused_steps == fused + 1 and svc.steps_run == steps + 3  # a+b, f, r
+    for k in kinds:
+        for o, w in zip(together[k].loss_fn_outputs, alone[k].loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(o["logprobs"].to_numpy(), w["logprobs"].to_numpy(), atol=2e-6)
+        assert together[k].metrics["loss:sum"] == pytest.approx(alone[k].metrics["loss:sum"], rel=1e-6)
+        got, want = svc.models[clients[k].model_id].pending, svc.models[twins[k].model_id].pending
+        _close(got, want, atol=1e-6, rtol=1e-5)
+    # and the next fused step runs on the trained adapters (each its own)
+    for k in ("a", "b"):
+        clients[k].optim_step(types.AdamParams(learning_rate=0.05)).result()
+        twins[k].optim_step(types.AdamParams(learning_rate=0.05)).result()
+    with _held(svc, 2):
+        futures = {k: clients[k].forward(data[k], "cross_entropy") for k in ("a", "b")}
+    for k, f in futures.items():
+        want = twins[k].forward(data[k], "cross_entropy").result()
+        for o, w in zip(f.result().loss_fn_outputs, want.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(o["logprobs"].to_numpy(), w["logprobs"].to_numpy(), atol=2e-5)
+    assert svc.fused_steps == fused + 2
+
+
+def test_fusion_keeps_each_clients_order(server, client):
+    """The worker's plan: a later client's forward_backward joins an earlier one's step only when
+    none of its own jobs, and no barrier (a job of no model, other than sampling), lies between."""
+    from rljax.train.tinker.service import _Job
+    from rljax.train.tinker.wire import FwdBwdRequest
+
+    svc = server.service
+    ids = {k: client.create_lora_training_client(base_model=BASE, rank=4).result().model_id for k in "ABDE"}
+    ids["C"] = client.create_lora_training_client(base_model=BASE, rank=0).result().model_id
+
+    def fb(k: str, loss: str = "cross_entropy") -> _Job:
+        return _Job("forward_backward", ids[k], None, None, FwdBwdRequest(ids[k], 0, loss, {}, False, []))
+
+    def other(kind: str, k: str | None) -> _Job:
+        return _Job(kind, ids[k] if k else None, None, None)
+
+    jobs = [fb("A"), other("optim_step", "B"), fb("B"), fb("C"), other("sample", None), fb("E", "ppo"),
+            fb("D"), other("drop", None), fb("E")]  # fmt: skip
+    plan = [[jobs.index(g[0]) for g in step] for step in svc._plan(jobs)]
+    assert plan == [[0, 6], [1], [2], [3], [4], [5], [7], [8]]
 
 
 def test_unsupported_losses_are_refused(server, client):
