@@ -33,6 +33,13 @@ _API_KEYS = flags.DEFINE_multi_string("api_key", [], "Accepted API keys (none gi
 _MAX_RANK = flags.DEFINE_integer("max_lora_rank", 64, "Largest LoRA rank a client may ask for.")
 _LORA_ALPHA = flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (adapter scale alpha / rank).")
 _TIMEOUT = flags.DEFINE_float("session_timeout_s", 120.0, "Expire sessions silent (no heartbeat) this long.")
+_MIN_ROWS = flags.DEFINE_integer(
+    "min_rows", 8, "Fewest packed rows of a training step (a power of two >= it: fewer compiled shapes)."
+)
+_MIN_SEQ_LEN = flags.DEFINE_integer("min_seq_len", 32, "Shortest packed row of a training step.")
+_FUSE = flags.DEFINE_bool(
+    "fuse_clients", True, "Run queued requests of several LoRA clients (one adapter shape) as one step."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -47,6 +54,9 @@ def main(argv: list[str]) -> None:
         lora_alpha=_LORA_ALPHA.value,
         api_keys=tuple(_API_KEYS.value),
         session_timeout_s=_TIMEOUT.value,
+        min_rows=_MIN_ROWS.value,
+        min_seq_len=_MIN_SEQ_LEN.value,
+        fuse_clients=_FUSE.value,
     )
     if _BASE_MODEL.value:
         options["base_model"] = _BASE_MODEL.value

@@ -76,6 +76,21 @@ class DecoderOutput(NamedTuple):
     cache: KVCache | None = None
 
 
+class UnembeddingLoRA(NamedTuple):
+    """A LoRA adapter of the output projection: ``a [hidden, r]``, ``b [r, vocab]`` (compute dtype)
+    and ``scale = alpha / r``; the logits gain ``scale * (h a) b``."""
+
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+    def delta(self, h: jax.Array, *, precision: jax.lax.PrecisionLike = None) -> jax.Array:
+        """float32 ``scale * (h a) b`` for ``h [N, hidden]``: two thin matmuls, never ``a b``
+        (``[hidden, vocab]``), so the backward never holds a vocabulary-wide weight gradient."""
+        ha = jnp.dot(h.astype(self.a.dtype), self.a, precision=precision)
+        return jnp.dot(ha, self.b, precision=precision, preferred_element_type=jnp.float32) * self.scale
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE (optionally q/k bias, per-head q/k RMSNorm)."""
 
@@ -491,16 +506,33 @@ class Decoder(nnx.Module):
         return DecoderOutput(self.norm(x), _stack_routing(routers) if with_routing else None, new_cache)
 
     def unembedding(self) -> jax.Array:
-        """The output projection ``[hidden, vocab]`` in compute dtype (``embed^T`` when tied)."""
+        """The base output projection ``[hidden, vocab]`` in compute dtype (``embed^T`` when tied);
+        an unembedding adapter comes on top (:meth:`unembedding_lora`)."""
         if self.lm_head is None:
             return self.embed_tokens[...].T.astype(self.dtype)
         return self.lm_head.kernel[...].astype(self.dtype)
 
+    def unembedding_lora(self) -> UnembeddingLoRA | None:
+        """The LoRA adapter of the output projection (``targets=("lm_head", ...)`` in
+        :mod:`rljax.models.lora`), or None: ``logits = h W + (alpha / r) (h A) B`` with ``A``
+        ``[hidden, r]`` and ``B`` ``[r, vocab]`` in compute dtype. With tied embeddings it adapts the
+        output projection only (the input embedding stays the base's), as PEFT's ``lm_head``."""
+        adapter = getattr(self, "lm_head_lora", None)
+        if adapter is None:
+            return None
+        return UnembeddingLoRA(
+            adapter.lora_a[...].astype(self.dtype), adapter.lora_b[...].astype(self.dtype), adapter.lora_scale
+        )
+
     def logits(self, hidden: chex.Array) -> jax.Array:
-        """float32 logits ``hidden @ unembedding()`` for hidden states of any leading shape."""
+        """float32 logits ``hidden @ unembedding()`` (plus the unembedding adapter's
+        ``(alpha / r) (hidden A) B``) for hidden states of any leading shape."""
         flat = hidden.reshape(-1, hidden.shape[-1]).astype(self.dtype)  # one 2-D matmul, as in Linear
         f32 = jnp.float32
         logits = jnp.dot(flat, self.unembedding(), precision=self.precision, preferred_element_type=f32)
+        adapter = self.unembedding_lora()
+        if adapter is not None:
+            logits = logits + adapter.delta(flat, precision=self.precision)
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     def __call__(

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-    from rljax.models.decoder import Decoder
+    from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
 
 DEFAULT_CHUNK_SIZE = 512
@@ -36,43 +36,52 @@ def token_logprobs_and_entropy(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.PrecisionLike = None,
+    unembedding_lora: UnembeddingLoRA | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets`` and entropy under ``softmax(hidden @ unembedding / temperature)``.
 
-    With ``z = h W / tau`` (float32): ``logp = z[target] - logsumexp(z)`` and
+    With ``z = h W / tau`` (float32; ``z = (h W + (alpha / r) (h A) B) / tau`` with an unembedding
+    adapter, :meth:`rljax.models.Decoder.unembedding_lora`): ``logp = z[target] - logsumexp(z)`` and
     ``entropy = -sum_v softmax(z)_v log softmax(z)_v``. Computed ``chunk_size`` rows at a time
     (``lax.map`` over rematerialized chunks), so ``[N, V]`` logits never exist at once.
 
     Args:
       hidden: ``[N, H]`` hidden states (any float dtype).
       unembedding: ``[H, V]`` output projection.
-      targets: ``int [N]`` token whose log-probability is wanted in each row.
+      targets: ``int [N]`` token whose log-probability is wanted in each row, or ``int [N, K]``: K
+        tokens per row (one softmax per row, K of its entries gathered).
       temperature: ``float [N]`` positive temperature of each row.
       chunk_size: rows per chunk (static).
       precision: matmul precision.
+      unembedding_lora: the output projection's LoRA adapter (None: none), applied per chunk as two
+        thin matmuls.
 
     Returns:
-      ``(logp, entropy)``, float32 ``[N]`` each.
+      ``(logp, entropy)``, float32 ``[N]`` each (``logp [N, K]`` for ``[N, K]`` targets).
 
     >>> h = jnp.eye(2); w = jnp.log(jnp.array([[1., 3.], [1., 1.]]))
     >>> lp, ent = token_logprobs_and_entropy(h, w, jnp.array([1, 0]), jnp.ones(2), chunk_size=1)
     >>> [round(float(x), 4) for x in jnp.exp(lp)], [round(float(x), 4) for x in ent]
     ([0.75, 0.5], [0.5623, 0.6931])
     """
-    chex.assert_rank([hidden, unembedding, targets, temperature], [2, 2, 1, 1])
+    chex.assert_rank([hidden, unembedding, temperature], [2, 2, 1])
+    chex.assert_rank(targets, {1, 2})
     chex.assert_equal(hidden.shape[1], unembedding.shape[0])
-    chex.assert_equal_shape([targets, temperature])
     chex.assert_equal(hidden.shape[0], targets.shape[0])
+    chex.assert_equal(hidden.shape[0], temperature.shape[0])
+    multi = targets.ndim == 2
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     n = hidden.shape[0]
     if n == 0:
-        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+        return jnp.zeros(targets.shape, jnp.float32), jnp.zeros((0,), jnp.float32)
     chunk = min(chunk_size, n)
     num_chunks = -(-n // chunk)
     pad = num_chunks * chunk - n
     hidden_c = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, chunk, hidden.shape[1])
-    targets_c = jnp.pad(targets.astype(jnp.int32), (0, pad)).reshape(num_chunks, chunk)
+    targets_c = jnp.pad(targets.astype(jnp.int32), ((0, pad),) + ((0, 0),) * multi).reshape(
+        num_chunks, chunk, *targets.shape[1:]
+    )
     temp_c = jnp.pad(temperature.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(
         num_chunks, chunk
     )
@@ -81,17 +90,21 @@ def token_logprobs_and_entropy(
     def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, tgt, tau = args
         z = jnp.dot(h, unembedding.astype(h.dtype), precision=precision, preferred_element_type=jnp.float32)
+        if unembedding_lora is not None:
+            z = z + unembedding_lora.delta(h, precision=precision)
         z = z / tau[:, None]
         lse = jax.nn.logsumexp(z, axis=-1)
         # An id outside [0, V) gives NaN (never a negative wrap-around or a clamp).
         tgt = jnp.where(tgt < 0, z.shape[-1], tgt)
-        logp = jnp.take_along_axis(z, tgt[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0] - lse
+        cols = tgt if multi else tgt[:, None]
+        logp = jnp.take_along_axis(z, cols, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
+        logp = logp if multi else logp[:, 0]
         log_probs = z - lse[:, None]
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
         return logp, entropy
 
     logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c))
-    return logp.reshape(-1)[:n], entropy.reshape(-1)[:n]
+    return logp.reshape(-1, *targets.shape[1:])[:n], entropy.reshape(-1)[:n]
 
 
 def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:
@@ -204,6 +217,7 @@ def sequence_forward(
         temperature[:, 1:].reshape(n),
         chunk_size=chunk_size,
         precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
     )
     mask = shifted_token_mask(jnp.asarray(segment_ids))
     pad = jnp.zeros((batch, 1), jnp.float32)

@@ -16,7 +16,8 @@ Files: :func:`save_adapter` / :func:`load_adapter` write and read PEFT's ``adapt
 :func:`merge_lora` folds an adapter into plain weights (``W + (alpha/r) A B``).
 
 Targets are module names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-``down_proj``) of the dense projections, and for MoE models the stacked experts
+``down_proj``) of the dense projections, ``lm_head`` (the output projection, see below), and for MoE
+models the stacked experts
 (:class:`rljax.models.moe.Experts`) by PEFT's parameter names of transformers' fused experts:
 ``experts.gate_up_proj`` (gate and up share one ``A``, as in the fused ``[E, 2I, H]`` HF tensor) and
 ``experts.down_proj``; ``experts`` means both. Per expert ``e`` (PEFT's ``ParamWrapper``)::
@@ -28,6 +29,17 @@ experts along the rank: ``lora_A.weight`` ``[E r, in]`` (row ``e r + j``) and ``
 ``[out, r E]`` (column ``j E + e``), under ``mlp.experts.`` with one ``base_layer.`` per
 ParamWrapper nested inside (``gate_up_proj`` is wrapped first, so it is the inner one when both are
 targeted), and ``adapter_config.json`` lists them as ``target_parameters``.
+
+``lm_head`` adapts the unembedding (the output projection, PEFT's ``lm_head`` module)::
+
+    logits = h W_out + (alpha / r) (h A) B        A: [hidden, r], B: [r, vocab]
+
+held as ``model.lm_head_lora`` (:class:`UnembedAdapter`) and applied by the decoder's logits path
+(:meth:`rljax.models.Decoder.unembedding_lora`: ``Decoder.logits``, the chunked logprobs, hence the
+training forward and the embedded sampler). With tied embeddings it adapts the OUTPUT projection
+only, the input embedding stays the base's (as PEFT's ``lm_head`` adapter on a tied model); merging
+it unties the model (an explicit ``lm_head`` = ``embed^T + (alpha / r) A B``). Files:
+``base_model.model.lm_head.lora_A.weight`` ``[r, hidden]`` and ``lora_B`` ``[vocab, r]``.
 
 >>> from rljax.models.tiny import tiny_model
 >>> m = apply_lora(tiny_model(), LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
@@ -55,6 +67,8 @@ from rljax.models.layers import Linear
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "UNEMBED_TARGET",
+    "UnembedAdapter",
     "ADAPTER_WEIGHTS_FILE",
     "DEFAULT_TARGETS",
     "EXPERT_TARGETS",
@@ -75,7 +89,10 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 #: their registration order (PEFT nests the wrappers in that order); ``"experts"`` targets both.
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 EXPERTS = "experts"
+#: The unembedding (output projection) target, PEFT's module name for it.
+UNEMBED_TARGET = "lm_head"
 _PEFT_PREFIX = "base_model.model.model."
+_PEFT_UNEMBED = "base_model.model.lm_head.lora_{}.weight"
 
 
 class LoRAParam(nnx.Variable):
@@ -87,8 +104,9 @@ class LoRAConfig:
     """Rank ``r``, ``alpha`` (scale ``alpha / r``), targets, dropout (only 0 is supported: RL recomputes
     the policy's logprobs, which stochastic dropout would make inconsistent).
 
-    ``targets``: any of :data:`DEFAULT_TARGETS` (dense projections, incl. qwen2_moe's shared expert)
-    and :data:`EXPERT_TARGETS` (MoE expert stacks: ``experts.gate_up_proj`` adapts gate and up with
+    ``targets``: any of :data:`DEFAULT_TARGETS` (dense projections, incl. qwen2_moe's shared expert),
+    :data:`UNEMBED_TARGET` (``"lm_head"``: the output projection, tied or not) and
+    :data:`EXPERT_TARGETS` (MoE expert stacks: ``experts.gate_up_proj`` adapts gate and up with
     one shared ``A`` per expert, ``experts.down_proj`` the down projection; ``mlp.experts.*`` as PEFT
     writes them is accepted too). ``"experts"`` expands to both expert targets. The default targets
     the dense projections only: an expert adapter has ``E`` times the parameters of a dense one.
@@ -108,10 +126,11 @@ class LoRAConfig:
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
         object.__setattr__(self, "targets", _normalize_targets(self.targets))
-        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS) - set(EXPERT_TARGETS))
+        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS) - set(EXPERT_TARGETS) - {UNEMBED_TARGET})
         if unknown or not self.targets:
             raise ValueError(
-                f"LoRAConfig.targets must be a non-empty subset of {DEFAULT_TARGETS + EXPERT_TARGETS} "
+                "LoRAConfig.targets must be a non-empty subset of "
+                f"{DEFAULT_TARGETS + (UNEMBED_TARGET,) + EXPERT_TARGETS} "
                 f"(or {EXPERTS!r} for both expert stacks), got {unknown}"
             )
         if self.dropout != 0.0:
@@ -128,6 +147,11 @@ class LoRAConfig:
     def module_targets(self) -> tuple[str, ...]:
         """The dense (Linear) targets, PEFT's ``target_modules``."""
         return tuple(t for t in self.targets if t in DEFAULT_TARGETS)
+
+    @property
+    def unembed(self) -> bool:
+        """Whether the output projection (``lm_head``) is adapted."""
+        return UNEMBED_TARGET in self.targets
 
     @property
     def expert_targets(self) -> tuple[str, ...]:
@@ -147,6 +171,9 @@ def _normalize_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def _targeted(model: nnx.Module, targets: Sequence[str]) -> list[tuple[tuple, Linear]]:
+    """The Linears of ``model`` named by the dense targets among ``targets`` (never ``lm_head``: its
+    adapter is :class:`UnembedAdapter`)."""
+    targets = [t for t in targets if t in DEFAULT_TARGETS]
     out = []
     for path, module in nnx.iter_graph(model):
         if (
@@ -214,21 +241,40 @@ def _attach_experts(experts: nnx.Module, target: str, config: LoRAConfig, key: j
     experts.lora_scale = config.scale
 
 
+class UnembedAdapter(nnx.Module):
+    """The LoRA adapter of the output projection (``model.lm_head_lora``): ``lora_a [hidden, r]``
+    (Kaiming-uniform, as PEFT), ``lora_b [r, vocab]`` (zeros), ``lora_scale = alpha / r``; sharded
+    like the unembedding (``embed`` / ``vocab`` axes), the rank replicated."""
+
+    def __init__(self, hidden: int, vocab: int, config: LoRAConfig, key: jax.Array, dtype: jnp.dtype) -> None:
+        a = _kaiming_a(key, (hidden, config.rank), hidden, dtype)
+        self.lora_a = LoRAParam(a, logical_axes=("embed", None))
+        self.lora_b = LoRAParam(jnp.zeros((config.rank, vocab), dtype), logical_axes=(None, "vocab"))
+        self.lora_scale = config.scale
+
+
+def _has_unembedding(model: nnx.Module) -> bool:
+    return hasattr(model, "embed_tokens") and hasattr(model, "unembedding_lora")
+
+
 def apply_lora(
     model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32
 ) -> nnx.Module:
-    """Attaches fresh adapters (A Kaiming-uniform, B = 0) to every targeted Linear and, for expert
-    targets, to every MoE expert stack of ``model`` (in place).
+    """Attaches fresh adapters (A Kaiming-uniform, B = 0) to every targeted Linear, for expert
+    targets to every MoE expert stack, and for ``lm_head`` to the output projection of ``model``
+    (in place).
 
-    Returns ``model``. Raises ``ValueError`` when nothing matches, when expert targets are given but
-    the model has no expert stacks, or when adapters are already attached.
+    Returns ``model``. Raises ``ValueError`` when a target matches nothing (the dense targets
+    together, the expert stacks, the output projection), or when adapters are already attached.
     """
     found = _targeted(model, config.targets)
     stacks = _expert_stacks(model) if config.expert_targets else []
     if config.expert_targets and not stacks:
         raise ValueError(f"LoRA targets {config.expert_targets} name MoE expert stacks: the model has none")
-    if not found and not stacks:
-        raise ValueError(f"no Linear of the model matches the LoRA targets {config.targets}")
+    if config.unembed and not _has_unembedding(model):
+        raise ValueError("LoRA target 'lm_head' needs a decoder with an output projection (rljax Decoder)")
+    if config.module_targets and not found:
+        raise ValueError(f"no Linear of the model matches the LoRA targets {config.module_targets}")
     for path, lin in found:
         if getattr(lin, "lora_a", None) is not None:
             raise ValueError(f"{'.'.join(map(str, path))} already has a LoRA adapter")
@@ -236,6 +282,11 @@ def apply_lora(
     for _, experts in stacks:
         for target in config.expert_targets:
             _attach_experts(experts, target, config, rngs.params(), dtype)
+    if config.unembed:
+        if getattr(model, "lm_head_lora", None) is not None:
+            raise ValueError("the output projection (lm_head) already has a LoRA adapter")
+        vocab, hidden = model.embed_tokens.shape
+        model.lm_head_lora = UnembedAdapter(hidden, vocab, config, rngs.params(), dtype)
     model.lora_config = config
     return model
 
@@ -302,9 +353,32 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         del lin.lora_a, lin.lora_b, lin.lora_scale
     for _, experts in _expert_stacks(merged):
         _merge_experts(experts)
+    if getattr(merged, "lm_head_lora", None) is not None:
+        _merge_unembedding(merged)
     if hasattr(merged, "lora_config"):
         del merged.lora_config
     return merged
+
+
+def _merge_unembedding(model: nnx.Module) -> None:
+    """Folds the output projection's adapter into it (``W_out + (alpha / r) A B``) and removes it. A
+    tied model is untied: it gets an explicit ``lm_head`` (the input embedding stays the base's) and
+    ``config.tie_word_embeddings=False``, so its HF files say so."""
+    adapter = model.lm_head_lora
+    a, b = adapter.lora_a[...].astype(jnp.float32), adapter.lora_b[...].astype(jnp.float32)
+    delta = (a @ b) * adapter.lora_scale
+    if model.lm_head is None:
+        embed = model.embed_tokens
+        vocab, hidden = embed.shape
+        head = Linear(hidden, vocab, use_bias=False, logical_axes=("embed", "vocab"), dtype=model.dtype,
+                       param_dtype=embed.dtype, precision=model.precision, rngs=nnx.Rngs(0))  # fmt: skip
+        head.kernel = head.kernel.replace((embed[...].T.astype(jnp.float32) + delta).astype(embed.dtype))
+        model.lm_head = nnx.data(head)  # None (static) until now
+        model.config = dataclasses.replace(model.config, tie_word_embeddings=False)
+    else:
+        kernel = model.lm_head.kernel
+        model.lm_head.kernel = kernel.replace((kernel[...].astype(jnp.float32) + delta).astype(kernel.dtype))
+    del model.lm_head_lora
 
 
 def _merge_experts(experts: nnx.Module) -> None:
@@ -395,6 +469,10 @@ def save_adapter(
     if config.expert_targets:
         for path, experts in _expert_stacks(model):
             tensors.update(_expert_tensors(path, experts, config.expert_targets))
+    if config.unembed:
+        adapter = model.lm_head_lora
+        for which, var in (("A", adapter.lora_a), ("B", adapter.lora_b)):
+            tensors[_PEFT_UNEMBED.format(which)] = np.ascontiguousarray(np.asarray(var[...], np.float32).T)
     save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE))
     meta = {
         "peft_type": "LORA",
@@ -402,7 +480,7 @@ def save_adapter(
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": sorted(config.module_targets),
+        "target_modules": sorted(config.module_targets + ((UNEMBED_TARGET,) if config.unembed else ())),
         "target_parameters": [f"mlp.{t}" for t in config.expert_targets] or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -421,7 +499,8 @@ def _config_targets(meta: dict, d: pathlib.Path) -> tuple[str, ...]:
     expert ``target_parameters`` (``[mlp.]experts.gate_up_proj``, ``[...]down_proj``)."""
     targets = meta.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: keep the module names it matches
-        targets = [t for t in DEFAULT_TARGETS if re.fullmatch(targets, t) or re.search(targets, f".{t}")]
+        targets = [t for t in (*DEFAULT_TARGETS, UNEMBED_TARGET)
+                   if re.fullmatch(targets, t) or re.search(targets, f".{t}")]  # fmt: skip
     experts = []
     for name in meta.get("target_parameters") or []:
         last = name.rpartition(".")[2]
@@ -503,6 +582,13 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     if config.expert_targets:
         for path, experts in _expert_stacks(model):
             used |= _load_experts(path, experts, config.expert_targets, tensors, d)
+    if config.unembed:
+        for which, attr in (("A", "lora_a"), ("B", "lora_b")):
+            name = _PEFT_UNEMBED.format(which)
+            if name not in tensors:
+                raise ValueError(f"{d}: adapter weights lack {name}")
+            _assign(getattr(model.lm_head_lora, attr), np.asarray(tensors[name], np.float32).T, name, d)
+            used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{d}: adapter weights for modules the model does not have: {extra[:4]}")

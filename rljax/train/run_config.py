@@ -533,6 +533,13 @@ def _validate(cfg: RunConfig) -> RunConfig:
         )
     _one_of("config.trainer.mode", t.mode, MODES)
     _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
+    if cfg.lora is not None and cfg.lora.unembed and cfg.engine.kind != "embedded":
+        raise _fail(
+            "config.lora.targets",
+            "'lm_head' (a LoRA adapter on the unembedding) runs with the embedded sampler only: syncing it "
+            "to vLLM (as an adapter or merged into a tied model's output projection) is untested; drop "
+            "'lm_head' or use engine.kind='embedded'",
+        )
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)

@@ -16,6 +16,7 @@ from tolerances import LOGPROB_TOL
 
 from rljax import models
 from rljax.models import lora
+from rljax.models.tiny import random_decoder
 
 FAMILIES = ["qwen3", "qwen2", "llama3"]
 
@@ -135,5 +136,145 @@ def _strip(model):
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     for _, lin in lora._targeted(copy, lora.DEFAULT_TARGETS):
-        del lin.lora_a, lin.lora_b, lin.lora_scale
+        if getattr(lin, "lora_a", None) is not None:
+            del lin.lora_a, lin.lora_b, lin.lora_scale
+    if getattr(copy, "lm_head_lora", None) is not None:
+        del copy.lm_head_lora
     return copy
+
+
+# ------------------------------------------------------------------------------------------------
+# The unembedding adapter (target "lm_head")
+# ------------------------------------------------------------------------------------------------
+
+
+def _unembed_model(tied: bool, *, targets=("lm_head",), seed: int = 0):
+    """A peaked tiny model with an output-projection adapter whose B is non-zero (rank 3, alpha 6)."""
+    import jax
+
+    cfg = models.tiny_config(vocab_size=48, tie_word_embeddings=tied)
+    model = random_decoder(cfg, seed=seed)
+    lora.apply_lora(model, lora.LoRAConfig(rank=3, alpha=6.0, targets=targets), rngs=nnx.Rngs(seed + 1))
+    b = model.lm_head_lora.lora_b
+    b[...] = 0.7 * jax.random.normal(jax.random.key(seed + 2), b.shape)
+    return model
+
+
+def _np_log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_unembed_adapter_matches_a_float64_reference(tied):
+    """logits = h (W_out + (alpha/r) A B) in float64 numpy (PEFT's W + s B A in its [out, in] layout)
+    from the model's hidden states: Decoder.logits, sequence_logprobs and the chunked logprob
+    function with several chunks agree; the gradient of sum(logp) w.r.t. A and B equals the analytic
+    one, (alpha/r) h^T (onehot - p) B^T and (alpha/r) (h A)^T (onehot - p)."""
+    import jax
+    import jax.numpy as jnp
+
+    model = _unembed_model(tied)
+    tokens = np.random.default_rng(3).integers(0, 48, size=(1, 12))
+    h = np.asarray(model.hidden_states(jnp.asarray(tokens)).hidden, np.float64)[0]
+    w = (
+        np.asarray(model.embed_tokens[...], np.float64).T
+        if tied
+        else np.asarray(model.lm_head.kernel[...], np.float64)
+    )
+    a = np.asarray(model.lm_head_lora.lora_a[...], np.float64)
+    b = np.asarray(model.lm_head_lora.lora_b[...], np.float64)
+    z = h @ (w + 2.0 * a @ b)  # scale = alpha / r = 6 / 3
+    logp = _np_log_softmax(z)
+    want = logp[np.arange(11), tokens[0, 1:]]
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens)))[0], z, atol=2e-5, rtol=2e-5)
+    got = np.asarray(models.sequence_logprobs(model, jnp.asarray(tokens), chunk_size=4))[0, 1:]
+    np.testing.assert_allclose(got, want, **LOGPROB_TOL)
+    base = np.asarray(models.sequence_logprobs(_strip(model), jnp.asarray(tokens)))[0, 1:]
+    assert np.abs(base - want).max() > 1e-2  # the adapter matters: the comparison can fail
+
+    hidden = jnp.asarray(h[:-1], jnp.float32)
+    targets = jnp.asarray(tokens[0, 1:])
+
+    def total(ab):
+        adapter = model.unembedding_lora()._replace(a=ab[0], b=ab[1])
+        lp, _ = models.token_logprobs_and_entropy(
+            hidden, model.unembedding(), targets, jnp.ones(11), chunk_size=4, unembedding_lora=adapter
+        )
+        return lp.sum()
+
+    ga, gb = jax.grad(total)((jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)))
+    resid = -np.exp(logp[:-1])
+    resid[np.arange(11), tokens[0, 1:]] += 1.0  # d sum(logp) / dz = onehot - p
+    np.testing.assert_allclose(np.asarray(ga), 2.0 * h[:-1].T @ resid @ b.T, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(gb), 2.0 * (h[:-1] @ a).T @ resid, atol=1e-4, rtol=1e-4)
+
+
+def test_unembed_adapter_of_a_tied_model_leaves_the_input_embedding():
+    """Tied: the adapter changes the output projection only (the embedding rows the model reads are
+    the base's), and merging unties the model with the same logprobs; its HF files load in
+    transformers as an untied model with those logprobs."""
+    import jax.numpy as jnp
+
+    model = _unembed_model(True, seed=4)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 48, size=(2, 10)))
+    stripped = _strip(model)
+    np.testing.assert_array_equal(
+        np.asarray(model.hidden_states(tokens).hidden), np.asarray(stripped.hidden_states(tokens).hidden)
+    )
+    ours = np.asarray(models.sequence_logprobs(model, tokens))
+    merged = lora.merge_lora(model)
+    assert merged.config.tie_word_embeddings is False and model.config.tie_word_embeddings is True
+    assert merged.lm_head is not None and not nnx.to_flat_state(lora.lora_state(merged))
+    np.testing.assert_array_equal(np.asarray(merged.embed_tokens[...]), np.asarray(model.embed_tokens[...]))
+    np.testing.assert_allclose(np.asarray(models.sequence_logprobs(merged, tokens)), ours, **LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_unembed_adapter_round_trips_with_peft(helpers, tmp_path, tied):
+    """An rljax adapter on q_proj + lm_head loads in peft (PEFT's ``lm_head`` module, tied or not)
+    with the same logprobs, and reads back into rljax; the merged model saves as plain HF weights."""
+    import jax
+    import peft
+    import transformers
+
+    base_hf = helpers.make_hf_model("qwen3", tied=tied, seed=6)
+    base_hf.save_pretrained(tmp_path / "base")
+    model = models.from_pretrained(tmp_path / "base")
+    lora.apply_lora(
+        model, lora.LoRAConfig(rank=2, alpha=4.0, targets=("q_proj", "lm_head")), rngs=nnx.Rngs(7)
+    )
+    for i, (_, var) in enumerate(nnx.to_flat_state(lora.lora_state(model))):
+        var.set_value(var.get_value() + 0.3 * jax.random.normal(jax.random.key(i), var.get_value().shape))
+    lora.save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    meta = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG_FILE).read_text())
+    assert sorted(meta["target_modules"]) == ["lm_head", "q_proj"]
+    tokens = _tokens(3)
+    ours = np.asarray(models.sequence_logprobs(model, tokens))
+    theirs = peft.PeftModel.from_pretrained(
+        helpers.make_hf_model("qwen3", tied=tied, seed=6), tmp_path / "adapter"
+    )
+    assert any("lm_head.lora_B" in n for n, _ in theirs.named_parameters())
+    np.testing.assert_allclose(ours, helpers.hf_token_logprobs(theirs.eval(), tokens), **LOGPROB_TOL)
+    back = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(models.sequence_logprobs(back, tokens)), ours, **LOGPROB_TOL)
+    models.save_pretrained(lora.merge_lora(model), tmp_path / "merged")
+    merged_hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert merged_hf.config.tie_word_embeddings is False
+    np.testing.assert_allclose(helpers.hf_token_logprobs(merged_hf, tokens), ours, **LOGPROB_TOL)
+
+
+def test_embedded_sampler_samples_with_the_unembed_adapter():
+    import asyncio
+
+    from rljax.inference import EmbeddedSampler
+    from rljax.inference.engine import SamplingParams
+
+    model = _unembed_model(True, targets=("lm_head", "v_proj"), seed=8)
+    prompt = [1, 2, 3, 4]
+    out = asyncio.run(EmbeddedSampler(model).generate(prompt, SamplingParams(max_tokens=6, seed=3)))
+    seq = np.asarray([prompt + list(out.ids)])
+    with_adapter = np.asarray(models.sequence_logprobs(model, seq))[0, len(prompt) :]
+    np.testing.assert_allclose(out.logprobs, with_adapter, **LOGPROB_TOL)
+    without = np.asarray(models.sequence_logprobs(_strip(model), seq))
+    assert np.abs(without[0, len(prompt) :] - with_adapter).max() > 1e-3

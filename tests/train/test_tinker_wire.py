@@ -74,6 +74,37 @@ def test_packing_keeps_every_datum_and_fixed_shapes():
     assert p.arrays["mask"].sum() == sum(len(d.tokens) for d in datums)
 
 
+def test_packing_and_outputs_of_k_targets_per_position():
+    """[N, K] targets (ragged K, mixed with a one-target datum): packed [R, L, K'] with K' = 4, the extra
+    columns weight 0; per_datum gives each datum its own shape back, and the outputs decode with the
+    SDK in the datums' shapes (one ArrayRecord per run of equal trailing shapes)."""
+    rng = np.random.default_rng(1)
+    shapes = [(4, 3), (6,), (3, 3), (5, 2)]
+    datums = []
+    for shape in shapes:
+        n = shape[0]
+        inputs = {"weights": rng.random(shape)} if len(shape) == 2 else {}
+        datums.append(Datum(rng.integers(0, 9, n), rng.integers(1, 9, shape), inputs))
+    p = pack_datums(datums, float_inputs={"weights": 1.0}, min_len=8, target_inputs=("weights",))
+    assert p.arrays["targets"].shape[2] == 4 and p.arrays["weights"].shape == p.arrays["targets"].shape
+    for d, t, w in zip(
+        datums, p.per_datum(p.arrays["targets"]), p.per_datum(p.arrays["weights"]), strict=True
+    ):
+        np.testing.assert_array_equal(t, d.targets)
+        np.testing.assert_allclose(w, d.inputs.get("weights", np.ones(d.targets.shape)), rtol=1e-6)
+    # the weight on every padded column (and padding) is 0: the loss sum covers exactly the real targets
+    real = sum(float(np.sum(d.inputs.get("weights", np.ones(d.targets.shape)))) for d in datums)
+    assert float(p.arrays["weights"].sum()) == pytest.approx(real, rel=1e-6)
+    outs = [{"logprobs": -np.abs(rng.normal(size=d.targets.shape)).astype(np.float32)} for d in datums]
+    got = deserialize_forward_backward_output(encode_forward_backward_output(outs, {"loss:sum": 1.0}))
+    assert len(got.loss_fn_outputs) == 4
+    for o, want in zip(got.loss_fn_outputs, outs, strict=True):
+        assert o["logprobs"].shape == list(want["logprobs"].shape)
+        np.testing.assert_array_equal(
+            o["logprobs"].to_numpy().reshape(want["logprobs"].shape), want["logprobs"]
+        )
+
+
 def test_loss_options():
     assert check_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert check_config("dro", {"beta": 0.1}) == {"beta": 0.1}

@@ -50,14 +50,16 @@ OBJ = ObjectiveConfig()
 OPT = OptimizerConfig(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, eps=1e-6)
 CONFIG = TrainConfig(objective=OBJ, optimizer=OPT)
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+#: With an adapter on the output projection (the unembedding; tf's model is tied) as well.
+LORA_HEAD = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "down_proj", "lm_head"))
 NUM_STEPS = 3
 
 
-def lora_model(seed: int = 0, *, base_dtype=jnp.float32) -> models.Decoder:
+def lora_model(seed: int = 0, *, base_dtype=jnp.float32, lora: LoRAConfig = LORA) -> models.Decoder:
     base = tf.make_model(seed)
     if base_dtype != jnp.float32:
         base = models.cast_model(base, base_dtype)
-    return apply_lora(base, LORA, rngs=nnx.Rngs(seed + 1))
+    return apply_lora(base, lora, rngs=nnx.Rngs(seed + 1))
 
 
 def nonzero_adapter(model: models.Decoder, seed: int = 5, scale: float = 0.05) -> models.Decoder:
@@ -160,8 +162,11 @@ def hand_step(model: models.Decoder, batch, counts) -> nnx.State:
     return optax.apply_updates(adapter, updates)
 
 
-def test_lora_train_step_equals_a_hand_computed_update():
-    model = nonzero_adapter(lora_model())  # B != 0: gradients reach A too
+@pytest.mark.parametrize("lora", [LORA, LORA_HEAD], ids=["dense", "with_lm_head"])
+def test_lora_train_step_equals_a_hand_computed_update(lora):
+    model = nonzero_adapter(lora_model(lora=lora))  # B != 0: gradients reach A too
+    if lora.unembed:
+        assert model.lm_head_lora.lora_b.shape == (4, tf.VOCAB)
     batch = tf.make_batch(7)
     counts = mini_batch_counts(batch, OBJ)
     want = hand_step(model, batch, counts)
@@ -214,11 +219,16 @@ def test_micro_batches_equal_the_whole_batch():
     assert all(a is b for a, b in zip(jax.tree.leaves(split.frozen), frozen_arrays, strict=True))
 
 
-def test_sharded_lora_equals_unsharded():
+@pytest.mark.parametrize("lora", [LORA, LORA_HEAD], ids=["dense", "with_lm_head"])
+def test_sharded_lora_equals_unsharded(lora):
     seeds = [51, 52]
-    single, single_hist = run_steps(TrainState.create(nonzero_adapter(lora_model()), CONFIG), seeds)
+    single, single_hist = run_steps(TrainState.create(nonzero_adapter(lora_model(lora=lora)), CONFIG), seeds)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    state = TrainState.create(nonzero_adapter(lora_model()), CONFIG, mesh=mesh)
+    state = TrainState.create(nonzero_adapter(lora_model(lora=lora)), CONFIG, mesh=mesh)
+    if lora.unembed:  # sharded like the unembedding: hidden over fsdp, vocab over tensor
+        head = state.params["lm_head_lora"]
+        assert head["lora_a"].get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp")
+        assert head["lora_b"].get_value().sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     q = state.frozen["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")  # the base follows the rules
     a = state.params["layers"][0]["self_attn"]["q_proj"]["lora_a"].get_value()

@@ -89,6 +89,10 @@ def test_every_recipe_parses(name):
         ({"trainer": {"mode": "later"}}, r"config.trainer.mode: expected one of \['sync', 'async'\]"),
         ({"trainer": {"max_off_policy_steps": 0}}, r"config.trainer.max_off_policy_steps: expected an int"),
         ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
+        (
+            {"lora": {"rank": 4, "targets": ("q_proj", "lm_head")}, "engine": {"kind": "vllm"}},
+            r"config.lora.targets: 'lm_head' .* embedded sampler only",
+        ),
         ({"rollout": {"top_k": "x"}}, r"config.rollout.top_k: expected an int"),
         ({"trainer": {"filters": [{"name": "nope"}]}}, r"config.trainer.filters\[0\]: unknown filter 'nope'"),
         (

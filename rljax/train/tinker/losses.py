@@ -5,7 +5,10 @@ Every Tinker loss is a SUM over the tokens of every datum (no mean): position ``
 and with ``q_i`` the sampler's logprob (``loss_fn_inputs["logprobs"]``), ``A_i`` the advantage and
 ``r_i = exp(logp_i - q_i)``:
 
-* ``cross_entropy``: ``L = -sum_i w_i logp_i`` (``weights`` w, default 1).
+* ``cross_entropy``: ``L = -sum_i w_i logp_i`` (``weights`` w, default 1). ``target_tokens`` (and
+  ``weights``) may be ``[N, K]``: K targets per position, ``logp_ik = log p(target_ik | x_<=i)`` from
+  one softmax, ``L = -sum_ik w_ik logp_ik`` (what ``forward_backward_custom`` with a target
+  distribution sends).
 * ``importance_sampling``: ``L = -sum_i r_i A_i``.
 * ``ppo``: ``L = -sum_i min(r_i A_i, clip(r_i, lo, hi) A_i)`` with ``lo = clip_low_threshold``
   (default 0.8) and ``hi = clip_high_threshold`` (default 1.2), from ``loss_fn_config`` or per token
@@ -22,10 +25,18 @@ The math shared with rljax's own objectives is :mod:`rljax.core.losses` (``cross
 (``lo = 1 - eps_low``, ``hi = 1 + eps_high`` there). rljax clips log-ratios to +-20 (and GSPO's log
 weight to 10) against overflow, which only matters far outside any trust region.
 
-``custom`` losses run in the SDK: it asks for a forward pass, differentiates the user's loss of the
-logprobs locally and sends ``weights = -dC/dlogp`` back through ``cross_entropy`` (so the gradient is
-exact); ``stable_reinforce`` needs sampling-time stability records this server does not keep, and is
-rejected with a clear error.
+``custom`` losses run in the SDK (``forward_backward_custom`` with a callable, or with a loss made by
+``ServiceClient.create_custom_loss``: this server tells the SDK ``custom_loss_server_side=False``, so
+the SDK runs the traced loss itself): it asks for a forward pass (``cross_entropy`` inputs, ``[N]`` or
+``[N, K]`` targets), differentiates the user's loss of the logprobs locally and sends
+``weights = -dC/dlogp`` back through ``cross_entropy``, so the gradient is exact.
+``loss_fn="custom"`` (an uploaded loss graph, run by id) is refused.
+
+``stable_reinforce`` is refused: the SDK (0.38.0) defines only its protocol (samples recorded with
+``record_stability_info=True``, datums naming them by ``sequence_id`` provenance spans,
+``loss_fn_config`` ``kl_coeff``), and Tinker's documentation (alpha) says the objective uses "minimal
+additional information captured at sampling time" without saying which, or what the objective is; a
+loss of that name would be a guess.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import jax.numpy as jnp
 
 from rljax.core import losses as core
 
-__all__ = ["LOSS_INPUTS", "SUPPORTED_LOSSES", "check_config", "token_losses"]
+__all__ = ["LOSS_INPUTS", "SEGMENT_LOSSES", "SUPPORTED_LOSSES", "check_config", "token_losses"]
 
 #: loss name -> (required per-token inputs, optional per-token inputs) besides ``target_tokens``.
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -52,6 +63,9 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 SUPPORTED_LOSSES = tuple(LOSS_INPUTS)
+#: Losses that reduce over each datum's tokens (segment sums with a static bound ``num_segments``);
+#: the others are compiled without it (one program for any number of datums).
+SEGMENT_LOSSES = ("gspo",)
 #: scalar options of ``loss_fn_config`` per loss, with defaults (None: required).
 LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
@@ -62,8 +76,10 @@ LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 _UNSUPPORTED = {
-    "stable_reinforce": "stable_reinforce needs the stability records a Tinker sampler keeps per "
-    "sequence_id (record_stability_info); this server does not record them",
+    "stable_reinforce": "stable_reinforce is not supported: Tinker publishes its protocol "
+    "(record_stability_info samples, sequence_id provenance, kl_coeff) but not its objective nor what "
+    "the sampler records, so this server does not guess one; use importance_sampling, ppo, cispo, "
+    "dro or gspo, or a custom loss (forward_backward_custom)",
     "custom": "loss_fn='custom' runs an uploaded loss graph, which this server does not store; use "
     "forward_backward_custom with the default client-side custom losses",
 }
@@ -110,9 +126,9 @@ def token_losses(
     token (0 = padding), ``num_segments`` bounds them (static).
     """
     mask = inputs["mask"]
-    if loss_fn == "cross_entropy":
+    if loss_fn == "cross_entropy":  # logp and weights [R, L] or [R, L, K] (K targets per position)
         per_token = inputs["weights"] * core.cross_entropy(logp)
-        return jnp.where(mask > 0, per_token, 0.0)
+        return jnp.where(mask.reshape(*mask.shape, *(1,) * (logp.ndim - 2)) > 0, per_token, 0.0)
     q, adv = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "importance_sampling":
         per_token = core.importance_sampling(logp, q, adv)

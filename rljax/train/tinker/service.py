@@ -12,7 +12,8 @@ Protocol facts (tinker SDK 0.38.0) this implements:
 * A training client sends its requests one at a time in its own order (``seq_id``), so one FIFO
   queue keeps each model's order. ONE worker thread runs the queue: it drains everything pending
   and runs consecutive forward / forward_backward requests of one model with the same loss as ONE
-  packed, fixed-shape jitted step (:mod:`rljax.train.tinker.packing`).
+  packed, fixed-shape jitted step (:mod:`rljax.train.tinker.packing`: rows padded to a power of two
+  >= ``min_rows``, so requests of varying sizes reuse a few compiled programs).
 * Sessions send ``session_heartbeat`` every 10 s; a session silent for ``session_timeout_s`` is
   expired: its models, gradients, optimizer states and samplers are dropped.
 * Checkpoint paths: ``tinker://<model_id>/weights/<name>`` (``save_state``: parameters + Adam state,
@@ -43,10 +44,16 @@ import numpy as np
 
 from rljax.models.lora import LoRAConfig
 from rljax.train import checkpoint as ckpt
-from rljax.train.tinker.losses import LOSS_INPUTS, check_config
-from rljax.train.tinker.packing import Datum, pack_datums
+from rljax.train.tinker.losses import LOSS_INPUTS, SEGMENT_LOSSES, check_config
+from rljax.train.tinker.packing import Datum, PackedDatums, pack_datums
 from rljax.train.tinker.sampling import SamplerPool
-from rljax.train.tinker.trainable import ADAM_DEFAULTS, TrainableModel, make_trainable
+from rljax.train.tinker.trainable import (
+    ADAM_DEFAULTS,
+    TrainableModel,
+    can_fuse,
+    forward_fused,
+    make_trainable,
+)
 from rljax.train.tinker.wire import FwdBwdRequest, encode_forward_backward_output
 
 __all__ = ["ServiceOptions", "TinkerService", "UserError"]
@@ -62,7 +69,10 @@ class UserError(ValueError):
 class ServiceOptions:
     """Server settings: ``base_model`` the name clients ask for; ``max_lora_rank``; ``lora_alpha``
     (the adapters' scale is ``alpha / rank``); ``api_keys`` (empty: any key is accepted);
-    ``session_timeout_s``; ``min_seq_len`` the shortest packed row."""
+    ``session_timeout_s``; ``min_seq_len`` the shortest packed row; ``min_rows`` the fewest packed rows
+    of a step (rows are a power of two >= it: every batch that fits ``min_rows`` rows of one length
+    runs one compiled program, whatever its number or lengths of datums); ``fuse_clients``: run the
+    queued forward / backward requests of several LoRA clients of one adapter structure as one step."""
 
     base_model: str = "rljax/tiny"
     max_lora_rank: int = 64
@@ -70,6 +80,8 @@ class ServiceOptions:
     api_keys: tuple[str, ...] = ()
     session_timeout_s: float = 120.0
     min_seq_len: int = 32
+    min_rows: int = 8
+    fuse_clients: bool = True
     long_poll_s: float = 20.0
 
 
@@ -79,6 +91,17 @@ class _Session:
     last_seen: float
     models: set[str] = dataclasses.field(default_factory=set)
     samplers: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Validated forward / backward requests of one model: their datums, loss options, float inputs."""
+
+    model: TrainableModel
+    reqs: list[FwdBwdRequest]
+    per_req: list[list[Datum]]
+    config: dict[str, float]
+    floats: dict[str, float]
 
 
 @dataclasses.dataclass
@@ -96,6 +119,9 @@ class TinkerService:
     def __init__(
         self, run: Any, workdir: str | pathlib.Path, options: ServiceOptions = ServiceOptions()
     ) -> None:
+        for key in ("min_rows", "min_seq_len"):
+            if getattr(options, key) < 1:
+                raise ValueError(f"ServiceOptions.{key} must be >= 1, got {getattr(options, key)}")
         self.run = run
         self.options = options
         self.root = pathlib.Path(workdir).absolute() / "tinker"
@@ -112,6 +138,8 @@ class TinkerService:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.steps_run = 0  # jitted fwd/bwd calls (a packed batch each)
         self.requests_run = 0  # forward_backward requests they served
+        self.last_packed_rows = 0  # rows of the last packed batch
+        self.fused_steps = 0  # steps that ran the requests of several clients (fuse_clients)
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
@@ -236,14 +264,89 @@ class TinkerService:
                     self._queue.put(None)
                     break
                 jobs.append(nxt)
-            i = 0
-            while i < len(jobs):
-                group = [jobs[i]]
-                if jobs[i].fwd is not None:
-                    while i + len(group) < len(jobs) and _same_step(jobs[i], jobs[i + len(group)]):
-                        group.append(jobs[i + len(group)])
-                i += len(group)
-                self._run_group(group)
+            for step in self._plan(jobs):
+                if len(step) == 1:
+                    self._run_group(step[0])
+                else:
+                    self._run_fused(step)
+
+    def _plan(self, jobs: list[_Job]) -> list[list[list[_Job]]]:
+        """The drained jobs as steps, in order: each step a list of groups, a group the consecutive
+        forward / backward requests of one model with one loss (or one other job). With
+        ``fuse_clients``, a later group of ANOTHER fusable client (same loss, config, forward-only
+        flag; :func:`~rljax.train.tinker.trainable.can_fuse`) joins a step when none of that client's
+        own jobs, and no job of no model but sampling, lies between: each client's requests keep their
+        order, and only independent work is overtaken."""
+        groups: list[list[_Job]] = []
+        i = 0
+        while i < len(jobs):
+            group = [jobs[i]]
+            if jobs[i].fwd is not None:
+                while i + len(group) < len(jobs) and _same_step(jobs[i], jobs[i + len(group)]):
+                    group.append(jobs[i + len(group)])
+            i += len(group)
+            groups.append(group)
+        steps: list[list[list[_Job]]] = []
+        taken = [False] * len(groups)
+        for i, group in enumerate(groups):
+            if taken[i]:
+                continue
+            step = [group]
+            if self.options.fuse_clients and group[0].fwd is not None and self._fusable(group[0], None):
+                members, passed = {group[0].model_id}, set()
+                for j in range(i + 1, len(groups)):
+                    job = groups[j][0]
+                    if taken[j]:
+                        continue
+                    if job.model_id is None and job.kind != "sample":
+                        break  # a barrier (a session's drop, ...): nothing moves across it
+                    if job.model_id not in members | passed and self._fusable(group[0], job):
+                        step.append(groups[j])
+                        taken[j] = True
+                        members.add(job.model_id)
+                    elif job.model_id is not None:
+                        passed.add(job.model_id)
+            steps.append(step)
+        return steps
+
+    def _fusable(self, a: _Job, b: _Job | None) -> bool:
+        """Whether ``a`` (and ``b``) are forward / backward requests of LoRA clients whose steps fuse."""
+        ma = self.models.get(a.model_id or "")
+        if ma is None or not ma.is_lora:
+            return False
+        if b is None:
+            return True
+        fa, fb, mb = a.fwd, b.fwd, self.models.get(b.model_id or "")
+        return (
+            fb is not None
+            and mb is not None
+            and (fa.loss_fn, fa.forward_only, fa.loss_fn_config)
+            == (fb.loss_fn, fb.forward_only, fb.loss_fn_config)
+            and can_fuse(ma, mb)
+        )
+
+    def _run_fused(self, step: list[list[_Job]]) -> None:
+        """One step of several clients' groups; a group whose datums are invalid fails alone."""
+        preps, groups = [], []
+        for group in step:
+            try:
+                preps.append(self._prepare([j.fwd for j in group]))
+                groups.append(group)
+            except Exception as e:  # noqa: BLE001 - handed to that client through its futures
+                for j in group:
+                    j.future.set_exception(e)
+        if not preps:
+            return
+        try:
+            results = [self._step(preps[0])] if len(preps) == 1 else self._forward_backward_fused(preps)
+        except Exception as e:  # noqa: BLE001
+            for group in groups:
+                for j in group:
+                    j.future.set_exception(e)
+            return
+        for group, outs in zip(groups, results, strict=True):
+            for j, r in zip(group, outs, strict=True):
+                j.future.set_result(r)
 
     def _run_group(self, group: list[_Job]) -> None:
         if group[0].fwd is None:
@@ -275,7 +378,10 @@ class TinkerService:
                 "(get_server_capabilities lists it)"
             )
 
-    def _lora_config(self, lora: Mapping[str, Any] | None) -> LoRAConfig | None:
+    def _lora_config(self, lora: Mapping[str, Any] | None, *, unembed: bool = True) -> LoRAConfig | None:
+        """The adapter of a LoRA request (``rank``, ``train_attn`` / ``train_mlp`` / ``train_unembed``,
+        each default True as in the SDK); ``unembed=False`` ignores ``train_unembed`` (checkpoints
+        written before unembedding adapters existed)."""
         if lora is None:
             return None
         rank = int(lora.get("rank", 0))
@@ -291,11 +397,10 @@ class TinkerService:
             targets += ["q_proj", "k_proj", "v_proj", "o_proj"]
         if lora.get("train_mlp", True):
             targets += ["gate_proj", "up_proj", "down_proj"]
+        if unembed and lora.get("train_unembed", True):
+            targets += ["lm_head"]
         if not targets:
-            raise UserError(
-                "train_unembed alone is not supported: rljax adapts attention and MLP projections; "
-                "set train_attn or train_mlp"
-            )
+            raise UserError("a LoRA client must train something: set train_attn, train_mlp or train_unembed")
         return LoRAConfig(rank=rank, alpha=self.options.lora_alpha, targets=tuple(targets))
 
     def create_model(
@@ -375,11 +480,21 @@ class TinkerService:
             missing = [k for k in ("target_tokens", *required) if k not in inputs]
             if missing:
                 raise UserError(f"datum {i}: loss {req.loss_fn!r} needs loss_fn_inputs {missing}")
+            targets = inputs["target_tokens"]
+            if targets.ndim == 2 and req.loss_fn == "cross_entropy" and len(targets) == n:
+                if targets.shape[1] < 1:  # K targets per position: weights, if given, alike
+                    raise UserError(f"datum {i}: target_tokens has shape {list(targets.shape)} (K = 0)")
+                shaped = {"target_tokens": targets.shape, "weights": targets.shape}
+            else:
+                shaped = {}
             for name, x in inputs.items():
-                if x.ndim != 1 or len(x) != n:
+                want = shaped.get(name, (n,))
+                if x.shape != want:
+                    per = "K values per token, as target_tokens" if len(want) == 2 else "one value per token"
                     raise UserError(
                         f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(x.shape)}, but model_input "
-                        f"has {n} tokens (every input is one value per token)"
+                        f"has {n} tokens (every input is {per}; only cross_entropy takes [N, K] "
+                        "target_tokens)"
                     )
             for name, ids in (("model_input", tokens), ("target_tokens", inputs["target_tokens"])):
                 bad = (ids < 0) | (ids >= self.vocab_size)
@@ -395,13 +510,11 @@ class TinkerService:
             out.append(Datum(tokens.astype(np.int32), inputs["target_tokens"].astype(np.int32), floats))
         return out
 
-    def _forward_backward(self, reqs: list[FwdBwdRequest]) -> list[bytes]:
-        """Runs requests of ONE model with one loss as one packed batch; one output per request."""
+    def _prepare(self, reqs: list[FwdBwdRequest]) -> _Prepared:
+        """Validates the datums of requests of ONE model with one loss (UserError on a bad one)."""
         first = reqs[0]
-        m = self.model(first.model_id)
         config = _loss_config(first.loss_fn, first.loss_fn_config)
         per_req = [self._datums(r) for r in reqs]
-        datums = [d for ds in per_req for d in ds]
         defaults = {"weights": 1.0, "logprobs": 0.0, "advantages": 0.0, "sequence_ratio_mask": 1.0}
         floats = {
             k: defaults[k]
@@ -413,24 +526,78 @@ class TinkerService:
                 floats[k] = config[k]
         if first.loss_fn == "cross_entropy":
             floats.setdefault("weights", 1.0)
-        packed = pack_datums(datums, float_inputs=floats, min_len=self.options.min_seq_len)
-        _, logp = m.forward(
-            first.loss_fn, packed.arrays, config, packed.num_segments, backward=not first.forward_only
+        return _Prepared(self.model(first.model_id), reqs, per_req, config, floats)
+
+    def _pack(self, prep: _Prepared, *, rows: int = 1, length: int = 1, segments: int = 1) -> PackedDatums:
+        o = self.options
+        return pack_datums(
+            [d for ds in prep.per_req for d in ds],
+            float_inputs=prep.floats,
+            min_len=max(o.min_seq_len, length),
+            min_rows=max(o.min_rows, rows),
+            min_segments=max(4 * o.min_rows, segments),
+            target_inputs=("weights",),
         )
-        self.steps_run += 1
-        self.requests_run += len(reqs)
+
+    def _outputs(self, prep: _Prepared, packed: PackedDatums, logp: np.ndarray) -> list[bytes]:
+        """One ForwardBackwardOutput per request: its datums' logprobs and token losses (recomputed on
+        the host from the outputs)."""
+        self.requests_run += len(prep.reqs)
         per_datum = packed.per_datum(logp)
-        # each request's loss: its own datums' token losses (recomputed on the host from the outputs)
         out, k = [], 0
-        for r, ds in zip(reqs, per_req, strict=True):
+        loss_fn = prep.reqs[0].loss_fn
+        for ds in prep.per_req:
             lps = per_datum[k : k + len(ds)]
             k += len(ds)
-            loss = _host_loss(first.loss_fn, ds, lps, config)
+            loss = _host_loss(loss_fn, ds, lps, prep.config)
             outputs = [{"logprobs": lp, "elementwise_loss": el} for lp, el in zip(lps, loss, strict=True)]
             metrics = {"loss:sum": float(sum(float(np.sum(el)) for el in loss))}
             out.append(encode_forward_backward_output(outputs, metrics))
-            del r
         return out
+
+    def _forward_backward(self, reqs: list[FwdBwdRequest]) -> list[bytes]:
+        """Runs requests of ONE model with one loss as one packed batch; one output per request."""
+        return self._step(self._prepare(reqs))
+
+    def _step(self, prep: _Prepared) -> list[bytes]:
+        packed = self._pack(prep)
+        first = prep.reqs[0]
+        # the segment bound is static: only the losses that use it compile per bound
+        segments = packed.num_segments if first.loss_fn in SEGMENT_LOSSES else 0
+        _, logp = prep.model.forward(
+            first.loss_fn, packed.arrays, prep.config, segments, backward=not first.forward_only
+        )
+        self.steps_run += 1
+        self.last_packed_rows = int(packed.arrays["tokens"].shape[0])
+        return self._outputs(prep, packed, logp)
+
+    def _forward_backward_fused(self, preps: list[_Prepared]) -> list[list[bytes]]:
+        """Runs the requests of several fusable LoRA clients (:func:`~rljax.train.tinker.trainable.can_fuse`,
+        one loss, one config) as ONE step: each client's datums packed in its own rows, every batch
+        padded to the largest one's shape, their adapters stacked (``forward_fused``). Batches that
+        cannot share a shape (K targets per position differing) run one after the other."""
+        first = preps[0].reqs[0]
+        packs = [self._pack(p) for p in preps]
+        rows = max(p.arrays["tokens"].shape[0] for p in packs)
+        length = max(p.arrays["tokens"].shape[1] for p in packs)
+        segs = max(p.num_segments for p in packs)
+        packs = [self._pack(p, rows=rows, length=length, segments=segs) for p in preps]
+        shapes = {tuple((k, v.shape) for k, v in sorted(p.arrays.items())) for p in packs}
+        if len(shapes) > 1:
+            return [self._step(p) for p in preps]
+        segments = packs[0].num_segments if first.loss_fn in SEGMENT_LOSSES else 0
+        results = forward_fused(
+            [p.model for p in preps],
+            first.loss_fn,
+            [p.arrays for p in packs],
+            preps[0].config,
+            segments,
+            backward=not first.forward_only,
+        )
+        self.steps_run += 1
+        self.fused_steps += 1
+        self.last_packed_rows = rows
+        return [self._outputs(p, k, logp) for p, k, (_, logp) in zip(preps, packs, results, strict=True)]
 
     def optim_step(self, model_id: str, adam: Mapping[str, Any]) -> str:
         self.model(model_id)
@@ -485,6 +652,7 @@ class TinkerService:
                 overwrite=True,
                 extra={
                     "lora": m.lora_request if m.is_lora else None,
+                    "lora_targets": list(m.lora.targets) if m.is_lora else None,
                     "step": m.step,
                     "base_model": m.base_model,
                     "kind": kind,
@@ -493,6 +661,12 @@ class TinkerService:
             return {"type": "save_weights_for_sampler" if for_sampler else "save_weights", "path": path}
 
         return self._submit("save", model_id, save)
+
+    def _checkpoint_lora(self, extra: Mapping[str, Any]) -> LoRAConfig | None:
+        """The adapter a checkpoint holds: its recorded request, with ``train_unembed`` honoured only
+        when the checkpoint records its targets (older ones were trained without unembedding adapters,
+        whatever they asked for)."""
+        return self._lora_config(extra.get("lora"), unembed="lora_targets" in extra)
 
     def _parse_path(self, path: str) -> tuple[str, str, str]:
         if not path.startswith("tinker://"):
@@ -513,7 +687,7 @@ class TinkerService:
         extra = ckpt.read_extra(directory)
         if template is None:
             template = make_trainable(
-                self.base, "template", extra["base_model"], lora=self._lora_config(extra.get("lora")), seed=0
+                self.base, "template", extra["base_model"], lora=self._checkpoint_lora(extra), seed=0
             )
         opt_target = template.opt_state if (optimizer and kind == "weights") else {}
         try:
@@ -551,7 +725,7 @@ class TinkerService:
                     self.base,
                     new_id,
                     extra["base_model"],
-                    lora=self._lora_config(lora),
+                    lora=self._checkpoint_lora(extra),
                     seed=int((lora or {}).get("seed") or 0),
                 )
                 m.session_id, m.lora_request = session_id or "", dict(lora or {})
@@ -596,8 +770,8 @@ class TinkerService:
         if model_path:
             owner, kind, _ = self._parse_path(model_path)
             params, _, extra = self._read_checkpoint(model_path, self.models.get(owner), optimizer=False)
-            lora = extra.get("lora")
-            m = make_trainable(self.base, owner, extra["base_model"], lora=self._lora_config(lora), seed=0)
+            lora = self._checkpoint_lora(extra)
+            m = make_trainable(self.base, owner, extra["base_model"], lora=lora, seed=0)
             m.params = params
             sid = self.samplers.add(model_path, m, self.options.base_model)
         else:

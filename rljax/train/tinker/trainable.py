@@ -4,7 +4,14 @@ model), Adam state, summed gradients and step count, over a base model shared by
 The jitted programs take the graph definition, the loss name and the segment bound as static
 arguments and everything else (parameters, the frozen base, the packed batch, the loss options,
 Adam's hyperparameters) as arrays, so a client's steps compile once per batch shape, whatever
-learning rate or clip thresholds it sends.
+learning rate or clip thresholds it sends. :data:`STEP_TRACES` counts how often the step was traced
+(once per compiled program: a new shape, loss or model structure), per ``(loss, backward, clients)``.
+
+:func:`forward_fused` runs the requests of SEVERAL LoRA clients of one structure (equal rank, alpha
+and targets) over the same base as one program: their adapters are stacked and the per-client step
+is ``jax.vmap``-ed over them (the base is not batched, so its matmuls see all clients' rows at once).
+Client ``c``'s loss depends only on its own adapter and rows, so the gradient of the summed loss with
+respect to adapter ``c`` is exactly client ``c``'s own gradient.
 
 Adam (``optim_step``): ``AdamParams(learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm)``
 is applied as ``optax.adamw`` (bias-corrected moments, decoupled weight decay ``lr * wd * theta``)
@@ -14,6 +21,7 @@ after clipping the gradient to global norm ``grad_clip_norm`` when it is > 0
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -30,7 +38,11 @@ from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora
 from rljax.train.step import merge_model
 from rljax.train.tinker.losses import token_losses
 
-__all__ = ["ADAM_DEFAULTS", "TrainableModel", "make_trainable"]
+__all__ = ["ADAM_DEFAULTS", "STEP_TRACES", "TrainableModel", "can_fuse", "forward_fused", "make_trainable"]
+
+#: ``(loss name, backward, clients)`` -> times the jitted forward / backward step was traced (=
+#: compiled); ``clients`` > 1: a fused step of that many clients (:func:`forward_fused`).
+STEP_TRACES: collections.Counter[tuple[str, bool, int]] = collections.Counter()
 
 #: The SDK's ``AdamParams`` defaults.
 ADAM_DEFAULTS = dict(
@@ -130,20 +142,24 @@ def make_trainable(
 def target_logprobs(
     graphdef: nnx.GraphDef, params: Any, frozen: Any, batch: Mapping[str, jax.Array]
 ) -> jax.Array:
-    """``logp[r, t] = log softmax(logits(x[r, <=t]))[targets[r, t]]`` (0 off the datums)."""
+    """``logp[r, t] = log softmax(logits(x[r, <=t]))[targets[r, t]]`` (0 off the datums); with
+    ``targets [R, L, K]`` (K targets per position), ``logp [R, L, K]`` from one softmax per position."""
     model = merge_model(graphdef, params, frozen)
     hidden = model.hidden_states(
         batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"]
     ).hidden
     rows, length, width = hidden.shape
+    targets = batch["targets"]
     logp, _ = token_logprobs_and_entropy(
         hidden.reshape(rows * length, width),
         model.unembedding(),
-        batch["targets"].reshape(rows * length),
+        targets.reshape(rows * length, *targets.shape[2:]),
         jnp.ones((rows * length,), jnp.float32),
         precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
     )
-    return jnp.where(batch["mask"] > 0, logp.reshape(rows, length), 0.0)
+    mask = batch["mask"].reshape(rows, length, *(1,) * (targets.ndim - 2))
+    return jnp.where(mask > 0, logp.reshape(targets.shape), 0.0)
 
 
 def _loss_impl(graphdef, loss_fn, num_segments, params, frozen, batch, config):  # noqa: ANN001, ANN202
@@ -152,8 +168,80 @@ def _loss_impl(graphdef, loss_fn, num_segments, params, frozen, batch, config): 
     return jnp.sum(per_token), logp
 
 
-_loss = jax.jit(_loss_impl, static_argnums=(0, 1, 2))
-_loss_and_grads = jax.jit(jax.value_and_grad(_loss_impl, argnums=3, has_aux=True), static_argnums=(0, 1, 2))
+def _counted(fn, backward: bool):  # noqa: ANN001, ANN202
+    """``fn`` that counts its traces in :data:`STEP_TRACES` (a Python side effect: it runs only when
+    jit traces, i.e. compiles, never on a cached call)."""
+
+    @functools.wraps(fn)
+    def traced(graphdef, loss_fn, num_segments, params, *args):  # noqa: ANN001, ANN202
+        clients = len(params) if isinstance(params, list) else 1
+        STEP_TRACES[(loss_fn, backward, clients)] += 1
+        return fn(graphdef, loss_fn, num_segments, params, *args)
+
+    return traced
+
+
+def _fused_loss_impl(graphdef, loss_fn, num_segments, params, frozen, batch, config):  # noqa: ANN001, ANN202
+    """Sum over clients of their loss sums; ``params`` a list of C adapters, ``batch`` ``[C, R, L]``
+    arrays. Returns ``(total, (per-client losses [C], logp [C, R, L...]))``."""
+
+    def one(p, b):  # noqa: ANN001, ANN202
+        return _loss_impl(graphdef, loss_fn, num_segments, p, frozen, b, config)
+
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *params)
+    losses, logp = jax.vmap(one)(stacked, batch)
+    return jnp.sum(losses), (losses, logp)
+
+
+_loss = jax.jit(_counted(_loss_impl, False), static_argnums=(0, 1, 2))
+_loss_and_grads = jax.jit(
+    _counted(jax.value_and_grad(_loss_impl, argnums=3, has_aux=True), True), static_argnums=(0, 1, 2)
+)
+_fused_loss = jax.jit(_counted(_fused_loss_impl, False), static_argnums=(0, 1, 2))
+_fused_loss_and_grads = jax.jit(
+    _counted(jax.value_and_grad(_fused_loss_impl, argnums=3, has_aux=True), True), static_argnums=(0, 1, 2)
+)
+
+
+def can_fuse(a: TrainableModel, b: TrainableModel) -> bool:
+    """Whether two clients' steps can run as one :func:`forward_fused` program: both LoRA, the same
+    adapter structure (graph definition: rank, alpha, targets) over the very same base arrays."""
+    if not (a.is_lora and b.is_lora) or a.lora != b.lora or a.graphdef != b.graphdef:
+        return False
+    fa, fb = jax.tree.leaves(a.frozen), jax.tree.leaves(b.frozen)
+    return len(fa) == len(fb) and all(x is y for x, y in zip(fa, fb, strict=True))
+
+
+def forward_fused(
+    models: list[TrainableModel],
+    loss_fn: str,
+    batches: list[Mapping[str, np.ndarray]],
+    config: Mapping[str, float],
+    num_segments: int,
+    *,
+    backward: bool,
+) -> list[tuple[float, np.ndarray]]:
+    """:meth:`TrainableModel.forward` of several clients (``can_fuse`` pairwise; one packed batch each,
+    all of one shape) as ONE jitted program; ``backward`` adds each client's gradient to its own
+    :attr:`~TrainableModel.pending`. Returns (loss sum, target logprobs) per client."""
+    first = models[0]
+    arrays = {k: jnp.asarray(np.stack([b[k] for b in batches])) for k in batches[0]}
+    cfg = {k: jnp.float32(v) for k, v in config.items()}
+    params = [m.params for m in models]
+    if backward:
+        (_, (losses, logp)), grads = _fused_loss_and_grads(
+            first.graphdef, loss_fn, num_segments, params, first.frozen, arrays, cfg
+        )
+        for m, g in zip(models, grads, strict=True):
+            m.pending = g if m.pending is None else _add(m.pending, g)
+    else:
+        _, (losses, logp) = _fused_loss(
+            first.graphdef, loss_fn, num_segments, params, first.frozen, arrays, cfg
+        )
+    losses, logp = np.asarray(losses), np.asarray(logp)
+    return [(float(losses[c]), logp[c]) for c in range(len(models))]
+
+
 _add = jax.jit(functools.partial(jax.tree.map, jnp.add))
 
 

@@ -103,21 +103,32 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
 def encode_forward_backward_output(
     outputs: Sequence[Mapping[str, np.ndarray]], metrics: Mapping[str, float]
 ) -> bytes:
-    """A ``ForwardBackwardOutput``: per-datum float32 arrays (e.g. ``logprobs``) and the metrics."""
+    """A ``ForwardBackwardOutput``: per-datum float32 arrays (e.g. ``logprobs``, ``[N]`` or ``[N, K]``)
+    and the metrics. Consecutive datums whose arrays have the same trailing shapes share one
+    ``ArrayRecord`` (``trailing_shape`` [K] for ``[N, K]``); ragged ones (another K) start a new one,
+    as the protocol has it."""
     pb = _pb()
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for k, v in metrics.items():
         msg.metrics[k] = float(v)
-    record = msg.loss_fn_outputs.add()
-    record.num_datums = len(outputs)
     names = list(outputs[0]) if outputs else []
-    for name in names:
-        arrays = [np.ascontiguousarray(o[name], np.float32).reshape(-1) for o in outputs]
-        sizes = np.array([0] + [a.nbytes for a in arrays], np.int64)
-        bt = record.fields[name]
-        bt.dtype = pb.DTYPE_FLOAT32
-        bt.data = b"".join(a.tobytes() for a in arrays)
-        bt.offsets = np.cumsum(sizes).astype(np.int64).tobytes()
+    groups: list[list[Mapping[str, np.ndarray]]] = []
+    for o in outputs:
+        key = [np.shape(o[name])[1:] for name in names]
+        if not groups or [np.shape(groups[-1][0][name])[1:] for name in names] != key:
+            groups.append([])
+        groups[-1].append(o)
+    for group in groups or [[]]:
+        record = msg.loss_fn_outputs.add()
+        record.num_datums = len(group)
+        for name in names:
+            arrays = [np.ascontiguousarray(o[name], np.float32) for o in group]
+            sizes = np.array([0] + [a.nbytes for a in arrays], np.int64)
+            bt = record.fields[name]
+            bt.dtype = pb.DTYPE_FLOAT32
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = np.cumsum(sizes).astype(np.int64).tobytes()
+            bt.trailing_shape.extend(list(arrays[0].shape[1:]))
     return msg.SerializeToString()
 
 
