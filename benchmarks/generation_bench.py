@@ -54,6 +54,7 @@ import functools
 import importlib.util
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,7 @@ def _sibling(name: str) -> Any:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 

@@ -54,6 +54,7 @@ import dataclasses
 import importlib.util
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -342,6 +343,7 @@ def _tunix_peer_module() -> Any:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_peer.py")
     spec = importlib.util.spec_from_file_location("_bench_tunix_peer", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
