@@ -23,6 +23,17 @@ reached through :class:`rljax.inference.vllm.VLLMClient`. vLLM's python is ``$RL
 ``<repo>/.vllm-venv/bin/python``; without it the vLLM engines are reported as not installed and
 the sampler figure is still printed.
 
+``--tunix`` also runs the same workload in Google Tunix (``benchmarks/tunix_peer.py`` under the
+Tunix venv's python, made by ``.ci/install_tunix.sh``) on the same weights, the embedded sampler and
+Tunix's ``Sampler`` taking turns pass by pass (A, B, A, B, ...), and prints both figures, the ratio
+rljax / Tunix and its verdict against the goal (>= 2x). With ``--tunix`` the defaults become the
+issue's workload: the ~29M Qwen3 shape of ``train_step_bench.py`` (``--model small``), 32 prompts of
+64 tokens, 128 new tokens; both sides return the drawn tokens and their logprobs. What differs: Tunix
+draws with ``jax.random.categorical`` (a Gumbel variate per vocabulary entry, one key for the batch)
+and rljax by inversion (one uniform per row, per-row seeds); Tunix takes prompt strings through its
+tokenizer adapter (here space-separated ids) and returns Python lists, rljax takes token lists
+through the Engine protocol (asyncio) and returns ``Completion`` records.
+
 ``--decode-slots 64,256,1024`` also prints the model's decode cost in ms per step (``--num-prompts``
 rows, one :func:`rljax.models.decode_step` per step inside one jitted loop) at those cache sizes.
 
@@ -31,6 +42,7 @@ Usage::
     python benchmarks/generation_bench.py                      # embedded, vllm-eager, vllm
     python benchmarks/generation_bench.py --engines embedded --decode-slots 64,256,1024
     python benchmarks/generation_bench.py --quick              # 16 prompts x 32 new tokens
+    python benchmarks/generation_bench.py --tunix              # rljax vs Google Tunix (29M, 32 x (64 + 128))
 """
 
 from __future__ import annotations
@@ -39,7 +51,10 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import os
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +77,7 @@ from rljax.models import (
     num_params,
     prefill,
     save_pretrained,
+    sequence_logprobs,
 )
 
 TINY_QWEN3 = dict(
@@ -77,6 +93,19 @@ TINY_QWEN3 = dict(
     tie_word_embeddings=True,
     max_position_embeddings=2048,
 )
+
+
+TUNIX_GOAL = 2.0  # generated tokens/s, rljax's embedded sampler / Tunix's Sampler
+
+
+def _sibling(name: str) -> Any:
+    """A module of this directory (the benchmarks are scripts, not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 class NotAvailable(RuntimeError):
@@ -174,9 +203,13 @@ def decode_ms_per_step(model: Decoder, *, rows: int, slots: int, reps: int = 5) 
 # ------------------------------------------------------------------------------------------------
 
 
-def make_model(model_dir: str | None, seed: int) -> Decoder:
+def make_model(model_dir: str | None, seed: int, name: str = "tiny") -> Decoder:
+    """``model_dir``'s checkpoint, else a random model: ``tiny`` (:data:`TINY_QWEN3`) or ``small`` (the
+    ~29M Qwen3 shape of ``train_step_bench.py``)."""
     if model_dir:
         return from_pretrained(model_dir)
+    if name == "small":
+        return Decoder(_sibling("train_step_bench").CONFIGS["small"], rngs=nnx.Rngs(seed))
     return Decoder(ModelConfig(**TINY_QWEN3), rngs=nnx.Rngs(seed))
 
 
@@ -250,6 +283,68 @@ ENGINE_FACTORIES: dict[str, Callable[[Decoder, argparse.Namespace, contextlib.Ex
 
 
 # ------------------------------------------------------------------------------------------------
+# rljax vs Google Tunix
+# ------------------------------------------------------------------------------------------------
+
+
+def compare_tunix(
+    model: Decoder, prompts: list[list[int]], args: argparse.Namespace, checkpoint: str
+) -> dict[str, float] | None:
+    """The embedded sampler and Tunix's Sampler on the same weights and prompts, interleaved pass by pass.
+
+    Returns ``{"rljax": best, "tunix": best, "ratio": best / best, "ratio_median": ...}``, or None
+    (printed why) when Tunix is not installed.
+    """
+    peer_lib = _sibling("tunix_peer")
+    rng = np.random.default_rng(args.seed + 1)
+    reference = rng.integers(0, model.config.vocab_size, size=64).tolist()
+    ref_logprobs = np.asarray(sequence_logprobs(model, jnp.asarray([reference], jnp.int32)))[0]
+    spec = {
+        "checkpoint": checkpoint,
+        "model": peer_lib.model_spec(model.config),
+        "generate": {
+            "prompts": prompts,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "seed": args.seed,
+        },
+        "check": {"tokens": reference, "logprobs": ref_logprobs.tolist()},
+    }
+    engine = make_embedded(model, args, contextlib.ExitStack())
+    print(f"  tunix: starting the peer (load, logprob check, compile) "
+          f"[load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+    try:
+        peer = peer_lib.TunixPeer(spec)
+        peer.__enter__()
+    except peer_lib.TunixUnavailable as e:
+        print(f"  tunix: not measured ({e})", flush=True)
+        return None
+    try:
+        print(f"  tunix: {peer_lib.describe_ready(peer.ready)}", flush=True)
+        for _ in range(max(args.warmup, 1)):  # compile the sampler's program (the peer warmed itself)
+            asyncio.run(_run(engine, prompts, args.max_tokens))
+        ours, theirs = [], []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            tokens = asyncio.run(_run(engine, prompts, args.max_tokens))
+            ours.append(tokens / (time.perf_counter() - start))
+            tokens, seconds = peer.run("generate")
+            theirs.append(tokens / seconds)
+            print(f"    pass {i}: rljax {ours[-1]:,.0f}  tunix {theirs[-1]:,.0f} tokens/s  "
+                  f"[load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+    finally:
+        peer.__exit__(None, None, None)
+    ratio = max(ours) / max(theirs)
+    ratio_median = statistics.median(ours) / statistics.median(theirs)
+    verdict = "PASS" if ratio >= TUNIX_GOAL else "FAIL"
+    print(f"  rljax embedded: {peer_lib.summary(ours)}")
+    print(f"  tunix Sampler:  {peer_lib.summary(theirs)}")
+    print(f"  ratio rljax/tunix: {ratio:.2f}x best, {ratio_median:.2f}x median (goal >= {TUNIX_GOAL:.1f}x: "
+          f"{verdict}) [load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+    return {"rljax": max(ours), "tunix": max(theirs), "ratio": ratio, "ratio_median": ratio_median}
+
+
+# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
 
@@ -258,9 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 new tokens, 2 repeats")
     parser.add_argument(
-        "--engines", default="embedded,vllm-eager,vllm", help=f"comma list of {list(ENGINE_FACTORIES)}"
+        "--engines",
+        default=None,
+        help=f"comma list of {list(ENGINE_FACTORIES)} (default: all; with --tunix: embedded)",
     )
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument(
+        "--tunix",
+        action="store_true",
+        help="also run the workload in Google Tunix, "
+        "interleaved with the embedded sampler, and print the ratio (goal >= 2x)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=["tiny", "small"],
+        default=None,
+        help="random model: tiny (default) or the ~29M shape (default with --tunix)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 64; 32 with --tunix")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-prompt-len", type=int, default=None, help="default: --prompt-len")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -272,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-slots", default="", help="e.g. 64,256,1024: also print decode ms/step")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.engines is None:
+        args.engines = "embedded" if args.tunix else "embedded,vllm-eager,vllm"
+    if args.num_prompts is None:
+        args.num_prompts = 32 if args.tunix else 64
+    if args.model is None:
+        args.model = "small" if args.tunix else "tiny"
     if args.quick:
         args.num_prompts, args.prompt_len, args.max_tokens, args.repeats, args.warmup = 16, 32, 32, 2, 1
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -282,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= min_len <= args.prompt_len:
         parser.error(f"--min-prompt-len must be in [1, --prompt-len={args.prompt_len}], got {min_len}")
 
-    model = make_model(args.model_dir, args.seed)
+    model = make_model(args.model_dir, args.seed, args.model)
     cfg = model.config
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(min_len, args.prompt_len + 1, size=args.num_prompts)
@@ -295,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"workload: {args.num_prompts} concurrent prompts of {lengths.min()}-{lengths.max()} tokens, exactly "
         f"{args.max_tokens} new tokens each (no stop ids / ignore_eos), temperature 1, logprobs on; "
-        f"best of {args.repeats} passes after {args.warmup} warm-up passes",
+        f"best of {args.repeats} passes after {args.warmup} warm-up passes [load average "
+        f"{_sibling('tunix_peer').load_average()}]",
         flush=True,
     )
     for slots in [int(s) for s in args.decode_slots.split(",") if s.strip()]:
@@ -307,6 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_dir is None:
             args.save_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="gen_bench_model_"))
         save_pretrained(model, args.save_dir)
+        if args.tunix:  # the embedded sampler is measured there, interleaved with Tunix
+            compared = compare_tunix(model, prompts, args, args.save_dir)
+            if compared is None and "embedded" not in names:
+                names.insert(0, "embedded")
+            elif compared is not None:
+                results["embedded"] = compared["rljax"]
+                names = [n for n in names if n != "embedded"]
         for name in names:
             with contextlib.ExitStack() as engine_stack:  # each server is stopped before the next starts
                 try:
@@ -322,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(engine, EmbeddedSampler):
                 extra = f"; jit programs {engine.num_compilations()}"
             passes = ", ".join(f"{r:,.0f}" for r in rates)
-            print(f"  {name}: {best:,.0f} generated tokens/s (passes: {passes}{extra})", flush=True)
+            print(f"  {name}: {best:,.0f} generated tokens/s (passes: {passes}{extra}) "
+                  f"[load average {_sibling('tunix_peer').load_average()}]", flush=True)  # fmt: skip
     if "embedded" in results:
         vllm_names = [n for n in results if n.startswith("vllm")]
         for name in vllm_names:

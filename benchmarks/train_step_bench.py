@@ -22,9 +22,25 @@ compute dtype, measured in the same run before and after the timed steps: ``2 n^
 verdict uses the best step time against that best peak (both best-case; on a shared machine the
 median is also printed).
 
+``--tunix`` instead compares the policy update with Google Tunix's (``benchmarks/tunix_peer.py`` under
+the Tunix venv's python, made by ``.ci/install_tunix.sh``) on the same weights, the two taking turns
+step by step (A, B, A, B, ...), and prints both tokens/s, the ratio rljax / Tunix and its verdict
+against the goal (>= 1.5x). The workload (:func:`grpo_rows`) is what both sides train in a GRPO step:
+``--rows`` (default 16) rows of ``--seq-len`` (default 512) tokens, each one prompt of a quarter of
+the row (no loss) and one completion (the rest), no padding, one advantage per row, temperature 1.
+rljax runs :data:`rljax.train.step.train_step` with the objective Tunix's ``grpo`` loss computes
+(``ppo_clip``, eps 0.2, ``sequence_mean`` = Tunix's ``sequence-mean-token-mean``, rl component only,
+no reference KL) and AdamW (lr 1e-6, weight decay 0.01, clip at global norm 1); Tunix runs the jitted
+step of its RL ``Trainer`` with the loss its ``GRPOLearner`` installs (``beta=0``, ``num_iterations=1``)
+and ``optax.chain(clip_by_global_norm(1), adamw(1e-6, weight_decay=0.01))``. What differs: rljax
+computes the logprobs of every token in chunks (and the entropy, as a metric) and skips the
+update if the loss or a gradient is not finite; Tunix computes the full ``[rows, tokens, vocab]``
+logits and the logprobs of the completion tokens only, and reports more loss metrics.
+
 Usage::
 
     python benchmarks/train_step_bench.py [--quick]                 # ~30M model, rows of 1024 tokens
+    python benchmarks/train_step_bench.py --tunix                   # rljax vs Google Tunix, 16 x 512
     python benchmarks/train_step_bench.py --config qwen3-0.6b --seq-len 16384   # on a GPU
 
 Defaults: compute dtype float32 on CPU and bfloat16 (float32 master weights) on GPU/TPU; remat off
@@ -35,6 +51,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +74,7 @@ from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_s
 from rljax.types import PackedBatch
 
 MFU_GOAL = 0.40
+TUNIX_GOAL = 1.5  # trained tokens/s of the policy update, rljax / Tunix
 
 CONFIGS: dict[str, ModelConfig] = {
     # ~29M parameters (25M non-embedding), Qwen3 layout (q/k norm, GQA 2:1, tied embeddings).
@@ -179,11 +201,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller rows and fewer steps (CI smoke run)")
     p.add_argument("--ppo", action=argparse.BooleanOptionalAction, default=True,
                    help="also time a PPO step (critic + GAE) on the same batches and print ppo/grpo")
+    p.add_argument("--tunix", action="store_true",
+                   help="compare the GRPO policy update with Google Tunix's instead (interleaved; "
+                   "goal >= 1.5x)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.tunix:
+        compare_tunix(args)
+        return
     platform = jax.default_backend()
     on_accelerator = platform != "cpu"
     cfg = CONFIGS[args.config]
@@ -279,6 +307,121 @@ def main() -> None:
           f"  goal >= {100 * MFU_GOAL:.0f} %, ratio MFU/goal {mfu / MFU_GOAL:.3f}  {verdict}")  # fmt: skip
     if args.ppo:
         ppo_vs_grpo(state, batches, counts, best_s, steps=steps, mesh=mesh)
+
+
+def grpo_rows(rng: np.random.Generator, rows: int, prompt_len: int, completion_len: int, vocab: int
+              ) -> tuple[PackedBatch, dict[str, np.ndarray]]:  # fmt: skip
+    """One GRPO sample per row: ``prompt_len`` prompt tokens (no loss) then ``completion_len`` trained
+    tokens, one advantage per row (groups of 4 rows), temperature 1; also the same data as arrays."""
+    seq_len = prompt_len + completion_len
+    prompt = rng.integers(0, vocab, (rows, prompt_len)).astype(np.int32)
+    completion = rng.integers(0, vocab, (rows, completion_len)).astype(np.int32)
+    advantages = rng.normal(size=rows).astype(np.float32)
+    trained = np.zeros((rows, seq_len), np.float32)
+    trained[:, prompt_len:] = 1.0
+    logprobs = np.where(trained > 0, np.log(rng.uniform(1e-5, 1e-3, (rows, seq_len))), 0.0).astype(np.float32)
+    batch = PackedBatch(
+        tokens=np.concatenate([prompt, completion], axis=1),
+        positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
+        segment_ids=np.ones((rows, seq_len), np.int32),
+        sample_index=np.repeat(np.arange(rows, dtype=np.int32)[:, None], seq_len, axis=1),
+        group_index=np.repeat((np.arange(rows, dtype=np.int32) // 4)[:, None], seq_len, axis=1),
+        loss_mask=trained,
+        advantages=trained * advantages[:, None],
+        inference_logprobs=logprobs,
+        temperatures=np.ones((rows, seq_len), np.float32),
+        rl_weights=trained.copy(),
+        old_logprobs=None,
+        ref_logprobs=None,
+        ce_weights=None,
+        ref_kl_weights=None,
+    )
+    return batch, {"prompt": prompt, "completion": completion, "advantages": advantages}
+
+
+def _tunix_peer_module() -> Any:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_peer.py")
+    spec = importlib.util.spec_from_file_location("_bench_tunix_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_tunix(args: argparse.Namespace) -> None:
+    """rljax's train step vs Tunix's GRPO trainer step on the same weights and rows, interleaved."""
+    from rljax.models import save_pretrained, sequence_logprobs
+
+    peer_lib = _tunix_peer_module()
+    cfg = CONFIGS[args.config]
+    rows, seq_len = args.rows or 16, args.seq_len or 512
+    prompt_len = seq_len // 4
+    steps = args.steps or 3
+    dtype = jnp.dtype(args.dtype or "float32")
+    remat = args.remat if args.remat is not None else args.config != "small"
+    chunk = args.chunk_size or max(256, min(8192, rows * seq_len // 4))
+    model = Decoder(cfg, dtype=dtype, param_dtype=jnp.float32, remat=remat, rngs=nnx.Rngs(0))
+    print(f"device: {jax.devices()[0].device_kind} x {jax.device_count()}; jax {jax.__version__}; model "
+          f"{args.config} ({num_params(model) / 1e6:.2f}M params), compute {dtype.name}, "
+          f"remat {remat}")  # fmt: skip
+    print(f"workload: {rows} rows x {seq_len} tokens = one GRPO sample each ({prompt_len} prompt + "
+          f"{seq_len - prompt_len} completion tokens), ppo_clip / sequence-mean-token-mean, AdamW "
+          f"lr 1e-6 wd 0.01 clip 1.0; {steps} timed steps each after one warm-up, interleaved "
+          f"[load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+    rng = np.random.default_rng(0)
+    batch, _ = grpo_rows(rng, rows, prompt_len, seq_len - prompt_len, cfg.vocab_size)
+    reference = rng.integers(0, cfg.vocab_size, size=64).tolist()
+    ref_logprobs = np.asarray(sequence_logprobs(model, jnp.asarray([reference], jnp.int32)))[0]
+    objective = ObjectiveConfig(policy_loss="ppo_clip", reduction="sequence_mean", components=("rl",))
+    config = TrainConfig(
+        objective=objective,
+        optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, max_grad_norm=1.0),
+        chunk_size=chunk,
+    )
+    with tempfile.TemporaryDirectory(prefix="train_bench_tunix_") as checkpoint:
+        save_pretrained(model, checkpoint)
+        spec = {
+            "checkpoint": checkpoint,
+            "model": peer_lib.model_spec(cfg),
+            "update": {"rows": rows, "prompt_len": prompt_len, "completion_len": seq_len - prompt_len,
+                       "learning_rate": 1e-6, "weight_decay": 0.01, "max_grad_norm": 1.0, "group_size": 4},
+            "check": {"tokens": reference, "logprobs": ref_logprobs.tolist()},
+        }  # fmt: skip
+        state = TrainState.create(model, config)
+        del model
+        counts = mini_batch_counts(batch, config.objective)
+        state, metrics = train_step(state, batch, counts)  # compile + warm-up
+        jax.block_until_ready(metrics)
+        print(f"  tunix: starting the peer (load, logprob check, compile) "
+              f"[load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+        try:
+            peer = peer_lib.TunixPeer(spec)
+            peer.__enter__()
+        except peer_lib.TunixUnavailable as e:
+            print(f"  tunix: not measured ({e})", flush=True)
+            return
+        try:
+            print(f"  tunix: {peer_lib.describe_ready(peer.ready)}", flush=True)
+            ours, theirs = [], []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                state, metrics = train_step(state, batch, counts)
+                jax.block_until_ready((state, metrics))
+                ours.append(rows * seq_len / (time.perf_counter() - t0))
+                tokens, seconds = peer.run("update")
+                theirs.append(tokens / seconds)
+                print(f"    step {i}: rljax {ours[-1]:,.0f}  tunix {theirs[-1]:,.0f} tokens/s "
+                      f"(rljax loss {float(metrics['loss']):+.4f}) [load average {peer_lib.load_average()}]",
+                      flush=True)  # fmt: skip
+        finally:
+            peer.__exit__(None, None, None)
+    ratio = max(ours) / max(theirs)
+    ratio_median = statistics.median(ours) / statistics.median(theirs)
+    verdict = "PASS" if ratio >= TUNIX_GOAL else "FAIL"
+    print(f"  rljax train_step: {peer_lib.summary(ours)}")
+    print(f"  tunix Trainer:    {peer_lib.summary(theirs)}")
+    print(f"  ratio rljax/tunix: {ratio:.2f}x best, {ratio_median:.2f}x median (goal >= {TUNIX_GOAL:.1f}x: "
+          f"{verdict}) [load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
 
 
 def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps: int, mesh: Any) -> None:

@@ -41,12 +41,45 @@ def segment_positions(segment_ids: chex.Array) -> chex.Array:
     return idx - start
 
 
+def rope_table(positions: chex.Array, inv_freq: chex.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of the rotary angles ``theta = positions * inv_freq``: float32 ``[B, T, D/2]`` each.
+
+    They depend only on the positions, so a forward computes them once and every layer's
+    :func:`apply_rotary` reads them (:meth:`rljax.models.Decoder.hidden_states` does, behind an
+    optimization barrier: left to itself XLA fused a fresh ``cos`` / ``sin`` into every layer's
+    rotation, forward and backward, evaluating them once per head and element).
+
+    >>> cos, sin = rope_table(jnp.array([[0, 1]]), jnp.array([1.0]))
+    >>> cos.shape, [round(float(c), 4) for c in cos[0, :, 0]]
+    ((1, 2, 1), [1.0, 0.5403])
+    """
+    chex.assert_rank([positions, inv_freq], [2, 1])
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [B, T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: chex.Array, cos: chex.Array, sin: chex.Array) -> chex.Array:
+    """:func:`apply_rope` with the angles' ``cos`` / ``sin`` given (:func:`rope_table`, ``[B, T, D/2]``).
+
+    >>> cos, sin = rope_table(jnp.array([[0]]), jnp.array([1.0]))
+    >>> apply_rotary(jnp.ones((1, 1, 1, 2)), cos, sin).tolist()
+    [[[[1.0, 1.0]]]]
+    """
+    chex.assert_rank([x, cos, sin], [4, 3, 3])
+    chex.assert_equal(x.shape[-1], 2 * cos.shape[-1])
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
 def apply_rope(x: chex.Array, positions: chex.Array, inv_freq: chex.Array) -> chex.Array:
     """Rotary position embedding, "rotate half" layout (as HF transformers and vLLM store weights).
 
     With ``theta_i = pos * inv_freq_i`` and ``x = [x1, x2]`` split in halves of the head dim:
     ``rope(x) = [x1 cos(theta) - x2 sin(theta), x2 cos(theta) + x1 sin(theta)]``
     (Su et al. 2021, RoFormer, eq. 34 with the half-split pairing). Angles are float32.
+    ``apply_rotary(x, *rope_table(positions, inv_freq))``.
 
     Args:
       x: ``[B, T, N, D]`` queries or keys.
@@ -59,12 +92,7 @@ def apply_rope(x: chex.Array, positions: chex.Array, inv_freq: chex.Array) -> ch
     """
     chex.assert_rank([x, positions, inv_freq], [4, 2, 1])
     chex.assert_equal(x.shape[-1], 2 * inv_freq.shape[0])
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return apply_rotary(x, *rope_table(positions, inv_freq))
 
 
 def attention_mask(

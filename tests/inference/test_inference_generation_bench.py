@@ -53,3 +53,22 @@ def test_without_vllm_the_sampler_figure_is_still_printed(bench, monkeypatch, ca
     assert "embedded:" in out and "generated tokens/s" in out
     assert "vllm: not measured" in out and "does not exist" in out
     assert "ratio embedded/vLLM: n/a" in out
+
+
+def test_without_tunix_the_sampler_figure_is_still_printed(bench, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RLJAX_TUNIX_PYTHON", os.fspath(tmp_path / "no-such-python"))
+    args = ["--tunix", "--model", "tiny", "--num-prompts", "3", "--prompt-len", "5", "--max-tokens", "4"]
+    assert bench.main([*args, "--repeats", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "tunix: not measured" in out and ".ci/install_tunix.sh" in out
+    assert "embedded:" in out and "generated tokens/s" in out
+
+
+def test_tunix_peer_spec_and_ready_line(bench):
+    peer = bench._sibling("tunix_peer")
+    spec = peer.model_spec(bench._sibling("train_step_bench").CONFIGS["small"])
+    assert spec["hidden_size"] == 512 and spec["num_layers"] == 8 and spec["tie_word_embeddings"]
+    ready = {"versions": {"google-tunix": "0.1.7"}, "startup_s": 1.0, "max_abs_logprob_diff": 2e-6}
+    assert "WARNING" not in peer.describe_ready(ready)
+    assert "WARNING" in peer.describe_ready({**ready, "max_abs_logprob_diff": 0.4})
+    assert "best 3, median 2 tokens/s" in peer.summary([1.0, 2.0, 3.0])
