@@ -112,6 +112,7 @@ def test_episodes_return_the_rubric_reward_and_metrics(agent, server):
 
 
 def test_streamed_calls_relay_and_score():
+    h.register_env()  # also when this test runs alone (it needs no scripted-server fixture)
     agent = VerifiersAgent(h.ENV_ID, _rows([3, 4, "7", "stream"]))
     s = h.ScriptedServer()
     try:
