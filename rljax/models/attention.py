@@ -45,9 +45,9 @@ def rope_table(positions: chex.Array, inv_freq: chex.Array) -> tuple[jax.Array, 
     """``(cos, sin)`` of the rotary angles ``theta = positions * inv_freq``: float32 ``[B, T, D/2]`` each.
 
     They depend only on the positions, so a forward computes them once and every layer's
-    :func:`apply_rotary` reads them (:meth:`rljax.models.Decoder.hidden_states` does, behind an
-    optimization barrier: left to itself XLA fused a fresh ``cos`` / ``sin`` into every layer's
-    rotation, forward and backward, evaluating them once per head and element).
+    :func:`apply_rotary` reads them (:meth:`rljax.models.Decoder.hidden_states` does, and keeps XLA
+    from fusing a fresh ``cos`` / ``sin`` into every layer's rotation, forward and backward, which
+    evaluated them once per head and element; see ``Decoder._rope``).
 
     >>> cos, sin = rope_table(jnp.array([[0, 1]]), jnp.array([1.0]))
     >>> cos.shape, [round(float(c), 4) for c in cos[0, :, 0]]
