@@ -15,13 +15,17 @@ the first and last ``--window`` steps.
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import tempfile
 import time
 
 import numpy as np
 
-from configs import smoke
-from rljax.train.trainer import Trainer
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
+
+from configs import smoke  # noqa: E402
+from rljax.train.trainer import Trainer  # noqa: E402
 
 AGENT = "rljax.gateway.lookup_agent:lookup_agent"
 

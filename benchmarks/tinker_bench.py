@@ -89,6 +89,7 @@ def main() -> None:
     import tinker
     from tinker import types
 
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
     from configs import tinker as tinker_config
     from rljax.inference.engine import SamplingParams
     from rljax.train.tinker import free_port, serve_in_thread
