@@ -53,7 +53,6 @@ import contextlib
 import functools
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -334,14 +333,7 @@ def compare_tunix(
                   f"[load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
     finally:
         peer.__exit__(None, None, None)
-    ratio = max(ours) / max(theirs)
-    ratio_median = statistics.median(ours) / statistics.median(theirs)
-    verdict = "PASS" if ratio >= TUNIX_GOAL else "FAIL"
-    print(f"  rljax embedded: {peer_lib.summary(ours)}")
-    print(f"  tunix Sampler:  {peer_lib.summary(theirs)}")
-    print(f"  ratio rljax/tunix: {ratio:.2f}x best, {ratio_median:.2f}x median (goal >= {TUNIX_GOAL:.1f}x: "
-          f"{verdict}) [load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
-    return {"rljax": max(ours), "tunix": max(theirs), "ratio": ratio, "ratio_median": ratio_median}
+    return peer_lib.report(ours, theirs, labels=("rljax embedded", "tunix Sampler"), goal=TUNIX_GOAL)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -53,7 +53,6 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -415,13 +414,7 @@ def compare_tunix(args: argparse.Namespace) -> None:
                       flush=True)  # fmt: skip
         finally:
             peer.__exit__(None, None, None)
-    ratio = max(ours) / max(theirs)
-    ratio_median = statistics.median(ours) / statistics.median(theirs)
-    verdict = "PASS" if ratio >= TUNIX_GOAL else "FAIL"
-    print(f"  rljax train_step: {peer_lib.summary(ours)}")
-    print(f"  tunix Trainer:    {peer_lib.summary(theirs)}")
-    print(f"  ratio rljax/tunix: {ratio:.2f}x best, {ratio_median:.2f}x median (goal >= {TUNIX_GOAL:.1f}x: "
-          f"{verdict}) [load average {peer_lib.load_average()}]", flush=True)  # fmt: skip
+    peer_lib.report(ours, theirs, labels=("rljax train_step", "tunix Trainer"), goal=TUNIX_GOAL)
 
 
 def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps: int, mesh: Any) -> None:

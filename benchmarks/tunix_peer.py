@@ -122,6 +122,22 @@ def summary(rates: Sequence[float]) -> str:
     return f"best {max(rates):,.0f}, median {median:,.0f} tokens/s (passes: {passes})"
 
 
+def report(
+    ours: Sequence[float], theirs: Sequence[float], *, labels: tuple[str, str], goal: float
+) -> dict[str, float]:
+    """Prints both sides' :func:`summary` and the rljax / Tunix ratio (best and median) against
+    ``goal``; returns the figures."""
+    ratio = max(ours) / max(theirs)
+    ratio_median = statistics.median(ours) / statistics.median(theirs)
+    verdict = "PASS" if ratio >= goal else "FAIL"
+    width = max(len(x) for x in labels) + 1
+    print(f"  {labels[0] + ':':<{width}} {summary(ours)}")
+    print(f"  {labels[1] + ':':<{width}} {summary(theirs)}")
+    print(f"  ratio rljax/tunix: {ratio:.2f}x best, {ratio_median:.2f}x median (goal >= {goal:.1f}x: "
+          f"{verdict}) [load average {load_average()}]", flush=True)  # fmt: skip
+    return {"rljax": max(ours), "tunix": max(theirs), "ratio": ratio, "ratio_median": ratio_median}
+
+
 class TunixPeer:
     """The Tunix peer process (this file under the Tunix venv's python), driven one pass at a time.
 
