@@ -52,7 +52,7 @@ CUDNN_MAX_RUNS = 16
 
 
 def resolve_attention(name: str, *, platform: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
-    """The concrete backend (``"xla"``, ``"cudnn"`` or ``"splash"``) of ``model.attention = name``.
+    """The concrete backend (``"xla"``, ``"cudnn"``, ``"cudnn_ragged"``, ``"splash"``) of ``model.attention``.
 
     ``platform`` default: ``jax.default_backend()`` (``"cpu"``, ``"gpu"``, ``"tpu"``). ``auto``
     picks cuDNN's ragged kernel on GPU for bfloat16/float16 compute, splash on TPU, XLA otherwise. Raises
