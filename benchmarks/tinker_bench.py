@@ -5,12 +5,16 @@
    calls made directly on a :class:`~rljax.train.tinker.trainable.TrainableModel` (packing included).
    Goal: API / in-process <= 1.15x.
 2. sampling: ``SamplingClient.sample`` (``--samples`` completions of ``--new`` tokens) through the API
-   vs the embedded sampler's ``generate`` called directly on the same weights.
+   vs the embedded sampler's ``generate`` called directly on the same weights. ``--vllm``: the server
+   runs ``configs/tinker_vllm.py`` (it launches one local vLLM server; the LoRA client has no
+   unembedding adapter, so vLLM serves its sampling client) and the direct side sends the same
+   requests straight to that vLLM server (rljax's ``VLLMClient``, the session's adapter name).
 
 Both sides run after a warm-up (compilation excluded), median of ``--reps`` repetitions.
 
     python benchmarks/tinker_bench.py                # the tiny default model (configs/tinker.py)
     python benchmarks/tinker_bench.py --model30m     # a ~30M-parameter Qwen3-shaped model
+    python benchmarks/tinker_bench.py --vllm         # sampling clients served by a local vLLM server
 """
 
 from __future__ import annotations
@@ -84,18 +88,22 @@ def main() -> None:
     ap.add_argument(
         "--server-process", action="store_true", help="the API side against launch.serve in its own process"
     )
+    ap.add_argument("--vllm", action="store_true", help="serve sampling clients with a local vLLM server")
     args = ap.parse_args()
+    if args.vllm and args.server_process:
+        ap.error("--vllm and --server-process together would launch two vLLM servers; pick one")
 
     import tinker
     from tinker import types
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
     from configs import tinker as tinker_config
+    from configs import tinker_vllm
     from rljax.inference.engine import SamplingParams
     from rljax.train.tinker import free_port, serve_in_thread
     from rljax.train.tinker.packing import Datum, pack_datums
 
-    config = tinker_config.get_config()
+    config = (tinker_vllm if args.vllm else tinker_config).get_config()
     if args.model30m:
         config.model.init.update(MODEL30M)
     srv = serve_in_thread(config, tempfile.mkdtemp(prefix="tinker_bench_"))
@@ -107,9 +115,10 @@ def main() -> None:
         local = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-bench")
         client = tinker.ServiceClient(base_url=url, api_key="tml-bench") if url else local
         base = srv.service.options.base_model
-        tc = client.create_lora_training_client(base_model=base, rank=8).result()
+        lora = dict(rank=8, train_unembed=not args.vllm)  # vLLM serves no unembedding adapter
+        tc = client.create_lora_training_client(base_model=base, **lora).result()
         # the in-process side's model (same seed and rank: the same adapter as the API's)
-        tc_local = local.create_lora_training_client(base_model=base, rank=8).result() if url else tc
+        tc_local = local.create_lora_training_client(base_model=base, **lora).result() if url else tc
         rng = np.random.default_rng(0)
         seqs = [rng.integers(3, 200, args.len + 1) for _ in range(args.datums)]
         data = [
@@ -166,8 +175,9 @@ def main() -> None:
             asyncio.run_coroutine_threadsafe(run(), session.loop).result()
 
         direct_s = _median_time(direct_sample, args.reps)
+        engine = "vLLM server" if session.on_vllm else "embedded sampler"
         print(
-            f"sampling ({args.samples} x {args.new} tokens): API {api_s * 1e3:.1f} ms, embedded sampler "
+            f"sampling ({args.samples} x {args.new} tokens): API {api_s * 1e3:.1f} ms, {engine} "
             f"{direct_s * 1e3:.1f} ms, ratio {api_s / direct_s:.2f}x"
         )
     finally:

@@ -13,7 +13,10 @@ The model is the config's (``model.hf_path`` = an HF checkpoint directory, else 
 (default: the checkpoint directory's name, or ``rljax/tiny``). Bound to 127.0.0.1 unless ``--host``
 says otherwise; ``--api_key`` (repeatable) makes the server refuse other keys. Checkpoints
 (``save_state``, ``save_weights_for_sampler``) go to ``<workdir>/tinker/<model_id>/`` and survive a
-restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back.
+restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back. Sampling
+clients run on the embedded sampler, or, when the config names vLLM engines
+(``configs/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
+target; ``rljax.train.tinker.sampling``).
 """
 
 from __future__ import annotations

@@ -136,8 +136,11 @@ class EngineSet:
         self._frozen: dict[tuple[str, int], tuple[Worker, FrozenModel]] = {}
 
     # -- the policy engine -------------------------------------------------------------------------
-    def start_policy(self, model: Any) -> Any:
-        """Creates the policy engine on ``model``'s weights (unless one was given); returns it."""
+    def start_policy(self, model: Any, *, lora_rank: int | None = None) -> Any:
+        """Creates the policy engine on ``model``'s weights (unless one was given); returns it.
+
+        ``lora_rank``: locally launched vLLM servers also take runtime LoRA adapters up to this rank
+        (:func:`lora_server_args`; the Tinker API loads its clients' adapters into them)."""
         if self.policy is not None:
             return self.policy
         if not _written(model):
@@ -157,10 +160,10 @@ class EngineSet:
                 seed=self.seed,
             )
         else:
-            self.policy = self._start_vllm(model)
+            self.policy = self._start_vllm(model, lora_rank)
         return self.policy
 
-    def _start_vllm(self, model: Any) -> Any:
+    def _start_vllm(self, model: Any, lora_rank: int | None = None) -> Any:
         from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
         from rljax.models import save_pretrained
 
@@ -174,7 +177,9 @@ class EngineSet:
                 save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
             server = {"dtype": self.dtype, **dict(e.server)}
             if not _written(model) and self._adapter_sync(model):
-                server = lora_server_args(server, model.lora_config.rank)
+                server = lora_server_args(server, max(model.lora_config.rank, lora_rank or 0))
+            elif lora_rank:
+                server = lora_server_args(server, lora_rank)
             configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls

@@ -57,6 +57,7 @@ __all__ = [
     "adapter_name",
     "directory_bytes",
     "load_adapter_on_servers",
+    "load_verified_adapter",
     "sync_adapter",
     "unload_adapter_on_servers",
 ]
@@ -157,6 +158,64 @@ class _NamedTarget:
         return await self.client.score(ids, server=server, gated=gated, model=self.name)
 
 
+async def load_verified_adapter(
+    client: Any,
+    model: Any,
+    *,
+    name: str,
+    path: str | os.PathLike,
+    config: SyncConfig,
+    reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> tuple[float, float, tuple[float, ...]]:
+    """Loads the PEFT adapter directory ``path`` (written from ``model``) as ``name`` on every server
+    of ``client`` and verifies it (steps 2 and 3 of the module docstring); returns
+    ``(load seconds, verify seconds, per-server max |server - trainer| probe logprob)``.
+
+    ``config.on_mismatch`` decides what a mismatch does ("retry": load once more, "warn": keep it);
+    an adapter that fails verification is unloaded again before :class:`WeightSyncError` is raised,
+    so no unverified adapter stays loaded. Nothing on ``client`` changes: the caller decides which
+    requests name the adapter (:func:`sync_adapter` switches the client to it; the Tinker API's
+    sampling sessions name it per request, several adapters side by side).
+    """
+    start = time.perf_counter()
+    await unload_adapter_on_servers(client, name, missing_ok=True)  # a failed earlier try of this name
+    await load_adapter_on_servers(client, name, path)
+    load_s = time.perf_counter() - start
+    if not config.verify:
+        return load_s, 0.0, ()
+    start = time.perf_counter()
+    if config.probe_ids is not None:
+        probe = np.asarray(config.probe_ids, np.int64)
+    else:
+        probe = weight_sync.probe_sequence(
+            vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
+        )
+    reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
+    expected = await asyncio.to_thread(reference, probe)
+    atol = config.tolerance(getattr(model, "param_dtype", np.float32))
+    target = _NamedTarget(client, name)
+    try:
+        try:
+            diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+        except WeightSyncError as e:
+            if config.on_mismatch != "retry" or not e.diffs:
+                raise
+            logger.warning("adapter sync verification failed (%s); loading %s once more", e, name)
+            await unload_adapter_on_servers(client, name, missing_ok=True)
+            await load_adapter_on_servers(client, name, path)
+            diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+    except WeightSyncError as e:
+        if config.on_mismatch != "warn" or not e.diffs:
+            try:  # never leave an unverified adapter loaded
+                await unload_adapter_on_servers(client, name, missing_ok=True)
+            except WeightSyncError as cleanup:
+                logger.warning("could not unload the unverified adapter %s: %s", name, cleanup)
+            raise
+        logger.warning("adapter sync verification failed; continuing (on_mismatch='warn'): %s", e)
+        diffs = e.diffs
+    return load_s, time.perf_counter() - start, diffs
+
+
 async def sync_adapter(
     client: Any,
     model: Any,
@@ -201,45 +260,9 @@ async def sync_adapter(
     write_s = time.perf_counter() - start
     size = directory_bytes(path)
 
-    start = time.perf_counter()
-    await unload_adapter_on_servers(client, name, missing_ok=True)  # a failed earlier try of this version
-    await load_adapter_on_servers(client, name, path)
-    load_s = time.perf_counter() - start
-
-    diffs: tuple[float, ...] = ()
-    verify_s = 0.0
-    if config.verify:
-        start = time.perf_counter()
-        if config.probe_ids is not None:
-            probe = np.asarray(config.probe_ids, np.int64)
-        else:
-            probe = weight_sync.probe_sequence(
-                vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
-            )
-        reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
-        expected = await asyncio.to_thread(reference, probe)
-        atol = config.tolerance(getattr(model, "param_dtype", np.float32))
-        target = _NamedTarget(client, name)
-        try:
-            try:
-                diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
-            except WeightSyncError as e:
-                if config.on_mismatch != "retry" or not e.diffs:
-                    raise
-                logger.warning("adapter sync verification failed (%s); loading %s once more", e, name)
-                await unload_adapter_on_servers(client, name, missing_ok=True)
-                await load_adapter_on_servers(client, name, path)
-                diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
-        except WeightSyncError as e:
-            if config.on_mismatch != "warn" or not e.diffs:
-                try:  # never leave an unverified adapter loaded
-                    await unload_adapter_on_servers(client, name, missing_ok=True)
-                except WeightSyncError as cleanup:
-                    logger.warning("could not unload the unverified adapter %s: %s", name, cleanup)
-                raise
-            logger.warning("adapter sync verification failed; continuing (on_mismatch='warn'): %s", e)
-            diffs = e.diffs
-        verify_s = time.perf_counter() - start
+    load_s, verify_s, diffs = await load_verified_adapter(
+        client, model, name=name, path=path, config=config, reference_logprobs=reference_logprobs
+    )
 
     last = getattr(client, "last_adapter_sync", None)
     previous_dir = last.directory if isinstance(last, AdapterSyncReport) and last.name == previous else None

@@ -549,16 +549,26 @@ class VLLMClient:
         )
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, session_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        model: str | None = None,
     ) -> Completion:
-        """Samples one completion of ``prompt_ids`` (token ids in, token ids + logprobs out)."""
+        """Samples one completion of ``prompt_ids`` (token ids in, token ids + logprobs out).
+
+        ``model`` names another served model or adapter than :attr:`served_model` (e.g. one of several
+        adapters loaded side by side, as the Tinker API's sampling sessions do); its weights are fixed
+        by its name, so the completion records :attr:`weight_version` as the request was built.
+        """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("generate() needs a non-empty prompt_ids")
         # A LoRA adapter's weights are fixed by its name: the completion gets the version of the
         # adapter named in the request (even if a newer one is synced while it waits to be sent).
-        model, built_version = self.served_model, self.weight_version
-        adapter = self.lora_name is not None
+        adapter = self.lora_name is not None or model is not None
+        model, built_version = (self.served_model if model is None else model), self.weight_version
         self._model_requests[model] += 1
         try:
             return await self.request(

@@ -9,7 +9,8 @@ against it) trains and samples models served by rljax.
   jitted forward / backward and Adam step.
 * :mod:`~rljax.train.tinker.losses` -- the SDK's loss functions (per token, summed).
 * :mod:`~rljax.train.tinker.packing` -- datums -> packed fixed-shape batches.
-* :mod:`~rljax.train.tinker.sampling` -- sampling sessions on the embedded sampler.
+* :mod:`~rljax.train.tinker.sampling` -- sampling sessions on the embedded sampler or the config's vLLM
+  servers.
 * :mod:`~rljax.train.tinker.wire` -- the protobuf bodies.
 
 :func:`serve_in_thread` starts a server inside this process (tests, notebooks, benchmarks).

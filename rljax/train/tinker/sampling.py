@@ -1,6 +1,17 @@
-"""Sampling sessions of the Tinker server: the embedded JAX sampler
-(:class:`rljax.inference.sampler.EmbeddedSampler`) on the base model or on saved weights (a LoRA
-adapter over the shared base, or full weights).
+"""Sampling sessions of the Tinker server on the base model or on saved weights (a LoRA adapter over
+the shared base, or full weights), served by one of two engines:
+
+* the embedded JAX sampler (:class:`rljax.inference.sampler.EmbeddedSampler`), the default: every
+  kind of weights, in process;
+* the config's vLLM servers (``engine.kind="vllm"``; :class:`VLLMBackend`): the base model as the
+  servers loaded it, and a LoRA adapter loaded into them at run time under the session's own name
+  (:func:`rljax.inference.vllm.adapter_sync.load_verified_adapter`: the path LoRA training syncs
+  through, probe logprobs verified against the trainer's), several adapters side by side, each
+  request naming its session's adapter; token ids in, token ids and logprobs out. What vLLM cannot
+  serve exactly falls back to the embedded sampler (:func:`vllm_unservable`): an adapter on the
+  unembedding (vLLM has no ``lm_head`` LoRA) and full fine-tuned weights (the servers hold ONE set
+  of base weights that every session and the base model share; swapping them per session would
+  change the others' samples).
 
 ``SamplingParams`` of the SDK map onto rljax's: ``temperature``, ``top_p``, ``top_k`` (-1: off),
 ``max_tokens`` (None: 64), ``seed``, ``stop`` (token ids or strings; None: the tokenizer's EOS;
@@ -18,6 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import pathlib
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
@@ -33,9 +47,57 @@ from rljax.train.tinker.packing import Datum, pack_datums
 from rljax.train.tinker.trainable import TrainableModel, make_trainable, target_logprobs
 from rljax.train.tinker.wire import encode_sample_response
 
-__all__ = ["SamplerPool", "SamplingSession", "Stops", "cut_at_stop_string"]
+__all__ = [
+    "SamplerPool",
+    "SamplingSession",
+    "Stops",
+    "VLLMBackend",
+    "VLLMSessionEngine",
+    "cut_at_stop_string",
+    "vllm_unservable",
+]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMBackend:
+    """The config's vLLM servers as the sampling engine: ``client`` (a
+    :class:`rljax.inference.vllm.VLLMClient`, used only on the pool's event loop) and ``directory``,
+    where each session's adapter is written for the servers to load (they must be able to read it)."""
+
+    client: Any
+    directory: pathlib.Path
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMSessionEngine:
+    """One session's engine on the vLLM servers: requests name ``model`` (the servers' base model or
+    the session's adapter); ``adapter_dir`` is the adapter's directory (None: the base)."""
+
+    client: Any
+    model: str
+    adapter_dir: pathlib.Path | None = None
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams) -> Any:
+        return await self.client.generate(prompt, sampling, model=self.model)
+
+
+def vllm_unservable(model: TrainableModel | None) -> str | None:
+    """Why vLLM cannot serve ``model``'s weights exactly (None: it can: the base, or a LoRA adapter
+    without an unembedding target)."""
+    if model is None:
+        return None
+    if not model.is_lora:
+        return (
+            "full fine-tuned weights (the servers hold one set of base weights, shared by every "
+            "session and the base model)"
+        )
+    if model.lora.unembed:
+        return "an unembedding (lm_head) adapter (vLLM serves no lm_head LoRA)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +140,13 @@ class SamplingSession:
     model_path: str | None
     base_model: str
     model: TrainableModel
-    engine: EmbeddedSampler
+    engine: EmbeddedSampler | VLLMSessionEngine
     loop: asyncio.AbstractEventLoop
+
+    @property
+    def on_vllm(self) -> bool:
+        """Whether the vLLM servers serve this session (else the embedded sampler)."""
+        return isinstance(self.engine, VLLMSessionEngine)
 
     def prompt_logprobs(self, prompt: Sequence[int]) -> list[float]:
         """``[nan, log p(x1 | x0), ..., log p(x_{n-1} | x_<n-1)]`` by the training forward's program."""
@@ -128,11 +195,13 @@ class SamplingSession:
 
 
 class SamplerPool:
-    """Every sampling session of the server, with one event loop thread for the samplers."""
+    """Every sampling session of the server, with one event loop thread for the engines; ``vllm``:
+    the vLLM servers that serve what they can (None: the embedded sampler serves every session)."""
 
-    def __init__(self, base: Any, *, seed: int) -> None:
+    def __init__(self, base: Any, *, seed: int, vllm: VLLMBackend | None = None) -> None:
         self.base = base
         self.seed = seed
+        self.vllm = vllm
         self.sessions: dict[str, SamplingSession] = {}
         self._base_id: str | None = None
         self._lock = threading.Lock()
@@ -141,14 +210,44 @@ class SamplerPool:
 
     def add(self, model_path: str | None, model: TrainableModel | None, base_model: str) -> str:
         """A new session serving ``model`` (a snapshot of its current parameters; None: the base)."""
+        sid = f"sampler-{uuid.uuid4().hex[:12]}"
+        on_vllm = self.vllm is not None and vllm_unservable(model) is None
+        if self.vllm is not None and not on_vllm:
+            log.warning("sampler %s (%s): the embedded sampler serves %s", sid, model_path,
+                        vllm_unservable(model))  # fmt: skip
+        is_base = model is None
         if model is None:
             model = make_trainable(self.base, "base", base_model, lora=None, seed=0)
         snapshot = dataclasses.replace(model, pending=None, opt_state=None)
-        engine = EmbeddedSampler(snapshot.model(), seed=self.seed, min_batch_bucket=1)
-        sid = f"sampler-{uuid.uuid4().hex[:12]}"
+        if not on_vllm:
+            engine: Any = EmbeddedSampler(snapshot.model(), seed=self.seed, min_batch_bucket=1)
+        elif is_base:
+            engine = VLLMSessionEngine(self.vllm.client, self.vllm.client.model)
+        else:
+            engine = self._load_adapter(sid, snapshot)
         with self._lock:
             self.sessions[sid] = SamplingSession(sid, model_path, base_model, snapshot, engine, self.loop)
         return sid
+
+    def _load_adapter(self, sid: str, model: TrainableModel) -> VLLMSessionEngine:
+        """Writes ``model``'s adapter (PEFT format) and loads it into every vLLM server as
+        ``tinker-<sid>``, verified against the trainer's probe logprobs."""
+        from rljax.inference.vllm.adapter_sync import load_verified_adapter
+        from rljax.models.lora import save_adapter
+
+        client, name = self.vllm.client, f"tinker-{sid}"
+        directory = self.vllm.directory / sid
+        nnx_model = model.model()
+        save_adapter(nnx_model, directory, base_model_name_or_path=client.model)
+        load = load_verified_adapter(
+            client, nnx_model, name=name, path=directory, config=client.sync_config
+        )
+        try:
+            asyncio.run_coroutine_threadsafe(load, self.loop).result()
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return VLLMSessionEngine(client, name, directory)
 
     def base_sampler_id(self, base_model: str) -> str:
         if self._base_id is None:
@@ -159,8 +258,19 @@ class SamplerPool:
         return self.sessions.get(sampler_id)
 
     def drop(self, sampler_id: str) -> None:
+        """Forgets a session; its adapter (if vLLM serves one) is unloaded and its files deleted."""
         with self._lock:
-            self.sessions.pop(sampler_id, None)
+            session = self.sessions.pop(sampler_id, None)
+        engine = None if session is None else session.engine
+        if isinstance(engine, VLLMSessionEngine) and engine.adapter_dir is not None:
+            from rljax.inference.vllm.adapter_sync import unload_adapter_on_servers
+
+            unload = unload_adapter_on_servers(engine.client, engine.model, missing_ok=True)
+            try:
+                asyncio.run_coroutine_threadsafe(unload, self.loop).result(timeout=60)
+            except Exception as e:  # noqa: BLE001 - a leaked adapter, not a wrong sample
+                log.warning("could not unload adapter %s: %s", engine.model, e)
+            shutil.rmtree(engine.adapter_dir, ignore_errors=True)
 
     @staticmethod
     def stops(stop: Any, tokenizer: Any) -> Stops:

@@ -46,7 +46,7 @@ from rljax.models.lora import LoRAConfig
 from rljax.train import checkpoint as ckpt
 from rljax.train.tinker.losses import LOSS_INPUTS, SEGMENT_LOSSES, check_config
 from rljax.train.tinker.packing import Datum, PackedDatums, pack_datums
-from rljax.train.tinker.sampling import SamplerPool
+from rljax.train.tinker.sampling import SamplerPool, VLLMBackend
 from rljax.train.tinker.trainable import (
     ADAM_DEFAULTS,
     TrainableModel,
@@ -131,7 +131,8 @@ class TinkerService:
         self.max_context = int(self.base.config.max_position_embeddings)
         self.models: dict[str, TrainableModel] = {}
         self.sessions: dict[str, _Session] = {}
-        self.samplers = SamplerPool(self.base, seed=int(run.cfg.seed))
+        self.engines, vllm = self._start_vllm(run, options)
+        self.samplers = SamplerPool(self.base, seed=int(run.cfg.seed), vllm=vllm)
         self.futures: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -365,10 +366,26 @@ class TinkerService:
         for j, r in zip(group, results, strict=True):
             j.future.set_result(r)
 
+    def _start_vllm(self, run: Any, options: ServiceOptions) -> tuple[Any, VLLMBackend | None]:
+        """With ``engine.kind="vllm"``: the run's policy engine (servers at ``engine.urls``, or
+        launched on the base weights, taking runtime LoRA adapters up to ``max_lora_rank``) as the
+        sampling sessions' backend; else (None, None): the embedded sampler serves them."""
+        if run.cfg.engine.kind != "vllm":
+            return None, None
+        from rljax.train.engines import EngineSet
+
+        engines = EngineSet(
+            run.cfg.engine, {}, workdir=run.workdir, seed=int(run.cfg.seed), dtype=run.cfg.engine_dtype
+        )
+        client = engines.start_policy(self.base, lora_rank=options.max_lora_rank)
+        return engines, VLLMBackend(client, self.root / "vllm_adapters")
+
     def close(self) -> None:
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
+        if self.engines is not None:
+            self.engines.close()  # stops the servers it launched
 
     # -- models --------------------------------------------------------------------------------------------
     def _check_base(self, base_model: str) -> None:
