@@ -3,8 +3,9 @@ model (``head_dim`` 64: vLLM's CPU attention rejects smaller heads) with ``confi
 engine section.
 
     python -m launch.serve --config=configs/tinker_vllm.py --port=8000 --workdir=/tmp/rljax_tinker
-    # attach to servers you started yourself (with --enable-lora --max-lora-rank R and
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, R >= --max_lora_rank) instead of launching one:
+    # attach to servers you started yourself on the same base weights (with --enable-lora
+    # --max-lora-rank R, R >= --max_lora_rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, and
+    # --served-model-name rljax, or set --config.engine.client.model) instead of launching one:
     python -m launch.serve --config=configs/tinker_vllm.py \\
         --config.engine.urls='("http://127.0.0.1:8001",)'
 

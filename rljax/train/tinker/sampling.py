@@ -257,17 +257,21 @@ class SamplerPool:
     def get(self, sampler_id: str) -> SamplingSession | None:
         return self.sessions.get(sampler_id)
 
-    def drop(self, sampler_id: str) -> None:
-        """Forgets a session; its adapter (if vLLM serves one) is unloaded and its files deleted."""
+    def drop(self, sampler_id: str, *, drain_timeout_s: float = 30.0) -> None:
+        """Forgets a session; its adapter (if vLLM serves one) is unloaded once no request naming it
+        is pending (at most ``drain_timeout_s``) and its files are deleted."""
         with self._lock:
             session = self.sessions.pop(sampler_id, None)
         engine = None if session is None else session.engine
         if isinstance(engine, VLLMSessionEngine) and engine.adapter_dir is not None:
             from rljax.inference.vllm.adapter_sync import unload_adapter_on_servers
 
-            unload = unload_adapter_on_servers(engine.client, engine.model, missing_ok=True)
+            async def unload() -> None:
+                await engine.client.wait_for_model_idle(engine.model, timeout_s=drain_timeout_s)
+                await unload_adapter_on_servers(engine.client, engine.model, missing_ok=True)
+
             try:
-                asyncio.run_coroutine_threadsafe(unload, self.loop).result(timeout=60)
+                asyncio.run_coroutine_threadsafe(unload(), self.loop).result(timeout=drain_timeout_s + 30)
             except Exception as e:  # noqa: BLE001 - a leaked adapter, not a wrong sample
                 log.warning("could not unload adapter %s: %s", engine.model, e)
             shutil.rmtree(engine.adapter_dir, ignore_errors=True)
