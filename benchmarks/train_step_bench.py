@@ -414,7 +414,16 @@ def compare_tunix(args: argparse.Namespace) -> None:
                       flush=True)  # fmt: skip
         finally:
             peer.__exit__(None, None, None)
-    peer_lib.report(ours, theirs, labels=("rljax train_step", "tunix Trainer"), goal=TUNIX_GOAL)
+    compared = peer_lib.report(ours, theirs, labels=("rljax train_step", "tunix Trainer"), goal=TUNIX_GOAL)
+    # The floor: the step's model FLOPs (6 x matmul params + attention, the same for both libraries)
+    # at this machine's best large-matmul rate, measured after the passes.
+    peak = max(matmul_peak(2048, dtype) for _ in range(2))
+    floor = peak / model_flops(cfg, seq_len, mean_causal_span(batch)).per_token
+    print(f"  model-FLOPs floor ({_si(peak, 'FLOP/s')}, the best 2048^3 {dtype.name} matmul): {floor:,.0f} "
+          f"tokens/s; rljax {compared['rljax'] / floor:.0%} of it, tunix {compared['tunix'] / floor:.0%}; "
+          f"the goal ({TUNIX_GOAL:.1f}x tunix's best = {TUNIX_GOAL * compared['tunix']:,.0f} tokens/s) is "
+          f"{TUNIX_GOAL * compared['tunix'] / floor:.0%} of it [load average {peer_lib.load_average()}]",
+          flush=True)  # fmt: skip
 
 
 def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps: int, mesh: Any) -> None:

@@ -214,8 +214,12 @@ def test_micro_batches_equal_the_whole_batch():
     frozen_arrays = jax.tree.leaves(state.frozen)
     split, m2 = train_mini_batch(state, micro, counts)
     np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
+    # Adam's first step is ~lr * g / (|g| + eps): on near-zero gradient entries it amplifies the float
+    # noise of summing the loss in another order by up to lr / eps = 1e4. Measured max |diff| over
+    # batch seeds 31-38 (steps of ~1e-2): 3.2e-6 to 6.0e-6 under the tests' XLA flags, the older
+    # ones and XLA's defaults; the bound is ~3x that (0.2% of a step).
     for a, b in zip(jax.tree.leaves(split.params), jax.tree.leaves(whole.params), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5)
     assert all(a is b for a, b in zip(jax.tree.leaves(split.frozen), frozen_arrays, strict=True))
 
 
