@@ -211,10 +211,10 @@ class SamplerPool:
     def add(self, model_path: str | None, model: TrainableModel | None, base_model: str) -> str:
         """A new session serving ``model`` (a snapshot of its current parameters; None: the base)."""
         sid = f"sampler-{uuid.uuid4().hex[:12]}"
-        on_vllm = self.vllm is not None and vllm_unservable(model) is None
-        if self.vllm is not None and not on_vllm:
-            log.warning("sampler %s (%s): the embedded sampler serves %s", sid, model_path,
-                        vllm_unservable(model))  # fmt: skip
+        unservable = None if self.vllm is None else vllm_unservable(model)
+        on_vllm = self.vllm is not None and unservable is None
+        if unservable is not None:
+            log.warning("sampler %s (%s): the embedded sampler serves %s", sid, model_path, unservable)
         is_base = model is None
         if model is None:
             model = make_trainable(self.base, "base", base_model, lora=None, seed=0)
