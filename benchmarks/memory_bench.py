@@ -24,8 +24,11 @@ remat "full", a small Qwen3-shaped model, at ``mesh.context`` 1 (one device) and
 CPU devices, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Memory per device is XLA's
 compiled analysis (the SPMD program of one device); the fit ``step_bytes = a + b T + c T^2`` gives
 the linear slope ``b`` (bytes per token) and the quadratic term ``c`` (0 when nothing ``T x T``
-exists). Goal: context=4 / context=1 per-device step memory <= 0.35x at 16k. Step time is measured
-for the rows up to ``--time-up-to`` tokens (CPU attention at 64k takes minutes).
+exists). Goal: context=4 / context=1 per-device step memory <= 0.35x at 16k. Context 4 runs once
+per attention collective of ``--context-attention`` (default both: ``all_gather`` and ``ring``,
+``model.context_attention``). Step time is measured for the rows up to ``--time-up-to`` tokens (CPU
+attention at 64k takes minutes; the 4 fake devices share this machine's cores, so a step's time is
+the sum of the 4 devices' work).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory_bench.py --long
 """
@@ -127,9 +130,12 @@ def _long_row(cfg: ModelConfig, length: int, seed: int = 0):
     return pack(steps, seq_len=length, advantages=adv, row_buckets=[1]).batch
 
 
-def measure_long_row(cfg: ModelConfig, length: int, context: int, *, timed: bool) -> dict[str, float]:
-    """Compiled per-device memory (and, if ``timed``, seconds of one step) of a train step on one row."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0), remat="full")
+def measure_long_row(
+    cfg: ModelConfig, length: int, context: int, *, timed: bool, collective: str = "all_gather"
+) -> dict[str, float]:
+    """Compiled per-device memory (and, if ``timed``, seconds of one step) of a train step on one row;
+    ``collective``: how attention crosses the context axis (``model.context_attention``)."""
+    model = Decoder(cfg, rngs=nnx.Rngs(0), remat="full", context_attention=collective)
     config = TrainConfig(
         objective=ObjectiveConfig(), optimizer=OptimizerConfig(learning_rate=1e-5), chunk_size=1024
     )
@@ -162,38 +168,48 @@ def fit_memory(lengths: list[int], step_bytes: list[float]) -> tuple[float, floa
     return float(a), float(b), float(c)
 
 
-def long_rows(sizes: tuple[int, ...], time_up_to: int) -> None:
-    """The ``--long`` table: per-device memory and step time at context 1 and 4, the fit, the ratio."""
+def long_rows(sizes: tuple[int, ...], time_up_to: int, collectives: tuple[str, ...]) -> None:
+    """The ``--long`` table: per-device memory and step time at context 1 and at context 4 with each
+    of ``collectives`` (all-gathered or ring-passed keys/values), the fit, the ratio."""
     if len(jax.devices()) < 4:
         raise SystemExit("--long needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     params = num_params(Decoder(LONG, rngs=nnx.Rngs(0)))
     print(f"long rows: {params / 1e6:.2f}M params ({LONG.num_layers} layers, hidden {LONG.hidden_size}, "
           f"{LONG.num_heads} heads / {LONG.num_kv_heads} kv), remat full, float32; "
           f"device {jax.devices()[0].device_kind}")  # fmt: skip
-    print(f"{'context':>7} {'tokens':>7} {'temp MiB':>10} {'step MiB':>10} {'step s':>8}")
-    results: dict[tuple[int, int], dict[str, float]] = {}
-    for context in (1, 4):
+    print(f"{'context':>14} {'tokens':>7} {'temp MiB':>10} {'step MiB':>10} {'step s':>8}")
+    runs = [(1, "all_gather")] + [(4, c) for c in collectives]
+    label = {run: str(run[0]) if run[0] == 1 else f"4 {run[1]}" for run in runs}
+    results: dict[tuple[tuple[int, str], int], dict[str, float]] = {}
+    for run in runs:
         for length in sizes:
-            r = results[context, length] = measure_long_row(LONG, length, context, timed=length <= time_up_to)
+            r = results[run, length] = measure_long_row(
+                LONG, length, run[0], timed=length <= time_up_to, collective=run[1]
+            )
             secs = f"{r['seconds']:8.2f}" if "seconds" in r else f"{'-':>8}"
-            print(f"{context:7d} {length:7d} {r['step_temp_bytes'] / 2**20:10.1f} "
+            print(f"{label[run]:>14} {length:7d} {r['step_temp_bytes'] / 2**20:10.1f} "
                   f"{r['step_bytes'] / 2**20:10.1f} {secs}", flush=True)  # fmt: skip
-    for context in (1, 4):
-        ys = [results[context, n]["step_bytes"] for n in sizes]
+    for run in runs:
+        ys = [results[run, n]["step_bytes"] for n in sizes]
         a, b, c = fit_memory(list(sizes), ys)
         share = c * sizes[-1] ** 2 / ys[-1]
-        print(f"context={context}: step_bytes ~ {a / 2**20:.1f} MiB + {b / 1024:.2f} KiB/token * T "
-              f"+ {c:.3e} B/token^2 * T^2 (quadratic share at {sizes[-1]}: {share:.1%})")
-    for context in (1, 4):
-        both = [n for n in sizes if "seconds" in results[context, n]]
+        print(
+            f"context={label[run]}: step_bytes ~ {a / 2**20:.1f} MiB + {b / 1024:.2f} KiB/token * T "
+            f"+ {c:.3e} B/token^2 * T^2 (quadratic share at {sizes[-1]}: {share:.1%})"
+        )
+    for run in runs:
+        both = [n for n in sizes if "seconds" in results[run, n]]
         if both:
-            print(f"context={context} step time: " + ", ".join(
-                f"{n}: {results[context, n]['seconds']:.2f} s" for n in both))  # fmt: skip
+            print(f"context={label[run]} step time: " + ", ".join(
+                f"{n}: {results[run, n]['seconds']:.2f} s" for n in both))  # fmt: skip
     if 16384 in sizes:
-        ratio = results[4, 16384]["step_bytes"] / results[1, 16384]["step_bytes"]
-        verdict = "met" if ratio <= CONTEXT_GOAL else "NOT met"
-        print(f"per-device step memory at 16k, context=4 / context=1: {ratio:.3f}x "
-              f"(goal <= {CONTEXT_GOAL}x: {verdict})")
+        for run in runs[1:]:
+            ratio = results[run, 16384]["step_bytes"] / results[runs[0], 16384]["step_bytes"]
+            verdict = "met" if ratio <= CONTEXT_GOAL else "NOT met"
+            print(
+                f"per-device step memory at 16k, context={label[run]} / context=1: {ratio:.3f}x "
+                f"(goal <= {CONTEXT_GOAL}x: {verdict})"
+            )
 
 
 def main() -> None:
@@ -202,9 +218,14 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="long rows at context 1 and 4 (issue 23)")
     parser.add_argument("--time-up-to", type=int, default=8192, help="--long: time steps up to this length")
     parser.add_argument("--long-sizes", type=str, default=",".join(map(str, LONG_SIZES)))
+    parser.add_argument(
+        "--context-attention", type=str, default="all_gather,ring",
+        help="--long: the context=4 collectives to measure (comma-separated: all_gather, ring)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.long:
-        long_rows(tuple(int(x) for x in args.long_sizes.split(",")), args.time_up_to)
+        collectives = tuple(args.context_attention.split(","))
+        long_rows(tuple(int(x) for x in args.long_sizes.split(",")), args.time_up_to, collectives)
         return
     cfg = QUICK if args.quick else MODEL
     sizes = (1024, 2048, 4096) if args.quick else (2048, 4096, 8192, 16384)
@@ -232,11 +253,15 @@ def main() -> None:
     print(f"(c) temp at {hi} / at {lo} tokens: {bounded:.2f}x (goal <= {BOUNDED_GOAL}x: "
           f"{'met' if bounded <= BOUNDED_GOAL else 'NOT met'})")  # fmt: skip
     verdict = "met" if linear <= growth * LINEAR_SLACK else "NOT met"
-    print(f"(b) temp at {hi} / at {sizes[0]} tokens: {linear:.2f}x for {growth}x the tokens "
-          f"(linear goal <= {growth * LINEAR_SLACK:.1f}x: {verdict})")
+    print(
+        f"(b) temp at {hi} / at {sizes[0]} tokens: {linear:.2f}x for {growth}x the tokens "
+        f"(linear goal <= {growth * LINEAR_SLACK:.1f}x: {verdict})"
+    )
     speed = {k: results[k, hi]["tokens_per_s"] / results["a", hi]["tokens_per_s"] for k in "bc"}
-    print(f"(a) / (c) temp at {hi} tokens: {whole:.1f}x; tokens/s at {hi} relative to (a): "
-          f"(b) {speed['b']:.2f}x, (c) {speed['c']:.2f}x")
+    print(
+        f"(a) / (c) temp at {hi} tokens: {whole:.1f}x; tokens/s at {hi} relative to (a): "
+        f"(b) {speed['b']:.2f}x, (c) {speed['c']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

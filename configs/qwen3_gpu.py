@@ -38,6 +38,8 @@ def get_config() -> config_dict.ConfigDict:
     c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
     # product = number of trainer devices; context > 1 splits each row's tokens (long agent trajectories,
     # e.g. fsdp=2, context=4 for 32k-64k rows; trainer.seq_len must be a multiple of 2 * context)
+    # with context > 1, model.context_attention="ring" passes K/V chunks device to device instead of
+    # all-gathering them (XLA blocks instead of cuDNN; for meshes whose interconnect is the bottleneck)
     c.mesh.update(data=1, fsdp=8, tensor=1, context=1)
     c.engine.update(
         kind="vllm",

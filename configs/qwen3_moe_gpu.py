@@ -40,6 +40,9 @@ def get_config() -> config_dict.ConfigDict:
         remat="full",
         router_replay="r3",
         attention="auto",  # cuDNN's ragged fused attention on GPU (bf16 compute)
+        # with mesh.context > 1: "all_gather" (cuDNN blocks on the gathered keys) or "ring" (K/V passed
+        # device to device, XLA blocks; for meshes whose interconnect is the bottleneck)
+        context_attention="all_gather",
     )
     c.tokenizer.name = "/path/to/Qwen3-30B-A3B"
     c.renderer.name = "qwen3"

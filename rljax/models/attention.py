@@ -12,6 +12,7 @@ the samples packed in a row; ``positions`` restart at 0 for every sample.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -141,6 +142,31 @@ def grouped_attention(
     >>> grouped_attention(q, k, v, m)[0, :, 0].tolist()
     [[0.0, 1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0]]
     """
+    return grouped_attention_lse(q, k, v, mask, precision=precision)[0].astype(q.dtype)
+
+
+def grouped_attention_lse(
+    q: chex.Array,
+    k: chex.Array,
+    v: chex.Array,
+    mask: chex.Array,
+    *,
+    precision: jax.lax.PrecisionLike = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`grouped_attention` in float32 with the log-normalizer of every query row and head.
+
+    Returns ``(out float32 [B, T, N, D], lse float32 [B, T, N])`` with
+    ``lse = log sum_j exp(q k_j^T / sqrt(D))`` over the unmasked keys. Attention over the union of
+    two disjoint key sets is the ``exp(lse)``-weighted mean of the two partial outputs (the
+    blockwise softmax of Milakov & Gimelshein 2018, as ring attention merges its blocks, Liu et al.
+    2023); :func:`merge_attention` does it. A fully masked row gets ``lse`` near the float32 minimum,
+    so it carries no weight in a merge with any unmasked block.
+
+    >>> q = jnp.zeros((1, 1, 1, 2)); k = jnp.zeros((1, 2, 1, 2)); v = jnp.ones((1, 2, 1, 2))
+    >>> out, lse = grouped_attention_lse(q, k, v, jnp.ones((1, 1, 2), bool))
+    >>> round(float(lse[0, 0, 0]), 4)  # log(e^0 + e^0)
+    0.6931
+    """
     chex.assert_rank([q, k, v, mask], [4, 4, 4, 3])
     chex.assert_equal_shape([k, v])
     b, t, n, d = q.shape
@@ -169,7 +195,28 @@ def grouped_attention(
     weights = weights.astype(v.dtype).reshape(b, kv_heads, groups * t, s)
     out = jnp.einsum("bkms,bksd->bkmd", weights, vt, precision=precision, preferred_element_type=f32) / denom
     out = out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, n, d).astype(q.dtype)
+    # log sum_j exp(score_j) per query row and head, for merging partial results over key blocks
+    # (unused outputs are dropped by XLA, so grouped_attention pays nothing for it)
+    lse = (row_max[..., 0] + jnp.log(denom.reshape(b, kv_heads, groups, t))).transpose(0, 3, 1, 2)
+    return out.reshape(b, t, n, d), lse.reshape(b, t, n)
+
+
+def merge_attention(
+    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """Attention over the union of two disjoint key sets from the partial ``(out, lse)`` of each
+    (:func:`grouped_attention_lse`): ``lse = logaddexp(lse_a, lse_b)``,
+    ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``.
+
+    >>> half = (jnp.full((1, 1, 1, 1), 2.0), jnp.zeros((1, 1, 1)))
+    >>> out, lse = merge_attention(half, (jnp.full((1, 1, 1, 1), 4.0), jnp.zeros((1, 1, 1))))
+    >>> float(out[0, 0, 0, 0])
+    3.0
+    """
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)
+    out = out_a * jnp.exp(lse_a - lse)[..., None] + out_b * jnp.exp(lse_b - lse)[..., None]
+    return out, lse
 
 
 def packed_attention(
@@ -361,13 +408,15 @@ _LONG_ROW_GROUPS = 4
 
 
 def _in_query_blocks(
-    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    attend: Callable[[jax.Array, jax.Array, jax.Array], Any],
     q: jax.Array,
     q_segment_ids: jax.Array,
     q_slots: jax.Array,
     chunk_size: int | None,
-) -> jax.Array:
-    """``attend(q, q_segment_ids, q_slots)`` at once, or over blocks of ``chunk_size`` queries."""
+) -> Any:
+    """``attend(q, q_segment_ids, q_slots)`` at once, or over blocks of ``chunk_size`` queries.
+
+    ``attend`` returns an array or a pytree of arrays ``[B, T, ...]`` (per query)."""
     b, t, n, d = q.shape
     if chunk_size is None or t <= chunk_size:
         return attend(q, q_segment_ids, q_slots)
@@ -381,11 +430,13 @@ def _in_query_blocks(
     slots_b = jnp.pad(q_slots, (0, pad)).reshape(num_blocks, chunk_size)
 
     @jax.checkpoint
-    def block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    def block(args: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
         return attend(*args)
 
-    out = jax.lax.map(block, (q_b.swapaxes(0, 1), seg_b.swapaxes(0, 1), slots_b))  # [nb, B, C, N, D]
-    return out.swapaxes(0, 1).reshape(b, num_blocks * chunk_size, n, d)[:, :t]
+    out = jax.lax.map(block, (q_b.swapaxes(0, 1), seg_b.swapaxes(0, 1), slots_b))  # [nb, B, C, ...]
+    return jax.tree.map(
+        lambda o: o.swapaxes(0, 1).reshape(b, num_blocks * chunk_size, *o.shape[3:])[:, :t], out
+    )
 
 
 # -- KV-cache layout -------------------------------------------------------------------------------

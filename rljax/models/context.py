@@ -18,24 +18,42 @@ mask ``(kv_slot <= q_slot) & (seg_q == seg_kv)`` written in GLOBAL token indices
 so a device computes ``m * (L/2 + L)`` scores instead of ``2m * L``. The backward of the all-gather
 is a reduce-scatter of the key/value gradients.
 
-All-gather vs ring: a ring overlaps ``C - 1`` key/value block transfers with compute and holds 2
-blocks of K/V at a time; the all-gather holds all ``L`` keys/values of a layer (``2 * L * K * D``
+All-gather vs ring (``collective``, ``model.context_attention``): ``"all_gather"`` (the default)
+is one collective XLA schedules itself and holds all ``L`` keys/values of a layer (``2 * L * K * D``
 values, small next to the activations with grouped-query heads, e.g. 8 KV heads x 128 = 1/4 of a
-4096-wide hidden state) and is one collective XLA schedules itself. On the CPU fake devices of the
-tests there is nothing to overlap, so the simpler and exactly-masked all-gather is used; a ring is
-future work for bandwidth-bound multi-node meshes.
+4096-wide hidden state); the cuDNN kernels run on its blocks. ``"ring"`` passes each device's two
+key/value chunks to its neighbour ``C - 1`` times (``ppermute``; a transfer can overlap the blocks
+of the previous step) and merges the partial softmaxes of the blocks by their log-normalizers
+(:func:`rljax.models.attention.merge_attention`). With the zig-zag split every step after the
+first has exactly two fully visible ``m x m`` blocks (the late query chunk against the visiting
+early chunk, and either the early queries against the visiting early chunk, when it comes from a
+device before this one, or the late queries against the visiting late chunk), so a device computes
+``(2C + 1) m^2`` scores instead of the all-gather's ``3C m^2``, and holds one visiting K/V pair
+at a time in the forward. The ring's blocks are XLA einsums (it needs the log-normalizer, which the
+cuDNN wrapper does not return). Both are exact; both are tested against float64 and context = 1,
+and ``benchmarks/memory_bench.py --long --context-attention ring`` measures the ring.
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from rljax.models.attention import _in_query_blocks, attention_mask, grouped_attention
+from rljax.models.attention import (
+    _in_query_blocks,
+    attention_mask,
+    grouped_attention,
+    grouped_attention_lse,
+    merge_attention,
+)
 
 CONTEXT_AXIS = "context"
+#: How attention crosses the ``context`` axis (``model.context_attention``).
+CONTEXT_COLLECTIVES = ("all_gather", "ring")
 #: Mesh axes that split batch rows (present ones only).
 ROW_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
@@ -100,6 +118,7 @@ def context_attention(
     chunk_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
     implementation: str | None = None,
+    collective: str = "all_gather",
 ) -> jax.Array:
     """Causal, segment-masked GQA of load-balanced rows split over the ``context`` axis.
 
@@ -139,15 +158,69 @@ def context_attention(
         late = attend(q_l[:, m:], seg_l[:, m:], (2 * shards - 1 - i) * m, length, *gather)
         return jnp.concatenate([early, late], axis=1)
 
+    def local_ring(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array) -> jax.Array:
+        i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
+        chunk = jnp.arange(m, dtype=jnp.int32)
+
+        def slots(device: jax.Array) -> tuple[jax.Array, jax.Array]:  # global slots of its two chunks
+            return device * m + chunk, (2 * shards - 1 - device) * m + chunk
+
+        def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return a[:, :m], a[:, m:]
+
+        def attend_part(q_c, seg_c, slots_c, k_c, v_c, kv_seg, kv_slots):  # (out, lse) of a query chunk
+            def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+                mask = attention_mask(seg_b, kv_seg, slots_b, kv_slots)
+                return grouped_attention_lse(q_b, k_c, v_c, mask, precision=precision)
+
+            return _in_query_blocks(block, q_c, seg_c, slots_c, chunk_size)
+
+        (q_e, q_z), (s_e, s_z), (t_e, t_z) = halves(q_l), halves(seg_l), slots(i)
+        # this device's own keys: the early chunk sees its early chunk, the late one both chunks
+        acc_e = attend_part(q_e, s_e, t_e, k_l[:, :m], v_l[:, :m], s_e, t_e)
+        acc_z = attend_part(q_z, s_z, t_z, k_l, v_l, seg_l, jnp.concatenate([t_e, t_z]))
+        kv = (k_l, v_l, seg_l)
+        ring = [(d, (d + 1) % shards) for d in range(shards)]
+        for step in range(1, shards):
+            kv = jax.lax.ppermute(kv, CONTEXT_AXIS, ring)  # now the keys of device j = i - step
+            j = (i - step) % shards
+            (k_je, k_jz), (v_je, v_jz), (s_je, s_jz) = (halves(a) for a in kv)
+            t_je, t_jz = slots(j)
+            # j's early chunk precedes this device's late chunk: always visible
+            acc_z = merge_attention(acc_z, attend_part(q_z, s_z, t_z, k_je, v_je, s_je, t_je))
+            # j < i: early queries see j's early chunk (j's late chunk lies after both of ours);
+            # j > i: late queries see j's late chunk (its early one lies after our early chunk)
+            pick = functools.partial(_select, j < i)
+            part = attend_part(
+                pick(q_e, q_z), pick(s_e, s_z), pick(t_e, t_z),
+                pick(k_je, k_jz), pick(v_je, v_jz), pick(s_je, s_jz), pick(t_je, t_jz),
+            )  # fmt: skip
+            acc_e = jax.tree.map(pick, merge_attention(acc_e, part), acc_e)
+            acc_z = jax.tree.map(pick, acc_z, merge_attention(acc_z, part))
+        return jnp.concatenate([acc_e[0], acc_z[0]], axis=1).astype(q_l.dtype)
+
+    if collective not in CONTEXT_COLLECTIVES:
+        raise ValueError(
+            f"context attention collective must be one of {CONTEXT_COLLECTIVES}, got {collective!r}"
+        )
+    if collective == "ring" and implementation is not None:
+        raise ValueError(
+            f"the ring runs XLA blocks (it merges partial softmaxes, which {implementation!r} does not "
+            "return); use the all_gather collective with fused kernels"
+        )
     spec4 = PartitionSpec(None, CONTEXT_AXIS, None, None)
     spec2 = PartitionSpec(None, CONTEXT_AXIS)
     return jax.shard_map(
-        local,
+        local if collective == "all_gather" else local_ring,
         mesh=mesh,
         in_specs=(spec4, spec4, spec4, spec2),
         out_specs=spec4,
         axis_names={CONTEXT_AXIS},
     )(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def _select(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.where(pred, a, b)
 
 
 def pad_for_context(x: jax.Array | None, shards: int, *, value: int = 0) -> jax.Array | None:
@@ -171,6 +244,7 @@ def context_size(mesh: jax.sharding.AbstractMesh | None) -> int:
 
 __all__ = [
     "CONTEXT_AXIS",
+    "CONTEXT_COLLECTIVES",
     "constrain_tokens",
     "context_attention",
     "context_mesh",

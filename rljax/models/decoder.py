@@ -41,6 +41,7 @@ from rljax.models.attention import (
 from rljax.models.attention_backends import ATTENTION_BACKENDS, resolve_attention, self_attention
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.context import (
+    CONTEXT_COLLECTIVES,
     constrain_tokens,
     context_attention,
     context_mesh,
@@ -151,6 +152,7 @@ class Attention(nnx.Module):
         chunk_size: int | None = None,
         backend: str = "xla",
         context: jax.sharding.AbstractMesh | None = None,
+        context_collective: str = "all_gather",
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -177,7 +179,11 @@ class Attention(nnx.Module):
                 chunk_size=None if chunk_size is None else max(chunk_size // context.shape["context"], 1),
                 precision=self.precision,
                 # a context shard's queries against gathered keys: explicit slots, so the masked kernel
-                implementation="cudnn" if backend in ("cudnn", "cudnn_ragged") else None,
+                # (the ring merges partial softmaxes: XLA blocks whatever the backend)
+                implementation="cudnn"
+                if backend in ("cudnn", "cudnn_ragged") and context_collective == "all_gather"
+                else None,
+                collective=context_collective,
             )
         elif layer_cache is None:
             new_cache = None
@@ -275,6 +281,10 @@ class Decoder(nnx.Module):
         :data:`rljax.models.attention_backends.ATTENTION_BACKENDS` ("auto": cuDNN on GPU with
         bf16/fp16 compute, splash on TPU, XLA otherwise; resolved when the forward is traced, see
         :func:`rljax.models.attention_backends.resolve_attention`). Decoding always uses XLA.
+      context_attention: how attention crosses the mesh's ``context`` axis, one of
+        :data:`rljax.models.context.CONTEXT_COLLECTIVES`: ``"all_gather"`` (every device gathers the
+        row's keys/values; fused kernels apply) or ``"ring"`` (key/value chunks passed around the
+        ring, partial softmaxes merged, XLA blocks; see :func:`rljax.models.context.context_attention`).
       rngs: initializer randomness (weights are normal(0, 0.02), norms 1, biases 0).
 
     MoE families (qwen2_moe / qwen3_moe): the layers in ``config.moe_layers`` have a
@@ -304,11 +314,16 @@ class Decoder(nnx.Module):
         attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
         moe_impl: str = "auto",
         attention: str = "auto",
+        context_attention: str = "all_gather",
         rngs: nnx.Rngs,
     ) -> None:
         remat = _remat_policy_name(remat)
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        if context_attention not in CONTEXT_COLLECTIVES:
+            raise ValueError(
+                f"context_attention must be one of {CONTEXT_COLLECTIVES}, got {context_attention!r}"
+            )
         if attention_chunk_size is not None and attention_chunk_size <= 0:
             raise ValueError(
                 f"attention_chunk_size must be a positive int or None, got {attention_chunk_size}"
@@ -321,6 +336,7 @@ class Decoder(nnx.Module):
         self.precision = precision
         self.attention_chunk_size = attention_chunk_size
         self.attention = attention
+        self.context_attention = context_attention
         init = jax.nn.initializers.normal(_INIT_STD)
         self.embed_tokens = nnx.Param(
             init(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype),
@@ -420,6 +436,7 @@ class Decoder(nnx.Module):
                 chunk_size=self.attention_chunk_size,
                 backend=backend,
                 context=mesh,
+                context_collective=getattr(self, "context_attention", "all_gather"),
             )
             if mesh is not None:
                 out = constrain_tokens(out, mesh)

@@ -161,6 +161,7 @@ def from_hf_state_dict(
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
     moe_impl: str = "auto",
     attention: str = "auto",
+    context_attention: str = "all_gather",
 ) -> Decoder:
     """Builds a :class:`Decoder` from HF-named tensors without random initialization.
 
@@ -186,6 +187,7 @@ def from_hf_state_dict(
             attention_chunk_size=attention_chunk_size,
             moe_impl=moe_impl,
             attention=attention,
+            context_attention=context_attention,
             rngs=nnx.Rngs(0),
         )
     )
@@ -286,6 +288,7 @@ def from_pretrained(
     attention_chunk_size: int | None = DEFAULT_ATTENTION_CHUNK_SIZE,
     moe_impl: str = "auto",
     attention: str = "auto",
+    context_attention: str = "all_gather",
     adapter: str | os.PathLike | None = None,
 ) -> Decoder:
     """Loads a HF checkpoint directory (``config.json`` + safetensors, sharded or not) as a Decoder.
@@ -311,6 +314,7 @@ def from_pretrained(
         attention_chunk_size=attention_chunk_size,
         moe_impl=moe_impl,
         attention=attention,
+        context_attention=context_attention,
     )
     if adapter is not None:
         from rljax.models.lora import load_adapter  # lora imports the layers, not hf_io

@@ -41,7 +41,7 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
     is upcast to float32 master weights by default), activations computed in ``cfg.compute_dtype``.
     """
     kw = dict(dtype=DTYPE_OF[cfg.compute_dtype], param_dtype=DTYPE_OF[cfg.param_dtype], remat=cfg.remat,
-              attention=cfg.attention)  # fmt: skip
+              attention=cfg.attention, context_attention=cfg.context_attention)  # fmt: skip
     if cfg.hf_path:
         return from_pretrained(cfg.hf_path, **kw)
     fields = dict(cfg.init)

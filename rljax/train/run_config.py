@@ -44,6 +44,7 @@ from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
 from rljax.models.attention_backends import ATTENTION_BACKENDS
+from rljax.models.context import CONTEXT_COLLECTIVES
 from rljax.models.lora import LoRAConfig
 from rljax.report.config import ReportConfig
 from rljax.rollout import RolloutConfig
@@ -152,7 +153,11 @@ class ModelSection:
     (the share of tokens whose trainer top-k differs from the sampler's) is logged either way.
     ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN's ragged kernel on
     GPU with bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's
-    packed variable-length kernel), ``splash`` (:mod:`rljax.models.attention_backends`)."""
+    packed variable-length kernel), ``splash`` (:mod:`rljax.models.attention_backends`).
+    ``context_attention``: how attention crosses ``mesh.context`` when it is > 1, ``all_gather``
+    (each device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value
+    chunks passed around the devices, partial softmaxes merged; XLA blocks), see
+    :mod:`rljax.models.context`."""
 
     hf_path: str = ""
     param_dtype: str = "float32"
@@ -160,6 +165,7 @@ class ModelSection:
     remat: str = "none"
     router_replay: str = "off"
     attention: str = "auto"
+    context_attention: str = "all_gather"
     init: dict = _field(DEFAULT_INIT)
 
 
@@ -509,6 +515,14 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
     _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
     _one_of("config.model.attention", cfg.model.attention, ATTENTION_BACKENDS)
+    _one_of("config.model.context_attention", cfg.model.context_attention, CONTEXT_COLLECTIVES)
+    if cfg.model.context_attention == "ring" and cfg.model.attention in ("cudnn", "cudnn_ragged"):
+        raise _fail(
+            "config.model.context_attention",
+            f"'ring' merges partial softmaxes in XLA blocks; attention={cfg.model.attention!r} names a cuDNN "
+            "kernel, which returns no log-normalizer to merge: use context_attention='all_gather' with it, "
+            "or attention='auto' / 'xla' with the ring",
+        )
     if cfg.mesh.context > 1 and t.seq_len % (2 * cfg.mesh.context):
         raise _fail(
             "config.mesh.context",

@@ -15,6 +15,8 @@ from rljax.models.attention import (
     apply_rope,
     attention_mask,
     grouped_attention,
+    grouped_attention_lse,
+    merge_attention,
     packed_attention,
     segment_positions,
 )
@@ -116,6 +118,34 @@ class AttentionTest(parameterized.TestCase):
         f32 = lambda a: jnp.asarray(a, jnp.float32)
         got = self.variant(grouped_attention)(f32(q), f32(k), f32(v), jnp.asarray(mask))
         np.testing.assert_allclose(np.asarray(got), _np_attention(q, k, v, mask), atol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_lse_and_merge_over_key_splits_equal_the_whole(self):
+        """grouped_attention_lse's log-normalizer is log sum exp of the unmasked scaled scores
+        (float64 numpy), and merge_attention over any split of the keys (a block fully masked for
+        some rows included) gives attention over all keys: the ring's invariant."""
+        rng = np.random.default_rng(5)
+        q, k, v = (
+            rng.normal(size=(2, 6, 4, 8)),
+            rng.normal(size=(2, 10, 2, 8)),
+            rng.normal(size=(2, 10, 2, 8)),
+        )
+        mask = rng.random((2, 6, 10)) < 0.6
+        mask[:, :, 0] = True  # every row sees one key...
+        mask[:, :3, 5:] = False  # ...and rows 0-2 nothing of the second block
+        f32 = lambda a: jnp.asarray(a, jnp.float32)
+        lse_fn = self.variant(grouped_attention_lse)
+        out, lse = lse_fn(f32(q), f32(k), f32(v), jnp.asarray(mask))
+        scores = np.einsum("btnd,bsnd->btns", q, np.repeat(k, 2, axis=2)) / np.sqrt(8)
+        want_lse = np.log(np.sum(np.where(mask[:, :, None], np.exp(scores), 0.0), axis=-1))
+        np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), _np_attention(q, k, v, mask), atol=1e-5)
+        for split in (1, 5, 9):
+            a = lse_fn(f32(q), f32(k[:, :split]), f32(v[:, :split]), jnp.asarray(mask[..., :split]))
+            b = lse_fn(f32(q), f32(k[:, split:]), f32(v[:, split:]), jnp.asarray(mask[..., split:]))
+            merged, merged_lse = self.variant(merge_attention)(a, b)
+            np.testing.assert_allclose(np.asarray(merged), _np_attention(q, k, v, mask), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(merged_lse), want_lse, atol=1e-5, rtol=1e-5)
 
     def test_fully_masked_row_is_finite(self):
         q = jnp.ones((1, 1, 2, 4))

@@ -15,7 +15,8 @@ Modes:
            in a barrier (``--wait barrier``) or a collective (``--wait collective``).
   connect  joins a run whose coordinator never comes up (expects a clear initialize error).
   context  2 train steps on a (data=2, context=2, tensor=2) mesh (context parallelism, each process
-           feeding its rows whole); writes the gathered params and metrics (``context.npz``).
+           feeding its rows whole; ``--collective ring`` passes keys/values in a ring instead of
+           all-gathering them); writes the gathered params and metrics (``context.npz``).
 
 The environment must give each process its own devices (``XLA_FLAGS`` with
 ``--xla_force_host_platform_device_count``) and ``JAX_PLATFORMS=cpu``.
@@ -54,6 +55,7 @@ def main() -> int:
     parser.add_argument("--heartbeat_timeout_s", type=int, default=100)
     parser.add_argument("--initialization_timeout_s", type=int, default=120)
     parser.add_argument("--shutdown_timeout_s", type=int, default=60)
+    parser.add_argument("--collective", choices=["all_gather", "ring"], default="all_gather")
     args = parser.parse_args()
 
     config = distributed.DistributedConfig(
@@ -118,7 +120,7 @@ def context(args) -> int:
 
     tf, config, _, _, gather = _setup()
     mesh = make_mesh(data=2, context=2, tensor=2)
-    state = TrainState.create(tf.make_model(0), config, mesh=mesh)
+    state = TrainState.create(tf.make_model(0, context_attention=args.collective), config, mesh=mesh)
     history = []
     for i in range(CONTEXT_STEPS):
         batch = tf.make_batch(100 + i)

@@ -69,7 +69,7 @@ def test_mesh_config_and_batch_sharding_have_the_context_axis():
     assert dict(make_mesh(data=8).shape) == {"data": 8, "fsdp": 1, "tensor": 1}  # context 1: no axis
 
 
-def _context_attention(mesh, q, k, v, seg, chunk_size=None):
+def _context_attention(mesh, q, k, v, seg, chunk_size=None, collective="all_gather"):
     shards = mesh.shape["context"]
 
     @jax.jit
@@ -77,7 +77,11 @@ def _context_attention(mesh, q, k, v, seg, chunk_size=None):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             bal = [load_balance(a, shards) for a in (q, k, v, seg)]
             out = context_attention(
-                *bal[:3], segment_ids=bal[3], mesh=mesh.abstract_mesh, chunk_size=chunk_size
+                *bal[:3],
+                segment_ids=bal[3],
+                mesh=mesh.abstract_mesh,
+                chunk_size=chunk_size,
+                collective=collective,
             )
             return unbalance(out, shards)
 
@@ -98,8 +102,12 @@ def _packed_segments(rows: int, length: int, seed: int) -> np.ndarray:
     return seg
 
 
-@pytest.mark.parametrize("shards", [2, 4])
-def test_context_attention_mask_never_leaks(shards):
+COLLECTIVES = pytest.mark.parametrize("collective", ["all_gather", "ring"])
+
+
+@COLLECTIVES
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_context_attention_mask_never_leaks(shards, collective):
     """q = 0 gives uniform weights over the allowed keys; v = one-hot of the key index reads them off:
     out[b, i, :, j] must be 1 / #{j' <= i, same sample} on allowed keys and exactly 0 elsewhere, so a
     leak across packed samples or across a chunk boundary (any wrong slot offset) fails."""
@@ -109,7 +117,7 @@ def test_context_attention_mask_never_leaks(shards):
     q = np.zeros((rows, length, 2, length), np.float32)
     v = np.broadcast_to(np.eye(length, dtype=np.float32)[None, :, None], (rows, length, 1, length))
     k = np.ones((rows, length, 1, length), np.float32)
-    out = _context_attention(mesh, q, k, np.ascontiguousarray(v), seg, chunk_size=3)
+    out = _context_attention(mesh, q, k, np.ascontiguousarray(v), seg, chunk_size=3, collective=collective)
     causal = np.arange(length)[None, :] <= np.arange(length)[:, None]
     for b in range(rows):
         allowed = causal & (seg[b][:, None] == seg[b][None, :])
@@ -119,13 +127,16 @@ def test_context_attention_mask_never_leaks(shards):
             assert np.all(out[b, :, h][~allowed] == 0.0)
 
 
-def test_context_attention_equals_float64_reference():
+@COLLECTIVES
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_context_attention_equals_float64_reference(shards, collective):
     rows, length, heads, kv_heads, d = 2, 32, 4, 2, 8
     seg = _packed_segments(rows, length, seed=7)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((rows, length, heads, d)).astype(np.float32)
     k, v = (rng.standard_normal((rows, length, kv_heads, d)).astype(np.float32) for _ in range(2))
-    out = _context_attention(make_mesh(data=2, context=4), q, k, v, seg)
+    mesh = make_mesh(data=8 // shards, context=shards)
+    out = _context_attention(mesh, q, k, v, seg, chunk_size=3, collective=collective)
     want = np.zeros((rows, length, heads, d))
     for b in range(rows):
         for h in range(heads):
@@ -135,6 +146,36 @@ def test_context_attention_equals_float64_reference():
             p = np.exp(s - s.max(-1, keepdims=True))
             want[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v[b, :, h // 2]
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_ring_gradients_equal_unsharded_attention(shards):
+    """Gradients of q, k, v through the ring (ppermute's transpose, the merge of partial softmaxes)
+    equal those of the one-device causal attention."""
+    from rljax.models.attention import causal_attention
+
+    rows, length, heads, kv_heads, d = 2, 32, 4, 2, 8
+    seg = _packed_segments(rows, length, seed=3)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((rows, length, heads, d)).astype(np.float32)
+    k, v = (rng.standard_normal((rows, length, kv_heads, d)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal((rows, length, heads, d)).astype(np.float32)
+    mesh = make_mesh(data=8 // shards, context=shards)
+
+    def ring_loss(q, k, v):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            bal = [load_balance(a, shards) for a in (q, k, v, seg)]
+            out = context_attention(*bal[:3], segment_ids=bal[3], mesh=mesh.abstract_mesh, collective="ring")
+            return jnp.sum(unbalance(out, shards) * w)
+
+    def plain_loss(q, k, v):
+        return jnp.sum(causal_attention(q, k, v, segment_ids=jnp.asarray(seg)) * w)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.grad(ring_loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(plain_loss, argnums=(0, 1, 2)))(q, k, v)
+    for g, x in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +188,10 @@ def batch():
     return tf.make_batch(100)
 
 
-@pytest.mark.parametrize("shards", [2, 4, 8])
-def test_scoring_forward_logprobs_equal_context_1(model, batch, shards):
+@pytest.mark.parametrize(
+    ("shards", "collective"), [(2, "all_gather"), (4, "all_gather"), (8, "all_gather"), (4, "ring")]
+)
+def test_scoring_forward_logprobs_equal_context_1(model, batch, shards, collective):
     """sequence_forward under a mesh with a context axis (the scoring forward) equals context = 1;
     rows of 33 tokens are padded to a multiple of 2C inside the model and cut back."""
     tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
@@ -156,8 +199,12 @@ def test_scoring_forward_logprobs_equal_context_1(model, batch, shards):
     forward = jax.jit(lambda m, t, s: sequence_forward(m, t, segment_ids=s, chunk_size=64))
     want = forward(model, tokens, seg)
     mesh = make_mesh(data=8 // shards, context=shards)
-    with jax.set_mesh(mesh):
-        got = forward(model, tokens, seg)
+    model.context_attention = collective
+    try:
+        with jax.set_mesh(mesh):
+            got = forward(model, tokens, seg)
+    finally:
+        model.context_attention = "all_gather"
     np.testing.assert_allclose(got.logprobs, want.logprobs, **LOGPROB_TOL)
     np.testing.assert_allclose(got.entropy, want.entropy, **LOGPROB_TOL)
 
@@ -182,14 +229,19 @@ def _check(state, metrics, want_params, want_metrics):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "axes",
-    [dict(data=4, context=2), dict(fsdp=2, context=4), dict(data=2, context=2, tensor=2)],
-    ids=["d4c2", "f2c4", "d2c2t2"],
+    ("axes", "collective"),
+    [
+        (dict(data=4, context=2), "all_gather"),
+        (dict(fsdp=2, context=4), "all_gather"),
+        (dict(data=2, context=2, tensor=2), "all_gather"),
+        (dict(fsdp=2, context=4), "ring"),
+    ],
+    ids=["d4c2", "f2c4", "d2c2t2", "f2c4-ring"],
 )
-def test_train_steps_with_context_equal_context_1(axes, batches, reference_run):
+def test_train_steps_with_context_equal_context_1(axes, collective, batches, reference_run):
     """Loss, metrics, gradients (through the updated params) of 2 steps on packed multi-sample rows."""
     mesh = make_mesh(**axes)
-    state = TrainState.create(tf.make_model(0), CONFIG, mesh=mesh)
+    state = TrainState.create(tf.make_model(0, context_attention=collective), CONFIG, mesh=mesh)
     for b, (want_params, want_metrics) in zip(batches, reference_run, strict=True):
         sharded = shard_batch(b, mesh)
         state, metrics = train_step(state, sharded, mini_batch_counts(sharded, OBJ))
@@ -219,6 +271,13 @@ def test_run_config_mesh_context_and_attention_keys():
         parse_run_config({"mesh": {"data": 2, "context": 4}, "trainer": {"seq_len": 1028}})
     with pytest.raises(ValueError, match="config.model.attention"):
         parse_run_config({"model": {"attention": "flash"}})
+    assert parse_run_config({}).model.context_attention == "all_gather"
+    with pytest.raises(ValueError, match="config.model.context_attention"):
+        parse_run_config({"model": {"context_attention": "tree"}})
+    with pytest.raises(ValueError, match="config.model.context_attention.*cuDNN"):
+        parse_run_config({"model": {"context_attention": "ring", "attention": "cudnn"}})
+    ring = parse_run_config({"model": {"context_attention": "ring"}}).model
+    assert build_model(ring, vocab_size=300, seed=0).context_attention == "ring"
     section = parse_run_config({"model": {"attention": "xla"}}).model
     assert build_model(section, vocab_size=300, seed=0).attention == "xla"
 

@@ -173,9 +173,11 @@ def test_two_processes_train_like_one(two_process_train, one_process_run):
 
 
 @pytest.mark.subprocess
-def test_two_processes_with_context_parallelism_train_like_one(tmp_path):
-    """mesh (data=2, context=2, tensor=2) over 2 processes x 4 devices equals 1 process x 8 devices."""
-    run = Run("context", tmp_path)
+@pytest.mark.parametrize("collective", ["all_gather", "ring"])
+def test_two_processes_with_context_parallelism_train_like_one(tmp_path, collective):
+    """mesh (data=2, context=2, tensor=2) over 2 processes x 4 devices equals 1 process x 8 devices
+    (all-gathered keys in this process; the workers all-gather them too, or pass them in a ring)."""
+    run = Run("context", tmp_path, "--collective", collective)
     mesh = make_mesh(data=2, context=2, tensor=2)
     state = TrainState.create(tf.make_model(0), CONFIG, mesh=mesh)
     want = []
