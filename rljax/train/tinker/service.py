@@ -423,11 +423,7 @@ class TinkerService:
         sampling sessions' backend; else (None, None): the embedded sampler serves them."""
         if run.cfg.engine.kind != "vllm":
             return None, None
-        from rljax.train.engines import EngineSet
-
-        engines = EngineSet(
-            run.cfg.engine, {}, workdir=run.workdir, seed=int(run.cfg.seed), dtype=run.cfg.engine_dtype
-        )
+        engines = run.build_engines(frozen_models=False)
         client = engines.start_policy(self.base, lora_rank=options.max_lora_rank)
         return engines, VLLMBackend(client, self.root / "vllm_adapters")
 
