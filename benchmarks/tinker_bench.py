@@ -10,7 +10,9 @@
    unembedding adapter, so vLLM serves its sampling client) and the direct side sends the same
    requests straight to that vLLM server (rljax's ``VLLMClient``, the session's adapter name).
 
-Both sides run after a warm-up (compilation excluded), median of ``--reps`` repetitions.
+Both sides run after a warm-up (compilation excluded), ``--reps`` repetitions each, taking turns (API,
+in-process, in-process, API, ...: on a shared machine a burst of load then hits both sides alike);
+the best and the median of each side and their ratios are printed.
 
     python benchmarks/tinker_bench.py                # the tiny default model (configs/tinker.py)
     python benchmarks/tinker_bench.py --model30m     # a ~30M-parameter Qwen3-shaped model
@@ -34,14 +36,27 @@ from collections.abc import Callable
 import numpy as np
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up: compile
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved(api: Callable[[], object], direct: Callable[[], object], reps: int) -> tuple[list, list]:
+    """Seconds per call of ``api`` and ``direct``, after a warm-up (compilation), calls taking turns
+    (ABBA: neither side always runs first)."""
+    api(), direct()
+    times: tuple[list[float], list[float]] = ([], [])
+    for r in range(reps):
+        order = ((0, api), (1, direct)) if r % 2 == 0 else ((1, direct), (0, api))
+        for side, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[side].append(time.perf_counter() - t0)
+    return times
+
+
+def _report(what: str, api: list[float], direct: list[float], name: str, goal: str = "") -> str:
+    a, d = statistics.median(api), statistics.median(direct)
+    return (
+        f"{what}: API median {a * 1e3:.1f} ms (best {min(api) * 1e3:.1f}), {name} median "
+        f"{d * 1e3:.1f} ms (best {min(direct) * 1e3:.1f}), ratio {a / d:.2f}x median, "
+        f"{min(api) / min(direct):.2f}x best{goal}"
+    )
 
 
 MODEL30M = dict(
@@ -83,7 +98,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=120)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--model30m", action="store_true", help="a ~30M-parameter model instead of the tiny one")
     ap.add_argument(
         "--server-process", action="store_true", help="the API side against launch.serve in its own process"
@@ -136,7 +151,6 @@ def main() -> None:
             fb.result()
             opt.result()
 
-        api = _median_time(api_step, args.reps)
         model = srv.service.models[tc_local.model_id]
         datums = [Datum(s[:-1].astype(np.int32), s[1:].astype(np.int32), {}) for s in seqs]
 
@@ -147,20 +161,14 @@ def main() -> None:
             model.forward("cross_entropy", packed.arrays, {}, packed.num_segments, backward=True)
             model.optim_step({"learning_rate": 1e-4})
 
-        direct = _median_time(direct_step, args.reps)
-        print(
-            f"[{'server process' if url else 'server thread'}] "
-            f"train step ({args.datums} x {args.len} tokens): API {api * 1e3:.1f} ms, in-process "
-            f"{direct * 1e3:.1f} ms, ratio {api / direct:.2f}x (goal <= 1.15x)"
-        )
+        api, direct = _interleaved(api_step, direct_step, args.reps)
+        where = "server process" if url else "server thread"
+        what = f"[{where}] train step ({args.datums} x {args.len} tokens)"
+        print(_report(what, api, direct, "in-process", " (goal <= 1.15x)"))
 
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompt = [int(t) for t in seqs[0][:16]]
         params = types.SamplingParams(max_tokens=args.new, temperature=1.0, seed=1, stop=[])
-        api_s = _median_time(
-            lambda: sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result(),
-            args.reps,
-        )
         if url:
             tc_local.save_weights_and_get_sampling_client().result()
         session = next(
@@ -174,12 +182,13 @@ def main() -> None:
 
             asyncio.run_coroutine_threadsafe(run(), session.loop).result()
 
-        direct_s = _median_time(direct_sample, args.reps)
-        engine = "vLLM server" if session.on_vllm else "embedded sampler"
-        print(
-            f"sampling ({args.samples} x {args.new} tokens): API {api_s * 1e3:.1f} ms, {engine} "
-            f"{direct_s * 1e3:.1f} ms, ratio {api_s / direct_s:.2f}x"
+        api_s, direct_s = _interleaved(
+            lambda: sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result(),
+            direct_sample,
+            args.reps,
         )
+        engine = "vLLM server" if session.on_vllm else "embedded sampler"
+        print(_report(f"sampling ({args.samples} x {args.new} tokens)", api_s, direct_s, engine))
     finally:
         stack.close()
         srv.stop()

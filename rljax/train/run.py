@@ -191,16 +191,24 @@ class Run:
             router_z_loss_coef=c.objective.router_z_loss_coef,
         )
 
-    def _build_rollout_parts(self, engine: Any) -> None:
+    def build_engines(self, *, frozen_models: bool = True, engine: Any = None) -> EngineSet:
+        """The run's engines as ``config.engine`` describes them (nothing started yet: the policy
+        engine starts with :meth:`EngineSet.start_policy`). ``frozen_models``: with the config's
+        frozen models (False: the policy engine only, as the Tinker API serves it); ``engine``: a
+        policy engine object to use instead of building one."""
         cfg = self.cfg
-        self.engines = EngineSet(
+        return EngineSet(
             cfg.engine,
-            resolve_frozen_models(cfg.frozen_models, self.algorithms),
+            resolve_frozen_models(cfg.frozen_models, self.algorithms) if frozen_models else {},
             workdir=self.workdir,
             seed=cfg.seed,
             engine_override=engine,
             dtype=cfg.engine_dtype,
         )
+
+    def _build_rollout_parts(self, engine: Any) -> None:
+        cfg = self.cfg
+        self.engines = self.build_engines(engine=engine)
         self.rollout_worker = Worker("rljax-rollout")
         self.scoring_worker = Worker("rljax-scoring")  # teacher scoring, beside the rollouts
         self.references = ReferenceScorers(

@@ -774,6 +774,42 @@ def test_bad_input_is_a_clear_error_and_harms_no_one(server, client):
     assert good.optim_step(types.AdamParams()).result().metrics["step:max"] == 1.0
 
 
+def test_requests_sent_ahead_give_what_waiting_for_each_gives(server, client):
+    """The SDK sends a client's requests without waiting for their results, and the worker dispatches
+    each without waiting for the device (a finisher thread resolves the futures, in order): three
+    forward_backward + optim_step rounds sent ahead give the outputs, metrics and adapter of a twin
+    client (same seed) that waited for every result."""
+    rng = np.random.default_rng(5)
+    seqs = [_seq(rng, n) for n in (9, 14, 6)]
+    adam = types.AdamParams(learning_rate=0.05)
+    ahead = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    twin = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    sent = [(ahead.forward_backward([_datum(s)], "cross_entropy"), ahead.optim_step(adam)) for s in seqs]
+    got = [(fb.result(), opt.result()) for fb, opt in sent]
+    for s, (fb, opt) in zip(seqs, got, strict=True):  # the twin after: never fused with `ahead`
+        want_fb = twin.forward_backward([_datum(s)], "cross_entropy").result()
+        want_opt = twin.optim_step(adam).result()
+        np.testing.assert_array_equal(
+            fb.loss_fn_outputs[0]["logprobs"].to_numpy(), want_fb.loss_fn_outputs[0]["logprobs"].to_numpy()
+        )
+        assert fb.metrics == want_fb.metrics and opt.metrics == want_opt.metrics
+    svc = server.service
+    _close(svc.models[ahead.model_id].params, svc.models[twin.model_id].params, rtol=0, atol=0)
+    assert svc.models[ahead.model_id].step == 3
+
+
+def test_a_long_poll_answers_pending_until_its_request_ends(server):
+    import asyncio
+    import threading
+
+    svc = server.service
+    gate = threading.Event()
+    rid = svc._submit("hold", None, lambda: {"held": gate.wait(60)})
+    assert asyncio.run(svc.retrieve_async(rid, timeout=0.05)) == ("pending", None)
+    gate.set()
+    assert asyncio.run(svc.retrieve_async(rid, timeout=60)) == ("json", {"held": True})
+
+
 def test_sessions_expire_and_release_their_models(server):
     svc = server.service
     sid = svc.create_session()

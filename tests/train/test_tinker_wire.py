@@ -131,6 +131,11 @@ def test_api_keys_are_checked_when_configured():
         assert c.get("/api/v1/healthz").status_code == 401
         assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
         assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-right"}).json() == {"status": "ok"}
+        # the step's routes, answered in front of FastAPI, check the key alike
+        for route in ("forward_backward", "optim_step", "retrieve_future"):
+            r = c.post(f"/api/v1/{route}", json={"request_id": "req-1"})
+            assert r.status_code == 401 and "API key" in r.json()["detail"]
+        assert c.get("/api/v1/retrieve_future", headers={"X-API-Key": "tml-right"}).status_code == 405
     with TestClient(make_app(SimpleNamespace(options=ServiceOptions()))) as c:  # no keys: any key
         assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-x"}).status_code == 200
 

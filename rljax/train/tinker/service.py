@@ -13,7 +13,10 @@ Protocol facts (tinker SDK 0.38.0) this implements:
   queue keeps each model's order. ONE worker thread runs the queue: it drains everything pending
   and runs consecutive forward / forward_backward requests of one model with the same loss as ONE
   packed, fixed-shape jitted step (:mod:`rljax.train.tinker.packing`: rows padded to a power of two
-  >= ``min_rows``, so requests of varying sizes reuse a few compiled programs).
+  >= ``min_rows``, so requests of varying sizes reuse a few compiled programs). The worker waits
+  for no device result: a finisher thread waits for each job's outputs and resolves the futures in
+  queue order, while the worker dispatches the next job (a client's optim_step queues on the device
+  behind its forward_backward).
 * Sessions send ``session_heartbeat`` every 10 s; a session silent for ``session_timeout_s`` is
   expired: its models, gradients, optimizer states and samplers are dropped.
 * Checkpoint paths: ``tinker://<model_id>/weights/<name>`` (``save_state``: parameters + Adam state,
@@ -51,7 +54,7 @@ from rljax.train.tinker.trainable import (
     ADAM_DEFAULTS,
     TrainableModel,
     can_fuse,
-    forward_fused,
+    forward_fused_async,
     make_trainable,
 )
 from rljax.train.tinker.wire import FwdBwdRequest, encode_forward_backward_output
@@ -104,6 +107,13 @@ class _Prepared:
     floats: dict[str, float]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+    """A job's result still being computed on the device: ``wait()`` waits for it and returns it."""
+
+    wait: Callable[[], Any]
+
+
 @dataclasses.dataclass
 class _Job:
     kind: str
@@ -142,8 +152,13 @@ class TinkerService:
         self.last_packed_rows = 0  # rows of the last packed batch
         self.fused_steps = 0  # steps that ran the requests of several clients (fuse_clients)
         self._closed = False
+        # (futures, a function giving their results): run in order by the finisher thread
+        self._done: queue.Queue[tuple[list[concurrent.futures.Future], Callable[[], list[Any]]] | None]
+        self._done = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="tinker-worker", daemon=True)
         self._worker.start()
+        self._finisher = threading.Thread(target=self._finish, name="tinker-finisher", daemon=True)
+        self._finisher.start()
         self._reaper = threading.Thread(target=self._reap, name="tinker-sessions", daemon=True)
         self._reaper.start()
 
@@ -236,21 +251,66 @@ class TinkerService:
         if fut is None:
             return "error", {"error": f"unknown request_id {request_id!r}", "category": "user"}
         if not fut.done():
-            loop, done = asyncio.get_running_loop(), asyncio.Event()
+            # one loop future, woken by the request's end or the long poll's (no task, no Event: the
+            # answer goes out on the loop's next turn after the worker finishes)
+            loop = asyncio.get_running_loop()
+            woken: asyncio.Future[None] = loop.create_future()
 
             def wake(_: concurrent.futures.Future) -> None:
                 with contextlib.suppress(RuntimeError):  # the loop closed (server stopping)
-                    loop.call_soon_threadsafe(done.set)
+                    loop.call_soon_threadsafe(_set_once, woken)
 
             fut.add_done_callback(wake)
+            wait = self.options.long_poll_s if timeout is None else timeout
+            timer = loop.call_later(wait, _set_once, woken)
             try:
-                await asyncio.wait_for(done.wait(), self.options.long_poll_s if timeout is None else timeout)
-            except TimeoutError:
+                await woken
+            finally:
+                timer.cancel()
+            if not fut.done():
                 return "pending", None
         return _outcome(request_id, fut)
 
     # -- the worker ----------------------------------------------------------------------------------------
     def _work(self) -> None:
+        """The worker: runs the queued jobs in order, but waits for none of the device's results
+        (JAX dispatches asynchronously). A forward_backward's outputs and an optim_step's metrics are
+        handed to the finisher thread, which waits for them and resolves the futures, in job order;
+        the worker meanwhile dispatches the next job, so a client's optim_step, sent while its
+        forward_backward runs, is queued on the device behind it instead of waiting for its outputs
+        to be encoded. Every job's effects on the state (gradients, parameters, models) still happen
+        in queue order, so the results are those of running the jobs one after the other."""
+        try:
+            self._work_loop()
+        finally:
+            self._done.put(None)
+
+    def _finish(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            futures, results = item
+            try:
+                values = results()
+            except Exception as e:  # noqa: BLE001 - handed to the clients through their futures
+                for f in futures:
+                    f.set_exception(e)
+                continue
+            for f, v in zip(futures, values, strict=True):
+                f.set_result(v)
+
+    def _resolve(self, futures: list[concurrent.futures.Future], results: Callable[[], list[Any]]) -> None:
+        """Resolves ``futures`` with ``results()`` (one value each) on the finisher thread."""
+        self._done.put((futures, results))
+
+    def _reject(self, futures: list[concurrent.futures.Future], error: Exception) -> None:
+        def fail() -> list[Any]:
+            raise error
+
+        self._resolve(futures, fail)
+
+    def _work_loop(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
@@ -334,37 +394,28 @@ class TinkerService:
                 preps.append(self._prepare([j.fwd for j in group]))
                 groups.append(group)
             except Exception as e:  # noqa: BLE001 - handed to that client through its futures
-                for j in group:
-                    j.future.set_exception(e)
+                self._reject([j.future for j in group], e)
         if not preps:
             return
+        futures = [j.future for group in groups for j in group]
         try:
-            results = [self._step(preps[0])] if len(preps) == 1 else self._forward_backward_fused(preps)
+            wait = self._step(preps[0]) if len(preps) == 1 else self._forward_backward_fused(preps)
         except Exception as e:  # noqa: BLE001
-            for group in groups:
-                for j in group:
-                    j.future.set_exception(e)
+            self._reject(futures, e)
             return
-        for group, outs in zip(groups, results, strict=True):
-            for j, r in zip(group, outs, strict=True):
-                j.future.set_result(r)
+        self._resolve(futures, wait)
 
     def _run_group(self, group: list[_Job]) -> None:
-        if group[0].fwd is None:
-            job = group[0]
-            try:
-                job.future.set_result(job.run())
-            except Exception as e:  # noqa: BLE001 - handed to the client through its future
-                job.future.set_exception(e)
-            return
+        futures = [j.future for j in group]
         try:
-            results = self._forward_backward([j.fwd for j in group])
-        except Exception as e:  # noqa: BLE001
-            for j in group:
-                j.future.set_exception(e)
-            return
-        for j, r in zip(group, results, strict=True):
-            j.future.set_result(r)
+            if group[0].fwd is None:
+                result = group[0].run()
+                wait = result.wait if isinstance(result, _Deferred) else lambda: result
+                self._resolve(futures, lambda: [wait()])
+            else:
+                self._resolve(futures, self._forward_backward([j.fwd for j in group]))
+        except Exception as e:  # noqa: BLE001 - handed to the client through its future
+            self._reject(futures, e)
 
     def _start_vllm(self, run: Any, options: ServiceOptions) -> tuple[Any, VLLMBackend | None]:
         """With ``engine.kind="vllm"``: the run's policy engine (servers at ``engine.urls``, or
@@ -372,11 +423,7 @@ class TinkerService:
         sampling sessions' backend; else (None, None): the embedded sampler serves them."""
         if run.cfg.engine.kind != "vllm":
             return None, None
-        from rljax.train.engines import EngineSet
-
-        engines = EngineSet(
-            run.cfg.engine, {}, workdir=run.workdir, seed=int(run.cfg.seed), dtype=run.cfg.engine_dtype
-        )
+        engines = run.build_engines(frozen_models=False)
         client = engines.start_policy(self.base, lora_rank=options.max_lora_rank)
         return engines, VLLMBackend(client, self.root / "vllm_adapters")
 
@@ -384,6 +431,7 @@ class TinkerService:
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
+        self._finisher.join(timeout=30)
         if self.engines is not None:
             self.engines.close()  # stops the servers it launched
 
@@ -559,7 +607,6 @@ class TinkerService:
     def _outputs(self, prep: _Prepared, packed: PackedDatums, logp: np.ndarray) -> list[bytes]:
         """One ForwardBackwardOutput per request: its datums' logprobs and token losses (recomputed on
         the host from the outputs)."""
-        self.requests_run += len(prep.reqs)
         per_datum = packed.per_datum(logp)
         out, k = [], 0
         loss_fn = prep.reqs[0].loss_fn
@@ -572,27 +619,30 @@ class TinkerService:
             out.append(encode_forward_backward_output(outputs, metrics))
         return out
 
-    def _forward_backward(self, reqs: list[FwdBwdRequest]) -> list[bytes]:
-        """Runs requests of ONE model with one loss as one packed batch; one output per request."""
+    def _forward_backward(self, reqs: list[FwdBwdRequest]) -> Callable[[], list[bytes]]:
+        """Dispatches requests of ONE model with one loss as one packed batch; the returned function
+        waits for it and gives one output per request."""
         return self._step(self._prepare(reqs))
 
-    def _step(self, prep: _Prepared) -> list[bytes]:
+    def _step(self, prep: _Prepared) -> Callable[[], list[bytes]]:
         packed = self._pack(prep)
         first = prep.reqs[0]
         # the segment bound is static: only the losses that use it compile per bound
         segments = packed.num_segments if first.loss_fn in SEGMENT_LOSSES else 0
-        _, logp = prep.model.forward(
+        wait = prep.model.forward_async(
             first.loss_fn, packed.arrays, prep.config, segments, backward=not first.forward_only
         )
         self.steps_run += 1
+        self.requests_run += len(prep.reqs)
         self.last_packed_rows = int(packed.arrays["tokens"].shape[0])
-        return self._outputs(prep, packed, logp)
+        return lambda: self._outputs(prep, packed, wait()[1])
 
-    def _forward_backward_fused(self, preps: list[_Prepared]) -> list[list[bytes]]:
+    def _forward_backward_fused(self, preps: list[_Prepared]) -> Callable[[], list[bytes]]:
         """Runs the requests of several fusable LoRA clients (:func:`~rljax.train.tinker.trainable.can_fuse`,
         one loss, one config) as ONE step: each client's datums packed in its own rows, every batch
         padded to the largest one's shape, their adapters stacked (``forward_fused``). Batches that
-        cannot share a shape (K targets per position differing) run one after the other."""
+        cannot share a shape (K targets per position differing) run one after the other. The returned
+        function waits for them and gives every request's output, in order."""
         first = preps[0].reqs[0]
         packs = [self._pack(p) for p in preps]
         rows = max(p.arrays["tokens"].shape[0] for p in packs)
@@ -601,9 +651,10 @@ class TinkerService:
         packs = [self._pack(p, rows=rows, length=length, segments=segs) for p in preps]
         shapes = {tuple((k, v.shape) for k, v in sorted(p.arrays.items())) for p in packs}
         if len(shapes) > 1:
-            return [self._step(p) for p in preps]
+            waits = [self._step(p) for p in preps]
+            return lambda: [out for w in waits for out in w()]
         segments = packs[0].num_segments if first.loss_fn in SEGMENT_LOSSES else 0
-        results = forward_fused(
+        wait = forward_fused_async(
             [p.model for p in preps],
             first.loss_fn,
             [p.arrays for p in packs],
@@ -613,8 +664,18 @@ class TinkerService:
         )
         self.steps_run += 1
         self.fused_steps += 1
+        self.requests_run += sum(len(p.reqs) for p in preps)
         self.last_packed_rows = rows
-        return [self._outputs(p, k, logp) for p, k, (_, logp) in zip(preps, packs, results, strict=True)]
+
+        def outputs() -> list[bytes]:
+            results = wait()
+            return [
+                out
+                for p, k, (_, logp) in zip(preps, packs, results, strict=True)
+                for out in self._outputs(p, k, logp)
+            ]
+
+        return outputs
 
     def optim_step(self, model_id: str, adam: Mapping[str, Any]) -> str:
         self.model(model_id)
@@ -624,11 +685,12 @@ class TinkerService:
                 f"invalid AdamParams {params}: learning_rate >= 0 and betas in [0, 1) are required"
             )
 
-        def step() -> dict[str, Any]:
+        def step() -> _Deferred:
             try:
-                return {"type": "optim_step", "metrics": self.model(model_id).optim_step(params)}
+                metrics = self.model(model_id).optim_step_async(params)
             except ValueError as e:
                 raise UserError(str(e)) from None
+            return _Deferred(lambda: {"type": "optim_step", "metrics": metrics()})
 
         return self._submit("optim_step", model_id, step)
 
@@ -834,6 +896,11 @@ class TinkerService:
             return sampler.sample(prompt, n, params, stops, want_prompt_lp)
 
         return self._submit("sample", None, sample), ids
+
+
+def _set_once(f: asyncio.Future[None]) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 def _outcome(request_id: str, fut: concurrent.futures.Future) -> tuple[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,7 +38,15 @@ from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora
 from rljax.train.step import merge_model
 from rljax.train.tinker.losses import token_losses
 
-__all__ = ["ADAM_DEFAULTS", "STEP_TRACES", "TrainableModel", "can_fuse", "forward_fused", "make_trainable"]
+__all__ = [
+    "ADAM_DEFAULTS",
+    "STEP_TRACES",
+    "TrainableModel",
+    "can_fuse",
+    "forward_fused",
+    "forward_fused_async",
+    "make_trainable",
+]
 
 #: ``(loss name, backward, clients)`` -> times the jitted forward / backward step was traced (=
 #: compiled); ``clients`` > 1: a fused step of that many clients (:func:`forward_fused`).
@@ -94,6 +102,20 @@ class TrainableModel:
     ) -> tuple[float, np.ndarray]:
         """Runs one packed batch: returns (loss sum, target logprobs ``[R, L]``); ``backward`` adds the
         gradient of the loss sum to :attr:`pending`."""
+        return self.forward_async(loss_fn, batch, config, num_segments, backward=backward)()
+
+    def forward_async(
+        self,
+        loss_fn: str,
+        batch: Mapping[str, np.ndarray],
+        config: Mapping[str, float],
+        num_segments: int,
+        *,
+        backward: bool,
+    ) -> Callable[[], tuple[float, np.ndarray]]:
+        """:meth:`forward` without waiting for the device: the step is dispatched (JAX runs it
+        asynchronously; :attr:`pending` already holds its gradients, so a later :meth:`optim_step`
+        queues behind it) and the returned function waits for it and gives (loss sum, logprobs)."""
         arrays = {k: jnp.asarray(v) for k, v in batch.items()}
         cfg = {k: jnp.float32(v) for k, v in config.items()}
         if backward:
@@ -103,17 +125,24 @@ class TrainableModel:
             self.pending = grads if self.pending is None else _add(self.pending, grads)
         else:
             loss, logp = _loss(self.graphdef, loss_fn, num_segments, self.params, self.frozen, arrays, cfg)
-        return float(loss), np.asarray(logp)
+        return lambda: (float(loss), np.asarray(logp))
 
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
         """One Adam update with the summed gradients (ValueError when there are none)."""
+        return self.optim_step_async(adam)()
+
+    def optim_step_async(self, adam: Mapping[str, float]) -> Callable[[], dict[str, float]]:
+        """:meth:`optim_step` without waiting for the device: the update is dispatched (the parameters
+        are its results; later steps queue behind it) and the returned function waits for its
+        metrics."""
         if self.pending is None:
             raise ValueError("optim_step: this model has no gradients; call forward_backward first")
         hp = {k: jnp.float32(adam.get(k, v)) for k, v in ADAM_DEFAULTS.items()}
         self.params, self.opt_state, norm = _apply(self.params, self.opt_state, self.pending, hp)
         self.pending = None
         self.step += 1
-        return {"grad_norm:mean": float(norm), "step:max": float(self.step)}
+        step = self.step
+        return lambda: {"grad_norm:mean": float(norm), "step:max": float(step)}
 
 
 def make_trainable(
@@ -224,6 +253,20 @@ def forward_fused(
     """:meth:`TrainableModel.forward` of several clients (``can_fuse`` pairwise; one packed batch each,
     all of one shape) as ONE jitted program; ``backward`` adds each client's gradient to its own
     :attr:`~TrainableModel.pending`. Returns (loss sum, target logprobs) per client."""
+    return forward_fused_async(models, loss_fn, batches, config, num_segments, backward=backward)()
+
+
+def forward_fused_async(
+    models: list[TrainableModel],
+    loss_fn: str,
+    batches: list[Mapping[str, np.ndarray]],
+    config: Mapping[str, float],
+    num_segments: int,
+    *,
+    backward: bool,
+) -> Callable[[], list[tuple[float, np.ndarray]]]:
+    """:func:`forward_fused` without waiting for the device (as :meth:`TrainableModel.forward_async`):
+    the returned function waits and gives (loss sum, target logprobs) per client."""
     first = models[0]
     arrays = {k: jnp.asarray(np.stack([b[k] for b in batches])) for k in batches[0]}
     cfg = {k: jnp.float32(v) for k, v in config.items()}
@@ -238,8 +281,12 @@ def forward_fused(
         _, (losses, logp) = _fused_loss(
             first.graphdef, loss_fn, num_segments, params, first.frozen, arrays, cfg
         )
-    losses, logp = np.asarray(losses), np.asarray(logp)
-    return [(float(losses[c]), logp[c]) for c in range(len(models))]
+
+    def finish() -> list[tuple[float, np.ndarray]]:
+        host_losses, host_logp = np.asarray(losses), np.asarray(logp)
+        return [(float(host_losses[c]), host_logp[c]) for c in range(len(models))]
+
+    return finish
 
 
 _add = jax.jit(functools.partial(jax.tree.map, jnp.add))
