@@ -198,7 +198,13 @@ def decode_ms_per_step(model: Decoder, *, rows: int, slots: int, reps: int = 5) 
 
 
 def weight_matmul_floor(
-    cfg: ModelConfig, *, rows: int, prompt_len: int, new_tokens: int, reps: int = 3
+    cfg: ModelConfig,
+    *,
+    rows: int,
+    prompt_len: int,
+    new_tokens: int,
+    reps: int = 3,
+    kernel_layout: str = "out_in",
 ) -> float:
     """Generated tokens/s of a pass that did nothing but the model's weight matmuls (a floor on time).
 
@@ -206,46 +212,55 @@ def weight_matmul_floor(
     projections and the gated MLP (gate, up, down), for ``rows * prompt_len`` prompt tokens at once
     (prefill, the unembedding for the last token only) and then ``new_tokens`` steps of ``rows``
     tokens each with the unembedding, in one jitted program (a ``fori_loop`` over the steps, as a
-    sampler's decode loop), float32. Attention over the cache, norms, RoPE and sampling are left out,
-    so no sampler can beat it with XLA:CPU's matmuls; the best of ``reps`` timings after one warm-up.
+    sampler's decode loop), float32, the weights passed as arguments (as a sampler's are).
+    ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``) or ``[out, in]`` (``x @ W^T``,
+    the embedded sampler's default on CPU; XLA:CPU runs few-row matmuls faster that way). Attention
+    over the cache, norms, RoPE and sampling are left out, so no sampler can beat it with XLA:CPU's
+    matmuls; the best of ``reps`` timings after one warm-up.
     """
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 7 * cfg.num_layers + 2))
+    stored_out_in = kernel_layout == "out_in"
 
-    def weight(*shape: int) -> jax.Array:
-        return jax.random.normal(next(keys), shape, jnp.float32) * shape[0] ** -0.5
+    def weight(fan_in: int, fan_out: int) -> jax.Array:
+        shape = (fan_out, fan_in) if stored_out_in else (fan_in, fan_out)
+        return jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5
+
+    def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) if stored_out_in else x @ w
 
     layers = [
         [weight(h, q_dim), weight(h, kv_dim), weight(h, kv_dim), weight(q_dim, h),
          weight(h, inter), weight(h, inter), weight(inter, h)]
         for _ in range(cfg.num_layers)
     ]  # fmt: skip
-    unembed = weight(h, vocab)
+    weights = (layers, weight(h, vocab))
 
-    def blocks(x: jax.Array) -> jax.Array:
+    def blocks(layers: list, x: jax.Array) -> jax.Array:
         for wq, wk, wv, wo, wg, wu, wd in layers:
-            q, k, v = x @ wq, x @ wk, x @ wv
-            x = x + q @ wo + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd + (k + v).mean(-1, keepdims=True)
+            q, k, v = mm(x, wq), mm(x, wk), mm(x, wv)
+            x = x + mm(q, wo) + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd) + (k + v).mean(-1, keepdims=True)
         return x
 
     @jax.jit
-    def one_pass(prompt: jax.Array) -> jax.Array:
-        x = blocks(prompt).reshape(rows, prompt_len, h)[:, -1]
-        x = x + (x @ unembed)[:, :h]
+    def one_pass(weights: tuple, prompt: jax.Array) -> jax.Array:
+        layers, unembed = weights
+        x = blocks(layers, prompt).reshape(rows, prompt_len, h)[:, -1]
+        x = x + mm(x, unembed)[:, :h]
 
         def step(_: jax.Array, x: jax.Array) -> jax.Array:
-            x = blocks(x)
-            return x + 1e-3 * (x @ unembed)[:, :h]
+            x = blocks(layers, x)
+            return x + 1e-3 * mm(x, unembed)[:, :h]
 
         return jax.lax.fori_loop(0, new_tokens, step, x)
 
     prompt = jax.random.normal(next(keys), (rows * prompt_len, h), jnp.float32)
-    jax.block_until_ready(one_pass(prompt))
+    jax.block_until_ready(one_pass(weights, prompt))
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        jax.block_until_ready(one_pass(prompt))
+        jax.block_until_ready(one_pass(weights, prompt))
         best = min(best, time.perf_counter() - start)
     return rows * new_tokens / best
 
@@ -387,11 +402,18 @@ def compare_tunix(
     finally:
         peer.__exit__(None, None, None)
     compared = peer_lib.report(ours, theirs, labels=("rljax embedded", "tunix Sampler"), goal=TUNIX_GOAL)
-    floor = weight_matmul_floor(
-        model.config, rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens
-    )
+    floors = {
+        layout: weight_matmul_floor(
+            model.config, rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens,
+            kernel_layout=layout,
+        )
+        for layout in ("in_out", "out_in")
+    }  # fmt: skip
+    floor = max(floors.values())
     print(f"  weight-matmul floor (the pass's weight matmuls alone, one jitted program): {floor:,.0f} "
-          f"tokens/s; rljax {compared['rljax'] / floor:.0%} of it, tunix {compared['tunix'] / floor:.0%}; "
+          f"tokens/s (weights stored [out, in]: {floors['out_in']:,.0f}, "
+          f"[in, out]: {floors['in_out']:,.0f}); "
+          f"rljax {compared['rljax'] / floor:.0%} of it, tunix {compared['tunix'] / floor:.0%}; "
           f"the goal ({TUNIX_GOAL:.0f}x tunix's best = {TUNIX_GOAL * compared['tunix']:,.0f} tokens/s) "
           f"is {TUNIX_GOAL * compared['tunix'] / floor:.0%} of it [load average {peer_lib.load_average()}]",
           flush=True)  # fmt: skip

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -49,11 +50,13 @@ from flax import nnx
 
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.decode import decode_step, prefill
+from rljax.models.layers import decode_layout
 
 __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
     "GREEDY_EPS",
+    "KERNEL_LAYOUTS",
     "EmbeddedSampler",
     "bucket_size",
     "first_argmax",
@@ -62,6 +65,7 @@ __all__ = [
     "sample_by_inversion",
     "sample_from_logprobs",
     "step_uniforms",
+    "to_decode_layout",
 ]
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
@@ -407,6 +411,37 @@ def _snapshot(state: Any) -> Any:
 
 _JITTED_GENERATE = jax.jit(_generate_program, static_argnums=(0, 10, 11))
 
+#: ``EmbeddedSampler(kernel_layout=...)`` values.
+KERNEL_LAYOUTS = ("auto", "in_out", "out_in")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _transposed_state(graphdef: Any, state: Any) -> Any:
+    return nnx.state(decode_layout(nnx.merge(graphdef, state)))
+
+
+def to_decode_layout(graphdef: Any, state: Any) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of the same model with every Linear kernel stored ``[out, in]``
+    (:func:`rljax.models.layers.decode_layout`), as new arrays made by one jitted transposition.
+
+    Stored, not transposed inside the generation program: XLA:CPU folds an in-program transpose
+    back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
+    weight-matmul floor with both stored layouts).
+    """
+    return _decode_graphdef(graphdef, state), _transposed_state(graphdef, state)
+
+
+def _decode_graphdef(graphdef: Any, state: Any) -> Any:
+    """The graphdef of :func:`to_decode_layout`'s model (traced once per model graphdef)."""
+    out = _DECODE_GRAPHDEFS.get(graphdef)
+    if out is None:
+        out = nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s)), state))
+        _DECODE_GRAPHDEFS[graphdef] = out
+    return out
+
+
+_DECODE_GRAPHDEFS: dict[Any, Any] = {}
+
 
 class EmbeddedSampler:
     """In-process batched JAX generation with the trainer's parameters (an :class:`Engine`).
@@ -424,6 +459,12 @@ class EmbeddedSampler:
       seed: seeds the draws for requests that give no ``SamplingParams.seed``.
       weight_version: the version reported for the initial parameters.
       pad_id: id used for padding (any valid id; padding is masked).
+      kernel_layout: how the sampler stores its copy of the Linear kernels: ``"in_out"`` (the
+        model's own arrays, no copy) or ``"out_in"`` (a transposed copy made on every
+        :meth:`set_weights`, :func:`to_decode_layout`: decode's few-row matmuls run faster on
+        XLA:CPU, e.g. 29M Qwen3, 32 x (64 + 128) tokens: see the README's generation benchmark);
+        ``"auto"`` (default): ``"out_in"`` on CPU, ``"in_out"`` elsewhere (not measured there, and
+        the copy would hold the weights twice in accelerator memory).
 
     >>> import asyncio
     >>> from flax import nnx
@@ -449,7 +490,15 @@ class EmbeddedSampler:
         seed: int = 0,
         weight_version: int = 0,
         pad_id: int = 0,
+        kernel_layout: str = "auto",
     ) -> None:
+        if kernel_layout not in KERNEL_LAYOUTS:
+            raise ValueError(
+                f"EmbeddedSampler kernel_layout must be one of {KERNEL_LAYOUTS}, got {kernel_layout!r}"
+            )
+        if kernel_layout == "auto":
+            kernel_layout = "out_in" if jax.default_backend() == "cpu" else "in_out"
+        self.kernel_layout = kernel_layout
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise ValueError(
                 f"EmbeddedSampler needs an rljax.models.Decoder, got {type(model).__name__}; "
@@ -467,7 +516,8 @@ class EmbeddedSampler:
         if batch_wait_ms < 0:
             raise ValueError(f"EmbeddedSampler batch_wait_ms must be >= 0, got {batch_wait_ms}")
         graphdef, state = nnx.split(model)
-        state = _snapshot(state)
+        self._graphdef = graphdef  # the model's own layout: set_weights merges new states with it
+        self._structure = jax.tree_util.tree_structure(state)
         self.config = model.config
         self.vocab_size = int(model.config.vocab_size)
         self.max_batch_size = bucket_size(max_batch_size)
@@ -479,8 +529,8 @@ class EmbeddedSampler:
         if not 0 <= pad_id < self.vocab_size:
             raise ValueError(f"pad_id must be a token id in [0, {self.vocab_size}), got {pad_id}")
         self.pad_id = int(pad_id)
-        # (graphdef, state, version), swapped as one reference so a batch never mixes them.
-        self._weights: tuple[Any, Any, int] = (graphdef, state, int(weight_version))
+        # (graphdef, state, version) as served, swapped as one reference so a batch never mixes them.
+        self._weights: tuple[Any, Any, int] = (*self._served(graphdef, state), int(weight_version))
         self._rng = np.random.default_rng(seed)
         self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
@@ -488,6 +538,11 @@ class EmbeddedSampler:
         self.num_requests = 0
 
     # -- weights --------------------------------------------------------------------------
+    def _served(self, graphdef: Any, state: Any) -> tuple[Any, Any]:
+        if self.kernel_layout == "out_in":
+            return to_decode_layout(graphdef, state)
+        return graphdef, _snapshot(state)
+
     @property
     def weight_version(self) -> int:
         """The version new requests are served with."""
@@ -496,28 +551,29 @@ class EmbeddedSampler:
     def set_weights(self, model_or_state: Any, *, version: int | None = None) -> int:
         """Serves new parameters (a Decoder or its ``nnx.State``); returns the new version.
 
-        No copy and no sync: the references to the (immutable) parameter arrays are swapped.
-        Batches already running keep the parameters (and version) they started with, and later
-        in-place changes to ``model_or_state`` are not seen until the next ``set_weights``, so the
-        reported version always names the parameters that produced a completion.
+        No sync: the references to the (immutable) parameter arrays are swapped (with
+        ``kernel_layout="out_in"``, to a transposed copy of the Linear kernels, dispatched
+        asynchronously). Batches already running keep the parameters (and version) they started
+        with, and later in-place changes to ``model_or_state`` are not seen until the next
+        ``set_weights``, so the reported version always names the parameters that produced a
+        completion.
         """
         if isinstance(model_or_state, nnx.Module):
             graphdef, state = nnx.split(model_or_state)
         elif isinstance(model_or_state, nnx.State):
-            graphdef, state = self._weights[0], model_or_state
+            graphdef, state = self._graphdef, model_or_state
         else:
             raise ValueError(
                 f"set_weights takes an rljax Decoder or its nnx.State, got {type(model_or_state).__name__}"
             )
-        _, old_state, old_version = self._weights
-        old = jax.tree_util.tree_structure(old_state)
-        if jax.tree_util.tree_structure(state) != old:
+        old_version = self._weights[2]
+        if jax.tree_util.tree_structure(state) != self._structure:
             raise ValueError(
                 "the new parameters do not have the structure of the sampler's model; "
                 "pass a model of the same architecture (or nnx.state(model))"
             )
         new_version = old_version + 1 if version is None else int(version)
-        self._weights = (graphdef, _snapshot(state), new_version)
+        self._weights = (*self._served(graphdef, state), new_version)
         return new_version
 
     async def update_weights(self, model: Any, *, version: int | None = None) -> int:

@@ -69,7 +69,11 @@ class Linear(nnx.Module):
         # (token) axis, a plain matmul for XLA:CPU. Contracting [B, T] as two axes sent it to a slow
         # generic dot fed by a transposed copy of the output gradient (~20 % of a CPU train step).
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(x2, self.kernel[...].astype(self.dtype), precision=self.precision)
+        kernel = self.kernel[...].astype(self.dtype)
+        if getattr(self, "kernel_layout", "in_out") == "out_in":  # decode_layout: kernel stored [out, in]
+            y = jax.lax.dot_general(x2, kernel, _CONTRACT_LAST, precision=self.precision)
+        else:
+            y = jnp.dot(x2, kernel, precision=self.precision)
         lora_a = getattr(self, "lora_a", None)  # a LoRA adapter (rljax.models.lora): + (alpha/r) x A B
         if lora_a is not None:
             xa = jnp.dot(x2, lora_a[...].astype(self.dtype), precision=self.precision)
@@ -79,6 +83,42 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+#: ``x [M, in]`` against a kernel stored ``[out, in]``: contract the last axes of both.
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))
+
+
+#: Linears whose kernel their owner reads as ``[in, out]`` itself (the untied output projection,
+#: :meth:`rljax.models.Decoder.unembedding`; an MoE router): :func:`decode_layout` leaves them.
+_READ_DIRECTLY = ("lm_head", "gate")
+
+
+def decode_layout(model: nnx.Module) -> nnx.Module:
+    """``model`` with its :class:`Linear` kernels stored transposed, ``[out, in]`` (HF's layout),
+    for the sampler's decode loop; same outputs up to float rounding of the matmuls. The untied
+    ``lm_head`` and MoE routers (``gate``), whose owners read their kernels directly, keep theirs.
+
+    A decode step multiplies a few rows by every weight. XLA:CPU runs ``x [M, in] @ W^T`` with ``W``
+    stored ``[out, in]`` faster than ``x @ W`` with ``W`` stored ``[in, out]`` when ``M`` is small
+    (``benchmarks/generation_bench.py`` prints the weight-matmul floor both ways). Call it inside the
+    jitted program, before the loop: the transposes then run once per call and the caller's model
+    is untouched (it changes ``model`` in place; pass a fresh ``nnx.merge``).
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> model = tiny_model(vocab_size=32, num_layers=1)
+    >>> proj = model.layers[0].mlp.up_proj
+    >>> shape = proj.kernel[...].shape
+    >>> decode_layout(model).layers[0].mlp.up_proj.kernel[...].shape == shape[::-1]
+    True
+    """
+    for path, module in nnx.iter_graph(model):
+        if path and path[-1] in _READ_DIRECTLY:
+            continue
+        if isinstance(module, Linear) and getattr(module, "kernel_layout", "in_out") == "in_out":
+            module.kernel = nnx.Param(module.kernel[...].T)
+            module.kernel_layout = "out_in"
+    return model
 
 
 class MLP(nnx.Module):

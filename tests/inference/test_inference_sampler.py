@@ -385,6 +385,40 @@ def test_update_weights_swaps_parameters_and_bumps_version(model):
     )
 
 
+def test_kernel_layouts_sample_the_same_tokens(model):
+    """The transposed-kernel copy (kernel_layout="out_in", the CPU default) samples what the model's
+    own layout samples: same tokens for the same seeds, logprobs within float32 matmul rounding;
+    both agree with the full forward (test_logprobs_equal_sequence_logprobs covers the default)."""
+    from rljax.models.layers import Linear
+
+    assert jax.default_backend() == "cpu"
+    stored = EmbeddedSampler(model, **BUCKETS)
+    plain = EmbeddedSampler(model, kernel_layout="in_out", **BUCKETS)
+    assert stored.kernel_layout == "out_in" and plain.kernel_layout == "in_out"
+    served = nnx.merge(*stored._weights[:2])
+    layouts = [
+        getattr(m, "kernel_layout", "in_out") for p, m in nnx.iter_graph(served) if isinstance(m, Linear)
+    ]
+    assert layouts.count("out_in") == 7 * model.config.num_layers  # q/k/v/o, gate/up/down
+    prompts = [[4, 5, 6, 7], [9, 3], [1, 2, 3, 4, 5, 6]]
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=i) for i in range(3)]
+    a, b = generate_batch(stored, prompts, params), generate_batch(plain, prompts, params)
+    for x, y in zip(a, b, strict=True):
+        assert x.ids == y.ids
+        np.testing.assert_allclose(x.logprobs, y.logprobs, **LOGPROB_TOL)
+    # set_weights re-transposes the new parameters (and checks them against the model's layout)
+    other = tiny_model(1)
+    stored.set_weights(nnx.state(other))
+    plain.set_weights(nnx.state(other))
+    x, y = (
+        generate_batch(stored, prompts[:1], params[:1])[0],
+        generate_batch(plain, prompts[:1], params[:1])[0],
+    )
+    assert x.ids == y.ids
+    with pytest.raises(ValueError, match="kernel_layout must be one of"):
+        EmbeddedSampler(model, kernel_layout="col_major")
+
+
 def test_max_model_len_clips_max_tokens(model):
     s = EmbeddedSampler(model, max_model_len=12, **BUCKETS)
     out = generate_batch(s, [[1] * 9], SamplingParams(max_tokens=50, seed=0))[0]

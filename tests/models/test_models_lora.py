@@ -272,3 +272,31 @@ def test_unembed_adapter_round_trips_with_peft(helpers, tmp_path, tied):
 def test_embedded_sampler_samples_with_the_unembed_adapter():
     model = _unembed_model(True, targets=("lm_head", "v_proj"), seed=8)
     _assert_sampler_uses_the_adapter(model)
+
+
+def test_decode_layout_keeps_logits_with_adapters():
+    """decode_layout (Linear kernels stored [out, in], the embedded sampler's CPU copy) gives the
+    model's logits within float32 matmul rounding, LoRA adapters (which keep their own layout)
+    included, with B != 0 so the adapters matter, and leaves no Linear in the old layout."""
+    import jax
+
+    from rljax.models.layers import Linear, decode_layout
+
+    model = random_decoder(models.tiny_config("qwen3", vocab_size=64), seed=4)
+    lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, Linear) and getattr(m, "lora_b", None) is not None:
+            m.lora_b[...] = jax.random.normal(jax.random.key(0), m.lora_b[...].shape) * 0.1
+    tokens = np.arange(1, 13, dtype=np.int32)[None]
+    want = np.asarray(model(tokens))
+    graphdef, state = nnx.split(model)
+    moved = decode_layout(nnx.merge(graphdef, state))
+    got = np.asarray(moved(tokens))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    layouts = {
+        p[-1]: getattr(m, "kernel_layout", "in_out")
+        for p, m in nnx.iter_graph(moved)
+        if isinstance(m, Linear)
+    }
+    assert layouts.pop("lm_head", "in_out") == "in_out"  # read as [in, out] by Decoder.unembedding
+    assert layouts and set(layouts.values()) == {"out_in"}
