@@ -194,7 +194,12 @@ def test_sl_loop_trains_and_its_nll_falls(server, hub, tmp_path):
 
 
 def test_rl_loop_trains_and_its_reward_rises(server, hub, tmp_path):
-    steps = 6
+    # The loop's sampling requests carry no seeds, so the server draws them in arrival order and the
+    # trajectory depends on timing and on what the server ran before. Measured over 6 steps, last two
+    # steps' mean reward: 0.80-0.97 in six runs (alone, under load, after the SL test), 0.31 once in
+    # a whole-suite run whose reward stalled for three steps. 8 steps and the last three steps' mean
+    # keep the check (a rise of more than 0.25 from ~0.08) away from such a stall.
+    steps = 8
     rows = run_recipe(
         "rl_loop", hub, tmp_path / "rl", server,
         "batch_size=4", "group_size=8", f"max_steps={steps}", "max_tokens=32", "learning_rate=2e-2",
@@ -203,6 +208,6 @@ def test_rl_loop_trains_and_its_reward_rises(server, hub, tmp_path):
     reward = [r["reward/total"] for r in rows if "reward/total" in r]
     assert len(reward) == steps, rows
     assert any("grad_norm:mean" in r for r in rows)  # at least one step trained (not all groups equal)
-    first, last = sum(reward[:2]) / 2, sum(reward[-2:]) / 2
+    first, last = sum(reward[:2]) / 2, sum(reward[-3:]) / 3
     assert first < 0.2, reward  # a random model rarely boxes the right digit
     assert last > first + 0.25, reward
