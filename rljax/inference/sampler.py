@@ -428,19 +428,12 @@ def to_decode_layout(graphdef: Any, state: Any) -> tuple[Any, Any]:
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
     weight-matmul floor with both stored layouts).
     """
-    return _decode_graphdef(graphdef, state), _transposed_state(graphdef, state)
+    return decode_graphdef(graphdef, state), _transposed_state(graphdef, state)
 
 
-def _decode_graphdef(graphdef: Any, state: Any) -> Any:
-    """The graphdef of :func:`to_decode_layout`'s model (traced once per model graphdef)."""
-    out = _DECODE_GRAPHDEFS.get(graphdef)
-    if out is None:
-        out = nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s)), state))
-        _DECODE_GRAPHDEFS[graphdef] = out
-    return out
-
-
-_DECODE_GRAPHDEFS: dict[Any, Any] = {}
+def decode_graphdef(graphdef: Any, state: Any) -> Any:
+    """The graphdef of :func:`to_decode_layout`'s model (traced abstractly: no arrays are made)."""
+    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s)), state))
 
 
 class EmbeddedSampler:
@@ -517,6 +510,7 @@ class EmbeddedSampler:
             raise ValueError(f"EmbeddedSampler batch_wait_ms must be >= 0, got {batch_wait_ms}")
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef  # the model's own layout: set_weights merges new states with it
+        self._decode_graphdefs: dict[Any, Any] = {}  # model graphdef -> its kernel_layout="out_in" one
         self._structure = jax.tree_util.tree_structure(state)
         self.config = model.config
         self.vocab_size = int(model.config.vocab_size)
@@ -540,7 +534,10 @@ class EmbeddedSampler:
     # -- weights --------------------------------------------------------------------------
     def _served(self, graphdef: Any, state: Any) -> tuple[Any, Any]:
         if self.kernel_layout == "out_in":
-            return to_decode_layout(graphdef, state)
+            served = self._decode_graphdefs.get(graphdef)
+            if served is None:  # traced once per model graphdef, not on every weight sync
+                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state)
+            return served, _transposed_state(graphdef, state)
         return graphdef, _snapshot(state)
 
     @property
