@@ -26,7 +26,7 @@ from rljax.models.hf_io import (
     save_pretrained_distributed,
     to_hf_state_dict,
 )
-from rljax.models.kv_cache import KVCache, init_cache
+from rljax.models.kv_cache import KVCache, grow_cache, init_cache
 from rljax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
     ForwardOutput,
@@ -82,6 +82,7 @@ __all__ = [
     "from_hf_state_dict",
     "from_pretrained",
     "hf_name_map",
+    "grow_cache",
     "init_cache",
     "tiny_config",
     "tiny_model",

@@ -119,3 +119,31 @@ def init_cache(
         lengths=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
+
+
+def grow_cache(cache: KVCache, max_length: int) -> KVCache:
+    """``cache`` with ``max_length`` slots per row: the slots added at the end are empty (``EMPTY_SLOT``).
+
+    Keys, values and slot segment ids are padded (one copy of the cache); ``lengths`` and ``index``
+    are unchanged, so decoding goes on exactly as in a cache built with ``max_length`` slots. The
+    generation loop uses it to attend only to the slots it has filled (prefill into the prompt's
+    slots, then grow segment by segment: :func:`rljax.inference.sampler.generate_tokens`).
+
+    >>> from rljax.models.config import ModelConfig
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> cache = grow_cache(init_cache(cfg, batch_size=3, max_length=5), 8)
+    >>> cache.keys[0].shape, cache.max_length, cache.segment_ids[0].tolist()
+    ((3, 8, 4), 8, [-1, -1, -1, -1, -1, -1, -1, -1])
+    """
+    extra = max_length - cache.max_length
+    if extra < 0:
+        raise ValueError(f"grow_cache cannot shrink a cache of {cache.max_length} slots to {max_length}")
+    if extra == 0:
+        return cache
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0)))  # noqa: E731
+    return cache.replace(
+        keys=tuple(map(pad, cache.keys)),
+        values=tuple(map(pad, cache.values)),
+        segment_ids=jnp.pad(cache.segment_ids, ((0, 0), (0, extra)), constant_values=EMPTY_SLOT),
+    )

@@ -419,6 +419,41 @@ def test_kernel_layouts_sample_the_same_tokens(model):
         EmbeddedSampler(model, kernel_layout="col_major")
 
 
+def test_decode_segments_sample_what_one_loop_samples(model, monkeypatch):
+    """The segmented decode loop (a cache grown segment by segment) against one loop over the whole
+    cache and against the full forward: same tokens for the same seeds, stop ids and budgets ending
+    rows inside and across segments, logprobs equal to sequence_logprobs."""
+    import rljax.inference.sampler as sampler_lib
+
+    monkeypatch.setattr(sampler_lib, "MIN_SEGMENT_STEPS", 4)
+    assert sampler_lib.decode_segment_ends(16, 3) == (6, 11, 16)
+    one = EmbeddedSampler(model, decode_segments=1, **BUCKETS)
+    segmented = EmbeddedSampler(model, decode_segments=3, **BUCKETS)
+    rng = np.random.default_rng(8)
+    prompts = prompts_of(rng, [5, 11, 2, 8])
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=12, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=12, seed=2),
+        SamplingParams(temperature=0.8, max_tokens=5, seed=3),  # ends inside the first segment
+        SamplingParams(temperature=1.2, max_tokens=12, seed=4),
+    ]
+    free = generate_batch(one, prompts, params)
+    # stop at the token drawn at step 7 (second segment) for two rows
+    params[0] = dataclasses.replace(params[0], stop_token_ids=(free[0].ids[7],))
+    params[3] = dataclasses.replace(params[3], stop_token_ids=(free[3].ids[7],))
+    want = generate_batch(one, prompts, params)
+    got = generate_batch(segmented, prompts, params)
+    for prompt, p, w, g in zip(prompts, params, want, got, strict=True):
+        assert g.ids == w.ids and g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.logprobs, w.logprobs, **LOGPROB_TOL)
+        ref = full_logprobs(model, prompt + list(g.ids), p.temperature or 1.0)  # greedy: T = 1 logprobs
+        np.testing.assert_allclose(g.logprobs, ref[len(prompt) :], **LOGPROB_TOL)
+    assert [len(g.ids) for g in got] == [free[0].ids.index(free[0].ids[7]) + 1, 12, 5,
+                                        free[3].ids.index(free[3].ids[7]) + 1]  # fmt: skip
+    with pytest.raises(ValueError, match="decode_segments must be an int >= 1"):
+        EmbeddedSampler(model, decode_segments=0)
+
+
 def test_max_model_len_clips_max_tokens(model):
     s = EmbeddedSampler(model, max_model_len=12, **BUCKETS)
     out = generate_batch(s, [[1] * 9], SamplingParams(max_tokens=50, seed=0))[0]

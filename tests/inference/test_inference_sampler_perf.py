@@ -12,13 +12,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljax.inference import sampler as sampler_lib
-from rljax.inference.sampler import first_argmax, sample_by_inversion, step_uniforms
+from rljax.inference.sampler import decode_segment_ends, first_argmax, sample_by_inversion, step_uniforms
 from rljax.models import tiny_config, tiny_model
 
 
@@ -137,7 +138,8 @@ def _computation(hlo: str, name: str) -> str:
     return hlo[start : hlo.index("\n}\n", start)]
 
 
-def test_generation_loop_has_no_per_step_prng_loop_or_cache_copy():
+@pytest.mark.parametrize("ends", [(16,), (8, 16), (5, 11, 16)])
+def test_generation_loop_has_no_per_step_prng_loop_or_cache_copy(ends):
     cfg = tiny_config(vocab_size=96)
     graphdef, state = nnx.split(tiny_model(vocab_size=96))
     rows, prompt_len, new = 4, 16, 16
@@ -146,20 +148,39 @@ def test_generation_loop_has_no_per_step_prng_loop_or_cache_copy():
         np.ones(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
         np.full(rows, new, np.int32), np.full((rows, 4), -1, np.int32), np.arange(rows, dtype=np.uint32),
     )  # fmt: skip
-    hlo = sampler_lib._JITTED_GENERATE.lower(graphdef, state, *args, new, 0).compile().as_text()
+    hlo = sampler_lib._JITTED_GENERATE.lower(graphdef, state, *args, new, 0, ends).compile().as_text()
     loops = re.findall(r"= \(s32\[\], f32\[\d+,96\].*?\) while\(.*?body=%([\w.\-]+)", hlo)
-    assert len(loops) == 1, "expected one generation while_loop carrying [rows, vocab] logits"
-    body = _computation(hlo, loops[0])
-    # No PRNG (threefry runs as a rolled loop on CPU: ~270 extra ops per step before) inside the step.
-    assert " while(" not in body
-    # Each cache array ([rows * kv_heads, slots, head_dim]) is only written in place, never copied.
-    size = rows * cfg.num_kv_heads * (prompt_len + new) * cfg.head_dim
-    produced = []
-    for line in body.splitlines():
-        m = re.search(r"= f32\[([\d,]+)\]\S* ([\w\-]+)\(", line)
-        if m and m.group(2) not in ("bitcast", "get-tuple-element", "parameter"):
-            if math.prod(int(x) for x in m.group(1).split(",")) == size:
-                produced.append(line.strip()[:140])
-    assert len(produced) == 2 * cfg.num_layers and all("dynamic-update-slice" in p for p in produced), (
-        produced
+    assert len(loops) == len(ends), (
+        "expected one generation while_loop per segment, carrying [rows, vocab] logits"
     )
+    # Each segment's loop carries a cache of prompt + segment-end slots, in order.
+    sizes = []
+    for loop in loops:
+        body = _computation(hlo, loop)
+        # No PRNG (threefry runs as a rolled loop on CPU: ~270 extra ops per step before) inside the step.
+        assert " while(" not in body
+        # Each cache array ([rows * kv_heads, slots, head_dim]) is only written in place, never copied.
+        produced = {}
+        for line in body.splitlines():
+            m = re.search(r"= f32\[(\d+),(\d+),(\d+)\]\S* ([\w\-]+)\(", line)
+            if m and m.group(4) not in ("bitcast", "get-tuple-element", "parameter"):
+                shape = tuple(int(m.group(i)) for i in (1, 2, 3))
+                if shape[0] == rows * cfg.num_kv_heads and shape[2] == cfg.head_dim and shape[1] > prompt_len:
+                    produced.setdefault(shape[1], []).append(line.strip()[:140])
+        assert len(produced) == 1, produced
+        [(slots, lines)] = produced.items()
+        assert len(lines) == 2 * cfg.num_layers and all("dynamic-update-slice" in p for p in lines), lines
+        sizes.append(slots)
+    assert sorted(sizes) == [prompt_len + e for e in ends]
+
+
+def test_decode_segment_ends_hand_values():
+    assert decode_segment_ends(128, 4) == (32, 64, 96, 128)  # 32-step segments
+    assert decode_segment_ends(64, 4) == (32, 64)  # at least MIN_SEGMENT_STEPS (32) steps each
+    assert decode_segment_ends(31, 4) == (31,)
+    assert decode_segment_ends(100, 3) == (34, 67, 100)  # ceil(100 / 3), ceil(200 / 3)
+    assert decode_segment_ends(1024, 4) == (256, 512, 768, 1024)
+    assert decode_segment_ends(128, 1) == (128,)
+    assert decode_segment_ends(10, 4, min_steps=2) == (3, 5, 8, 10)
+    with pytest.raises(ValueError, match="positive"):
+        decode_segment_ends(0, 4)

@@ -93,6 +93,29 @@ def test_prefill_then_decode_steps_match_full_forward(model, sequences, referenc
     np.testing.assert_allclose(np.stack(got, axis=1), reference, **LOGPROB_TOL)
 
 
+@pytest.mark.parametrize("left", [False, True])
+def test_a_cache_grown_step_by_step_matches_full_forward(model, sequences, reference, left):
+    """Prefill into exactly the prompt's slots, then grow the cache by one slot before every step
+    (the sampler's segments at their extreme): the logprobs of one full forward."""
+    prompts, cont = sequences
+    tokens, seg = _padded_prompts(prompts, left=left)
+    logits, cache, _ = _prefill(model, tokens, segment_ids=seg, max_length=PAD)
+    got = []
+    for j in range(NUM_NEW):
+        got.append(np.asarray(jax.nn.log_softmax(logits, axis=-1))[np.arange(len(prompts)), cont[:, j]])
+        grown = models.grow_cache(cache, cache.max_length + 1)
+        assert grown.max_length == PAD + j + 1 and int(grown.index) == int(cache.index)
+        np.testing.assert_array_equal(
+            np.asarray(grown.layer_keys(1))[:, : PAD + j], np.asarray(cache.layer_keys(1))
+        )
+        assert np.all(np.asarray(grown.segment_ids)[:, -1] == models.kv_cache.EMPTY_SLOT)
+        logits, cache, _ = _step(model, jnp.asarray(cont[:, j]), grown)
+    np.testing.assert_allclose(np.stack(got, axis=1), reference, **LOGPROB_TOL)
+    assert models.grow_cache(cache, cache.max_length) is cache
+    with pytest.raises(ValueError, match="cannot shrink"):
+        models.grow_cache(cache, cache.max_length - 1)
+
+
 def test_multi_token_decode_chunks_match_full_forward(model, sequences, reference):
     prompts, cont = sequences
     tokens, seg = _padded_prompts(prompts, left=False)
