@@ -291,7 +291,7 @@ def generate_tokens(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Samples up to ``max_new_tokens`` tokens per row in ``lax.while_loop`` segments (jit-safe).
 
-    Prefills the left-padded prompts into a cache of their ``P`` slots, then each step
+    Prefills the left-padded prompts into a cache of ``P + segment_ends[0]`` slots, then each step
     draws ``x_t ~ p~(. | prompt, x_<t)`` (:func:`processed_logprobs`, :func:`sample_by_inversion`
     with the uniform of key ``fold_in(key(seed), t)``, all drawn before the loop by
     :func:`step_uniforms`) for rows still running and feeds it back with one
@@ -300,7 +300,7 @@ def generate_tokens(
     are done. No host synchronization happens inside the loop.
 
     The steps run in consecutive loops that end at ``segment_ends`` (:func:`decode_segment_ends`); the
-    cache grows by :func:`rljax.models.grow_cache` before each to ``P + end`` slots, so a step
+    cache grows by :func:`rljax.models.grow_cache` before each later one to ``P + end`` slots, so a step
     attends to the slots its segment fills rather than to all ``P + max_new_tokens`` (the attention
     work of a decode step is proportional to the cache length). The draws do not depend on the
     segmentation; the logprobs agree to float32 rounding (a softmax over fewer empty slots).
@@ -336,11 +336,9 @@ def generate_tokens(
     ends = tuple(segment_ends or (max_new_tokens,))
     if ends[-1] != max_new_tokens or any(b <= a for a, b in zip((0, *ends), ends, strict=False)):
         raise ValueError(f"segment_ends must increase from > 0 to max_new_tokens={max_new_tokens}: {ends}")
-    # The prompt attends to its own P slots only; the cache then grows to the first segment's size.
     logits, cache, prompt_routing = prefill(
-        model, prompt, max_length=prompt_len, segment_ids=prompt_segment_ids, with_routing=record
+        model, prompt, max_length=prompt_len + ends[0], segment_ids=prompt_segment_ids, with_routing=record
     )
-    cache = grow_cache(cache, prompt_len + ends[0])
     gen_routing = None
     if record:
         gen_routing = jnp.full((batch, max_new_tokens, *prompt_routing.experts.shape[2:]), -1, jnp.int32)
@@ -395,7 +393,7 @@ def generate_tokens(
 
 
 def decode_segment_ends(
-    max_new_tokens: int, max_segments: int, *, min_steps: int | None = None
+    max_new_tokens: int, max_segments: int, *, prompt_len: int = 0, min_steps: int | None = None
 ) -> tuple[int, ...]:
     """Step counts at which :func:`generate_tokens`'s decode segments end (the last is ``max_new_tokens``).
 
@@ -403,17 +401,24 @@ def decode_segment_ends(
     (``min_steps`` defaults to :data:`MIN_SEGMENT_STEPS`):
     ``end_i = ceil(max_new_tokens * (i + 1) / n)``. Segment ``i`` decodes with a cache of
     ``P + end_i`` slots, so a step attends to the slots filled by its segment's end instead of all
-    ``P + max_new_tokens``; each segment is one more copy of the decode step in the compiled program.
+    ``P + max_new_tokens``; each segment is one more copy of the decode step in the compiled program,
+    and each growth one copy of the cache. With a prompt longer than the generation
+    (``prompt_len > max_new_tokens``) segments would save under a quarter of the loop's attention
+    and copy a mostly-prompt cache (twice its memory while it grows), so there is one loop.
 
     >>> decode_segment_ends(128, 4), decode_segment_ends(100, 4), decode_segment_ends(16, 4)
     ((32, 64, 96, 128), (34, 67, 100), (16,))
+    >>> decode_segment_ends(128, 4, prompt_len=64), decode_segment_ends(128, 4, prompt_len=4096)
+    ((32, 64, 96, 128), (128,))
     """
     min_steps = MIN_SEGMENT_STEPS if min_steps is None else min_steps
-    if max_new_tokens < 1 or max_segments < 1 or min_steps < 1:
+    if max_new_tokens < 1 or max_segments < 1 or min_steps < 1 or prompt_len < 0:
         raise ValueError(
             f"decode_segment_ends needs positive sizes, got max_new_tokens={max_new_tokens}, "
-            f"max_segments={max_segments}, min_steps={min_steps}"
+            f"max_segments={max_segments}, min_steps={min_steps}, prompt_len={prompt_len}"
         )
+    if prompt_len > max_new_tokens:
+        return (max_new_tokens,)
     n = min(max(max_new_tokens // min_steps, 1), max_segments)
     return tuple(-(-max_new_tokens * (i + 1) // n) for i in range(n))
 
@@ -507,9 +512,10 @@ class EmbeddedSampler:
       decode_segments: most segments of a call's decode loop (:func:`generate_tokens`): each
         segment's steps attend only to the cache slots filled by its end, so more segments mean
         less attention work per step and a longer compile (one more decode step per segment).
-        A segment is at least :data:`MIN_SEGMENT_STEPS` steps, so short generations keep one loop.
-        Default 4 (29M Qwen3, 32 x (64 + 128) tokens on CPU: ~1.1x the tokens/s of one loop, a
-        program ~6 s slower to compile); 1 turns it off.
+        A segment is at least :data:`MIN_SEGMENT_STEPS` steps, so short generations keep one loop,
+        and so do generations shorter than their (padded) prompt (:func:`decode_segment_ends`).
+        Default 4 (29M Qwen3, 32 x (64 + 128) tokens on CPU: 1.07x the tokens/s of one loop, the
+        program 4-6 s slower to compile); 1 turns it off.
 
     >>> import asyncio
     >>> from flax import nnx
@@ -740,7 +746,7 @@ class EmbeddedSampler:
             seeds,
             new_len,
             self.pad_id,
-            decode_segment_ends(new_len, self.decode_segments),
+            decode_segment_ends(new_len, self.decode_segments, prompt_len=prompt_len),
         )
         ids, logprobs, num_tokens, finish, routing = jax.device_get(
             (ids, logprobs, num_tokens, finish, routing)

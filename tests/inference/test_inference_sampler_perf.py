@@ -182,5 +182,8 @@ def test_decode_segment_ends_hand_values():
     assert decode_segment_ends(1024, 4) == (256, 512, 768, 1024)
     assert decode_segment_ends(128, 1) == (128,)
     assert decode_segment_ends(10, 4, min_steps=2) == (3, 5, 8, 10)
+    # a prompt longer than the generation keeps one loop (little attention to save, a big cache to copy)
+    assert decode_segment_ends(128, 4, prompt_len=128) == (32, 64, 96, 128)
+    assert decode_segment_ends(128, 4, prompt_len=129) == (128,)
     with pytest.raises(ValueError, match="positive"):
         decode_segment_ends(0, 4)
