@@ -126,8 +126,8 @@ def grow_cache(cache: KVCache, max_length: int) -> KVCache:
 
     Keys, values and slot segment ids are padded (one copy of the cache); ``lengths`` and ``index``
     are unchanged, so decoding goes on exactly as in a cache built with ``max_length`` slots. The
-    generation loop uses it to attend only to the slots it has filled (prefill into the prompt's
-    slots, then grow segment by segment: :func:`rljax.inference.sampler.generate_tokens`).
+    generation loop uses it to attend only to the slots it has filled (a cache sized for the first
+    decode segment, grown before each later one: :func:`rljax.inference.sampler.generate_tokens`).
 
     >>> from rljax.models.config import ModelConfig
     >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
