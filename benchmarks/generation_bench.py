@@ -78,6 +78,8 @@ from rljax.models import (
     save_pretrained,
     sequence_logprobs,
 )
+from rljax.models.panel_matmul import available as panel_matmul_available
+from rljax.models.panel_matmul import pack_panels, panel_matmul
 
 TINY_QWEN3 = dict(
     model_type="qwen3",
@@ -213,22 +215,23 @@ def weight_matmul_floor(
     (prefill, the unembedding for the last token only) and then ``new_tokens`` steps of ``rows``
     tokens each with the unembedding, in one jitted program (a ``fori_loop`` over the steps, as a
     sampler's decode loop), float32, the weights passed as arguments (as a sampler's are).
-    ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``) or ``[out, in]`` (``x @ W^T``,
-    the embedded sampler's default on CPU; XLA:CPU runs few-row matmuls faster that way). Attention
-    over the cache, norms, RoPE and sampling are left out, so no sampler can beat it with XLA:CPU's
-    matmuls; the best of ``reps`` timings after one warm-up.
+    ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``), ``[out, in]`` (``x @ W^T``;
+    XLA:CPU runs few-row matmuls faster that way) or ``"panels"`` (16-column panels multiplied by
+    :func:`rljax.models.panel_matmul.panel_matmul`, the embedded sampler's default on x86-64 CPUs).
+    Attention over the cache, norms, RoPE and sampling are left out, so no sampler can beat it with
+    the same matmuls; the best of ``reps`` timings after one warm-up.
     """
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 7 * cfg.num_layers + 2))
-    stored_out_in = kernel_layout == "out_in"
-
     def weight(fan_in: int, fan_out: int) -> jax.Array:
-        shape = (fan_out, fan_in) if stored_out_in else (fan_in, fan_out)
-        return jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5
+        w = jax.random.normal(next(keys), (fan_in, fan_out), jnp.float32) * fan_in**-0.5
+        return {"in_out": w, "out_in": w.T.copy(), "panels": pack_panels(w)}[kernel_layout]
 
     def mm(x: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) if stored_out_in else x @ w
+        if kernel_layout == "panels":
+            return panel_matmul(x, w)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) if kernel_layout == "out_in" else x @ w
 
     layers = [
         [weight(h, q_dim), weight(h, kv_dim), weight(h, kv_dim), weight(q_dim, h),
@@ -407,12 +410,13 @@ def compare_tunix(
             model.config, rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens,
             kernel_layout=layout,
         )
-        for layout in ("in_out", "out_in")
+        for layout in ("in_out", "out_in", "panels")
+        if layout != "panels" or panel_matmul_available()
     }  # fmt: skip
     floor = max(floors.values())
     print(f"  weight-matmul floor (the pass's weight matmuls alone, one jitted program): {floor:,.0f} "
           f"tokens/s (weights stored [out, in]: {floors['out_in']:,.0f}, "
-          f"[in, out]: {floors['in_out']:,.0f}); "
+          f"[in, out]: {floors['in_out']:,.0f}, panels: {floors.get('panels', float('nan')):,.0f}); "
           f"rljax {compared['rljax'] / floor:.0%} of it, tunix {compared['tunix'] / floor:.0%}; "
           f"the goal ({TUNIX_GOAL:.0f}x tunix's best = {TUNIX_GOAL * compared['tunix']:,.0f} tokens/s) "
           f"is {TUNIX_GOAL * compared['tunix'] / floor:.0%} of it [load average {peer_lib.load_average()}]",

@@ -52,6 +52,7 @@ from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.decode import decode_step, prefill
 from rljax.models.kv_cache import grow_cache
 from rljax.models.layers import decode_layout
+from rljax.models.panel_matmul import available as panel_matmul_available
 
 __all__ = [
     "FINISH_LENGTH",
@@ -68,6 +69,7 @@ __all__ = [
     "sample_from_logprobs",
     "step_uniforms",
     "to_decode_layout",
+    "auto_kernel_layout",
 ]
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
@@ -463,28 +465,40 @@ def _snapshot(state: Any) -> Any:
 _JITTED_GENERATE = jax.jit(_generate_program, static_argnums=(0, 10, 11, 12))
 
 #: ``EmbeddedSampler(kernel_layout=...)`` values.
-KERNEL_LAYOUTS = ("auto", "in_out", "out_in")
+KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _transposed_state(graphdef: Any, state: Any) -> Any:
-    return nnx.state(decode_layout(nnx.merge(graphdef, state)))
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _transposed_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
+    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout))
 
 
-def to_decode_layout(graphdef: Any, state: Any) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of the same model with every Linear kernel stored ``[out, in]``
-    (:func:`rljax.models.layers.decode_layout`), as new arrays made by one jitted transposition.
+def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple[Any, Any]:
+    """``(graphdef, state)`` of the same model with its Linear kernels stored for decoding
+    (:func:`rljax.models.layers.decode_layout`: ``"out_in"`` transposed, ``"panels"`` packed for the
+    CPU kernel), as new arrays made by one jitted copy.
 
     Stored, not transposed inside the generation program: XLA:CPU folds an in-program transpose
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
-    weight-matmul floor with both stored layouts).
+    weight-matmul floor with each stored layout).
     """
-    return decode_graphdef(graphdef, state), _transposed_state(graphdef, state)
+    return decode_graphdef(graphdef, state, layout), _transposed_state(graphdef, state, layout)
 
 
-def decode_graphdef(graphdef: Any, state: Any) -> Any:
+def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
     """The graphdef of :func:`to_decode_layout`'s model (traced abstractly: no arrays are made)."""
-    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s)), state))
+    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout), state))
+
+
+def auto_kernel_layout(model: Any) -> str:
+    """``EmbeddedSampler(kernel_layout="auto")``: ``"panels"`` on a CPU where the AVX2 kernel of
+    :mod:`rljax.models.panel_matmul` is available and the model computes in float32, else
+    ``"out_in"`` on a CPU and ``"in_out"`` elsewhere."""
+    if jax.default_backend() != "cpu":
+        return "in_out"
+    if panel_matmul_available() and jnp.dtype(getattr(model, "dtype", jnp.float32)) == jnp.float32:
+        return "panels"
+    return "out_in"
 
 
 class EmbeddedSampler:
@@ -504,11 +518,14 @@ class EmbeddedSampler:
       weight_version: the version reported for the initial parameters.
       pad_id: id used for padding (any valid id; padding is masked).
       kernel_layout: how the sampler stores its copy of the Linear kernels: ``"in_out"`` (the
-        model's own arrays, no copy) or ``"out_in"`` (a transposed copy made on every
+        model's own arrays, no copy), ``"out_in"`` (a transposed copy made on every
         :meth:`set_weights`, :func:`to_decode_layout`: decode's few-row matmuls run faster on
-        XLA:CPU, e.g. 29M Qwen3, 32 x (64 + 128) tokens: see the README's generation benchmark);
-        ``"auto"`` (default): ``"out_in"`` on CPU, ``"in_out"`` elsewhere (not measured there, and
-        the copy would hold the weights twice in accelerator memory).
+        XLA:CPU than with ``"in_out"``) or ``"panels"`` (a copy packed into 16-column panels, output
+        projection included, multiplied by the AVX2 kernel of :mod:`rljax.models.panel_matmul`;
+        float32 models on x86-64 CPUs); ``"auto"`` (default, :func:`auto_kernel_layout`):
+        ``"panels"`` where that kernel is available, else ``"out_in"`` on CPU, and ``"in_out"``
+        elsewhere (the copy would hold the weights twice in accelerator memory). 29M Qwen3, 32 x
+        (64 + 128) tokens: see the README's generation benchmark.
       decode_segments: most segments of a call's decode loop (:func:`generate_tokens`): each
         segment's steps attend only to the cache slots filled by its end, so more segments mean
         less attention work per step and a longer compile (one more decode step per segment).
@@ -549,7 +566,7 @@ class EmbeddedSampler:
                 f"EmbeddedSampler kernel_layout must be one of {KERNEL_LAYOUTS}, got {kernel_layout!r}"
             )
         if kernel_layout == "auto":
-            kernel_layout = "out_in" if jax.default_backend() == "cpu" else "in_out"
+            kernel_layout = auto_kernel_layout(model)
         self.kernel_layout = kernel_layout
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise ValueError(
@@ -594,11 +611,12 @@ class EmbeddedSampler:
 
     # -- weights --------------------------------------------------------------------------
     def _served(self, graphdef: Any, state: Any) -> tuple[Any, Any]:
-        if self.kernel_layout == "out_in":
+        if self.kernel_layout != "in_out":
+            layout = self.kernel_layout
             served = self._decode_graphdefs.get(graphdef)
             if served is None:  # traced once per model graphdef, not on every weight sync
-                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state)
-            return served, _transposed_state(graphdef, state)
+                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout)
+            return served, _transposed_state(graphdef, state, layout)
         return graphdef, _snapshot(state)
 
     @property

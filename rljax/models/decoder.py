@@ -52,6 +52,7 @@ from rljax.models.context import (
 from rljax.models.kv_cache import KVCache
 from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
 from rljax.models.moe import Routing, SparseMoeBlock
+from rljax.models.panel_matmul import panel_matmul
 
 DEFAULT_ATTENTION_CHUNK_SIZE = 1024
 
@@ -564,7 +565,11 @@ class Decoder(nnx.Module):
         ``(alpha / r) (hidden A) B``) for hidden states of any leading shape."""
         flat = hidden.reshape(-1, hidden.shape[-1]).astype(self.dtype)  # one 2-D matmul, as in Linear
         f32 = jnp.float32
-        logits = jnp.dot(flat, self.unembedding(), precision=self.precision, preferred_element_type=f32)
+        packed = getattr(self, "unembedding_panels", None)  # decode_layout(layout="panels")
+        if packed is not None:
+            logits = panel_matmul(flat, packed[...])
+        else:
+            logits = jnp.dot(flat, self.unembedding(), precision=self.precision, preferred_element_type=f32)
         adapter = self.unembedding_lora()
         if adapter is not None:
             logits = logits + adapter.delta(flat, precision=self.precision)

@@ -385,28 +385,36 @@ def test_update_weights_swaps_parameters_and_bumps_version(model):
     )
 
 
-def test_kernel_layouts_sample_the_same_tokens(model):
-    """The transposed-kernel copy (kernel_layout="out_in", the CPU default) samples what the model's
-    own layout samples: same tokens for the same seeds, logprobs within float32 matmul rounding;
-    both agree with the full forward (test_logprobs_equal_sequence_logprobs covers the default)."""
+@pytest.mark.parametrize("layout", ["out_in", "panels"])
+def test_kernel_layouts_sample_the_same_tokens(model, layout):
+    """The decode copies of the kernels (``"out_in"``: transposed; ``"panels"``: packed for the AVX2
+    kernel, the CPU default where it builds) sample what the model's own layout samples: same tokens
+    for the same seeds, logprobs within float32 matmul rounding; the default layout also agrees with
+    the full forward (test_logprobs_equal_sequence_logprobs)."""
     from rljax.models.layers import Linear
+    from rljax.models.panel_matmul import available
 
     assert jax.default_backend() == "cpu"
-    stored = EmbeddedSampler(model, **BUCKETS)
+    if layout == "panels":
+        # this x86-64 machine has AVX2/FMA and a C++ compiler: the kernel must build here
+        assert available(), "the panel_matmul kernel did not build (see the logged warning)"
+        assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "panels"  # auto picks it
+    stored = EmbeddedSampler(model, kernel_layout=layout, **BUCKETS)
     plain = EmbeddedSampler(model, kernel_layout="in_out", **BUCKETS)
-    assert stored.kernel_layout == "out_in" and plain.kernel_layout == "in_out"
+    assert stored.kernel_layout == layout and plain.kernel_layout == "in_out"
     served = nnx.merge(*stored._weights[:2])
     layouts = [
         getattr(m, "kernel_layout", "in_out") for p, m in nnx.iter_graph(served) if isinstance(m, Linear)
     ]
-    assert layouts.count("out_in") == 7 * model.config.num_layers  # q/k/v/o, gate/up/down
+    assert layouts.count(layout) == 7 * model.config.num_layers  # q/k/v/o, gate/up/down
+    assert (getattr(served, "unembedding_panels", None) is not None) == (layout == "panels")
     prompts = [[4, 5, 6, 7], [9, 3], [1, 2, 3, 4, 5, 6]]
     params = [SamplingParams(temperature=1.0, max_tokens=12, seed=i) for i in range(3)]
     a, b = generate_batch(stored, prompts, params), generate_batch(plain, prompts, params)
     for x, y in zip(a, b, strict=True):
         assert x.ids == y.ids
         np.testing.assert_allclose(x.logprobs, y.logprobs, **LOGPROB_TOL)
-    # set_weights re-transposes the new parameters (and checks them against the model's layout)
+    # set_weights re-lays out the new parameters (and checks them against the model's layout)
     other = tiny_model(1)
     stored.set_weights(nnx.state(other))
     plain.set_weights(nnx.state(other))
@@ -415,8 +423,36 @@ def test_kernel_layouts_sample_the_same_tokens(model):
         generate_batch(plain, prompts[:1], params[:1])[0],
     )
     assert x.ids == y.ids
+    np.testing.assert_allclose(x.logprobs, y.logprobs, **LOGPROB_TOL)
     with pytest.raises(ValueError, match="kernel_layout must be one of"):
         EmbeddedSampler(model, kernel_layout="col_major")
+
+
+def test_panels_fall_back_per_matrix_and_for_bfloat16():
+    """Kernels whose output is not a multiple of 16 (here k/v: 2 x 4 = 8 columns, and a 90-token
+    vocabulary) stay ``"out_in"`` beside packed ones and the model samples the same tokens; a bfloat16
+    model is not packed at all (the kernel is float32) and ``"auto"`` keeps ``"out_in"`` for it."""
+    from rljax.models.layers import Linear
+
+    odd = models.tiny_model(vocab_size=90, head_dim=4, seed=3)
+    stored = EmbeddedSampler(odd, kernel_layout="panels", **BUCKETS)
+    plain = EmbeddedSampler(odd, kernel_layout="in_out", **BUCKETS)
+    served = nnx.merge(*stored._weights[:2])
+    linears = [(p, m) for p, m in nnx.iter_graph(served) if isinstance(m, Linear)]
+    by_name = {p[-1]: getattr(m, "kernel_layout", "in_out") for p, m in linears}
+    assert by_name["k_proj"] == by_name["v_proj"] == "out_in" and by_name["up_proj"] == "panels"
+    assert getattr(served, "unembedding_panels", None) is None
+    prompts, params = [[4, 5, 6, 7], [9, 3]], [SamplingParams(max_tokens=10, seed=i) for i in range(2)]
+    a, b = generate_batch(stored, prompts, params), generate_batch(plain, prompts, params)
+    for x, y in zip(a, b, strict=True):
+        assert x.ids == y.ids
+        np.testing.assert_allclose(x.logprobs, y.logprobs, **LOGPROB_TOL)
+    bf16 = models.Decoder(odd.config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert EmbeddedSampler(bf16, **BUCKETS).kernel_layout == "out_in"
+    served = nnx.merge(*EmbeddedSampler(bf16, kernel_layout="panels", **BUCKETS)._weights[:2])
+    layouts = {getattr(m, "kernel_layout", "in_out") for _, m in nnx.iter_graph(served)
+               if isinstance(m, Linear)}
+    assert "panels" not in layouts and "out_in" in layouts
 
 
 def test_decode_segments_sample_what_one_loop_samples(model, monkeypatch):

@@ -1,0 +1,163 @@
+// Few-row float32 matmul for the embedded sampler's decode steps on x86-64 CPUs (AVX2 + FMA),
+// registered as the XLA FFI target "rljax_panel_matmul" (rljax/models/panel_matmul.py builds, loads
+// and calls it; the README's generation section has the measurements).
+//
+//   y[M, N] = x[M, K] @ W[K, N],  W stored as column panels P[N / 16, K, 16]: P[p, k, j] = W[k, 16 p + j]
+//
+// A decode step multiplies a few rows (one per sequence) by every weight matrix, so the weights are
+// read once per step and the rows are reused: each 16-column panel (K x 16 floats, contiguous) is
+// streamed once per tile of rows while up to 6 rows accumulate in 12 AVX registers, and the next
+// panel is prefetched while the current one is multiplied. Work items (row tile x chunk of panels)
+// are shared with XLA's intra-op thread pool through an atomic counter; the calling thread takes
+// items too, so the call completes even when no pool thread is free.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 16;        // columns per panel: two 8-float AVX registers
+constexpr int64_t kRowTile = 48;      // rows whose inputs stay in L2 while every panel streams by
+constexpr int64_t kPanelsPerItem = 4; // panels per work item
+
+// y[0:MR, 0:16] = x[0:MR, :] @ panel[K, 16]; rows of x are ldx apart, rows of y ldy apart.
+// Named accumulators (not an array) keep all 2 * MR of them in registers.
+template <int MR>
+inline void MicroKernel(const float* x, int64_t ldx, int64_t K, const float* panel, float* y, int64_t ldy,
+                        const float* prefetch) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < K; ++k) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kPanel * k), _MM_HINT_T1);
+    const __m256 w0 = _mm256_loadu_ps(panel + kPanel * k);
+    const __m256 w1 = _mm256_loadu_ps(panel + kPanel * k + 8);
+    __m256 b = _mm256_broadcast_ss(x + k);
+    c00 = _mm256_fmadd_ps(b, w0, c00);
+    c01 = _mm256_fmadd_ps(b, w1, c01);
+    if constexpr (MR > 1) {
+      b = _mm256_broadcast_ss(x + ldx + k);
+      c10 = _mm256_fmadd_ps(b, w0, c10);
+      c11 = _mm256_fmadd_ps(b, w1, c11);
+    }
+    if constexpr (MR > 2) {
+      b = _mm256_broadcast_ss(x + 2 * ldx + k);
+      c20 = _mm256_fmadd_ps(b, w0, c20);
+      c21 = _mm256_fmadd_ps(b, w1, c21);
+    }
+    if constexpr (MR > 3) {
+      b = _mm256_broadcast_ss(x + 3 * ldx + k);
+      c30 = _mm256_fmadd_ps(b, w0, c30);
+      c31 = _mm256_fmadd_ps(b, w1, c31);
+    }
+    if constexpr (MR > 4) {
+      b = _mm256_broadcast_ss(x + 4 * ldx + k);
+      c40 = _mm256_fmadd_ps(b, w0, c40);
+      c41 = _mm256_fmadd_ps(b, w1, c41);
+    }
+    if constexpr (MR > 5) {
+      b = _mm256_broadcast_ss(x + 5 * ldx + k);
+      c50 = _mm256_fmadd_ps(b, w0, c50);
+      c51 = _mm256_fmadd_ps(b, w1, c51);
+    }
+  }
+  _mm256_storeu_ps(y, c00);
+  _mm256_storeu_ps(y + 8, c01);
+  if constexpr (MR > 1) { _mm256_storeu_ps(y + ldy, c10); _mm256_storeu_ps(y + ldy + 8, c11); }
+  if constexpr (MR > 2) { _mm256_storeu_ps(y + 2 * ldy, c20); _mm256_storeu_ps(y + 2 * ldy + 8, c21); }
+  if constexpr (MR > 3) { _mm256_storeu_ps(y + 3 * ldy, c30); _mm256_storeu_ps(y + 3 * ldy + 8, c31); }
+  if constexpr (MR > 4) { _mm256_storeu_ps(y + 4 * ldy, c40); _mm256_storeu_ps(y + 4 * ldy + 8, c41); }
+  if constexpr (MR > 5) { _mm256_storeu_ps(y + 5 * ldy, c50); _mm256_storeu_ps(y + 5 * ldy + 8, c51); }
+}
+
+// Rows [r0, r1) against panels [p0, p1).
+void Block(const float* x, const float* panels, float* y, int64_t K, int64_t N, int64_t num_panels, int64_t r0,
+           int64_t r1, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = panels + p * K * kPanel;
+    const float* next = p + 1 < num_panels ? panel + K * kPanel : nullptr;
+    float* yp = y + p * kPanel;
+    int64_t r = r0;
+    for (; r + 6 <= r1; r += 6) {
+      MicroKernel<6>(x + r * K, K, K, panel, yp + r * N, N, r == r0 ? next : nullptr);
+    }
+    const float* pf = r == r0 ? next : nullptr;
+    switch (r1 - r) {
+      case 5: MicroKernel<5>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      case 4: MicroKernel<4>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      case 3: MicroKernel<3>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      case 2: MicroKernel<2>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      case 1: MicroKernel<1>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      default: break;
+    }
+  }
+}
+
+struct Work {
+  const float* x;
+  const float* panels;
+  float* y;
+  int64_t M, K, N, num_panels, chunks, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (;;) {
+      const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+      if (item >= items) return;
+      const int64_t tile = item / chunks, chunk = item % chunks;
+      const int64_t r0 = tile * kRowTile, p0 = chunk * kPanelsPerItem;
+      Block(x, panels, y, K, N, num_panels, r0, std::min(M, r0 + kRowTile), p0,
+            std::min(num_panels, p0 + kPanelsPerItem));
+      done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = panels.dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("rljax_panel_matmul: expected x [M, K] and panels [N/16, K, 16]");
+  }
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->panels = panels.typed_data();
+  work->y = y->typed_data();
+  work->M = xd[0];
+  work->K = xd[1];
+  work->num_panels = pd[0];
+  work->N = pd[0] * kPanel;
+  work->chunks = (work->num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  work->items = work->chunks * ((work->M + kRowTile - 1) / kRowTile);
+  if (work->items == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  // Every item is claimed; wait for those a helper is still multiplying.
+  while (work->done.load(std::memory_order_acquire) < work->items) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RljaxPanelMatmul, PanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 when this CPU runs AVX2 and FMA instructions (the kernel's), else 0.
+extern "C" int rljax_panel_matmul_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
