@@ -40,8 +40,10 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
     Parameters are held in ``cfg.param_dtype`` whatever the checkpoint stores (a bfloat16 checkpoint
     is upcast to float32 master weights by default), activations computed in ``cfg.compute_dtype``.
     """
+    precision = None if cfg.matmul_precision == "default" else cfg.matmul_precision
     kw = dict(dtype=DTYPE_OF[cfg.compute_dtype], param_dtype=DTYPE_OF[cfg.param_dtype], remat=cfg.remat,
-              attention=cfg.attention, context_attention=cfg.context_attention)  # fmt: skip
+              attention=cfg.attention, context_attention=cfg.context_attention,
+              precision=precision)  # fmt: skip
     if cfg.hf_path:
         return from_pretrained(cfg.hf_path, **kw)
     fields = dict(cfg.init)

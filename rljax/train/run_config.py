@@ -80,6 +80,8 @@ ENGINE_DTYPES: tuple[str, ...] = ("auto", *DTYPES)
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
 #: ``model.router_replay`` values (MoE models).
 ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
+#: ``config.model.matmul_precision`` values (``jax.lax.Precision`` names; "default" = the platform's).
+MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
 #: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async")
@@ -157,7 +159,10 @@ class ModelSection:
     ``context_attention``: how attention crosses ``mesh.context`` when it is > 1, ``all_gather``
     (each device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value
     chunks passed around the devices, partial softmaxes merged; XLA blocks), see
-    :mod:`rljax.models.context`."""
+    :mod:`rljax.models.context`. ``matmul_precision``: the precision of every matmul of the model
+    (trainer and embedded sampler), one of :data:`MATMUL_PRECISIONS`; ``"default"`` lets the platform
+    choose (on NVIDIA GPUs float32 matmuls then run as TF32, and the sampler's float32 logprobs differ
+    from the trainer's by ~1e-4 instead of ~1e-6); ``"highest"`` keeps float32 matmuls float32."""
 
     hf_path: str = ""
     param_dtype: str = "float32"
@@ -166,6 +171,7 @@ class ModelSection:
     router_replay: str = "off"
     attention: str = "auto"
     context_attention: str = "all_gather"
+    matmul_precision: str = "default"
     init: dict = _field(DEFAULT_INIT)
 
 
@@ -516,6 +522,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
     _one_of("config.model.attention", cfg.model.attention, ATTENTION_BACKENDS)
     _one_of("config.model.context_attention", cfg.model.context_attention, CONTEXT_COLLECTIVES)
+    _one_of("config.model.matmul_precision", cfg.model.matmul_precision, MATMUL_PRECISIONS)
     if cfg.model.context_attention == "ring" and cfg.model.attention in ("cudnn", "cudnn_ragged"):
         raise _fail(
             "config.model.context_attention",

@@ -77,6 +77,7 @@ def test_every_recipe_parses(name):
         ({"model": {"param_dtype": "int8"}}, r"config.model.param_dtype: expected one of"),
         ({"model": {"dtype": "bfloat16"}}, r"config.model.dtype: was split into model.param_dtype"),
         ({"model": {"remat": "some"}}, r"config.model.remat: expected one of"),
+        ({"model": {"matmul_precision": "tf32"}}, r"config.model.matmul_precision: expected one of"),
         ({"engine": {"dtype": "float16"}}, r"config.engine.dtype: expected one of"),
         ({"engine": {"sync": {"probe_len": 3}}}, r"config.engine.sync.probe_len: unknown key"),
         ({"engine": {"sync": {"on_mismatch": "ignore"}}}, r"config.engine.sync: SyncConfig.on_mismatch"),
@@ -135,6 +136,15 @@ def test_model_dtypes_are_honoured_without_hf_path(tmp_path):
     c.engine.dtype = "float32"
     t = Trainer(c, tmp_path / "serve32")
     assert t.engines.served(t.current_model()).embed_tokens[...].dtype == jnp.float32
+
+
+def test_matmul_precision_reaches_the_trained_and_the_served_model(tmp_path):
+    c = _recipe("smoke")
+    c.model.update(matmul_precision="highest")
+    t = Trainer(c, tmp_path)
+    assert t.current_model().precision == "highest"
+    assert t.engines.served(t.current_model()).precision == "highest"
+    assert Trainer(_recipe("smoke"), tmp_path / "default").current_model().precision is None
 
 
 def test_rollout_seed_is_honoured(tmp_path):
