@@ -10,10 +10,10 @@ streamed from memory ran at ~125 GFLOP/s against ~70 for XLA:CPU's own kernels o
 
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache
-(``$RLJAX_KERNEL_CACHE`` or ``~/.cache/rljax/kernels``), keyed by the source, the jaxlib version
-and the compiler flags, and registered with ``jax.ffi``. :func:`available` is False, and callers
-keep XLA's matmul, when the backend is not the CPU, the CPU lacks AVX2/FMA, no compiler works, or
-``RLJAX_PANEL_MATMUL=0``.
+(``$RLJAX_KERNEL_CACHE`` or ``~/.cache/rljax/kernels``, else a temporary directory), keyed by the
+source, the jaxlib version and the compiler flags, and registered with ``jax.ffi``.
+:func:`available` is False, and callers keep XLA's matmul, when the backend is not the CPU, the CPU
+lacks AVX2/FMA, no compiler works, or ``RLJAX_PANEL_MATMUL=0``.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> w = np.arange(12 * 32, dtype=np.float32).reshape(12, 32) / 100
@@ -115,6 +115,20 @@ def _compiler() -> str:
     raise RuntimeError("no C++ compiler found (set $CXX)")
 
 
+def _cache_dir() -> Path:
+    """``$RLJAX_KERNEL_CACHE`` or ``~/.cache/rljax/kernels``; a per-user temporary directory when
+    that cannot be created (a read-only home, say)."""
+    preferred = Path(os.environ.get("RLJAX_KERNEL_CACHE") or Path.home() / ".cache" / "rljax" / "kernels")
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        return preferred
+    except OSError as e:
+        fallback = Path(tempfile.gettempdir()) / f"rljax-kernels-{os.getuid()}"
+        _log.info("kernel cache %s unusable (%s); using %s", preferred, e, fallback)
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
 def _build() -> Path:
     """The compiled library, built once per (source, jaxlib, compiler, flags) into the cache."""
     import jaxlib
@@ -122,13 +136,11 @@ def _build() -> Path:
     cxx = _compiler()
     parts = [_SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), " ".join(_FLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    cache = Path(os.environ.get("RLJAX_KERNEL_CACHE") or Path.home() / ".cache" / "rljax" / "kernels")
-    lib = cache / f"panel_matmul-{key}.so"
+    lib = _cache_dir() / f"panel_matmul-{key}.so"
     if lib.exists():
         return lib
-    cache.mkdir(parents=True, exist_ok=True)
     # built aside, then renamed into place: concurrent builds (test workers) are safe
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

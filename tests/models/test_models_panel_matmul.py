@@ -7,6 +7,8 @@ it holds on any machine, while a wrong panel, row, prefetch or thread split give
 size of the outputs themselves.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,13 @@ def test_switch_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written left behind
     assert pm._register.__wrapped__() is False
     assert "unavailable" in caplog.text
+
+
+def test_an_unusable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("RLJAX_KERNEL_CACHE", str(blocker / "kernels"))
+    monkeypatch.setattr(pm.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    lib = pm._build()  # builds (or finds) the library in the fallback directory
+    assert lib.parent == tmp_path / "tmp" / f"rljax-kernels-{os.getuid()}" and lib.exists()
