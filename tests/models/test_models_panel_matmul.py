@@ -19,18 +19,20 @@ from rljax.models import panel_matmul as pm
 EPS32 = float(np.finfo(np.float32).eps)
 
 # M: 1 row .. past a 48-row tile (and every micro-kernel remainder 1-5); N: 1 panel .. several work
-# items of 4 panels plus a partial one; K: odd and short, and the decode shapes.
+# items of 4 panels plus a partial one; K: odd and short, and the decode shapes. Products of 2^20
+# multiply-adds or more are shared with XLA's thread pool (the last two), smaller ones run inline.
 SHAPES = [
     (1, 7, 16),
     (2, 1, 32),
     (5, 33, 48),
     (6, 64, 16),
     (13, 100, 80),
-    (32, 512, 1536),
     (47, 40, 272),
     (48, 16, 64),
     (49, 64, 64),
     (97, 130, 80),
+    (100, 256, 208),
+    (32, 512, 1536),
 ]
 
 

@@ -27,6 +27,8 @@ namespace {
 constexpr int64_t kPanel = 16;        // columns per panel: two 8-float AVX registers
 constexpr int64_t kRowTile = 48;      // rows whose inputs stay in L2 while every panel streams by
 constexpr int64_t kPanelsPerItem = 4; // panels per work item
+constexpr int64_t kMinParallelMacs = int64_t{1} << 20;  // smaller products run on the calling thread:
+                                                        // scheduling a helper costs more than it saves
 
 // y[0:MR, 0:16] = x[0:MR, :] @ panel[K, 16]; rows of x are ldx apart, rows of y ldy apart.
 // Named accumulators (not an array) keep all 2 * MR of them in registers.
@@ -139,7 +141,8 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->chunks = (work->num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   work->items = work->chunks * ((work->M + kRowTile - 1) / kRowTile);
   if (work->items == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  const int64_t macs = work->M * work->K * work->N;
+  const int64_t helpers = macs < kMinParallelMacs ? 0 : std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
   // Every item is claimed; wait for those a helper is still multiplying.
