@@ -60,6 +60,7 @@ __all__ = [
     "GREEDY_EPS",
     "KERNEL_LAYOUTS",
     "EmbeddedSampler",
+    "auto_kernel_layout",
     "bucket_size",
     "decode_segment_ends",
     "first_argmax",
@@ -69,7 +70,6 @@ __all__ = [
     "sample_from_logprobs",
     "step_uniforms",
     "to_decode_layout",
-    "auto_kernel_layout",
 ]
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
@@ -469,7 +469,7 @@ KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _transposed_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
+def _decode_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
     return nnx.state(decode_layout(nnx.merge(graphdef, state), layout))
 
 
@@ -482,7 +482,7 @@ def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
     weight-matmul floor with each stored layout).
     """
-    return decode_graphdef(graphdef, state, layout), _transposed_state(graphdef, state, layout)
+    return decode_graphdef(graphdef, state, layout), _decode_state(graphdef, state, layout)
 
 
 def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
@@ -616,7 +616,7 @@ class EmbeddedSampler:
             served = self._decode_graphdefs.get(graphdef)
             if served is None:  # traced once per model graphdef, not on every weight sync
                 served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout)
-            return served, _transposed_state(graphdef, state, layout)
+            return served, _decode_state(graphdef, state, layout)
         return graphdef, _snapshot(state)
 
     @property

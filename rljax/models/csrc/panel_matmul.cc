@@ -30,10 +30,23 @@ constexpr int64_t kPanelsPerItem = 4; // panels per work item
 constexpr int64_t kMinParallelMacs = int64_t{1} << 20;  // smaller products run on the calling thread:
                                                         // scheduling a helper costs more than it saves
 
-// y[0:MR, 0:16] = x[0:MR, :] @ panel[K, 16]; rows of x are ldx apart, rows of y ldy apart.
-// Named accumulators (not an array) keep all 2 * MR of them in registers.
+// One row's step: (c0, c1) += x_k * (w0, w1).
+inline void Accumulate(const float* x_k, __m256 w0, __m256 w1, __m256& c0, __m256& c1) {
+  const __m256 b = _mm256_broadcast_ss(x_k);
+  c0 = _mm256_fmadd_ps(b, w0, c0);
+  c1 = _mm256_fmadd_ps(b, w1, c1);
+}
+
+inline void Store(float* y, __m256 c0, __m256 c1) {
+  _mm256_storeu_ps(y, c0);
+  _mm256_storeu_ps(y + 8, c1);
+}
+
+// y[0:MR, 0:16] = x[0:MR, :] @ panel[K, 16]; rows of x are K apart, rows of y ldy apart.
+// Named accumulators (not an array: GCC kept an array of them on the stack) keep all 2 * MR of
+// them in registers; the helpers above are inlined onto them.
 template <int MR>
-inline void MicroKernel(const float* x, int64_t ldx, int64_t K, const float* panel, float* y, int64_t ldy,
+inline void MicroKernel(const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
                         const float* prefetch) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -41,42 +54,19 @@ inline void MicroKernel(const float* x, int64_t ldx, int64_t K, const float* pan
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kPanel * k), _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(panel + kPanel * k);
     const __m256 w1 = _mm256_loadu_ps(panel + kPanel * k + 8);
-    __m256 b = _mm256_broadcast_ss(x + k);
-    c00 = _mm256_fmadd_ps(b, w0, c00);
-    c01 = _mm256_fmadd_ps(b, w1, c01);
-    if constexpr (MR > 1) {
-      b = _mm256_broadcast_ss(x + ldx + k);
-      c10 = _mm256_fmadd_ps(b, w0, c10);
-      c11 = _mm256_fmadd_ps(b, w1, c11);
-    }
-    if constexpr (MR > 2) {
-      b = _mm256_broadcast_ss(x + 2 * ldx + k);
-      c20 = _mm256_fmadd_ps(b, w0, c20);
-      c21 = _mm256_fmadd_ps(b, w1, c21);
-    }
-    if constexpr (MR > 3) {
-      b = _mm256_broadcast_ss(x + 3 * ldx + k);
-      c30 = _mm256_fmadd_ps(b, w0, c30);
-      c31 = _mm256_fmadd_ps(b, w1, c31);
-    }
-    if constexpr (MR > 4) {
-      b = _mm256_broadcast_ss(x + 4 * ldx + k);
-      c40 = _mm256_fmadd_ps(b, w0, c40);
-      c41 = _mm256_fmadd_ps(b, w1, c41);
-    }
-    if constexpr (MR > 5) {
-      b = _mm256_broadcast_ss(x + 5 * ldx + k);
-      c50 = _mm256_fmadd_ps(b, w0, c50);
-      c51 = _mm256_fmadd_ps(b, w1, c51);
-    }
+    Accumulate(x + k, w0, w1, c00, c01);
+    if constexpr (MR > 1) Accumulate(x + K + k, w0, w1, c10, c11);
+    if constexpr (MR > 2) Accumulate(x + 2 * K + k, w0, w1, c20, c21);
+    if constexpr (MR > 3) Accumulate(x + 3 * K + k, w0, w1, c30, c31);
+    if constexpr (MR > 4) Accumulate(x + 4 * K + k, w0, w1, c40, c41);
+    if constexpr (MR > 5) Accumulate(x + 5 * K + k, w0, w1, c50, c51);
   }
-  _mm256_storeu_ps(y, c00);
-  _mm256_storeu_ps(y + 8, c01);
-  if constexpr (MR > 1) { _mm256_storeu_ps(y + ldy, c10); _mm256_storeu_ps(y + ldy + 8, c11); }
-  if constexpr (MR > 2) { _mm256_storeu_ps(y + 2 * ldy, c20); _mm256_storeu_ps(y + 2 * ldy + 8, c21); }
-  if constexpr (MR > 3) { _mm256_storeu_ps(y + 3 * ldy, c30); _mm256_storeu_ps(y + 3 * ldy + 8, c31); }
-  if constexpr (MR > 4) { _mm256_storeu_ps(y + 4 * ldy, c40); _mm256_storeu_ps(y + 4 * ldy + 8, c41); }
-  if constexpr (MR > 5) { _mm256_storeu_ps(y + 5 * ldy, c50); _mm256_storeu_ps(y + 5 * ldy + 8, c51); }
+  Store(y, c00, c01);
+  if constexpr (MR > 1) Store(y + ldy, c10, c11);
+  if constexpr (MR > 2) Store(y + 2 * ldy, c20, c21);
+  if constexpr (MR > 3) Store(y + 3 * ldy, c30, c31);
+  if constexpr (MR > 4) Store(y + 4 * ldy, c40, c41);
+  if constexpr (MR > 5) Store(y + 5 * ldy, c50, c51);
 }
 
 // Rows [r0, r1) against panels [p0, p1).
@@ -88,15 +78,15 @@ void Block(const float* x, const float* panels, float* y, int64_t K, int64_t N, 
     float* yp = y + p * kPanel;
     int64_t r = r0;
     for (; r + 6 <= r1; r += 6) {
-      MicroKernel<6>(x + r * K, K, K, panel, yp + r * N, N, r == r0 ? next : nullptr);
+      MicroKernel<6>(x + r * K, K, panel, yp + r * N, N, r == r0 ? next : nullptr);
     }
     const float* pf = r == r0 ? next : nullptr;
     switch (r1 - r) {
-      case 5: MicroKernel<5>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
-      case 4: MicroKernel<4>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
-      case 3: MicroKernel<3>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
-      case 2: MicroKernel<2>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
-      case 1: MicroKernel<1>(x + r * K, K, K, panel, yp + r * N, N, pf); break;
+      case 5: MicroKernel<5>(x + r * K, K, panel, yp + r * N, N, pf); break;
+      case 4: MicroKernel<4>(x + r * K, K, panel, yp + r * N, N, pf); break;
+      case 3: MicroKernel<3>(x + r * K, K, panel, yp + r * N, N, pf); break;
+      case 2: MicroKernel<2>(x + r * K, K, panel, yp + r * N, N, pf); break;
+      case 1: MicroKernel<1>(x + r * K, K, panel, yp + r * N, N, pf); break;
       default: break;
     }
   }
