@@ -3,7 +3,7 @@
 #
 # tinker-cookbook pins transformers<=5.5.4 (and brings torch; 0.6.x needs tml-renderers>=0.4.1,
 # which the package index here lacks, hence 0.5.8), so it lives in its OWN venv, never in
-# rljax's; it talks to the server (python -m launch.serve) over HTTP only. The math-rl extra
+# rljax's; it talks to the server (rljax serve) over HTTP only. The math-rl extra
 # (sympy, pylatexenc, math-verify) is what recipes/rl_loop.py's gsm8k grader imports. Tests
 # (tests/train/test_tinker_cookbook.py) find its python via $RLJAX_TINKER_COOKBOOK_PYTHON or
 # <repo>/.tinker-cookbook-venv/bin/python.

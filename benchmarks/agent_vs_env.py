@@ -1,10 +1,10 @@
 """The default task trained as an environment and as an agent through the gateway: both reward curves.
 
 Issue 21: "the same task as an env and as an agent, same reward function: both train, and the agent
-version's reward rises on the default task". One run trains ``configs/smoke.py`` (the default
+version's reward rises on the default task". One run trains ``rljax/recipes/smoke.py`` (the default
 recipe's tool-lookup task on the smoke-sized model) twice with the same seeds, warm start and
 steps: once with the env loop, once with ``config.envs.lookup.agent`` set to
-:func:`rljax.gateway.lookup_agent.lookup_agent` (the same task written as an OpenAI-SDK agent, every
+:func:`rljax.agents.lookup_agent.lookup_agent` (the same task written as an OpenAI-SDK agent, every
 call through the run's gateway). It prints ``reward/mean`` per step of both runs and the means over
 the first and last ``--window`` steps.
 
@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
 
-from configs import smoke  # noqa: E402
-from rljax.train.trainer import Trainer  # noqa: E402
+from rljax.recipes import smoke  # noqa: E402
+from rljax.run.trainer import Trainer  # noqa: E402
 
-AGENT = "rljax.gateway.lookup_agent:lookup_agent"
+AGENT = "rljax.agents.lookup_agent:lookup_agent"
 
 
 def train(agent: str, *, steps: int, warm_start: int, prompts: int, group: int) -> list[float]:

@@ -43,9 +43,9 @@ from rljax.models import Decoder, ModelConfig, num_params
 from rljax.models.attention import causal_block_size
 from rljax.models.attention_backends import fused_causal_attention, packed_cudnn_attention, self_attention
 from rljax.models.logprobs import sequence_logprobs
-from rljax.train.memory import compiled_memory
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.training.memory import compiled_memory
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.types import Step
 
 MODEL = ModelConfig(

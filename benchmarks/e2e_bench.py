@@ -37,7 +37,7 @@ The settings (each measured on a 2-core machine):
   found changes that (only restricting the process to one core does, which is what the one-core
   reference run does).
 - ``--engine vllm``: generation on a real vLLM CPU server pinned to the last core (one OpenMP
-  thread; the recipe ``configs/vllm_local.py``'s server settings), the trainer pinned to the other
+  thread; the recipe ``rljax/recipes/vllm_local.py``'s server settings), the trainer pinned to the other
   core(s) after XLA has started its pool (with a one-thread pool the rollout's weight-sync JAX work
   waits behind the train step, and nothing overlaps). Both modes use the same server. The trainer's
   core also runs the client side of the rollouts (HTTP, JSON, environments, weight-sync writes).
@@ -219,8 +219,8 @@ class CpuSampler:
 
 
 def recipe(args: argparse.Namespace) -> Any:
-    """``configs/default.py`` (embedded) or ``configs/vllm_local.py`` (its model has head_dim 64 for vLLM)."""
-    from configs import default, vllm_local
+    """The ``default`` recipe (embedded) or ``vllm_local`` (its model has head_dim 64 for vLLM)."""
+    from rljax.recipes import default, vllm_local
 
     return (vllm_local if args.engine == "vllm" else default).get_config()
 
@@ -263,7 +263,7 @@ def bench_config(args: argparse.Namespace, *, mode: str, hf_path: str, urls: Seq
 def warm_start(args: argparse.Namespace, out_dir: str) -> float:
     """Runs the recipe's CE warm start once and saves the policy to ``out_dir``; returns seconds."""
     from rljax.models import save_pretrained
-    from rljax.train.trainer import Trainer
+    from rljax.run.trainer import Trainer
 
     c = recipe(args)
     c.engine = dict(kind="embedded")  # the warm start does not generate
@@ -307,7 +307,7 @@ def run_mode(
     compile_log: CompileLog,
     cpu: CpuSampler,
 ) -> ModeResult:
-    from rljax.train.trainer import Trainer
+    from rljax.run.trainer import Trainer
 
     config = bench_config(args, mode=mode, hf_path=hf_path, urls=urls)
     with tempfile.TemporaryDirectory() as wd:

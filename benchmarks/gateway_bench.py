@@ -47,15 +47,16 @@ from typing import Any
 
 import numpy as np
 
+from rljax.agents import agent_rollout
 from rljax.chat import make_renderer
 from rljax.envs.base import Task
-from rljax.gateway import Gateway, agent_rollout
+from rljax.gateway import Gateway
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.inference.sampler import EmbeddedSampler
 from rljax.recording import StepRecorder
 from rljax.rollout import RolloutConfig, rollout
-from rljax.train.builders import build_model, build_tokenizer
-from rljax.train.run_config import default_config, parse_run_config
+from rljax.run.builders import build_model, build_tokenizer
+from rljax.run.config import default_config, parse_run_config
 
 GOAL_P50_MS = 2.0
 GOAL_FRACTION = 0.10

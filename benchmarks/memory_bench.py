@@ -8,7 +8,7 @@ per mini-batch, three configurations:
   (c) remat + ``micro_batch_tokens=2048``              (``train_mini_batch``: 2-row micro-batches
                                                         accumulated in one jitted scan)
 
-Memory: XLA's analysis of the compiled step (:func:`rljax.train.memory.compiled_memory`):
+Memory: XLA's analysis of the compiled step (:func:`rljax.training.memory.compiled_memory`):
 ``temp`` = activations, gradients and workspace; ``step`` = arguments + outputs - donated + temp.
 Deterministic and exact for what XLA allocates (CPU included); on a GPU the allocator's peak
 (``memory/peak_bytes``) is printed too. Speed: tokens/s of one timed step after the compile.
@@ -46,10 +46,10 @@ from rljax.core.objective import ObjectiveConfig
 from rljax.data.micro_batch import split_by_token_budget
 from rljax.data.pack import pack
 from rljax.models import Decoder, ModelConfig, num_params
-from rljax.train.memory import compiled_memory, device_peak_bytes
-from rljax.train.optim import OptimizerConfig
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
+from rljax.training.memory import compiled_memory, device_peak_bytes
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
 from rljax.types import Step
 
 MODEL = ModelConfig(

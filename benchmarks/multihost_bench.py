@@ -4,7 +4,7 @@ For each mesh (default: data-parallel ``8,1,1`` and the tests' ``2,2,2``) one ru
 the other (never concurrently), two jobs that train the same model on the same global batches:
 
 * ``1 x 8``: one process with ``--xla_force_host_platform_device_count=8``;
-* ``2 x 4``: two processes with 4 devices each, joined by :func:`rljax.train.distributed.initialize`
+* ``2 x 4``: two processes with 4 devices each, joined by :func:`rljax.training.distributed.initialize`
   (gloo CPU collectives over 127.0.0.1), each feeding its half of the rows.
 
 Each job prints the median / best time of the jitted train step, the CPU time (user / system) of
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_job(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
-    from rljax.train import distributed
+    from rljax.training import distributed
 
     if args.role == "worker":
         distributed.initialize(
@@ -94,9 +94,9 @@ def run_job(args: argparse.Namespace) -> dict:
     from rljax.core.objective import ObjectiveConfig
     from rljax.data.pack import pack
     from rljax.models import Decoder, ModelConfig, num_params
-    from rljax.train.optim import OptimizerConfig
-    from rljax.train.sharding import make_mesh, shard_batch
-    from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+    from rljax.training.optimizer import OptimizerConfig
+    from rljax.training.sharding import make_mesh, shard_batch
+    from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
     from rljax.types import Step
 
     if args.quick:

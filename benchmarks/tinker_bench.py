@@ -2,11 +2,11 @@
 
 1. training: ``forward_backward`` (cross_entropy, ``--datums`` datums of ``--len`` tokens) +
    ``optim_step`` through the real ``tinker`` SDK against an in-process server, vs the SAME jitted
-   calls made directly on a :class:`~rljax.train.tinker.trainable.TrainableModel` (packing included).
+   calls made directly on a :class:`~rljax.tinker.trainable.TrainableModel` (packing included).
    Goal: API / in-process <= 1.15x.
 2. sampling: ``SamplingClient.sample`` (``--samples`` completions of ``--new`` tokens) through the API
    vs the embedded sampler's ``generate`` called directly on the same weights. ``--vllm``: the server
-   runs ``configs/tinker_vllm.py`` (it launches one local vLLM server; the LoRA client has no
+   runs ``rljax/recipes/tinker_vllm.py`` (it launches one local vLLM server; the LoRA client has no
    unembedding adapter, so vLLM serves its sampling client) and the direct side sends the same
    requests straight to that vLLM server (rljax's ``VLLMClient``, the session's adapter name).
 
@@ -14,7 +14,7 @@ Both sides run after a warm-up (compilation excluded), ``--reps`` repetitions ea
 in-process, in-process, API, ...: on a shared machine a burst of load then hits both sides alike);
 the best and the median of each side and their ratios are printed.
 
-    python benchmarks/tinker_bench.py                # the tiny default model (configs/tinker.py)
+    python benchmarks/tinker_bench.py                # the tiny default model (rljax/recipes/tinker.py)
     python benchmarks/tinker_bench.py --model30m     # a ~30M-parameter Qwen3-shaped model
     python benchmarks/tinker_bench.py --vllm         # sampling clients served by a local vLLM server
 """
@@ -66,14 +66,14 @@ MODEL30M = dict(
 
 @contextlib.contextmanager
 def _server_process(model30m: bool, port: int):
-    """``python -m launch.serve`` (same config) in its own process; yields its base URL."""
+    """``rljax serve`` (same config) in its own process; yields its base URL."""
     import httpx
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     flags = [f"--config.model.init.{k}={v}" for k, v in MODEL30M.items()] if model30m else []
     env = {**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.serve", "--config=configs/tinker.py", f"--port={port}",
+        [sys.executable, "-m", "rljax", "serve", "--config=tinker", f"--port={port}",
          f"--workdir={tempfile.mkdtemp(prefix='tinker_bench_proc_')}", *flags],
         cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -84,7 +84,7 @@ def _server_process(model30m: bool, port: int):
                 if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
                     break
             if proc.poll() is not None:
-                raise RuntimeError(f"launch.serve exited with {proc.returncode}")
+                raise RuntimeError(f"rljax.cli.serve exited with {proc.returncode}")
             time.sleep(0.2)
         yield url
     finally:
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--model30m", action="store_true", help="a ~30M-parameter model instead of the tiny one")
     ap.add_argument(
-        "--server-process", action="store_true", help="the API side against launch.serve in its own process"
+        "--server-process", action="store_true", help="the API side against rljax serve in its own process"
     )
     ap.add_argument("--vllm", action="store_true", help="serve sampling clients with a local vLLM server")
     args = ap.parse_args()
@@ -112,11 +112,11 @@ def main() -> None:
     from tinker import types
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
-    from configs import tinker as tinker_config
-    from configs import tinker_vllm
     from rljax.inference.engine import SamplingParams
-    from rljax.train.tinker import free_port, serve_in_thread
-    from rljax.train.tinker.packing import Datum, pack_datums
+    from rljax.recipes import tinker as tinker_config
+    from rljax.recipes import tinker_vllm
+    from rljax.tinker import free_port, serve_in_thread
+    from rljax.tinker.packing import Datum, pack_datums
 
     config = (tinker_vllm if args.vllm else tinker_config).get_config()
     if args.model30m:

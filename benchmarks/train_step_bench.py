@@ -1,7 +1,7 @@
 """Train-step throughput and MFU: forward + backward + AdamW update of a random Qwen3-shaped model.
 
 One run prints the model's parameter count, the step time and tokens/s of the jitted
-:data:`rljax.train.step.train_step` (dppo objective on packed rows, per-token temperatures, chunked
+:data:`rljax.training.step.train_step` (dppo objective on packed rows, per-token temperatures, chunked
 logprobs), this machine's measured matmul peak, and the model FLOPs utilization with its ratio to
 the goal (MFU >= 40 %); then (``--ppo``, default on) a PPO step on the same batches (critic values,
 GAE, the policy step and the critic's own step) and its ratio to the grpo step (goal <= 2.2x).
@@ -28,7 +28,7 @@ step by step (A, B, A, B, ...), and prints both tokens/s, the ratio rljax / Tuni
 against the goal (>= 1.5x). The workload (:func:`grpo_rows`) is what both sides train in a GRPO step:
 ``--rows`` (default 16) rows of ``--seq-len`` (default 512) tokens, each one prompt of a quarter of
 the row (no loss) and one completion (the rest), no padding, one advantage per row, temperature 1.
-rljax runs :data:`rljax.train.step.train_step` with the objective Tunix's ``grpo`` loss computes
+rljax runs :data:`rljax.training.step.train_step` with the objective Tunix's ``grpo`` loss computes
 (``ppo_clip``, eps 0.2, ``sequence_mean`` = Tunix's ``sequence-mean-token-mean``, rl component only,
 no reference KL) and AdamW (lr 1e-6, weight decay 0.01, clip at global norm 1); Tunix runs the jitted
 step of its RL ``Trainer`` with the loss its ``GRPOLearner`` installs (``beta=0``, ``num_iterations=1``)
@@ -67,9 +67,9 @@ from flax import nnx
 from rljax.core.objective import ObjectiveConfig
 from rljax.models import Decoder, ModelConfig, num_params
 from rljax.models.attention import causal_block_size
-from rljax.train.optim import OptimizerConfig
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.types import PackedBatch
 
 MFU_GOAL = 0.40
@@ -430,7 +430,7 @@ def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps
     """One PPO step on the same batches: critic values -> GAE -> policy step -> critic step, against
     the grpo step timed above (its advantages are host-side and negligible). Goal <= 2.2x."""
     from rljax.models.value import ValueModel
-    from rljax.train.critic import CriticConfig, critic_step, critic_values, ppo_advantages
+    from rljax.training.critic import CriticConfig, critic_step, critic_values, ppo_advantages
 
     rng = np.random.default_rng(1)
     batches = [

@@ -22,10 +22,11 @@ import sys
 import time
 from typing import Any
 
+from rljax.agents import agent_rollout
+from rljax.agents.verifiers import VerifiersAgent
 from rljax.chat import ChatMLRenderer, toy_tokenizer
 from rljax.envs.base import Task
-from rljax.gateway import Gateway, agent_rollout
-from rljax.gateway.verifiers import VerifiersAgent
+from rljax.gateway import Gateway
 from rljax.rollout import RolloutConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gateway"))

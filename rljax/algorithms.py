@@ -18,7 +18,7 @@ name     sampling component notes
 grpo     policy   rl        grpo(norm_by_std=False) + dppo (the default), optional length penalty
 max_rl   policy   rl        max_rl + dppo
 rloo     policy   rl        rloo + dppo
-ppo      policy   rl        gae + ppo_clip with a learned critic (rljax.train.critic), per-step rewards
+ppo      policy   rl        gae + ppo_clip with a learned critic (rljax.training.critic), per-step rewards
 opd      policy   ref_kl    needs a frozen teacher endpoint (``teacher="policy"`` is rejected)
 opsd     policy   ref_kl    teacher = live policy scored on the demonstration-conditioned prompt
 sft      frozen   ce        samples from a frozen model; sampling from the policy is rejected

@@ -3,8 +3,9 @@
 Checked statically from the source (``ast``), counting imports inside functions too (a lazy
 import is still a dependency):
 
-    types, progress  <-  core  <-  algorithms  <-  data, chat, envs  <-  models  <-  inference
-        <-  rollout, recording, evaluation, gateway, report  <-  train
+    types, progress, extras  <-  core  <-  algorithms  <-  data, chat, envs  <-  models  <-  inference
+        <-  rollout, recording, evaluation, gateway, report  <-  training, agents  <-  run  <-  tinker
+        <-  cli, recipes
 
 A module may import any module of its own layer or a lower one; the module graph must be acyclic.
 """
@@ -21,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "rljax"
 LAYERS: dict[str, int] = {
     "rljax.types": 0,
     "rljax.progress": 0,
+    "rljax.extras": 0,
     "rljax.core": 1,
     "rljax.algorithms": 2,
     "rljax.data": 3,
@@ -33,7 +35,13 @@ LAYERS: dict[str, int] = {
     "rljax.evaluation": 6,
     "rljax.gateway": 6,
     "rljax.report": 6,
-    "rljax.train": 7,
+    "rljax.training": 7,
+    "rljax.agents": 7,
+    "rljax.run": 8,
+    "rljax.tinker": 9,
+    "rljax.cli": 10,
+    "rljax.recipes": 10,
+    "rljax.__main__": 10,
 }
 
 

@@ -6,26 +6,23 @@
 * :mod:`rljax.gateway.protocol`: the OpenAI request / response / server-sent-event mapping;
 * :mod:`rljax.gateway.anthropic_api`: Anthropic's ``/v1/messages`` on top of the chat path;
 * :mod:`rljax.gateway.sessions`: per-rollout secret keys -> step recorders;
-* :mod:`rljax.gateway.agents`: agent functions / commands and :func:`agent_rollout`, which
-  returns the same :class:`~rljax.rollout.RolloutResult` as the env loop;
-* :mod:`rljax.gateway.lookup_agent`: the built-in ``lookup`` task as an agent function;
-* :mod:`rljax.gateway.verifiers`: verifiers environments as agent functions
-  (``config.envs.<name>.verifiers``); imported on use (the ``verifiers`` extra).
+
+The agents that run against it (agent functions, commands, verifiers environments) live in
+:mod:`rljax.agents`. This package needs the ``gateway`` extra (``pip install 'rljax[gateway]'``).
 """
 
-from rljax.gateway.agents import AgentFn, CommandAgent, agent_rollout, load_agent, run_agent_rollout
-from rljax.gateway.protocol import GatewayError
-from rljax.gateway.server import Gateway
-from rljax.gateway.sessions import Session, SessionRegistry
+
+from rljax.extras import require
+
+require("gateway", "the gateway (rljax.gateway)")  # one line naming the extra, before any import of it
+
+from rljax.gateway.protocol import GatewayError  # noqa: E402
+from rljax.gateway.server import Gateway  # noqa: E402
+from rljax.gateway.sessions import Session, SessionRegistry  # noqa: E402
 
 __all__ = [
-    "AgentFn",
-    "CommandAgent",
     "Gateway",
     "GatewayError",
     "Session",
     "SessionRegistry",
-    "agent_rollout",
-    "load_agent",
-    "run_agent_rollout",
 ]

@@ -35,7 +35,7 @@ sampler batches requests on it; the vLLM client's HTTP pool lives on it) and age
 it too, so a call costs no thread hop and no cross-loop future; uvicorn in its own thread would add
 two hops per call and GIL contention with the rollout thread for nothing. An agent that blocks the
 loop (synchronous code inside ``async def``) would stall it: synchronous agent functions are run in
-threads (:mod:`rljax.gateway.agents`).
+threads (:mod:`rljax.agents.runners`).
 
 What a call costs (``benchmarks/gateway_bench.py``): the app is a plain ASGI callable (a dict of
 routes, the body read whole, one start and one body message; no web framework), the prompt of a

@@ -1,4 +1,4 @@
-"""The run report: one static, self-contained HTML page (``python -m launch.view``).
+"""The run report: one static, self-contained HTML page (``rljax view``).
 
 :func:`build_report` reads a workdir's ``metrics.jsonl`` and ``rollouts/step_<S>.jsonl`` files
 (:mod:`rljax.report.records`) and returns a page whose data is inline JSON and whose script and

@@ -10,7 +10,7 @@ from rljax.chat import ChatMLRenderer, toy_tokenizer
 from rljax.inference.engine import Completion
 from rljax.recording import StepRecorder
 from rljax.rollout import RolloutConfig
-from rljax.train.worker import Worker
+from rljax.run.worker import Worker
 
 TOK = toy_tokenizer("chatml")
 IM_END = TOK.convert_tokens_to_ids("<|im_end|>")

@@ -11,15 +11,16 @@ import httpx
 import pytest
 from gateway_helpers import CHATML, TOK, TOOL_CALL, Loop, Scripted
 
+from rljax.agents import CommandAgent, agent_rollout, load_agent
 from rljax.chat.qwen3 import Qwen3Renderer
 from rljax.data.merge import plan_merge
 from rljax.envs.base import Task
-from rljax.gateway import CommandAgent, Gateway, agent_rollout, load_agent
+from rljax.gateway import Gateway
 from rljax.inference.sampler import EmbeddedSampler
 from rljax.models.tiny import tiny_model
 from rljax.rollout import RolloutConfig
-from rljax.train.run_config import parse_run_config
-from rljax.train.tasks import build_env_tasks
+from rljax.run.config import parse_run_config
+from rljax.run.tasks import build_env_tasks
 
 CONFIG = RolloutConfig(group_size=1, max_tokens=256, max_context_len=2048, env_timeout_s=60.0)
 
@@ -278,7 +279,7 @@ def test_agent_command(loop, tmp_path):
 
 
 def test_agent_env_config(tmp_path):
-    assert load_agent("rljax.gateway.lookup_agent:lookup_agent").__name__ == "lookup_agent"
+    assert load_agent("rljax.agents.lookup_agent:lookup_agent").__name__ == "lookup_agent"
     for bad in ("no_colon", "rljax.gateway:nope"):
         with pytest.raises(ValueError, match="agent"):
             build_env_tasks(parse_run_config({"envs": {"a": {"env": "lookup", "agent": bad}}}))
@@ -286,7 +287,7 @@ def test_agent_env_config(tmp_path):
         parse_run_config({"envs": {"a": {"agent": "m:f", "agent_command": "run"}}})
     with pytest.raises(ValueError, match="task maker"):
         build_env_tasks(
-            parse_run_config({"envs": {"mine": {"agent": "rljax.gateway.lookup_agent:lookup_agent"}}})
+            parse_run_config({"envs": {"mine": {"agent": "rljax.agents.lookup_agent:lookup_agent"}}})
         )
     rows = tmp_path / "rows.jsonl"
     row = {"prompt": [{"role": "user", "content": "2+2?"}], "reward_spec": {"method": "exact_match",
@@ -300,7 +301,7 @@ def test_agent_env_config(tmp_path):
     assert isinstance(et.agents["mine"], CommandAgent) and et.agent_kwargs == {"mine": {"k": 1}}
     with pytest.raises(ValueError, match="agent"):
         et.factories["mine"]()
-    cfg = parse_run_config({"envs": {"lookup": {"agent": "rljax.gateway.lookup_agent:lookup_agent",
+    cfg = parse_run_config({"envs": {"lookup": {"agent": "rljax.agents.lookup_agent:lookup_agent",
                                                 "num_train_tasks": 4}}})  # fmt: skip
     et = build_env_tasks(cfg)
     assert len(et.train) == 4 and type(et.factories["lookup"]()).__name__ == "ToolLookupEnv"

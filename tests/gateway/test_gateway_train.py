@@ -7,9 +7,9 @@ import math
 import pytest
 from recipes import load_recipe
 
-from rljax.train.trainer import Trainer
+from rljax.run.trainer import Trainer
 
-AGENT = "rljax.gateway.lookup_agent:lookup_agent"
+AGENT = "rljax.agents.lookup_agent:lookup_agent"
 
 
 @pytest.mark.integration

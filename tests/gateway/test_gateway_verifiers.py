@@ -1,4 +1,4 @@
-"""The verifiers adapter (rljax.gateway.verifiers): a verifiers environment defined here with
+"""The verifiers adapter (rljax.agents.verifiers): a verifiers environment defined here with
 verifiers' own classes (tests/gateway/vf_helpers.py: a taskset, a task whose rubric is two weighted
 ``@vf.reward`` methods and a ``@vf.metric``, an in-process harness, the local subprocess runtime),
 loaded by id, run as an agent function with a real ``openai.AsyncOpenAI`` pointed at a scripted
@@ -22,13 +22,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import vf_helpers as h  # noqa: E402
 
-from rljax.envs.base import Task  # noqa: E402
-from rljax.gateway.verifiers import (  # noqa: E402
+from rljax.agents.verifiers import (  # noqa: E402
     KEY_VAR_PREFIX,
     VerifiersAgent,
     VerifiersEpisodeError,
     verifiers_agent,
 )
+from rljax.envs.base import Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_bad_ids_configs_and_tasks_are_refused(agent):
 
 
 def test_verifiers_config_errors_are_clear():
-    from rljax.train.run_config import parse_run_config
+    from rljax.run.config import parse_run_config
 
     def envs(**spec):
         return {"envs": {"arith": {"verifiers": h.ENV_ID, **spec}}, "warmstart": {"num_steps": 0}}
@@ -210,8 +210,8 @@ def test_verifiers_config_errors_are_clear():
 
 
 def test_build_env_tasks_of_a_verifiers_env(server):
-    from rljax.train.run_config import parse_run_config
-    from rljax.train.tasks import build_env_tasks
+    from rljax.run.config import parse_run_config
+    from rljax.run.tasks import build_env_tasks
 
     spec = {"verifiers": h.ENV_ID, "env_args": h.LOCAL, "eval_env_args": {"rows": [[5, 6, "11"]]}}
     no_ws = {"warmstart": {"num_steps": 0}}
@@ -233,7 +233,7 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
     received, recomputed here (``h.rubric``); every trajectory made both calls through the gateway."""
     from recipes import load_recipe
 
-    from rljax.train.trainer import Trainer
+    from rljax.run.trainer import Trainer
 
     h.register_env()
     h.REPLIES.clear()
@@ -250,22 +250,22 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
     c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=2, checkpoint_every=0)
     t = Trainer(c, tmp_path)
     batches, results = [], []
-    train_on, run_rollout = t._train_on, t.scheduler.run_rollout
+    train_on, run_rollout = t._train_on, t.parts.scheduler.run_rollout
     t._train_on = lambda batch: (batches.append(batch), train_on(batch))[1]
 
     async def capture(*args, **kwargs):
         results.append(await run_rollout(*args, **kwargs))
         return results[-1]
 
-    t.scheduler.run_rollout = capture
+    t.parts.scheduler.run_rollout = capture
     history = t.run()
     assert len(history) == 2 and len(batches) == 2 and len(results) == 3  # 2 steps + 1 eval
-    assert "eval/reward_mean" in history[-1] and not t.scheduler.gateway.started  # stopped with the run
-    tasks = {task.id: task for task in (*t.env_tasks.train, *t.env_tasks.eval)}
+    assert "eval/reward_mean" in history[-1] and not t.parts.scheduler.gateway.started  # stopped with the run
+    tasks = {task.id: task for task in (*t.parts.env_tasks.train, *t.parts.env_tasks.eval)}
     # each episode's two model calls are its trajectory's two recorded calls: the first prompt is the
     # task's messages, the follow-up extends the first call's exact ids (the relayed conversation is
     # the one the gateway answered), and the reward is the rubric of the final reply it returned
-    renderer = t.scheduler.renderer
+    renderer = t.parts.scheduler.renderer
     for rec in (r for res in results for r in res.trajectories):
         assert not rec.errored and len(rec.calls) == 2, rec.error
         task = tasks[rec.trajectory_id.instance_id]
@@ -328,8 +328,9 @@ def test_through_the_real_gateway_every_call_is_an_exact_step():
     """The real gateway in front of an instant engine (answers closed with end-of-turn): every
     episode is one trajectory of 2 steps, the follow-up's prompt is the first call's exact prompt +
     completion ids + the renderer's bridge, and the reward sits on the last step."""
+    from rljax.agents import agent_rollout
     from rljax.chat import ChatMLRenderer, toy_tokenizer
-    from rljax.gateway import Gateway, agent_rollout
+    from rljax.gateway import Gateway
     from rljax.rollout import RolloutConfig
 
     h.register_env()

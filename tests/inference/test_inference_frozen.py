@@ -55,7 +55,7 @@ def test_config_normalizes_urls_and_keeps_fields():
     assert cfgs["sampler"].base_url == ("https://h1:9000", "http://h2:9000/api", "http://h3:9000")
     assert cfgs["sampler"].model is None and cfgs["sampler"].timeout_s == 300.0
     assert frozen_models_from_config(None) == {} and frozen_models_from_config({}) == {}
-    # ml_collections config (what launch.train passes) and the list form.
+    # ml_collections config (what rljax.cli.train passes) and the list form.
     cd = ml_collections.ConfigDict({"teacher": {"base_url": URL, "model": None}})
     assert frozen_models_from_config(cd)["teacher"].base_url == (URL,)
     listed = frozen_models_from_config([{"name": "t", "base_url": URL}, FrozenModelConfig("u", URL + "/v1")])

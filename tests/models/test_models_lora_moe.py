@@ -201,8 +201,8 @@ def _lora_moe(seed: int = 0) -> nnx.Module:
 
 def _train_config(**kw):
     from rljax.core.objective import ObjectiveConfig
-    from rljax.train.optim import OptimizerConfig
-    from rljax.train.step import TrainConfig
+    from rljax.training.optimizer import OptimizerConfig
+    from rljax.training.step import TrainConfig
 
     return TrainConfig(
         objective=ObjectiveConfig(), optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-6), **kw
@@ -214,7 +214,7 @@ def test_train_step_moves_only_the_expert_adapter(router_replay):
     import dataclasses
 
     from rljax.models import moe
-    from rljax.train.step import TrainState, mini_batch_counts, train_step
+    from rljax.training.step import TrainState, mini_batch_counts, train_step
 
     model, batch = _lora_moe(), _batch()
     if router_replay:  # replay the experts of another model: the step must follow the record
@@ -247,8 +247,8 @@ def test_train_step_moves_only_the_expert_adapter(router_replay):
 
 
 def test_expert_parallel_lora_step_equals_single_device():
-    from rljax.train.sharding import make_mesh, shard_batch
-    from rljax.train.step import TrainState, mini_batch_counts, train_step
+    from rljax.training.sharding import make_mesh, shard_batch
+    from rljax.training.step import TrainState, mini_batch_counts, train_step
 
     batch = _batch(1)
     counts = mini_batch_counts(batch, _train_config().objective)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rljax import models
 from rljax.models import moe
 from rljax.models.tiny import random_decoder, tiny_config
-from rljax.train.sharding import batch_sharding, make_mesh
+from rljax.training.sharding import batch_sharding, make_mesh
 
 P = PartitionSpec
 

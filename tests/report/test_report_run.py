@@ -94,7 +94,7 @@ def _config(num_steps: int, tracking_uri: str):
 @pytest.fixture(scope="module")
 def run():
     from rljax.report.sinks import TensorBoardMetricsSink
-    from rljax.train.trainer import Trainer
+    from rljax.run.trainer import Trainer
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="rljax_report_"))
     workdir = tmp / "run"
@@ -295,7 +295,7 @@ def test_the_report_renders_in_headless_chromium(run):
     chromium = _chromium()
     out = run["tmp"] / "report.html"
     subprocess.run(
-        [sys.executable, "-m", "launch.view", f"--workdir={run['workdir']}", f"--out={out}"],
+        [sys.executable, "-m", "rljax", "view", f"--workdir={run['workdir']}", f"--out={out}"],
         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
     )  # fmt: skip
     html = out.read_text()

@@ -19,7 +19,7 @@ from rljax.report.html import build_report
 from rljax.report.records import PreparationTrace, rollout_records, sample_table, write_rollout_records
 from rljax.report.sinks import RunInfo, Sink, SinkSet
 from rljax.rollout import TrajectoryRecord
-from rljax.train.run_config import default_config, parse_run_config
+from rljax.run.config import default_config, parse_run_config
 from rljax.types import Step, TrajectoryID
 
 

@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_fixtures
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repo (rljax)
 
-from rljax.train import distributed  # noqa: E402  (must not start JAX's backends before initialize)
+from rljax.training import distributed  # noqa: E402  (must not start JAX's backends before initialize)
 
 NUM_STEPS = 3
 
@@ -115,8 +115,8 @@ def context(args) -> int:
     import jax
     import numpy as np
 
-    from rljax.train.sharding import make_mesh, shard_batch
-    from rljax.train.step import TrainState, mini_batch_counts, train_step
+    from rljax.training.sharding import make_mesh, shard_batch
+    from rljax.training.step import TrainState, mini_batch_counts, train_step
 
     tf, config, _, _, gather = _setup()
     mesh = make_mesh(data=2, context=2, tensor=2)
@@ -151,8 +151,8 @@ def _setup():
     import train_fixtures as tf
     from jax.experimental import multihost_utils
 
-    from rljax.train.sharding import make_mesh
-    from rljax.train.step import TrainState
+    from rljax.training.sharding import make_mesh
+    from rljax.training.step import TrainState
 
     config = tf.TRAIN_CONFIG
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
@@ -169,9 +169,9 @@ def train(args) -> int:
     import jax
     import numpy as np
 
-    from rljax.train import checkpoint
-    from rljax.train.sharding import shard_batch
-    from rljax.train.step import mini_batch_counts, train_step
+    from rljax.training import checkpoint
+    from rljax.training.sharding import shard_batch
+    from rljax.training.step import mini_batch_counts, train_step
 
     tf, config, mesh, state, gather = _setup()
     me, count = jax.process_index(), jax.process_count()
@@ -230,7 +230,7 @@ def write_hf(args, state) -> list[str]:
 
     from rljax import models
     from rljax.inference.vllm import SyncConfig, write_distributed
-    from rljax.train.step import merge_model
+    from rljax.training.step import merge_model
 
     model = merge_model(state.graphdef, state.params, state.frozen)
     written = write_distributed(model, args.out / "hf", config=SyncConfig(probe_length=16))
@@ -254,7 +254,7 @@ def restore(args) -> int:
     import jax
     import numpy as np
 
-    from rljax.train import checkpoint
+    from rljax.training import checkpoint
 
     _, _, _, state, gather = _setup()
     restored = checkpoint.restore(args.ckpt, params=state.params, opt_state=state.opt_state)

@@ -36,8 +36,8 @@ from rljax.inference.frozen import FrozenModel
 from rljax.inference.sampler import EmbeddedSampler
 from rljax.inference.vllm import ServerConfig, VLLMServer, write_checkpoint
 from rljax.rollout import RolloutConfig, run_rollout
-from rljax.train.step import TrainState
-from rljax.train.trainer import Trainer
+from rljax.run.trainer import Trainer
+from rljax.training.step import TrainState
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "inference"))

@@ -21,10 +21,10 @@ import train_fixtures as tf
 from jax.sharding import PartitionSpec as P
 from xla_flags import subprocess_env
 
-from rljax.train import checkpoint as ck
-from rljax.train.optim import OptimizerConfig
-from rljax.train.sharding import make_mesh
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.training import checkpoint as ck
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 
 CONFIG = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-3, weight_decay=0.1))
 
@@ -363,7 +363,7 @@ def _tree(step: int) -> dict[str, np.ndarray]:
 _CHILD = f"""
 import sys
 import numpy as np
-from rljax.train import checkpoint as ck
+from rljax.training import checkpoint as ck
 directory, step = sys.argv[1], int(sys.argv[2])
 data = np.random.default_rng(step).random(({_NUM}, {_SIZE}), dtype=np.float32)
 params = {{f"a{{i}}": data[i] for i in range({_NUM})}}

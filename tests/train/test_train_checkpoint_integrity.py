@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import train_fixtures as tf
 
-from rljax.train import checkpoint as ck
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState
+from rljax.training import checkpoint as ck
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState
 
 
 def _params(seed: int) -> dict[str, jax.Array]:

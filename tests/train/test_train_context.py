@@ -24,8 +24,8 @@ from tolerances import LOGPROB_TOL
 
 from rljax.models.context import context_attention, load_balance, unbalance
 from rljax.models.logprobs import sequence_forward
-from rljax.train.sharding import MeshConfig, make_mesh, shard_batch
-from rljax.train.step import (
+from rljax.training.sharding import MeshConfig, make_mesh, shard_batch
+from rljax.training.step import (
     TrainState,
     mini_batch_counts,
     split_micro_batches,
@@ -261,8 +261,8 @@ def test_context_with_remat_and_micro_batches_equals_context_1(batches, referenc
 
 
 def test_run_config_mesh_context_and_attention_keys():
-    from rljax.train.builders import build_model
-    from rljax.train.run_config import parse_run_config
+    from rljax.run.builders import build_model
+    from rljax.run.config import parse_run_config
 
     cfg = parse_run_config({"mesh": {"data": 2, "context": 4}, "trainer": {"seq_len": 1024}})
     assert cfg.mesh.context == 4 and cfg.mesh.size == 8
@@ -308,7 +308,7 @@ def test_moe_forward_and_routing_equal_context_1(shards):
 def test_checkpoint_moves_between_context_sizes(batches, reference_run, tmp_path):
     """Saved from a context=4 mesh after one step, restored bit-equal onto context=2 and onto one
     device; the restored state's next step equals the reference's second step."""
-    from rljax.train import checkpoint
+    from rljax.training import checkpoint
 
     mesh = make_mesh(data=2, context=4)
     state = TrainState.create(tf.make_model(0), CONFIG, mesh=mesh)

@@ -12,9 +12,9 @@ from random_steps import random_steps
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
 from rljax.models.tiny import random_decoder, tiny_config
-from rljax.train.optim import OptimizerConfig
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 
 pytestmark = pytest.mark.slow  # a MoE train step compiled per mesh
 CFG = tiny_config("qwen3_moe", vocab_size=64, hidden_size=32, head_dim=8, num_layers=2)

@@ -11,17 +11,17 @@ import pytest
 from flax import nnx
 from tolerances import LOGPROB_TOL
 
-from configs import smoke
 from rljax.data.pack import pack
 from rljax.inference.scoring import score_sequences
 from rljax.models import decoder as decoder_lib
 from rljax.models.tiny import random_decoder, tiny_config
 from rljax.models.value import ValueModel
-from rljax.train.critic import CriticConfig, critic_step, critic_values
-from rljax.train.optim import OptimizerConfig
-from rljax.train.run import Run
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainConfig, TrainState
+from rljax.recipes import smoke
+from rljax.run.run import Run
+from rljax.training.critic import CriticConfig, critic_step, critic_values
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainConfig, TrainState
 from rljax.types import Step
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""PPO's critic pieces (:mod:`rljax.train.critic`) against hand values and independent references.
+"""PPO's critic pieces (:mod:`rljax.training.critic`) against hand values and independent references.
 
 * token rewards of merged multi-turn samples sit on each turn's last response token;
 * ``ppo_advantages`` on a hand-sized packed row (a merged 2-turn sample with an observation
@@ -34,9 +34,9 @@ from rljax.data.prepare import prepare_samples
 from rljax.models.tiny import random_decoder, tiny_config
 from rljax.models.value import ValueModel
 from rljax.models.value import values as model_values
-from rljax.train.critic import CriticConfig, critic_step, critic_values, ppo_advantages
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState
+from rljax.training.critic import CriticConfig, critic_step, critic_values, ppo_advantages
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState
 from rljax.types import Step
 
 CFG = tiny_config("qwen3", vocab_size=64, hidden_size=32, head_dim=8)
@@ -328,7 +328,7 @@ def test_critic_step_equals_the_hand_computed_update(value_clip):
 
 def test_one_ppo_step_by_hand():
     """Values -> GAE -> policy ppo_clip step and critic step, against the pieces composed by hand."""
-    from rljax.train.step import mini_batch_counts, train_step
+    from rljax.training.step import mini_batch_counts, train_step
 
     batch = _packed(3).batch
     policy = random_decoder(CFG, seed=1)

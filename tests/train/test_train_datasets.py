@@ -1,7 +1,7 @@
 """Dataset files train through ``config.envs.NAME.dataset`` and report eval pass@k per env and source.
 
 Two envs on the smoke recipe: a reasoning-gym env whose train / eval files are SkyRL rows written by
-``python -m launch.make_dataset`` (parquet) and ``rljax.envs.write_rows`` (jsonl), and a skyrl-gym
+``rljax make-dataset`` (parquet) and ``rljax.envs.write_rows`` (jsonl), and a skyrl-gym
 ``gsm8k`` env with one SkyRL jsonl file split by ``eval_fraction``. With the embedded sampler the run
 trains and logs every pass@k key; with a scripted engine whose answers are right for a known subset
 of the eval rows, the logged pass@k equal the fractions counted from the files (the reference).
@@ -21,10 +21,10 @@ from recipes import load_recipe
 from rljax.chat import toy_tokenizer
 from rljax.envs import load_dataset_tasks, write_rows
 from rljax.inference.engine import Completion
-from rljax.train.trainer import Trainer
+from rljax.run.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # launch.make_dataset
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # rljax.cli.make_dataset
 
 RG_CONFIG = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+"],
                  allow_parentheses=False, allow_negation=False, system_prompt=None)  # fmt: skip
@@ -39,14 +39,14 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     rg_train, rg_eval, gsm = d / "rg_train.parquet", d / "rg_eval.jsonl", d / "gsm.jsonl"
     r = subprocess.run(
-        [sys.executable, "-m", "launch.make_dataset", "--source=reasoning_gym:basic_arithmetic", "--num=12",
+        [sys.executable, "-m", "rljax", "make-dataset", "--source=reasoning_gym:basic_arithmetic", "--num=12",
          f"--out={rg_train}", f"--dataset_config={json.dumps(RG_CONFIG)}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     sys.path.insert(0, str(ROOT))
     try:
-        from launch.make_dataset import make_rows
+        from rljax.cli.make_dataset import make_rows
     finally:
         sys.path.remove(str(ROOT))
     write_rows(make_rows("reasoning_gym:basic_arithmetic", 6, seed=1, split="test", **RG_CONFIG), rg_eval)
@@ -92,9 +92,9 @@ def test_dataset_files_train_and_log_pass_at_k_per_env_and_source(files, tmp_pat
     trainer = Trainer(_config(files), tmp_path)
     rg_eval, gsm_eval = _eval_tasks(files)
     # the run's tasks are exactly the files' rows (train: all rg rows, the gsm rows outside the fraction)
-    assert sorted(t.id for t in trainer.env_tasks.eval) == sorted(t.id for t in rg_eval + gsm_eval)
+    assert sorted(t.id for t in trainer.parts.env_tasks.eval) == sorted(t.id for t in rg_eval + gsm_eval)
     gsm_train = load_dataset_tasks(files["gsm"], env="gsm", eval_fraction=0.25, split="train")
-    assert len(trainer.env_tasks.train) == 12 + len(gsm_train) and 0 < len(gsm_eval) < 24
+    assert len(trainer.parts.env_tasks.train) == 12 + len(gsm_train) and 0 < len(gsm_eval) < 24
     history = trainer.run()
     assert [h["step"] for h in history] == [1, 2]
     rows = _rows(tmp_path)

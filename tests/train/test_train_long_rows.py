@@ -24,7 +24,7 @@ from rljax.data.pack import pack
 from rljax.inference.sampler import generate_tokens
 from rljax.models import Decoder, tiny_config
 from rljax.models.logprobs import sequence_forward
-from rljax.train.step import (
+from rljax.training.step import (
     TrainConfig,
     TrainState,
     mini_batch_counts,

@@ -33,10 +33,11 @@ from rljax.inference.engine import SamplingParams
 from rljax.inference.sampler import EmbeddedSampler
 from rljax.models.logprobs import sequence_forward
 from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora, merge_lora
-from rljax.train import checkpoint as ckpt
-from rljax.train.optim import OptimizerConfig
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import (
+from rljax.run.trainer import Trainer
+from rljax.training import checkpoint as ckpt
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import (
     TrainConfig,
     TrainState,
     mini_batch_counts,
@@ -44,7 +45,6 @@ from rljax.train.step import (
     train_mini_batch,
     train_step,
 )
-from rljax.train.trainer import Trainer
 
 OBJ = ObjectiveConfig()
 OPT = OptimizerConfig(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, eps=1e-6)
@@ -307,7 +307,7 @@ def test_trainer_with_config_lora_trains_adapters_only(tmp_path):
 def test_lora_after_a_warm_start_keeps_the_warm_started_base(tmp_path):
     """Also the task run as an agent through the gateway (issue 21: LoRA through the gateway)."""
     c = _config(warm_start=2)
-    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
+    c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     t = Trainer(c, tmp_path)
     init_base = numpy_leaves(t.state.frozen)
     rows = [r for r in t.run() if "loss" in r]

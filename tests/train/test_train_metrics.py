@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from rljax.train import metrics as mt
+from rljax.report import metrics as mt
 
 
 def history(n: int = 30) -> list[tuple[int, dict]]:

@@ -11,9 +11,9 @@ import pytest
 import train_fixtures as tf
 
 from rljax.data.micro_batch import micro_batch_rows, pad_rows, split_by_token_budget
-from rljax.train.memory import compiled_memory
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainState, mini_batch_counts, train_mini_batch, train_step
+from rljax.training.memory import compiled_memory
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainState, mini_batch_counts, train_mini_batch, train_step
 
 OBJ = tf.OBJ
 CONFIG = tf.TRAIN_CONFIG  # shared with the other sharded-step tests (train_fixtures)

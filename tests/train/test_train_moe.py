@@ -20,8 +20,8 @@ from rljax.data.micro_batch import split_by_token_budget
 from rljax.data.pack import pack
 from rljax.models import sequence_forward, top_k_experts
 from rljax.models.tiny import random_decoder, tiny_config
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import (
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import (
     TrainConfig,
     TrainState,
     loss_and_grads,
@@ -137,7 +137,7 @@ def test_moe_micro_batches_equal_whole_batch(rows_per_micro):
 
 
 def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
-    """configs/qwen3_moe_gpu.py from a tiny bf16 Qwen3-MoE checkpoint written by transformers, the
+    """rljax/recipes/qwen3_moe_gpu.py from a tiny bf16 Qwen3-MoE checkpoint written by transformers, the
     embedded engine swapped in, the task run as an agent through the gateway (whose recorded calls
     carry the routed experts): 2 steps on its expert-parallel mesh, with replay and routing metrics."""
     torch = pytest.importorskip("torch")
@@ -145,7 +145,7 @@ def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
     from recipes import load_recipe
 
     from rljax.chat import toy_tokenizer
-    from rljax.train.trainer import Trainer
+    from rljax.run.trainer import Trainer
 
     tok = toy_tokenizer("chatml")
     hf_cfg = transformers.Qwen3MoeConfig(
@@ -163,12 +163,12 @@ def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
     c.engine.kind = "embedded"
     c.envs.lookup.update(num_train_tasks=8, num_eval_tasks=0)
     # the task as an agent behind the gateway (issue 21: MoE with router replay through the gateway)
-    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
+    c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     c.rollout.update(group_size=2, max_turns=2, max_tokens=16, max_context_len=896)
     c.trainer.update(num_steps=2, prompts_per_step=2, mini_batch_prompts=2, seq_len=1024,
                      micro_batch_tokens=1024, eval_every=0, checkpoint_every=0, table_keys=())  # fmt: skip
     t = Trainer(c, tmp_path / "run")
-    assert t.train_configs["grpo"].router_replay and t.mesh.shape["expert"] == 4
+    assert t.parts.train_configs["grpo"].router_replay and t.parts.mesh.shape["expert"] == 4
     history = t.run()
     assert t.parts.scheduler.gateway is not None  # the rollouts' calls went through the gateway
     for h in history:
@@ -184,8 +184,8 @@ def test_lora_on_the_experts_trains_adapters_only(tmp_path):
     gradient) and leave the base bit-identical."""
     from rljax.models import tiny_config
     from rljax.models.lora import lora_state
-    from rljax.train.run_config import default_config
-    from rljax.train.trainer import Trainer
+    from rljax.run.config import default_config
+    from rljax.run.trainer import Trainer
 
     c = default_config()
     init = dataclasses.asdict(tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=2))
@@ -202,12 +202,12 @@ def test_lora_on_the_experts_trains_adapters_only(tmp_path):
         num_steps=2, prompts_per_step=2, seq_len=512, eval_every=0, checkpoint_every=0, table_keys=()
     )
     t = Trainer(c, tmp_path / "run")
-    adapters0 = jax.tree.map(np.asarray, lora_state(t.current_model()))
+    adapters0 = jax.tree.map(np.asarray, lora_state(t.parts.current_model()))
     base0 = [np.asarray(x) for x in jax.tree.leaves(t.state.frozen)]
     assert any("gate_up_lora_a" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters0)[0])
     history = t.run()
     assert all(h["update_skipped"] == 0 and np.isfinite(h["loss"]) for h in history)
-    adapters1 = jax.tree.map(np.asarray, lora_state(t.current_model()))
+    adapters1 = jax.tree.map(np.asarray, lora_state(t.parts.current_model()))
     pairs = zip(jax.tree.leaves(adapters0), jax.tree.leaves(adapters1), strict=True)
     moved = [not np.array_equal(a, b) for a, b in pairs]
     assert all(moved), moved

@@ -30,8 +30,8 @@ import train_fixtures as tf
 from xla_flags import xla_flags
 
 from rljax.models import load_hf_tensors
-from rljax.train import checkpoint
-from rljax.train.distributed import (
+from rljax.training import checkpoint
+from rljax.training.distributed import (
     DistributedConfig,
     agree_max,
     barrier,
@@ -39,8 +39,8 @@ from rljax.train.distributed import (
     process_share,
     reduce_metrics,
 )
-from rljax.train.sharding import make_mesh, shard_batch
-from rljax.train.step import TrainState, mini_batch_counts, train_step
+from rljax.training.sharding import make_mesh, shard_batch
+from rljax.training.step import TrainState, mini_batch_counts, train_step
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The trainer across real processes: ``python -m launch.train`` twice (2 processes x 4 CPU devices,
+"""The trainer across real processes: ``rljax train`` twice (2 processes x 4 CPU devices,
 gloo collectives on 127.0.0.1) against the same command in one process with 8 devices.
 
 * equal runs: the same tasks, samples and rewards every step (rollouts split by process, gathered),
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from xla_flags import xla_flags
 
-from rljax.train import checkpoint
-from rljax.train.run import stored_abstract
+from rljax.run.run import stored_abstract
+from rljax.training import checkpoint
 
-pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # python -m launch.train x 2
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # rljax train x 2
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_STEPS = 4
@@ -40,7 +40,7 @@ HEARTBEAT_S = 10
 # step has real gradients (the smoke task's rewards are mostly 0, which leaves grpo with none);
 # mesh fsdp=2 x data=4.
 ARGS = (
-    "--config=configs/smoke.py",
+    "--config=smoke",
     f"--config.trainer.num_steps={NUM_STEPS}",
     "--config.warmstart.num_steps=0",
     "--config.algorithm=opsd",
@@ -76,7 +76,7 @@ def start(
     port = port or free_port()
     procs = []
     for i in range(processes):
-        cmd = [sys.executable, "-m", "launch.train", *args, f"--workdir={workdir}", *extra]
+        cmd = [sys.executable, "-m", "rljax", "train", *args, f"--workdir={workdir}", *extra]
         if processes > 1:
             cmd += [
                 "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
@@ -196,7 +196,7 @@ def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):
 
 
 VLLM_ARGS = (
-    "--config=configs/vllm_local.py",
+    "--config=vllm_local",
     "--config.trainer.num_steps=2",
     "--config.trainer.mode=sync",
     "--config.trainer.prompts_per_step=4",
@@ -209,7 +209,7 @@ VLLM_ARGS = (
     "--config.rollout.group_size=2",
     "--config.rollout.max_tokens=16",
     # the task as an agent: each process runs its own gateway in front of its vLLM server (issue 21)
-    "--config.envs.lookup.agent=rljax.gateway.lookup_agent:lookup_agent",
+    "--config.envs.lookup.agent=rljax.agents.lookup_agent:lookup_agent",
     "--config.mesh.data=4",
     "--config.mesh.fsdp=2",
     # eager mode skips vLLM's torch.compile warm-up (float32 numerics unchanged)

@@ -1,4 +1,4 @@
-"""Tests of rljax.train.optim: schedule values by hand and against a float64 reference, AdamW wiring."""
+"""Tests of rljax.training.optimizer: schedules by hand and against a float64 reference, AdamW wiring."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljax.train.optim import OptimizerConfig, decay_mask, learning_rate_schedule, make_optimizer
+from rljax.training.optimizer import OptimizerConfig, decay_mask, learning_rate_schedule, make_optimizer
 
 
 def reference_lr(

@@ -1,6 +1,6 @@
 """The real-model path on CPU: a bf16 HF checkpoint trains with float32 master weights.
 
-* the ``configs/qwen3_gpu.py`` recipe, built from a tiny bf16 Qwen3 checkpoint written by
+* the ``rljax/recipes/qwen3_gpu.py`` recipe, built from a tiny bf16 Qwen3 checkpoint written by
   transformers (shrunk, the embedded engine swapped in for vLLM), trains 2 steps at lr 1e-6: every
   parameter tensor moves away from the checkpoint, the run uses micro-batches and reports memory,
   and the saved weights load in transformers with the logits rljax computes;
@@ -24,9 +24,9 @@ from rljax import models
 from rljax.chat import toy_tokenizer
 from rljax.core.objective import ObjectiveConfig
 from rljax.models.tiny import random_decoder, tiny_config
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
-from rljax.train.trainer import Trainer
+from rljax.run.trainer import Trainer
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,24 +86,25 @@ def test_qwen3_gpu_recipe_from_a_bf16_checkpoint(tmp_path):
     c = _recipe(ckpt)
     assert c.mesh.fsdp == 8 and c.optimizer.learning_rate == 1e-6  # the recipe's own mesh and lr
     t = Trainer(c, tmp_path / "run")
-    start = {k: np.asarray(v, np.float32) for k, v in models.to_hf_state_dict(t.current_model()).items()}
+    hf_state = models.to_hf_state_dict(t.parts.current_model())
+    start = {k: np.asarray(v, np.float32) for k, v in hf_state.items()}
     loaded = models.load_hf_tensors(ckpt)
     for name, value in start.items():  # the bf16 checkpoint is upcast exactly
         np.testing.assert_array_equal(value, np.asarray(loaded[name], np.float32), err_msg=name)
     assert {x.dtype for x in jax.tree.leaves(t.state.params)} == {jnp.dtype(jnp.float32)}
-    assert t.current_model().dtype == jnp.bfloat16 and t.current_model().remat == "full"
+    assert t.parts.current_model().dtype == jnp.bfloat16 and t.parts.current_model().remat == "full"
 
     history = t.run()
     assert len(history) == 2 and all(h["update_skipped"] == 0 for h in history)
     assert all(h["memory/step_bytes"] > 0 for h in history)
-    end = models.to_hf_state_dict(t.current_model())
+    end = models.to_hf_state_dict(t.parts.current_model())
     for name, value in start.items():  # lr 1e-6 on float32 masters: every tensor moved
         changed = np.mean(np.asarray(end[name], np.float32) != value)
         assert changed > 0.9, (name, changed)
 
     # the trained weights, saved as bf16 HF, load in transformers and give rljax's logits
     out = tmp_path / "export"
-    models.save_pretrained(t.current_model(), out, dtype=jnp.bfloat16)
+    models.save_pretrained(t.parts.current_model(), out, dtype=jnp.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=(1, 24))
     with torch.no_grad():

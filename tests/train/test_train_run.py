@@ -1,4 +1,4 @@
-"""The run object (rljax.train.run.Run): its front-door methods against the trainer's own step, and
+"""The run object (rljax.run.run.Run): its front-door methods against the trainer's own step, and
 the defects fixed with it (prompt_mean, mini-batch fallback, advantage metric names)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tolerances import LOGPROB_TOL
 
-from configs import smoke
 from rljax.data.pack import pack
-from rljax.train import trainer as trainer_lib
-from rljax.train.run import Run, mini_batch_groups
+from rljax.recipes import smoke
+from rljax.run import trainer as trainer_lib
+from rljax.run.run import Run, mini_batch_groups
 from rljax.types import Step
 
 
@@ -141,10 +141,10 @@ def _flip_parameter_bytes(step_dir) -> None:
 def test_damaged_checkpoint_is_never_trained_from_or_served(tmp_path):
     """Flipped bytes in the newest checkpoint's parameters: --resume falls back to the newest intact
     step with a warning naming the damaged one; eval and export refuse it with a clear error."""
-    from launch.eval import evaluate_checkpoint
-    from launch.export import export_checkpoint
-    from rljax.train import checkpoint
-    from rljax.train.checkpoint import CheckpointCorruptedError
+    from rljax.run.evaluate import evaluate_checkpoint
+    from rljax.run.export import export_checkpoint
+    from rljax.training import checkpoint
+    from rljax.training.checkpoint import CheckpointCorruptedError
 
     c = _config(num_steps=2, checkpoint_every=1, keep_checkpoints=3)
     trainer_lib.Trainer(c, tmp_path).run()

@@ -8,8 +8,8 @@ import pytest
 import train_fixtures as tf
 from jax.sharding import AxisType, PartitionSpec
 
-from rljax.train.sharding import batch_parallelism, batch_sharding, make_mesh, shard_batch
-from rljax.train.step import (
+from rljax.training.sharding import batch_parallelism, batch_sharding, make_mesh, shard_batch
+from rljax.training.step import (
     TrainState,
     mini_batch_counts,
     split_micro_batches,

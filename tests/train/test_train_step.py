@@ -12,8 +12,8 @@ import train_fixtures as tf
 from flax import nnx
 
 from rljax.core.objective import ObjectiveConfig
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import (
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import (
     TrainConfig,
     TrainState,
     loss_and_grads,

@@ -15,8 +15,8 @@ from rljax.chat import make_renderer, toy_tokenizer
 from rljax.data import StepBatch
 from rljax.data.merge import merge_steps
 from rljax.envs.base import Task
-from rljax.train.trainer import TaskIterator, Trainer
-from rljax.train.warmstart import WarmStartConfig, demonstration_steps
+from rljax.run.trainer import TaskIterator, Trainer
+from rljax.training.warmstart import WarmStartConfig, demonstration_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -179,9 +179,9 @@ def test_warmstart_config_errors():
 def test_default_and_smoke_configs_build(tmp_path):
     for name in ("default", "smoke"):
         t = Trainer(_config(name), tmp_path / name)
-        assert t.scheduler.rollout_config.group_size == _config(name).rollout.group_size
-        assert t.algorithms.default.name == "grpo"
-        train, evals = t.env_tasks.train, t.env_tasks.eval
+        assert t.parts.scheduler.rollout_config.group_size == _config(name).rollout.group_size
+        assert t.parts.algorithms.default.name == "grpo"
+        train, evals = t.parts.env_tasks.train, t.parts.env_tasks.eval
         assert {s.env for s in train} == {"lookup"}
         assert evals and all(s.split == "test" for s in evals)
         assert not {s.data["query"] for s in evals} & {s.data["query"] for s in train}
@@ -228,10 +228,10 @@ def test_frozen_models_resolve(tmp_path):
     c.algorithm = {"name": "opd", "teacher": "teacher"}
     c.frozen_models = {"teacher": {"base_url": "http://127.0.0.1:9/v1"}}
     t = Trainer(c, tmp_path)
-    assert set(t.engines.frozen_configs) == {"teacher"}
+    assert set(t.parts.engines.frozen_configs) == {"teacher"}
     c.algorithm = {"name": "opd", "teacher": "http://127.0.0.1:9"}  # a bare URL works too
     c.frozen_models = {}
-    assert "http://127.0.0.1:9" in Trainer(c, tmp_path / "url").engines.frozen_configs
+    assert "http://127.0.0.1:9" in Trainer(c, tmp_path / "url").parts.engines.frozen_configs
 
 
 def test_per_env_algorithms_resolve(tmp_path):
@@ -239,14 +239,14 @@ def test_per_env_algorithms_resolve(tmp_path):
     c.envs.arith = dict(env="arithmetic", kwargs={}, task_kwargs={}, num_train_tasks=8, num_eval_tasks=0)
     c.env_algorithms = {"arith": "rloo"}
     t = Trainer(c, tmp_path)
-    assert dict(t.scheduler.rollout_config.env_algorithms) == {"lookup": "grpo", "arith": "rloo"}
-    assert set(t.train_configs) == {"grpo", "rloo"}
-    assert {s.env for s in t.env_tasks.train} == {"lookup", "arith"}
+    assert dict(t.parts.scheduler.rollout_config.env_algorithms) == {"lookup": "grpo", "arith": "rloo"}
+    assert set(t.parts.train_configs) == {"grpo", "rloo"}
+    assert {s.env for s in t.parts.env_tasks.train} == {"lookup", "arith"}
 
 
 def test_needed_behaviour_versions(tmp_path):
     c = _config("smoke")
-    sched = Trainer(c, tmp_path).scheduler
+    sched = Trainer(c, tmp_path).parts.scheduler
     assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [], []]  # sync: none
     sched.lag = 1
     assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [0], [4]]

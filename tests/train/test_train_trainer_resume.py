@@ -1,6 +1,6 @@
 """End-to-end trainer runs on the smoke recipe: sinks, policy versions, and bit-for-bit resume.
 
-The kill -9 tests run ``python -m launch.train`` in a subprocess, SIGKILL it in the middle of the run
+The kill -9 tests run ``rljax train`` in a subprocess, SIGKILL it in the middle of the run
 (between steps, and while a checkpoint is being written), resume it with ``--resume`` and compare the
 JSONL metrics of the remaining steps with an uninterrupted run of the same config.
 """
@@ -19,8 +19,8 @@ import pytest
 from recipes import load_recipe
 from xla_flags import subprocess_env
 
-from rljax.train import checkpoint as ckpt
-from rljax.train.trainer import Trainer
+from rljax.run.trainer import Trainer
+from rljax.training import checkpoint as ckpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -112,9 +112,8 @@ def _launch(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
     env = subprocess_env(CI="true")
     cmd = [
         sys.executable,
-        "-m",
-        "launch.train",
-        "--config=configs/smoke.py",
+        "-m", "rljax", "train",
+        "--config=smoke",
         f"--workdir={workdir}",
         "--config.trainer.num_steps=4",
         "--config.trainer.mode=async",

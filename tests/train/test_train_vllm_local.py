@@ -1,4 +1,4 @@
-"""The ``configs/vllm_local.py`` recipe end to end against a REAL vLLM (CPU) server.
+"""The ``rljax/recipes/vllm_local.py`` recipe end to end against a REAL vLLM (CPU) server.
 
 Two synchronous RL steps of the recipe, shrunk (no warm start, 4 prompts x 4 samples, short
 completions), with the trainer launching its own server. Checked, each against something the code
@@ -31,11 +31,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import vllm_local
 from rljax import models
-from rljax.train import checkpoint as ckpt
-from rljax.train import scheduler as scheduler_mod
-from rljax.train import trainer as trainer_mod
+from rljax.recipes import vllm_local
+from rljax.run import scheduler as scheduler_mod
+from rljax.run import trainer as trainer_mod
+from rljax.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
@@ -142,17 +142,17 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
 
 
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
-    """configs/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
+    """rljax/recipes/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves.
     The task runs as an agent through the gateway in front of the vLLM servers (issue 21's modes)."""
     import rljax.gateway as gateway_mod
-    from configs import lora_vllm
+    from rljax.recipes import lora_vllm
 
     c = lora_vllm.get_config()
     small = _small_config()
     for key in ("warmstart", "envs", "rollout", "trainer"):
         c[key] = small[key]
-    c.envs.lookup.agent = "rljax.gateway.lookup_agent:lookup_agent"
+    c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     c.engine.server.extra_args = small.engine.server.extra_args
     syncs = []
     real_rollout = gateway_mod.agent_rollout

@@ -12,7 +12,7 @@ import pytest
 
 from rljax import envs
 from rljax.chat import make_renderer, toy_tokenizer
-from rljax.train.warmstart import WarmStartConfig, demonstration_batches
+from rljax.training.warmstart import WarmStartConfig, demonstration_batches
 
 RG_TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+"],
                allow_parentheses=False, allow_negation=False, system_prompt=None)  # fmt: skip

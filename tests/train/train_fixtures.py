@@ -9,8 +9,8 @@ from flax import nnx
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.pack import pack
 from rljax.models import Decoder, tiny_config
-from rljax.train.optim import OptimizerConfig
-from rljax.train.step import TrainConfig, TrainState, mini_batch_counts, train_step
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_step
 from rljax.types import Step
 
 VOCAB = 128

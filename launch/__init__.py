@@ -1,1 +1,0 @@
-"""absl entry points of rljax (``python -m launch.train --config=configs/default.py``)."""

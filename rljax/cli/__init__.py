@@ -1,0 +1,12 @@
+"""The ``rljax`` command: one console script with a subcommand per front door.
+
+    rljax train --config=default --workdir=/tmp/run          # an RL run (rljax.cli.train)
+    rljax eval --config=reasoning_gym --checkpoint=/tmp/rg    # a checkpoint on held-out tasks
+    rljax serve --config=tinker --port=8000                   # the Tinker-compatible training API
+    rljax view --workdir=/tmp/run                             # the static HTML run report
+    rljax export --checkpoint=/tmp/run --out=/tmp/hf          # a checkpoint as an HF directory
+    rljax make-dataset --source=reasoning_gym:basic_arithmetic --num=100 --out=rows.parquet
+
+``--config`` takes a file path or the name of a shipped recipe (``rljax/recipes/``); each subcommand
+keeps its absl flags (``rljax train --help``). ``python -m rljax`` is the same command.
+"""

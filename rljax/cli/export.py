@@ -1,0 +1,77 @@
+"""Export a training checkpoint's policy as a Hugging Face model directory.
+
+    rljax export --checkpoint=/runs/qwen3 --out=/models/qwen3_rl
+    rljax export --checkpoint=/runs/qwen3/checkpoints/step_200 --out=/models/q --dtype=bfloat16
+    rljax export --checkpoint=/runs/lora --out=/models/adapter --adapter_only   # LoRA runs
+
+``--checkpoint`` is a run's workdir, its ``checkpoints/`` directory (the latest step, or ``--step``)
+or one ``step_N``. No config flag: the run's config is read from the checkpoint, the model is rebuilt
+from it (``model.hf_path`` or ``model.init``, ``lora``) and the checkpoint's policy weights (the
+float32 masters) replace the fresh ones. Written to ``--out``: ``config.json`` + safetensors in
+``--dtype`` (default: the master dtype), which transformers and vLLM load, and the run's tokenizer
+files (``tokenizer.json``, its config and chat template; the toy tokenizers are HF tokenizers too).
+A LoRA run exports merged weights (base + ``alpha / r * A B``), or with ``--adapter_only`` the PEFT
+adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) for ``model.hf_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+from rljax.cli.common import resolve_config_args
+from rljax.run.export import export_checkpoint
+
+
+def _define_flags() -> None:
+    """The CLI's flags, defined only when it runs: importing :func:`export_checkpoint` (tests,
+    notebooks) must not claim absl flag names (``--checkpoint``, ``--out``, ``--step``) that the other
+    launchers (``rljax.cli.eval``, ``rljax.cli.make_dataset``) define in the same process."""
+    flags.DEFINE_string(
+        "checkpoint", None, "A run's workdir, its checkpoints/ directory, or a checkpoints/step_N directory."
+    )
+    flags.DEFINE_string("out", None, "The HF model directory to write.")
+    flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype (default: the masters').")
+    flags.DEFINE_bool("adapter_only", False, "LoRA runs: write the PEFT adapter only.")
+    flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    f = flags.FLAGS
+    if not f.checkpoint or not f.out:
+        raise app.UsageError("--checkpoint=DIR and --out=HF_DIR are required")
+    try:
+        summary = export_checkpoint(
+            f.checkpoint,
+            f.out,
+            step=f.step,
+            dtype=f.dtype,
+            adapter_only=f.adapter_only,
+            overwrite=f.overwrite,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    print(
+        f"exported {summary['kind']} weights ({summary['dtype']}) of {summary['checkpoint']} "
+        f"to {summary['out']}",
+        flush=True,
+    )
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    _define_flags()
+    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
+    run()

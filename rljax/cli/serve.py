@@ -1,0 +1,87 @@
+"""Serve the Tinker training API (the protocol of the ``tinker`` SDK 0.38.0) for a config's model.
+
+    rljax serve --config=tinker --port=8000 --workdir=/tmp/rljax_tinker
+
+then, in any process::
+
+    import tinker
+    service = tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="any")
+    training = service.create_lora_training_client(base_model="rljax/tiny", rank=8)
+
+The model is the config's (``model.hf_path`` = an HF checkpoint directory, else a fresh model of
+``model.init``; ``tokenizer.name``), listed by ``get_server_capabilities`` under ``--base_model``
+(default: the checkpoint directory's name, or ``rljax/tiny``). Bound to 127.0.0.1 unless ``--host``
+says otherwise; ``--api_key`` (repeatable) makes the server refuse other keys. Checkpoints
+(``save_state``, ``save_weights_for_sampler``) go to ``<workdir>/tinker/<model_id>/`` and survive a
+restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back. Sampling
+clients run on the embedded sampler, or, when the config names vLLM engines
+(``rljax/recipes/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
+target; ``rljax.tinker.sampling``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from rljax.cli.common import recipe_path, resolve_config_args
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", str(recipe_path("tinker")), "The run config of the served model (a file or a recipe name)."
+)
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (127.0.0.1: this machine only).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_tinker", "Where checkpoints are written.")
+_BASE_MODEL = flags.DEFINE_string("base_model", None, "Name clients use for the model (default: derived).")
+_API_KEYS = flags.DEFINE_multi_string("api_key", [], "Accepted API keys (none given: any key is accepted).")
+_MAX_RANK = flags.DEFINE_integer("max_lora_rank", 64, "Largest LoRA rank a client may ask for.")
+_LORA_ALPHA = flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (adapter scale alpha / rank).")
+_TIMEOUT = flags.DEFINE_float("session_timeout_s", 120.0, "Expire sessions silent (no heartbeat) this long.")
+_MIN_ROWS = flags.DEFINE_integer(
+    "min_rows", 8, "Fewest packed rows of a training step (a power of two >= it: fewer compiled shapes)."
+)
+_MIN_SEQ_LEN = flags.DEFINE_integer("min_seq_len", 32, "Shortest packed row of a training step.")
+_FUSE = flags.DEFINE_bool(
+    "fuse_clients", True, "Run queued requests of several LoRA clients (one adapter shape) as one step."
+)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import uvicorn
+
+    from rljax.tinker import build_service
+    from rljax.tinker.server import make_app
+
+    options = dict(
+        max_lora_rank=_MAX_RANK.value,
+        lora_alpha=_LORA_ALPHA.value,
+        api_keys=tuple(_API_KEYS.value),
+        session_timeout_s=_TIMEOUT.value,
+        min_rows=_MIN_ROWS.value,
+        min_seq_len=_MIN_SEQ_LEN.value,
+        fuse_clients=_FUSE.value,
+    )
+    if _BASE_MODEL.value:
+        options["base_model"] = _BASE_MODEL.value
+    service = build_service(_CONFIG.value, _WORKDIR.value, **options)
+    absl_logging.info("serving %s on http://%s:%d", service.options.base_model, _HOST.value, _PORT.value)
+    print(f"rljax Tinker API: {service.options.base_model} on http://{_HOST.value}:{_PORT.value}", flush=True)
+    try:
+        uvicorn.run(make_app(service), host=_HOST.value, port=_PORT.value, log_level="warning")
+    finally:
+        service.close()
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
+    run()

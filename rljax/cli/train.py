@@ -1,0 +1,166 @@
+"""Launch an RL post-training run from an ml_collections config file.
+
+    rljax train --config=default --workdir=/tmp/run
+    rljax train --config=default --config.trainer.num_steps=5
+    rljax train --config=default --workdir=/tmp/run --resume   # after a crash
+
+``--config.<key>=<value>`` overrides any config entry (ml_collections ``config_flags``): an unknown key
+or a value of the wrong type is an error naming the key. ``--resume`` continues from the latest
+complete checkpoint in ``<workdir>/checkpoints`` (bit-for-bit on CPU; an error when there is none, and
+when the config differs from the checkpoint's in a key that changes results, unless
+``--allow_config_change``); without it an existing run in ``workdir`` is refused rather than
+silently overwritten, unless ``--overwrite`` is given.
+
+Several processes (hosts): start the same command once per process, with the same config and
+``--workdir`` (a filesystem every host shares), adding ``--coordinator_address=HOST0:PORT
+--num_processes=N --process_id=I`` (or ``--distributed`` alone where JAX detects them: SLURM,
+Open MPI, Kubernetes / GKE, Cloud TPU); ``--cpu_collectives=gloo`` for CPU-only runs::
+
+    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \
+        --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=0 --cpu_collectives=gloo &
+    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \
+        --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=1 --cpu_collectives=gloo
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from rljax.cli.common import resolve_config_args
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "An ml_collections config file, or the name of a shipped recipe (rljax/recipes/).",
+    lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (metrics, plots, checkpoints). Default: a new temporary directory."
+)
+_RESUME = flags.DEFINE_bool("resume", False, "Resume from the latest complete checkpoint in --workdir.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete an existing run in --workdir and start over.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Join a multi-process run, with the coordinator / process count / process id JAX detects "
+    "(SLURM, Open MPI, Kubernetes, Cloud TPU) unless the flags below give them.",
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0's coordination service (multi-process runs)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes of the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+_CPU_COLLECTIVES = flags.DEFINE_enum(
+    "cpu_collectives", "", ["", "gloo", "mpi"], "Collectives between processes on the CPU backend."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s",
+    60,
+    "Multi-process runs: seconds without a peer's heartbeat after which every other process exits "
+    "with an error (the bound on how long a survivor of a dead peer keeps waiting).",
+)
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change",
+    False,
+    "With --resume: continue even though result-changing config keys differ from the checkpoint's.",
+)
+
+
+def _initialize_distributed() -> bool:
+    """Joins a multi-process run when the flags ask for one (before anything starts JAX's backends)."""
+    given = [f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)]
+    if not (_DISTRIBUTED.value or any(given)):
+        return False
+    from rljax.training import distributed
+
+    try:
+        config = distributed.DistributedConfig(
+            coordinator_address=_COORDINATOR.value,
+            num_processes=_NUM_PROCESSES.value,
+            process_id=_PROCESS_ID.value,
+            cpu_collectives=_CPU_COLLECTIVES.value,
+            heartbeat_timeout_s=_HEARTBEAT.value,
+        )
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    return distributed.initialize(config)
+
+
+def _prepare_workdir(
+    workdir: str | None, *, resume: bool, overwrite: bool, multi_process: bool = False
+) -> pathlib.Path:
+    if workdir is None:
+        if resume:
+            raise app.UsageError("--resume needs --workdir (the directory of the run to resume)")
+        if multi_process:
+            raise app.UsageError("a multi-process run needs --workdir (a directory every process shares)")
+        return pathlib.Path(tempfile.mkdtemp(prefix="rljax_run_"))
+    path = pathlib.Path(workdir)
+    existing = (path / "checkpoints").exists() or (path / "metrics.jsonl").exists()
+    main_process = True
+    if multi_process:
+        import jax
+
+        main_process = jax.process_index() == 0
+    if existing and not resume:
+        if not overwrite:
+            raise app.UsageError(
+                f"{path} already holds a run; pass --resume to continue it or --overwrite to start over"
+            )
+        if main_process:  # one process deletes; the others wait at the barrier below
+            shutil.rmtree(path)
+    if main_process:
+        path.mkdir(parents=True, exist_ok=True)
+    if multi_process:
+        from rljax.training.distributed import barrier
+
+        barrier("rljax_workdir_ready", timeout_s=600)
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every file it renames at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=<recipe name or config file> is required (e.g. --config=default)")
+    multi_process = _initialize_distributed()
+    workdir = _prepare_workdir(
+        _WORKDIR.value, resume=_RESUME.value, overwrite=_OVERWRITE.value, multi_process=multi_process
+    )
+    print(f"workdir: {workdir}", flush=True)
+    from rljax.run.trainer import Trainer  # import after flag parsing (fast --help)
+
+    trainer = Trainer(config, workdir, resume=_RESUME.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    try:
+        history = trainer.run()
+    except FileNotFoundError as e:  # --resume of a workdir without a complete checkpoint
+        raise app.UsageError(str(e)) from None
+    if history:
+        last = history[-1]
+        print(
+            f"done: step {last['step']}, reward/mean {last.get('reward/mean', float('nan')):.4f}, "
+            f"elapsed {last.get('time/elapsed_s', float('nan')):.1f}s; metrics in {workdir}",
+            flush=True,
+        )
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
+    run()

@@ -1,0 +1,77 @@
+"""A documented GPU recipe: Qwen3 from a Hugging Face checkpoint, vLLM servers, a (data, fsdp, tensor) mesh.
+
+Set the checkpoint directory (config.json + *.safetensors + tokenizer files, e.g. a local download of
+``Qwen/Qwen3-0.6B``) and the mesh for your devices, then::
+
+    rljax train --config=qwen3_gpu \
+        --config.model.hf_path=/ckpts/Qwen3-0.6B --config.tokenizer.name=/ckpts/Qwen3-0.6B \
+        --config.mesh.data=1 --config.mesh.fsdp=8 --workdir=/runs/qwen3_lookup
+
+Precision and memory: master weights, gradients and Adam moments in float32 (the bf16 checkpoint is
+upcast on load; an lr of 1e-6 would round away in bf16), activations in bfloat16 with full remat,
+log-probs / ratios / losses in float32; each mini-batch runs as micro-batches of at most
+``trainer.micro_batch_tokens`` tokens accumulated in one jitted scan. vLLM serves bfloat16 weights
+(``engine.dtype``) and every sync is verified against rljax's own bf16 logprobs of the same cast
+weights (tolerance: ``SYNC_ATOL['bfloat16']``, see the README's "Real models").
+
+Layout: the trainer holds the model on the mesh (parameters and Adam moments sharded by the rules of
+rljax.models.sharding; batches sharded by rows over data x fsdp); generation runs on vLLM servers
+(``engine.urls`` of servers you started on other GPUs, or ``engine.num_servers`` launched locally), and
+weights are synced to them after every update. ``mode="async"`` overlaps generation of step n+1 with
+training of step n (samples are at most ``max_off_policy_steps`` versions stale; DPPO's trust-region
+masks and the off-policy correction in ``objective.off_policy`` handle the mismatch).
+"""
+
+from ml_collections import config_dict
+
+from rljax.recipes import default
+
+
+def get_config() -> config_dict.ConfigDict:
+    c = default.get_config()
+    c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
+    # attention "auto": cuDNN's ragged fused attention on GPU with bf16 compute ("xla" / "cudnn" to compare)
+    c.model.update(param_dtype="float32", compute_dtype="bfloat16", remat="full", attention="auto")
+    c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
+    c.renderer.name = "qwen3"
+    c.renderer.kwargs = dict(retention="tool_cycle")
+    c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
+    # product = number of trainer devices; context > 1 splits each row's tokens (long agent trajectories,
+    # e.g. fsdp=2, context=4 for 32k-64k rows; trainer.seq_len must be a multiple of 2 * context)
+    # with context > 1, model.context_attention="ring" passes K/V chunks device to device instead of
+    # all-gathering them (XLA blocks instead of cuDNN; for meshes whose interconnect is the bottleneck)
+    c.mesh.update(data=1, fsdp=8, tensor=1, context=1)
+    c.engine.update(
+        kind="vllm",
+        dtype="bfloat16",  # weights served (cast from the float32 master on every sync)
+        urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
+        num_servers=1,
+        python="",
+        server=dict(
+            max_model_len=4096,
+            gpu_memory_utilization=0.85,  # of each server GPU (servers on GPUs the trainer does not use)
+            tensor_parallel_size=1,  # GPUs per server
+            max_num_seqs=256,
+            startup_timeout_s=1200.0,
+        ),
+        client=dict(max_concurrency=256, timeout_s=600.0),
+        sync=dict(probe_length=64, on_mismatch="retry"),  # atol: the bf16 default
+    )
+    c.rollout.update(group_size=16, max_turns=4, max_tokens=1024, max_context_len=4096, temperature=1.0)
+    c.warmstart.num_steps = 0  # a pretrained instruct model already knows the tool-call format
+    c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
+    c.objective.off_policy = dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
+    c.trainer.update(
+        num_steps=500,
+        mode="async",
+        max_off_policy_steps=1,
+        prompts_per_step=64,
+        mini_batch_prompts=16,
+        seq_len=8192,
+        micro_batch_tokens=16384,  # per data-parallel shard: 2 rows of 8192 at a time
+        truncate=False,
+        eval_every=25,
+        checkpoint_every=25,
+        keep_checkpoints=3,
+    )
+    return c

@@ -1,0 +1,189 @@
+"""Building a run's parts from its typed config: tokenizer, model, per-algorithm train configs, checks.
+
+Each function takes a section of :class:`rljax.run.config.RunConfig` (already parsed and
+validated) and returns a ready object; errors that need several parts at once (echo without
+merging, opsd tasks without demonstrations) are raised here, before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from rljax.algorithms import Algorithm, AlgorithmConfig
+from rljax.chat import toy_tokenizer
+from rljax.core.objective import ObjectiveConfig
+from rljax.extras import require
+from rljax.models import Decoder, ModelConfig, from_pretrained
+from rljax.run.config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
+from rljax.run.tasks import EnvTasks
+
+__all__ = [
+    "DTYPE_OF",
+    "build_model",
+    "build_tokenizer",
+    "check_extras",
+    "check_run",
+    "objective_config",
+    "required_extras",
+]
+
+#: config.model.param_dtype / compute_dtype / engine.dtype -> jnp dtype (the dtypes a run accepts).
+DTYPE_OF = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def required_extras(cfg: RunConfig) -> list[tuple[str, str]]:
+    """``(extra, config key that needs it)`` for every optional part the run's config uses."""
+    out = []
+    for name, env in cfg.envs.items():
+        key = f"config.envs.{name}"
+        if env.verifiers:
+            out.append(("verifiers", f"{key}.verifiers"))
+        elif env.agent or env.agent_command:
+            out.append(("gateway", f"{key}.agent" if env.agent else f"{key}.agent_command"))
+        kind = (env.env or name).partition(":")[0]
+        if kind in ("skyrl_gym", "reasoning_gym"):
+            out.append((kind, f"{key}.env"))
+    out += [(sink, "config.report.sinks") for sink in cfg.report.sinks if sink in ("wandb", "mlflow")]
+    return out
+
+
+def check_extras(cfg: RunConfig) -> None:
+    """Fails before anything runs when the config uses a part whose pip extra is not installed
+    (:class:`rljax.extras.MissingExtraError`, one line naming the extra)."""
+    for extra, key in required_extras(cfg):
+        require(extra, key)
+
+
+def build_tokenizer(cfg: TokenizerSection) -> Any:
+    """``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path."""
+    if cfg.name.startswith("toy:"):
+        return toy_tokenizer(cfg.name[4:])
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.name)
+
+
+def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
+    """A Decoder from ``cfg.hf_path`` (HF safetensors) or a fresh one of ``cfg.init``.
+
+    Parameters are held in ``cfg.param_dtype`` whatever the checkpoint stores (a bfloat16 checkpoint
+    is upcast to float32 master weights by default), activations computed in ``cfg.compute_dtype``.
+    """
+    precision = None if cfg.matmul_precision == "default" else cfg.matmul_precision
+    kw = dict(dtype=DTYPE_OF[cfg.compute_dtype], param_dtype=DTYPE_OF[cfg.param_dtype], remat=cfg.remat,
+              attention=cfg.attention, context_attention=cfg.context_attention,
+              precision=precision)  # fmt: skip
+    if cfg.hf_path:
+        return from_pretrained(cfg.hf_path, **kw)
+    fields = dict(cfg.init)
+    if not fields.get("vocab_size"):
+        fields["vocab_size"] = int(vocab_size)
+    try:
+        mcfg = ModelConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"config.model.init has a field ModelConfig does not know: {e}") from None
+    if mcfg.vocab_size < vocab_size:
+        raise ValueError(
+            f"config.model.init.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab_size} ids"
+        )
+    return Decoder(mcfg, rngs=nnx.Rngs(seed), **kw)
+
+
+def objective_config(
+    algorithm: Algorithm, cfg: ObjectiveSection, *, prompts_per_step: int
+) -> ObjectiveConfig:
+    """The objective that trains ``algorithm``'s samples (its components, loss and the run's reduction).
+
+    ``prompts_per_step`` bounds the dense prompt-group ids of any mini-batch of one RL step: the
+    static ``num_groups`` that the ``prompt_mean`` reduction segments over."""
+    if not algorithm.step_wise:
+        raise ValueError(
+            f"algorithm {algorithm.name!r} is not step-wise (step_wise=False); the trainer trains one sample "
+            "per turn (merged): set step_wise=True"
+        )
+    return ObjectiveConfig(
+        policy_loss=algorithm.policy_loss or "dppo",  # unused unless the rl component is on
+        policy_loss_kwargs=dict(algorithm.policy_loss_kwargs),
+        reduction=cfg.reduction,
+        max_len=cfg.max_len,
+        num_groups=prompts_per_step if cfg.reduction == "prompt_mean" else None,
+        off_policy=dict(cfg.off_policy) or None,
+        entropy_coef=cfg.entropy_coef,
+        components=tuple(algorithm.components),  # skip the packer's all-zero streams of other components
+    )
+
+
+def check_run(
+    cfg: RunConfig,
+    *,
+    algorithms: AlgorithmConfig,
+    model_config: Any,
+    env_tasks: EnvTasks | None,
+    renderer: Any,
+    process_count: int = 1,
+    device_count: int = 1,
+) -> None:
+    """The rules between the run's parts, in one place (each a ``ValueError`` saying what to change).
+
+    The config's own rules (every section, and rules between keys) are checked when it is parsed
+    (:func:`rljax.run.config.parse_run_config`) and the algorithms' when they are validated
+    (:func:`rljax.algorithms.validate_algorithm_config`); these need the built parts: the model
+    (MoE router replay), the envs and their tasks (echo needs merging; opsd needs demonstrations and
+    a renderer that can place them; a step's prompts must be distinct tasks), the algorithms
+    (dynamic sampling needs group-relative ones) and the processes (a multi-process run needs a
+    mesh over all of them; dynamic sampling runs in one process). ``env_tasks`` None: a run built
+    without rollouts (export), whose env rules do not apply.
+    """
+    if cfg.model.router_replay != "off" and not model_config.moe_layers:
+        raise ValueError(
+            f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "
+            f"model ({model_config.model_type}) has no MoE layers; set it to 'off'"
+        )
+    if process_count > 1 and not cfg.uses_mesh:
+        n = device_count
+        raise ValueError(
+            f"this run has {process_count} processes ({n} devices in all) but config.mesh is one "
+            f"device; set config.mesh to span all {n} devices (e.g. --config.mesh.data={n})"
+        )
+    if env_tasks is None:
+        return
+    t = cfg.trainer
+    if t.dynamic_sampling.max_rounds > 0:
+        if process_count > 1:
+            raise ValueError(
+                "config.trainer.dynamic_sampling is not supported with several processes yet (its extra "
+                "rounds depend on the whole step's groups); set max_rounds=0"
+            )
+        not_grouped = [a.name for a in algorithms.algorithms if not a.group_relative]
+        if not_grouped:
+            raise ValueError(
+                "config.trainer.dynamic_sampling keeps groups whose rewards vary (DAPO), which only "
+                f"group-relative rl algorithms need; {not_grouped} are not: set max_rounds=0"
+            )
+    if t.prompts_per_step > len(env_tasks.train):
+        raise ValueError(
+            f"config.trainer.prompts_per_step={t.prompts_per_step} exceeds the {len(env_tasks.train)} "
+            "train tasks of config.envs: one step cannot draw that many distinct prompts"
+        )
+    for env in env_tasks.factories:
+        a = algorithms.for_env(env)
+        if a.observation_ce and not t.merge:
+            raise ValueError(
+                f"algorithm {a.name!r} (env {env!r}) trains observation tokens (echo), which are the "
+                "tokens between merged turns; set trainer.merge=True"
+            )
+        if a.needs_demonstrations:
+            tasks = [task for task in env_tasks.train if task.env == env]
+            if not any(task.demonstration for task in tasks):
+                raise ValueError(
+                    f"algorithm {a.name!r} (env {env!r}) conditions on Task.demonstration, but none of "
+                    f"the {len(tasks)} train tasks of env {env!r} has one; pass tasks with "
+                    "demonstrations (Trainer(tasks=...)) or use an environment whose tasks carry them"
+                )
+    if algorithms.needs_demonstrations:  # a renderer that cannot place the hint fails now
+        renderer.demonstration_hint(
+            next(task.demonstration for task in env_tasks.train if task.demonstration)
+        )

@@ -1,0 +1,795 @@
+"""The run configuration: typed, frozen, parsed once from an ml_collections config.
+
+:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
+``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
+place that knows the keys, their types and their defaults: a missing key takes the default of its
+dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
+key no component reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len:
+expected an int >= 1, got 'long'``. :func:`default_config` renders the same defaults as a
+``ConfigDict``; ``rljax/recipes/default.py`` is exactly that, and the other recipes start from it.
+
+The trainer's parts read only these typed values, never the raw config.
+
+The sections of the run's components ARE those components' own typed configs, each validating
+itself: ``rollout`` is a :class:`rljax.rollout.RolloutConfig`, ``optimizer`` an
+:class:`rljax.training.optimizer.OptimizerConfig`, ``warmstart`` a
+:class:`rljax.training.warmstart.WarmStartConfig`,
+``critic`` a :class:`rljax.training.critic.CriticSection` (a ``CriticConfig``), ``lora`` a
+:class:`rljax.models.lora.LoRAConfig` (or None: full training), ``mesh`` a
+:class:`rljax.training.sharding.MeshConfig`, ``engine.sync`` a :class:`rljax.inference.vllm.SyncConfig`;
+their class defaults are the run's defaults (one default per knob). Cross-field rules are in
+:func:`_validate`.
+
+>>> cfg = parse_run_config({"trainer": {"num_steps": 3}})
+>>> cfg.trainer.num_steps, cfg.trainer.seq_len, cfg.rollout.group_size
+(3, 384, 8)
+>>> try:
+...     parse_run_config({"trainer": {"num_stpes": 3}})
+... except ValueError as e:
+...     print(str(e)[:46])
+config.trainer.num_stpes: unknown key; known k
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from rljax.core.objective import REDUCTIONS
+from rljax.data.filters import make_filter
+from rljax.inference.frozen import frozen_models_from_config
+from rljax.inference.vllm.launcher import ServerConfig
+from rljax.inference.vllm.weight_sync import SyncConfig
+from rljax.models.attention_backends import ATTENTION_BACKENDS
+from rljax.models.context import CONTEXT_COLLECTIVES
+from rljax.models.lora import LoRAConfig
+from rljax.report.config import ReportConfig
+from rljax.rollout import RolloutConfig
+from rljax.training.critic import CriticSection
+from rljax.training.optimizer import OptimizerConfig
+from rljax.training.sharding import MeshConfig
+from rljax.training.warmstart import WarmStartConfig
+
+__all__ = [
+    "DTYPES",
+    "DynamicSamplingSection",
+    "EngineSection",
+    "EnvSection",
+    "EvalSection",
+    "ModelSection",
+    "ObjectiveSection",
+    "RESULT_NEUTRAL_KEYS",
+    "RendererSection",
+    "RunConfig",
+    "TokenizerSection",
+    "TrainerSection",
+    "config_differences",
+    "config_record",
+    "default_config",
+    "parse_run_config",
+]
+
+#: Model dtypes a run accepts (compute and parameter storage).
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: Weight dtypes an engine can serve: a dtype, or "auto" (= model.compute_dtype).
+ENGINE_DTYPES: tuple[str, ...] = ("auto", *DTYPES)
+#: Remat policies of ``model.remat`` (see :class:`rljax.models.Decoder`).
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+#: ``model.router_replay`` values (MoE models).
+ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
+#: ``config.model.matmul_precision`` values (``jax.lax.Precision`` names; "default" = the platform's).
+MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
+#: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
+SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
+MODES: tuple[str, ...] = ("sync", "async")
+ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
+DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
+
+
+def _field(default: Any) -> Any:
+    """A dataclass field whose default is a (copied) mutable value."""
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: _copy(default))
+    if dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: default)
+    return dataclasses.field(default=default)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections (defaults = the default recipe: a tiny Qwen3-shaped model on the multi-turn lookup task)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSection:
+    """``name``: ``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path."""
+
+    name: str = "toy:chatml"
+
+
+@dataclasses.dataclass(frozen=True)
+class RendererSection:
+    """A renderer of :func:`rljax.chat.make_renderer` and its keyword arguments."""
+
+    name: str = "chatml"
+    kwargs: dict = _field({})
+
+
+DEFAULT_INIT = dict(
+    model_type="qwen3",
+    vocab_size=0,  # 0 = the tokenizer's size
+    hidden_size=64,
+    intermediate_size=192,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """``hf_path``: an HF checkpoint directory to load; empty = a fresh model of ``init`` (ModelConfig
+    fields). Precision (each one of :data:`DTYPES`): ``param_dtype`` stores the master weights, their
+    gradients and the optimizer state (float32 default, whatever the checkpoint's dtype: a bf16
+    checkpoint is upcast on load); ``compute_dtype`` is the dtype of activations and matmuls (logits,
+    log-probs, ratios and every loss stay float32). ``remat``: activation recomputation of each
+    block in the backward pass, one of :data:`REMAT_POLICIES` (``none``, ``full``: save only block
+    inputs, ``dots_saveable``: also keep matmul outputs without batch dims). ``router_replay`` (MoE
+    models): ``"r3"`` replays the experts the sampler routed every token to in the train forward
+    (gates recomputed from the current router); ``"off"`` routes afresh. ``routing/flip_fraction``
+    (the share of tokens whose trainer top-k differs from the sampler's) is logged either way.
+    ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN's ragged kernel on
+    GPU with bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's
+    packed variable-length kernel), ``splash`` (:mod:`rljax.models.attention_backends`).
+    ``context_attention``: how attention crosses ``mesh.context`` when it is > 1, ``all_gather``
+    (each device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value
+    chunks passed around the devices, partial softmaxes merged; XLA blocks), see
+    :mod:`rljax.models.context`. ``matmul_precision``: the precision of every matmul of the model
+    (trainer and embedded sampler), one of :data:`MATMUL_PRECISIONS`; ``"default"`` lets the platform
+    choose (on NVIDIA GPUs float32 matmuls then run as TF32, and the sampler's float32 logprobs differ
+    from the trainer's by ~1e-4 instead of ~1e-6); ``"highest"`` keeps float32 matmuls float32."""
+
+    hf_path: str = ""
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    router_replay: str = "off"
+    attention: str = "auto"
+    context_attention: str = "all_gather"
+    matmul_precision: str = "default"
+    init: dict = _field(DEFAULT_INIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """One environment of the run: ``env`` is its kind (default: the section's name; e.g. "lookup",
+    "skyrl_gym:gsm8k", "reasoning_gym:leg_counting"), ``kwargs`` go to its constructor.
+
+    Tasks come from the env's task maker (``task_kwargs``; train split seeded by ``seed``, eval split
+    by ``seed + 1``; ``num_train_tasks`` default 256, ``num_eval_tasks`` default 0) or, when
+    ``dataset`` is set, from dataset files (:func:`rljax.envs.load_dataset_tasks`):
+    ``dataset=dict(train=PATH, eval=PATH, format="auto", eval_fraction=None)`` (``eval`` a separate
+    file, or ``eval_fraction`` a held-out share of ``train``); then ``num_*_tasks`` (if set) keep the
+    first N rows of each split.
+
+    An agent instead of an environment class (:mod:`rljax.gateway`): ``agent = "module:function"``
+    (``async def function(task, client, **kwargs)`` with an ``openai.AsyncOpenAI`` bound to its
+    rollout; ``kwargs`` are this section's ``kwargs``) or ``agent_command = "..."`` (an external
+    process with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set per rollout). Its calls go through the
+    run's gateway; its tasks come from ``dataset`` or from the task maker ``env`` names (e.g.
+    ``env="lookup"``), whose env class the agent does not use (only the warm start does).
+
+    A verifiers environment (:mod:`rljax.agents.verifiers`, the ``verifiers`` extra):
+    ``verifiers = "<environment id>"`` runs its episodes as the agent (its rubric's reward);
+    ``env_args`` is verifiers' env config (its ``[env]`` block: ``taskset`` fields, ``agent.runtime``,
+    ...); train tasks are its taskset's, eval tasks those of the taskset with ``eval_env_args``
+    (taskset fields, e.g. ``{"split": "test"}``) applied; ``num_*_tasks`` keep the first N.
+    """
+
+    env: str = ""
+    kwargs: dict = _field({})
+    task_kwargs: dict = _field({})
+    num_train_tasks: int | None = None
+    num_eval_tasks: int | None = None
+    dataset: dict = _field({})
+    agent: str = ""
+    agent_command: str = ""
+    verifiers: str = ""
+    env_args: dict = _field({})
+    eval_env_args: dict = _field({})
+
+
+DEFAULT_ENVS = {
+    "lookup": dict(
+        env="lookup",
+        dataset={},
+        # compact: no tool schema, no system prompt (the warm start teaches the format), small credit
+        kwargs=dict(compact=True, system_prompt="", credit=(0.02, 0.05, 0.1)),
+        task_kwargs={},
+        num_train_tasks=2048,
+        num_eval_tasks=32,
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSection:
+    """The policy's inference engine. ``embedded``: the in-process JAX sampler (its batching fields).
+    ``vllm``: servers at ``urls``, or ``num_servers`` launched locally on the initial weights from the
+    vLLM virtual environment ``python`` (empty: found automatically); ``server`` holds
+    :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments,
+    ``sync`` :class:`rljax.inference.vllm.SyncConfig` fields (weight-sync probe length / seed,
+    ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" | "warn").
+    ``lora_sync`` (LoRA runs on vLLM): ``"adapter"`` loads each version's adapter at run time
+    (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
+    ``dtype``: the dtype weights are served in (cast from the master weights on every sync; "auto" =
+    ``model.compute_dtype``); a launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
+    is set."""
+
+    kind: str = "embedded"
+    dtype: str = "auto"
+    max_batch_size: int = 128
+    min_batch_bucket: int = 8
+    batch_wait_ms: float = 0.0
+    min_prompt_bucket: int = 64
+    min_new_tokens_bucket: int = 16
+    max_model_len: int | None = None
+    urls: tuple = ()
+    num_servers: int = 1
+    python: str = ""
+    server: dict = _field({})
+    client: dict = _field({})
+    sync: SyncConfig = _field(SyncConfig())
+    lora_sync: str = "adapter"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation: ``group_size`` samples per eval task at ``temperature`` (0 = greedy);
+    ``pass_k`` are the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``)."""
+
+    group_size: int = 1
+    temperature: float = 1.0  # greedy (0.0) saturates at 1.0 after the default warm start
+    pass_k: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSection:
+    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
+    auxiliary losses (``moe_aux_loss_coef`` x Switch load balancing, ``router_z_loss_coef`` x
+    router z-loss; 0 = off, metrics are logged anyway)."""
+
+    reduction: str = "token_mean"
+    off_policy: dict = _field({})
+    entropy_coef: float = 0.0
+    max_len: int | None = None
+    moe_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingSection:
+    """DAPO dynamic sampling: resample (up to ``max_rounds`` rounds; 0 = off) until every prompt slot
+    holds a group whose rewards spread more than ``atol``; ``strict`` fails when rounds run out."""
+
+    max_rounds: int = 0
+    atol: float = 0.0
+    strict: bool = False
+
+
+DEFAULT_TABLE_KEYS = (
+    "reward/mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "policy_version/lag",
+    "time/step_s",
+    "eval/reward_mean",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """The RL loop. ``prompts_per_step`` prompt groups per RL step, trained in mini-batches of
+    ``mini_batch_prompts`` groups (0 = one mini-batch); ``mode="async"`` overlaps the rollout of step
+    n+1 with training of step n (samples at most ``max_off_policy_steps`` versions stale)."""
+
+    num_steps: int = 120
+    mode: str = "sync"
+    max_off_policy_steps: int = 1
+    prompts_per_step: int = 16
+    mini_batch_prompts: int = 0
+    seq_len: int = 384
+    truncate: bool = True  # drop the tail of (rare) over-long samples; counted in pack metrics
+    merge: bool = True
+    filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
+    dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
+    row_buckets: Any = None
+    micro_batch_tokens: int = 0
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    table_keys: tuple = DEFAULT_TABLE_KEYS
+    save_rollouts_every: int = 0  # N: rollouts/step_<S>.jsonl + a sample table every N steps (0 = never)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run reads, typed and validated. See the module docstring."""
+
+    seed: int = 0
+    tokenizer: TokenizerSection = _field(TokenizerSection())
+    renderer: RendererSection = _field(RendererSection())
+    model: ModelSection = _field(ModelSection())
+    envs: dict = _field(DEFAULT_ENVS)  # name -> EnvSection (parsed)
+    engine: EngineSection = _field(EngineSection())
+    rollout: RolloutConfig = _field(RolloutConfig())  # its algorithm fields are set by the run
+    eval: EvalSection = _field(EvalSection())
+    # a registered name or a dict {"name": ..., field overrides}; see rljax.algorithms
+    algorithm: Any = "grpo"
+    env_algorithms: dict = _field({})  # env name -> algorithm (same forms)
+    frozen_models: dict = _field({})  # name -> FrozenModelConfig fields (opd teachers, sft samplers)
+    objective: ObjectiveSection = _field(ObjectiveSection())
+    optimizer: OptimizerConfig = _field(OptimizerConfig())
+    warmstart: WarmStartConfig = _field(WarmStartConfig())
+    critic: CriticSection = _field(CriticSection())
+    lora: LoRAConfig | None = None  # None (or an empty mapping) = full training
+    trainer: TrainerSection = _field(TrainerSection())
+    report: ReportConfig = _field(ReportConfig())  # sinks: jsonl, tensorboard, wandb, mlflow
+    mesh: MeshConfig = _field(MeshConfig())  # size 1 = no mesh (one device)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the policy engine serves: ``engine.dtype``, "auto" = ``model.compute_dtype``."""
+        return self.model.compute_dtype if self.engine.dtype == "auto" else self.engine.dtype
+
+    def optimizer_config(self, **overrides: Any) -> OptimizerConfig:
+        """``optimizer`` with field ``overrides`` (validated as any OptimizerConfig is)."""
+        return dataclasses.replace(self.optimizer, **overrides)
+
+    def critic_optimizer_config(self) -> OptimizerConfig:
+        """The run's optimizer with the critic's overrides (``critic.optimizer``, ``learning_rate``)."""
+        lr = {} if self.critic.learning_rate is None else {"learning_rate": self.critic.learning_rate}
+        return self.optimizer_config(**{**self.critic.optimizer, **lr})
+
+    @property
+    def uses_mesh(self) -> bool:
+        return self.mesh.size > 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing
+# ------------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """ConfigDict / FieldReference / FrozenConfigDict -> plain Python values (recursively)."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if hasattr(value, "get") and type(value).__name__ == "FieldReference":
+        value = value.get()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _fail(path: str, message: str) -> ValueError:
+    return ValueError(f"{path}: {message}")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """``value`` checked against the type ``hint`` of a section field (light conversions only)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        (inner,) = [a for a in args if a is not type(None)]
+        if value is None and type(None) in args:
+            return None
+        if dataclasses.is_dataclass(inner) and isinstance(value, Mapping) and not value:
+            return None  # an empty section of an optional component: off (e.g. lora={})
+        return _coerce(value, inner, path)
+    if origin is tuple:
+        return _coerce(value, tuple, path)
+    if origin in (dict, Mapping) or hint is Mapping:
+        return _coerce(value, dict, path)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise _fail(
+                path,
+                f"expected a mapping of {sorted(f.name for f in dataclasses.fields(hint))}, got {value!r}",
+            )
+        return _parse_section(hint, value, path)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _fail(path, f"expected True or False, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an int, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _fail(path, f"expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _fail(path, f"expected a string, got {value!r}")
+        return value
+    if hint is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise _fail(path, f"expected a list or tuple, got {value!r}")
+        return tuple(value)
+    if hint is dict:
+        if not isinstance(value, Mapping):
+            raise _fail(path, f"expected a mapping, got {value!r}")
+        return dict(value)
+    raise TypeError(f"{path}: no coercion for {hint!r}")  # a bug in this module, not in the config
+
+
+#: Keys that were replaced, with what to write instead (an error, not a silent default).
+RENAMED_KEYS: Mapping[str, Mapping[str, str]] = {
+    "config.model": {
+        "dtype": "was split into model.param_dtype (master weights + optimizer state, default float32) "
+        "and model.compute_dtype (activations); e.g. compute_dtype='bfloat16' for bf16 compute",
+    },
+}
+
+
+#: Fields of a component config that the run sets itself (never config keys).
+RUN_SET_FIELDS: Mapping[type, tuple[str, ...]] = {
+    RolloutConfig: ("algorithm", "env_algorithms"),  # from config.algorithm / config.env_algorithms
+}
+
+
+def section_fields(cls: type) -> list[str]:
+    """The config keys of a section class: its dataclass fields less those the run sets."""
+    run_set = RUN_SET_FIELDS.get(cls, ())
+    return [f.name for f in dataclasses.fields(cls) if f.name not in run_set]
+
+
+def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = section_fields(cls)
+    for key in value:
+        if key in RENAMED_KEYS.get(path, {}):
+            raise _fail(f"{path}.{key}", RENAMED_KEYS[path][key])
+        if key in RUN_SET_FIELDS.get(cls, ()):
+            raise _fail(f"{path}.{key}", "set by the run (config.algorithm / config.env_algorithms)")
+        if key not in names:
+            raise _fail(f"{path}.{key}", f"unknown key; known keys of {path}: {names}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # the component's own validation, with the key path
+        field, sep, rest = str(e).partition(": ")
+        if sep and field in names:  # "<field>: why" names its key
+            raise _fail(f"{path}.{field}", rest) from None
+        raise _fail(path, str(e)) from None
+
+
+def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -> None:
+    for key in mapping:
+        if key not in known:
+            raise _fail(f"{path}.{key}", f"unknown key; {what} accepts {sorted(known)}")
+
+
+def _dataclass_fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _at_least(path: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise _fail(path, f"expected an int >= {low}, got {value!r}")
+
+
+def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
+
+
+def critic_config(section: CriticSection) -> Any:
+    """The hashable :class:`rljax.training.critic.CriticConfig` of ``config.critic``."""
+    return section.hyperparameters()
+
+
+def _validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field rules and the value ranges of every section (each error names its key)."""
+    t = cfg.trainer
+    _one_of("config.model.param_dtype", cfg.model.param_dtype, DTYPES)
+    _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
+    _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
+    _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
+    _one_of("config.model.attention", cfg.model.attention, ATTENTION_BACKENDS)
+    _one_of("config.model.context_attention", cfg.model.context_attention, CONTEXT_COLLECTIVES)
+    _one_of("config.model.matmul_precision", cfg.model.matmul_precision, MATMUL_PRECISIONS)
+    if cfg.model.context_attention == "ring" and cfg.model.attention in ("cudnn", "cudnn_ragged"):
+        raise _fail(
+            "config.model.context_attention",
+            f"'ring' merges partial softmaxes in XLA blocks; attention={cfg.model.attention!r} names a cuDNN "
+            "kernel, which returns no log-normalizer to merge: use context_attention='all_gather' with it, "
+            "or attention='auto' / 'xla' with the ring",
+        )
+    if cfg.mesh.context > 1 and t.seq_len % (2 * cfg.mesh.context):
+        raise _fail(
+            "config.mesh.context",
+            f"trainer.seq_len={t.seq_len} must be a multiple of 2 x context = {2 * cfg.mesh.context} "
+            "(each device holds two load-balanced chunks of every row)",
+        )
+    for key in ("moe_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(cfg.objective, key) < 0:
+            raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
+    _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
+    _one_of("config.engine.lora_sync", cfg.engine.lora_sync, ("adapter", "merged"))
+    if "sync" in cfg.engine.client:
+        raise _fail(
+            "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"
+        )
+    _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
+    if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
+        raise _fail(
+            "config.trainer.micro_batch_tokens",
+            f"{t.micro_batch_tokens} is smaller than one packed row (trainer.seq_len={t.seq_len}); a "
+            "micro-batch holds whole rows: use a multiple of seq_len, or 0 for no micro-batching",
+        )
+    _one_of("config.trainer.mode", t.mode, MODES)
+    _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
+    if cfg.lora is not None and cfg.lora.unembed and cfg.engine.kind != "embedded":
+        raise _fail(
+            "config.lora.targets",
+            "'lm_head' (a LoRA adapter on the unembedding) runs with the embedded sampler only: syncing it "
+            "to vLLM (as an adapter or merged into a tied model's output projection) is untested; drop "
+            "'lm_head' or use engine.kind='embedded'",
+        )
+    _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
+    for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
+        _at_least(f"config.trainer.{key}", getattr(t, key), 1)
+    # num_steps=0: the warm start only (and a step-0 checkpoint)
+    for key in (
+        "num_steps",
+        "mini_batch_prompts",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "save_rollouts_every",
+    ):
+        _at_least(f"config.trainer.{key}", getattr(t, key), 0)
+    _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
+    if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
+        raise _fail(
+            "config.trainer.mini_batch_prompts",
+            f"{t.mini_batch_prompts} does not divide trainer.prompts_per_step={t.prompts_per_step}; every "
+            "mini-batch holds exactly mini_batch_prompts whole prompt groups (SPEC §2.6): pick a divisor",
+        )
+    for i, f in enumerate(t.filters):
+        if not isinstance(f, Mapping) or "name" not in f:
+            raise _fail(f"config.trainer.filters[{i}]", f"expected dict(name=..., mode=...), got {f!r}")
+        try:
+            make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
+        except (TypeError, ValueError) as e:
+            raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
+    for path, overrides in (
+        ("config.warmstart.optimizer", cfg.warmstart.optimizer),
+        ("config.critic.optimizer", cfg.critic.optimizer),
+    ):
+        _check_known(path, overrides, _dataclass_fields(OptimizerConfig), "OptimizerConfig")
+    try:
+        cfg.critic_optimizer_config()
+    except (TypeError, ValueError) as e:
+        raise _fail("config.critic", str(e)) from None
+    try:
+        cfg.optimizer_config(**cfg.warmstart.optimizer)
+    except (TypeError, ValueError) as e:
+        raise _fail("config.warmstart.optimizer", str(e)) from None
+    _check_known(
+        "config.engine.server",
+        cfg.engine.server,
+        set(_dataclass_fields(ServerConfig)) - {"model"},
+        "ServerConfig",
+    )
+    if not cfg.envs:
+        raise _fail("config.envs", "empty; name at least one environment (e.g. 'lookup')")
+    for name, env in cfg.envs.items():
+        _check_known(f"config.envs.{name}.dataset", env.dataset, DATASET_KEYS, "a dataset section")
+        if env.dataset and not env.dataset.get("train"):
+            raise _fail(f"config.envs.{name}.dataset.train", "a dataset section needs the train file(s)")
+        if env.dataset.get("eval") and env.dataset.get("eval_fraction"):
+            raise _fail(f"config.envs.{name}.dataset", "give eval (a file) or eval_fraction, not both")
+        if env.dataset and env.task_kwargs:
+            raise _fail(f"config.envs.{name}.task_kwargs", "tasks come from the dataset; drop task_kwargs")
+        if env.agent and env.agent_command:
+            raise _fail(f"config.envs.{name}", "give agent (a function) or agent_command, not both")
+        if env.agent and (env.agent.count(":") != 1 or not all(env.agent.split(":"))):
+            raise _fail(f"config.envs.{name}.agent", f"expected 'module:function', got {env.agent!r}")
+        if env.verifiers:
+            other = ("agent", "agent_command", "dataset", "task_kwargs", "kwargs")
+            other = [k for k in other if getattr(env, k)]
+            if other:
+                raise _fail(f"config.envs.{name}", f"a verifiers env has its own tasks, agent: drop {other}")
+            if cfg.warmstart.num_steps:
+                raise _fail(
+                    "config.warmstart.num_steps",
+                    f"the warm start replays env demonstrations (env.solution); verifiers env {name!r} has "
+                    "none: set it to 0",
+                )
+            if env.num_eval_tasks and not env.eval_env_args:
+                raise _fail(
+                    f"config.envs.{name}.num_eval_tasks",
+                    "a verifiers env's eval tasks need eval_env_args (the held-out taskset's fields)",
+                )
+        elif env.env_args or env.eval_env_args:
+            raise _fail(f"config.envs.{name}.env_args", "only verifiers envs (verifiers=<id>) take it")
+        for key in ("num_train_tasks", "num_eval_tasks"):
+            _at_least(f"config.envs.{name}.{key}", getattr(env, key), 0)
+    for k in cfg.eval.pass_k:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.eval.group_size:
+            raise _fail("config.eval.pass_k", f"each k must be an int in [1, eval.group_size], got {k!r}")
+    _at_least("config.eval.group_size", cfg.eval.group_size, 1)
+    try:
+        frozen_models_from_config(cfg.frozen_models)
+    except ValueError as e:
+        raise _fail("config.frozen_models", str(e)) from None
+    unknown = sorted(set(cfg.env_algorithms) - set(cfg.envs))
+    if unknown:
+        raise _fail(
+            "config.env_algorithms", f"names envs {unknown} that config.envs lacks ({sorted(cfg.envs)})"
+        )
+    return cfg
+
+
+def parse_run_config(config: Any) -> RunConfig:
+    """The :class:`RunConfig` of an ml_collections config (or nested dict); missing keys take defaults."""
+    raw = _plain(config) if config is not None else {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config: expected a ConfigDict or mapping, got {type(config).__name__}")
+    raw = dict(raw)
+    envs = raw.pop("envs", None)
+    cfg = _parse_section(RunConfig, raw, "config")
+    if envs is not None:
+        if not isinstance(envs, Mapping):
+            raise _fail("config.envs", f"expected a mapping env name -> dict(env=..., ...), got {envs!r}")
+        parsed = {}
+        for name, spec in envs.items():
+            spec = {} if spec is None else spec
+            env = _coerce(spec, EnvSection, f"config.envs.{name}")
+            parsed[str(name)] = env if env.env else dataclasses.replace(env, env=str(name))
+        cfg = dataclasses.replace(cfg, envs=parsed)
+    else:
+        cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
+    return _validate(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# The defaults as a ConfigDict (rljax/recipes/default.py) and the comparison used by --resume
+# ------------------------------------------------------------------------------------------------
+
+#: Fields that can be given object values on the command line (lists, dicts, None-or-value).
+_OBJECT_FIELDS = {
+    "algorithm",
+    "env_algorithms",
+    "frozen_models",
+    "trainer.filters",
+    "trainer.row_buckets",
+    "trainer.table_keys",
+    "report.sinks",
+    "report.wandb.tags",
+    "engine.urls",
+    "engine.max_model_len",
+    "objective.max_len",
+    "rollout.top_k",
+    "rollout.seed",
+    "rollout.env_workers",
+}
+
+
+def _to_config(value: Any, path: str) -> Any:
+    from ml_collections import config_dict
+
+    if dataclasses.is_dataclass(value):
+        value = {name: getattr(value, name) for name in section_fields(type(value))}
+    parts = path.split(".")
+    env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"
+    if path in _OBJECT_FIELDS or value is None or env_dataset:
+        return config_dict.FieldReference(value, field_type=object)
+    if isinstance(value, Mapping):
+        c = config_dict.ConfigDict()
+        for k, v in value.items():
+            c[k] = _to_config(v, f"{path}.{k}" if path else k)
+        return c
+    return value
+
+
+def default_config() -> Any:
+    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``rljax/recipes/default.py``).
+
+    Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
+    fields, so ``--config.trainer.filters="[dict(name='overlong', mode='enforce')]"`` works.
+    """
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
+    return _to_config(cfg, "")
+
+
+#: Keys whose change does not change the numbers a resumed run produces (anything else that differs
+#: from the checkpoint's config refuses the resume): how long to run, how often to evaluate, save and
+#: print, where the servers are.
+RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
+    "trainer.num_steps",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.table_keys",
+    "trainer.save_rollouts_every",
+    "report",
+    "engine.urls",
+    "engine.python",
+    "engine.num_servers",
+    "engine.client",
+    "engine.server.log_path",
+    "engine.server.startup_timeout_s",
+    "engine.server.port",
+    "frozen_models",
+)
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as plain nested dicts of its config keys (what checkpoints record; it parses back)."""
+    if dataclasses.is_dataclass(cfg):
+        return {name: config_record(getattr(cfg, name)) for name in section_fields(type(cfg))}
+    if isinstance(cfg, Mapping):
+        return {k: config_record(v) for k, v in cfg.items()}
+    return cfg
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if dataclasses.is_dataclass(value):
+        value = {name: getattr(value, name) for name in section_fields(type(value))}
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, (list, tuple)):
+        value = tuple(_flatten_leaf(v) for v in value)
+    return {prefix: value}
+
+
+def _flatten_leaf(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _flatten_leaf(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_flatten_leaf(x) for x in v)
+    return v
+
+
+def config_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+    """``"key: saved -> current"`` for every result-changing key that differs (see RESULT_NEUTRAL_KEYS)."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == n or key.startswith(n + ".") for n in RESULT_NEUTRAL_KEYS):
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out.append(f"{key}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+    return out

@@ -1,0 +1,360 @@
+"""The trainer: wiring of a run's parts and the RL step loop (SPEC §5).
+
+One RL step ``n`` (``theta_n`` = parameters after ``n`` RL steps; policy version ``n``)::
+
+    batch_n = scheduler.result(n)                 rollout of step n on theta_{v(n)}, every Step records v(n)
+    for each algorithm a of the run:
+        S_a = prepare_samples(a, batch_n | a)     advantages, filters, merge, reference scores, streams
+        for each mini-batch B of mini_batch_prompts prompt groups of S_a:
+            theta <- train_step(theta, pack(B), counts(B))       (ONE jitted function)
+    scheduler.add_version(n + 1, theta)           the weights the next rollouts serve
+    metrics -> sinks; checkpoint every checkpoint_every steps
+
+The parts, each in its own module:
+
+================================ =============================================================
+:mod:`~rljax.run.run`          the run object: train state, engines + weight sync, references, the
+                                 checkpoint state tree (shared with rljax.cli.eval / export, front doors)
+:mod:`~rljax.run.config`   the typed config, parsed once (every config error, with its key)
+:mod:`~rljax.run.builders`     tokenizer, model, per-algorithm objective, cross-part checks
+:mod:`~rljax.run.tasks`        env factories, train/eval tasks, the checkpointed task order
+:mod:`~rljax.run.engines`      policy engine, frozen models, weight serving, shutdown
+:mod:`~rljax.run.references`   ref_kl reference scores (opd teacher, opsd live policy)
+:mod:`~rljax.run.scheduler`    rollouts per step: versions/staleness, dynamic sampling, evals
+:mod:`rljax.data.prepare`        the host preparation pipeline (in the data layer)
+:mod:`~rljax.training.step`         the jitted train step; :mod:`~rljax.training.checkpoint` orbax I/O
+:mod:`~rljax.run.report`       metric rows and their sinks
+================================ =============================================================
+
+Determinism (resume is bit-for-bit on CPU): every random choice comes from the config seed and the
+step index or from checkpointed state (task order, mini-batch shuffles, behaviour parameters of
+async mode). A checkpoint at step ``n`` holds ``theta_n``, the optimizer state and counters, the
+behaviour parameters still needed by rollouts ``n .. n+k-1``, the task iterator and RNG state, and
+the config; resuming with a config that differs in a result-changing key is refused.
+
+Reference: the SkyRL / prime-rl trainer loops (async off-policy rollouts bounded by
+``max_off_policy_steps``, policy versions recorded on samples).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rljax import algorithms as algos
+from rljax.data.batch import StepBatch
+from rljax.data.filters import make_filter
+from rljax.data.pack import make_mini_batches
+from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
+from rljax.envs.base import Task
+from rljax.report import metrics as metrics_lib
+from rljax.report.records import PreparationTrace
+from rljax.rollout import RolloutResult
+from rljax.run.builders import build_model, build_tokenizer
+from rljax.run.config import config_record
+from rljax.run.report import RunSinks, eval_metrics, rollout_step_metrics
+from rljax.run.run import Run, mini_batch_groups
+from rljax.run.tasks import TaskIterator
+from rljax.training.distributed import is_main_process
+from rljax.training.step import TrainState
+
+__all__ = ["TaskIterator", "Trainer", "build_model", "build_tokenizer", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Runs an RL post-training job described by an ``ml_collections`` config (see rljax/recipes/default.py).
+
+    Args:
+      config: the run config (a ConfigDict or nested dict; keys and defaults:
+        :class:`rljax.run.config.RunConfig`). Every config error is raised here.
+      workdir: where metrics (``metrics.jsonl``, TensorBoard, plot) and checkpoints (``checkpoints/``) go.
+      resume: continue from the newest intact checkpoint in ``workdir`` (an error if there is none).
+      make_env: optional ``{env name: zero-argument factory}`` overriding envs of ``config.envs``.
+      tasks: optional ``{env name: (train tasks, eval tasks)}`` overriding envs' task makers.
+      engine: optional policy engine (anything with ``generate`` / ``update_weights``).
+      allow_config_change: resume even when result-changing config keys differ from the checkpoint's.
+
+    The run's parts (train state, engines, scheduler, checkpoints) are :attr:`parts`, a
+    :class:`rljax.run.run.Run`; the trainer is the loop. ``Trainer(config, workdir).run()`` returns
+    the list of per-step metric dicts of this process.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        workdir: str | os.PathLike,
+        *,
+        resume: bool = False,
+        make_env: Mapping[str, Callable[[], Any]] | None = None,
+        tasks: Mapping[str, tuple[Sequence[Task], Sequence[Task]]] | None = None,
+        engine: Any = None,
+        allow_config_change: bool = False,
+    ) -> None:
+        self.config = config
+        self.workdir = pathlib.Path(workdir).absolute()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if jax.process_count() > 1:
+            _log_to_process_file(self.workdir)
+        self.parts = Run(config, self.workdir, make_env=make_env, tasks=tasks, engine=engine)
+        self.cfg = self.parts.cfg
+        self.resume = resume
+        self.allow_config_change = allow_config_change
+        self.filters = [make_filter(f["name"], **{k: v for k, v in f.items() if k != "name"})
+                        for f in self.cfg.trainer.filters]  # fmt: skip
+        self.observation_filters = {
+            a.name: load_observation_filter(a.observation_filter) for a in self.parts.algorithms.algorithms
+        }
+        # metric keys get a /<algorithm> suffix when the run's envs train with more than one algorithm
+        algorithms, envs = self.parts.algorithms, self.parts.env_tasks.factories
+        self.multi_algorithm = len({algorithms.for_env(e).name for e in envs}) > 1
+        self.rl_step = 0
+        self.trace: PreparationTrace | None = None
+        self.history: list[dict[str, Any]] = []
+
+    # -- the run's parts are read as ``trainer.parts.<name>`` (scheduler, engines, env_tasks, ...) ----
+    @property
+    def state(self) -> TrainState:
+        """The train state (parameters, optimizer state, counters) of :attr:`parts`."""
+        return self.parts.state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self.parts.state = value
+
+    # -- one RL step's training ------------------------------------------------------------------------
+    def _train_on(self, batch: StepBatch) -> dict[str, float]:
+        """Trains the policy (and PPO's critic) on one RL step's rollouts.
+
+        The batch is split by algorithm; each part is prepared (advantages, filters, merge,
+        reference scores, streams: :func:`rljax.data.prepare.prepare_samples`) and packed into
+        mini-batches of ``trainer.mini_batch_prompts`` whole prompt groups (shuffled by a seed from
+        the checkpointed RNG), and each mini-batch is one optimizer step (:meth:`Run.train`).
+        Returns the step's training metrics: preparation metrics, advantage means, the mean of each
+        optimizer step's metrics (``<key>/<algorithm>`` too when the run mixes algorithms) and the
+        number of optimizer steps.
+        """
+        parts, multi = self.parts, self.multi_algorithm
+        metrics: dict[str, float] = {}
+        train_rows: list[dict[str, float]] = []
+        critic_rows: list[dict[str, float]] = []
+        shuffle_seed = int(parts.np_rng.integers(0, 2**31 - 1))
+        self.trace = PreparationTrace(self.rl_step + 1)  # which sample each step trained in (records)
+        for name, part in split_by_algorithm(batch).items():
+            alg = _algorithm_named(self.parts.algorithms, name)
+            prep = prepare_samples(
+                alg,
+                part,
+                filters=self.filters,
+                merge=self.cfg.trainer.merge,
+                score=parts.references.for_algorithm(alg),
+                observation_filter=self.observation_filters[alg.name],
+            )
+            metrics.update(prefixed(prep.metrics, name, multi=multi))
+            self.trace.add(part.steps, prep)
+            num_groups = len({s.trajectory_id.instance_id for s in prep.samples})
+            mini_batches = make_mini_batches(
+                prep.samples,
+                mini_batch_prompts=mini_batch_groups(num_groups, self.cfg.trainer.mini_batch_prompts, name),
+                seq_len=self.cfg.trainer.seq_len,
+                row_buckets=self.cfg.trainer.row_buckets,
+                data_parallel=parts.data_parallel,
+                truncate=self.cfg.trainer.truncate,
+                shuffle_seed=shuffle_seed,
+                **prep.streams(),
+            )
+            if alg.needs_critic:
+                mini_batches, rows = parts.critic_mini_batches(list(mini_batches), self.rl_step)
+                critic_rows += [_suffixed(r, name if multi else None) for r in rows]
+            adv_sums = np.zeros(3)
+            for mb in mini_batches:
+                row = parts.train(mb.batch, algorithm=name)
+                row["pack/rows"] = float(mb.batch.tokens.shape[0])
+                row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
+                train_rows.append(_suffixed(row, name if multi else None))
+                adv_sums += advantage_sums(mb.batch)
+            if adv_sums[2]:
+                adv = {
+                    "advantage/mean": adv_sums[0] / adv_sums[2],
+                    "advantage/abs_mean": adv_sums[1] / adv_sums[2],
+                }
+                metrics.update(_suffixed(adv, name if multi else None))
+        metrics.update(_mean_rows(train_rows))
+        metrics.update(_mean_rows(critic_rows))
+        metrics["optimizer_steps"] = float(len(train_rows))
+        if critic_rows:
+            metrics["critic/optimizer_steps"] = float(len(critic_rows))
+        return metrics
+
+    def _eval_result(self, step: int, future: concurrent.futures.Future) -> dict[str, float]:
+        result: RolloutResult = self.parts.scheduler.gather(future.result())
+        return eval_metrics(result, step, tasks=self.parts.env_tasks.eval, pass_k=self.cfg.eval.pass_k)
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        """Runs (or resumes) the job; returns this process's per-step metrics."""
+        try:
+            resumed = self._restore() if self.resume else None
+            self.sinks = RunSinks(
+                self.workdir,
+                resume_step=resumed,
+                table_keys=self.cfg.trainer.table_keys,
+                enabled=is_main_process(),
+                report=self.cfg.report,
+                config=config_record(self.cfg),
+                resume=self.resume,
+            )
+            try:
+                return self._run(resumed)
+            finally:
+                self.sinks.close()
+        finally:
+            self.parts.close()
+
+    def _restore(self) -> int:
+        return self.parts.restore(allow_config_change=self.allow_config_change)
+
+    def _save(self, step: int) -> None:
+        self.parts.save(step)
+
+    def _warm_start(self) -> None:
+        ws = self.cfg.warmstart
+        if ws.num_steps == 0:
+            return
+        start = time.perf_counter()
+        show = None if is_main_process() else False
+        with metrics_lib.Progress(total=ws.num_steps, desc="warm start", unit="step", enabled=show) as bar:
+            hist = self.parts.warm_start(
+                on_step=lambda row: bar.update(1),
+                log=lambda row: self.sinks.log(int(row["warmstart/step"]), row, phase="warmstart"),
+            )
+        print(
+            f"warm start: {ws.num_steps} steps in {time.perf_counter() - start:.1f}s, "
+            f"final CE {hist[-1]['warmstart/loss']:.4f}",
+            flush=True,
+        )
+
+    def _run(self, resumed: int | None) -> list[dict[str, Any]]:
+        run_start = time.perf_counter()
+        t = self.cfg.trainer
+        parts, sched = self.parts, self.parts.scheduler
+        parts.engines.check_frozen_models(
+            self.parts.algorithms, parts.rollout_worker
+        )  # fails in seconds, not later
+        if resumed is None:
+            self._warm_start()
+            start = 0
+            parts.sync_weights(0)
+            if t.checkpoint_every:
+                self._save(0)
+        else:
+            start = resumed
+            print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
+        parts.sync_weights(start)
+        parts.start_engines(start)
+        sched.start(start)
+        eval_future: tuple[int, concurrent.futures.Future] | None = None
+        if (
+            resumed is not None
+            and t.mode == "async"
+            and sched.evaluates(resumed, t.eval_every)
+            and resumed < t.num_steps
+        ):
+            # the run we resume queued this eval at step `resumed` and would report it at the next step
+            eval_future = (resumed, sched.submit_eval(resumed))
+
+        for n in range(start, t.num_steps):
+            step_start = time.perf_counter()
+            sched.fill(n + 1)  # sync: rollout n starts now, on theta_n (async: already running)
+            result, version_metrics = sched.result(n)
+            rollout_wait = time.perf_counter() - step_start
+            sched.fill(n + 1 + sched.lag)  # async: rollouts n+1..n+lag start now, sampling theta_{<= n}
+            train_start = time.perf_counter()
+            self.rl_step = n
+            metrics = self._train_on(result.batch)
+            jax.block_until_ready(self.state.params)
+            train_time = time.perf_counter() - train_start
+            parts.sync_weights(n + 1)
+            metrics.update(rollout_step_metrics(result))
+            metrics.update(version_metrics)
+            metrics.update({"time/rollout_wait_s": rollout_wait, "time/train_s": train_time})
+            step_no = n + 1
+            if eval_future is not None:  # async: the previous step's eval ran beside this step's training
+                metrics.update(self._eval_result(*eval_future))
+                eval_future = None
+            if sched.evaluates(step_no, t.eval_every):
+                eval_future = (step_no, sched.submit_eval(step_no))
+                if t.mode == "sync" or step_no == t.num_steps:
+                    metrics.update(self._eval_result(*eval_future))
+                    eval_future = None
+            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
+                save_start = time.perf_counter()
+                self._save(step_no)
+                metrics["time/checkpoint_s"] = time.perf_counter() - save_start
+            metrics["time/step_s"] = time.perf_counter() - step_start
+            metrics["time/elapsed_s"] = time.perf_counter() - run_start
+            metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
+            self.history.append({"step": step_no, **metrics})
+            every = t.save_rollouts_every
+            save = bool(every) and step_no % every == 0
+            self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
+            self.sinks.log(step_no, metrics)
+        return self.history
+
+
+def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algorithm:
+    for a in algorithms.algorithms:
+        if a.name == name:
+            return a
+    raise ValueError(f"a step names algorithm {name!r}, which this run lacks ({algorithms.names})")
+
+
+def _suffixed(row: Mapping[str, float], suffix: str | None) -> dict[str, float]:
+    """``row`` plus, with a suffix (a run mixing algorithms), every key again as ``<key>/<suffix>``."""
+    return dict(row) if suffix is None else {f"{k}/{suffix}": v for k, v in row.items()} | dict(row)
+
+
+def _mean_rows(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per key, the mean over the rows that have it."""
+    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in sorted({k for r in rows for k in r})}
+
+
+def advantage_sums(batch: Any) -> np.ndarray:
+    """``[sum w A, sum w |A|, sum w]`` over a packed mini-batch's tokens, ``w`` = loss mask x rl
+    weight: the step's ``advantage/mean`` and ``advantage/abs_mean`` are their token-weighted ratios,
+    under the same keys for every algorithm (group estimators; PPO's GAE from the critic)."""
+    weights = np.asarray(batch.loss_mask, np.float64)
+    if batch.rl_weights is not None:
+        weights = weights * np.asarray(batch.rl_weights, np.float64)
+    if batch.advantages is None:
+        return np.zeros(3)
+    adv = np.asarray(batch.advantages, np.float64)
+    return np.array([(adv * weights).sum(), (np.abs(adv) * weights).sum(), weights.sum()])
+
+
+def _log_to_process_file(workdir: pathlib.Path) -> None:
+    """Every process of a multi-process run logs to ``workdir/logs/process_<i>.log`` (process 0's
+    metrics go to the usual sinks too)."""
+    path = workdir / "logs" / f"process_{jax.process_index()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    if any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+
+
+def train(config: Any, workdir: str | os.PathLike, *, resume: bool = False) -> list[dict[str, Any]]:
+    """``Trainer(config, workdir, resume=resume).run()``."""
+    return Trainer(config, workdir, resume=resume).run()

@@ -1,1 +1,0 @@
-"""Training: the jitted train step, optimizer, sharding, checkpoints, metrics and the host loop."""
