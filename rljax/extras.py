@@ -51,8 +51,9 @@ def _installed(name: str) -> bool:
         return False
 
 
-def missing_modules(extra: str, *, find: Callable[[str], bool] = _installed) -> list[str]:
-    """The modules of ``extra`` that cannot be imported here (without importing them)."""
+def missing_modules(extra: str, *, find: Callable[[str], bool] | None = None) -> list[str]:
+    """The modules of ``extra`` that cannot be imported here (found without importing them)."""
+    find = _installed if find is None else find
     return [m for m in EXTRAS[extra] if not find(m)]
 
 

@@ -5,7 +5,7 @@
         --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --metrics_out=/tmp/rg_step0.json
 
 ``--checkpoint`` is a run's workdir (its ``checkpoints/``), a checkpoint directory (the ``latest``
-step) or one ``step_N``. The run's parts are rebuilt from ``--config`` exactly as ``rljax.cli.train``
+step) or one ``step_N``. The run's parts are rebuilt from ``--config`` exactly as ``rljax train``
 builds them (the run object, :class:`rljax.run.run.Run`: tokenizer, model, envs and their eval
 tasks, policy engine, rollout scheduler; no trainer loop), the policy weights of the checkpoint
 replace the fresh ones (their shapes and dtypes must match: use the training config; a damaged

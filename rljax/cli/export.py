@@ -29,7 +29,7 @@ from rljax.run.export import export_checkpoint
 def _define_flags() -> None:
     """The CLI's flags, defined only when it runs: importing :func:`export_checkpoint` (tests,
     notebooks) must not claim absl flag names (``--checkpoint``, ``--out``, ``--step``) that the other
-    launchers (``rljax.cli.eval``, ``rljax.cli.make_dataset``) define in the same process."""
+    launchers (``rljax eval``, ``rljax make-dataset``) define in the same process."""
     flags.DEFINE_string(
         "checkpoint", None, "A run's workdir, its checkpoints/ directory, or a checkpoints/step_N directory."
     )

@@ -36,7 +36,7 @@ _CONFIG = flags.DEFINE_string("dataset_config", "{}", "JSON object of keyword ar
 def make_rows(
     source: str, num: int, *, seed: int = 0, split: str = "train", row_format: str = "skyrl", **kwargs
 ):
-    """The rows ``rljax.cli.make_dataset`` writes (a function, for notebooks and tests)."""
+    """The rows ``rljax make-dataset`` writes (a function, for notebooks and tests)."""
     from rljax.envs import make_tasks, task_to_row
 
     tasks = make_tasks(source, num, seed=seed, split=split, **kwargs)

@@ -33,10 +33,10 @@ def main(argv: list[str]) -> None:
     del argv
     f = flags.FLAGS
     if not f.workdir:
-        sys.exit("rljax.cli.view: --workdir is required")
+        sys.exit("rljax view: --workdir is required")
     workdir = pathlib.Path(f.workdir)
     if not workdir.is_dir():
-        sys.exit(f"rljax.cli.view: --workdir {workdir} is not a directory")
+        sys.exit(f"rljax view: --workdir {workdir} is not a directory")
     out = pathlib.Path(f.out) if f.out else workdir / "report.html"
     steps = None if f.steps is None else [int(s) for s in f.steps]
     path = write_report(workdir, out, max_trajectories=f.max_trajectories, steps=steps)

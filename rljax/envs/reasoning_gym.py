@@ -16,7 +16,7 @@
 
 Tasks carry ``reward_spec={"method": "reasoning_gym", "ground_truth": answer}`` and, in
 ``extra_info``, what regenerates their item (``dataset``, ``config_json``, ``seed``, ``size``,
-``index``), so SkyRL rows written by ``rljax.cli.make_dataset`` load back (``load_dataset_tasks``)
+``index``), so SkyRL rows written by ``rljax make-dataset`` load back (``load_dataset_tasks``)
 and score with the very same entry (its metadata included).
 """
 

@@ -15,7 +15,7 @@ reversal; half of its demonstrations are corrupted to one of 12 fixed wrong stri
 warm-started policy reverses a held-out word only part of the time. GRPO then has to move
 probability from the memorized wrong strings to the reversal, and held-out pass@1 rises with it.
 Measured (seed 0, 2 shared CPU cores, load average 4-6): eval pass@1 on the 64 held-out words
-0.40 at step 0 (``rljax.cli.eval`` of ``step_0``) -> 0.57 (step 10) -> 0.81 (step 40) -> 0.89 (step
+0.40 at step 0 (``rljax eval`` of ``step_0``) -> 0.57 (step 10) -> 0.81 (step 40) -> 0.89 (step
 80); wall time 3 min 44 s for the whole run (warm start 156 s). Harder instances that were tried
 and that the tiny model does NOT learn in minutes: ``basic_arithmetic`` one-digit sums (held-out
 pairs) and ``color_cube_rotation`` (both stay at chance after the warm start).

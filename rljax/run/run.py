@@ -8,7 +8,7 @@ It owns
 * the engines (:class:`~rljax.run.engines.EngineSet`) with their weight sync, the rollout
   scheduler (behaviour versions, task order) and the reference scorers (opd / opsd);
 * ONE checkpoint state tree (:meth:`Run.state_tree`): what :meth:`Run.save`, :meth:`Run.restore`,
-  ``rljax.cli.eval`` (:meth:`Run.load_policy`) and ``rljax.cli.export`` read and write, with the item
+  ``rljax eval`` (:meth:`Run.load_policy`) and ``rljax export`` read and write, with the item
   names of :data:`POLICY`, :data:`LORA_BASE`, :data:`CRITIC` and :data:`BEHAVIOR` stated here once.
 
 Its public methods are what a front door needs: :meth:`Run.forward` (logprobs of a packed batch),

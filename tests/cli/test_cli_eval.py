@@ -3,7 +3,7 @@
 Principle of the comparison: the trainer evaluates the weights of step N (``theta_N``, the weights
 it then checkpoints as ``step_N``) with the scheduler's eval rollout, whose request seeds derive only
 from the config seed and (task id, sample, turn), and the embedded sampler gives a request the same
-completion alone or inside any batch. ``rljax.cli.eval`` restores ``theta_N`` bit for bit and runs
+completion alone or inside any batch. ``rljax eval`` restores ``theta_N`` bit for bit and runs
 that same eval, so every ``eval/*`` metric must be EQUAL (not close) to the row the trainer logged
 at step N; a wrong step, a fresh (unrestored) model or other seeds would break the equality.
 """

@@ -844,3 +844,11 @@ def test_a_restarted_server_loads_saved_states(server, client):
         assert new.step == 1 and new.lora.rank == 2
     finally:
         restarted.close()
+
+
+def test_the_base_model_holds_no_optimizer_state(server):
+    """The service's base model is never stepped through the run: its state has parameters and no
+    Adam moments (each training client builds its own optimizer state)."""
+    state = server.service.run.state
+    assert state.opt_state == {}
+    assert jax.tree.leaves(state.params)

@@ -144,7 +144,7 @@ def test_matmul_precision_reaches_the_trained_and_the_served_model(tmp_path):
     t = Trainer(c, tmp_path)
     assert t.parts.current_model().precision == "highest"
     assert t.parts.engines.served(t.parts.current_model()).precision == "highest"
-    assert Trainer(_recipe("smoke"), tmp_path / "default").current_model().precision is None
+    assert Trainer(_recipe("smoke"), tmp_path / "default").parts.current_model().precision is None
 
 
 def test_rollout_seed_is_honoured(tmp_path):
