@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import sys
+import types
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -38,14 +39,26 @@ from rljax.cli.common import resolve_config_args
 from rljax.run.evaluate import evaluate_checkpoint
 from rljax.training.checkpoint import CheckpointCorruptedError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "The ml_collections config file the checkpoint was trained with.", lock_config=True
-)
-_CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", None, "A run's workdir, its checkpoints/ directory, or one checkpoints/step_N directory."
-)
-_STEP = flags.DEFINE_integer("step", None, "Which step of a checkpoint directory (default: the latest).")
-_OUT = flags.DEFINE_string("metrics_out", None, "JSON output file (default: <workdir>/eval_step_<N>.json).")
+_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+
+
+def _define_flags() -> None:
+    """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
+    tests) must not claim flag names that other subcommands define in the same process."""
+    _FLAGS.config = config_flags.DEFINE_config_file(
+        "config", None, "The ml_collections config file the checkpoint was trained with.", lock_config=True
+    )
+    _FLAGS.checkpoint = flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "A run's workdir, its checkpoints/ directory, or one checkpoints/step_N directory.",
+    )
+    _FLAGS.step = flags.DEFINE_integer(
+        "step", None, "Which step of a checkpoint directory (default: the latest)."
+    )
+    _FLAGS.out = flags.DEFINE_string(
+        "metrics_out", None, "JSON output file (default: <workdir>/eval_step_<N>.json)."
+    )
 
 
 def _default_out(directory: pathlib.Path, step: int) -> pathlib.Path:
@@ -58,20 +71,20 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
-    if _CONFIG.value is None:
+    if _FLAGS.config.value is None:
         raise app.UsageError(
             "--config=<recipe or file> (the config the checkpoint was trained with) is required"
         )
-    if not _CHECKPOINT.value:
+    if not _FLAGS.checkpoint.value:
         raise app.UsageError(
             "--checkpoint=DIR is required (a run's workdir, checkpoints/ or checkpoints/step_N)"
         )
     try:
-        record = evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value, step=_STEP.value)
+        record = evaluate_checkpoint(_FLAGS.config.value, _FLAGS.checkpoint.value, step=_FLAGS.step.value)
     except (FileNotFoundError, CheckpointCorruptedError) as e:
         raise app.UsageError(str(e)) from None
     directory, step = pathlib.Path(record["checkpoint"]).parent, record["step"]
-    out = pathlib.Path(_OUT.value) if _OUT.value else _default_out(directory, step)
+    out = pathlib.Path(_FLAGS.out.value) if _FLAGS.out.value else _default_out(directory, step)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     width = max(len(k) for k in record["metrics"])
@@ -85,6 +98,7 @@ def main(argv: list[str]) -> None:
 
 def run(argv: list[str] | None = None) -> None:
     """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    _define_flags()
     app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
 
 

@@ -17,20 +17,29 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 from absl import app, flags
 
 from rljax.cli.common import resolve_config_args
 
-_SOURCE = flags.DEFINE_string(
-    "source", None, "Task source, e.g. reasoning_gym:<dataset> (or a built-in env)."
-)
-_NUM = flags.DEFINE_integer("num", None, "Number of rows.")
-_OUT = flags.DEFINE_string("out", None, "Output file (.parquet, .jsonl or .json).")
-_SEED = flags.DEFINE_integer("seed", 0, "Generator seed.")
-_SPLIT = flags.DEFINE_enum("split", "train", ["train", "test"], "Which split's items to write.")
-_FORMAT = flags.DEFINE_enum("format", "skyrl", ["skyrl", "verl"], "Row format.")
-_CONFIG = flags.DEFINE_string("dataset_config", "{}", "JSON object of keyword arguments for the generator.")
+_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+
+
+def _define_flags() -> None:
+    """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
+    tests) must not claim flag names that other subcommands define in the same process."""
+    _FLAGS.source = flags.DEFINE_string(
+        "source", None, "Task source, e.g. reasoning_gym:<dataset> (or a built-in env)."
+    )
+    _FLAGS.num = flags.DEFINE_integer("num", None, "Number of rows.")
+    _FLAGS.out = flags.DEFINE_string("out", None, "Output file (.parquet, .jsonl or .json).")
+    _FLAGS.seed = flags.DEFINE_integer("seed", 0, "Generator seed.")
+    _FLAGS.split = flags.DEFINE_enum("split", "train", ["train", "test"], "Which split's items to write.")
+    _FLAGS.format = flags.DEFINE_enum("format", "skyrl", ["skyrl", "verl"], "Row format.")
+    _FLAGS.config = flags.DEFINE_string(
+        "dataset_config", "{}", "JSON object of keyword arguments for the generator."
+    )
 
 
 def make_rows(
@@ -46,11 +55,11 @@ def make_rows(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    for flag in (_SOURCE, _NUM, _OUT):
+    for flag in (_FLAGS.source, _FLAGS.num, _FLAGS.out):
         if flag.value is None:
             raise app.UsageError(f"--{flag.name} is required")
     try:
-        kwargs = json.loads(_CONFIG.value)
+        kwargs = json.loads(_FLAGS.config.value)
     except json.JSONDecodeError as e:
         raise app.UsageError(f"--dataset_config is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
@@ -58,14 +67,20 @@ def main(argv: list[str]) -> None:
     from rljax.envs import write_rows
 
     rows = make_rows(
-        _SOURCE.value, _NUM.value, seed=_SEED.value, split=_SPLIT.value, row_format=_FORMAT.value, **kwargs
+        _FLAGS.source.value,
+        _FLAGS.num.value,
+        seed=_FLAGS.seed.value,
+        split=_FLAGS.split.value,
+        row_format=_FLAGS.format.value,
+        **kwargs,
     )
-    path = write_rows(rows, _OUT.value)
-    print(f"wrote {len(rows)} {_FORMAT.value} rows ({_SPLIT.value}) to {path}", file=sys.stderr)
+    path = write_rows(rows, _FLAGS.out.value)
+    print(f"wrote {len(rows)} {_FLAGS.format.value} rows ({_FLAGS.split.value}) to {path}", file=sys.stderr)
 
 
 def run(argv: list[str] | None = None) -> None:
     """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    _define_flags()
     app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
 
 

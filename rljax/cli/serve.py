@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -30,24 +31,38 @@ from ml_collections import config_flags
 
 from rljax.cli.common import recipe_path, resolve_config_args
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(recipe_path("tinker")), "The run config of the served model (a file or a recipe name)."
-)
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (127.0.0.1: this machine only).")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_tinker", "Where checkpoints are written.")
-_BASE_MODEL = flags.DEFINE_string("base_model", None, "Name clients use for the model (default: derived).")
-_API_KEYS = flags.DEFINE_multi_string("api_key", [], "Accepted API keys (none given: any key is accepted).")
-_MAX_RANK = flags.DEFINE_integer("max_lora_rank", 64, "Largest LoRA rank a client may ask for.")
-_LORA_ALPHA = flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (adapter scale alpha / rank).")
-_TIMEOUT = flags.DEFINE_float("session_timeout_s", 120.0, "Expire sessions silent (no heartbeat) this long.")
-_MIN_ROWS = flags.DEFINE_integer(
-    "min_rows", 8, "Fewest packed rows of a training step (a power of two >= it: fewer compiled shapes)."
-)
-_MIN_SEQ_LEN = flags.DEFINE_integer("min_seq_len", 32, "Shortest packed row of a training step.")
-_FUSE = flags.DEFINE_bool(
-    "fuse_clients", True, "Run queued requests of several LoRA clients (one adapter shape) as one step."
-)
+_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+
+
+def _define_flags() -> None:
+    """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
+    tests) must not claim flag names that other subcommands define in the same process."""
+    _FLAGS.config = config_flags.DEFINE_config_file(
+        "config", str(recipe_path("tinker")), "The run config of the served model (a file or a recipe name)."
+    )
+    _FLAGS.port = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+    _FLAGS.host = flags.DEFINE_string(
+        "host", "127.0.0.1", "Interface to bind (127.0.0.1: this machine only)."
+    )
+    _FLAGS.workdir = flags.DEFINE_string("workdir", "/tmp/rljax_tinker", "Where checkpoints are written.")
+    _FLAGS.base_model = flags.DEFINE_string(
+        "base_model", None, "Name clients use for the model (default: derived)."
+    )
+    _FLAGS.api_keys = flags.DEFINE_multi_string(
+        "api_key", [], "Accepted API keys (none given: any key is accepted)."
+    )
+    _FLAGS.max_rank = flags.DEFINE_integer("max_lora_rank", 64, "Largest LoRA rank a client may ask for.")
+    _FLAGS.lora_alpha = flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (adapter scale alpha / rank).")
+    _FLAGS.timeout = flags.DEFINE_float(
+        "session_timeout_s", 120.0, "Expire sessions silent (no heartbeat) this long."
+    )
+    _FLAGS.min_rows = flags.DEFINE_integer(
+        "min_rows", 8, "Fewest packed rows of a training step (a power of two >= it: fewer compiled shapes)."
+    )
+    _FLAGS.min_seq_len = flags.DEFINE_integer("min_seq_len", 32, "Shortest packed row of a training step.")
+    _FLAGS.fuse = flags.DEFINE_bool(
+        "fuse_clients", True, "Run queued requests of several LoRA clients (one adapter shape) as one step."
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -58,27 +73,33 @@ def main(argv: list[str]) -> None:
     from rljax.tinker.server import make_app
 
     options = dict(
-        max_lora_rank=_MAX_RANK.value,
-        lora_alpha=_LORA_ALPHA.value,
-        api_keys=tuple(_API_KEYS.value),
-        session_timeout_s=_TIMEOUT.value,
-        min_rows=_MIN_ROWS.value,
-        min_seq_len=_MIN_SEQ_LEN.value,
-        fuse_clients=_FUSE.value,
+        max_lora_rank=_FLAGS.max_rank.value,
+        lora_alpha=_FLAGS.lora_alpha.value,
+        api_keys=tuple(_FLAGS.api_keys.value),
+        session_timeout_s=_FLAGS.timeout.value,
+        min_rows=_FLAGS.min_rows.value,
+        min_seq_len=_FLAGS.min_seq_len.value,
+        fuse_clients=_FLAGS.fuse.value,
     )
-    if _BASE_MODEL.value:
-        options["base_model"] = _BASE_MODEL.value
-    service = build_service(_CONFIG.value, _WORKDIR.value, **options)
-    absl_logging.info("serving %s on http://%s:%d", service.options.base_model, _HOST.value, _PORT.value)
-    print(f"rljax Tinker API: {service.options.base_model} on http://{_HOST.value}:{_PORT.value}", flush=True)
+    if _FLAGS.base_model.value:
+        options["base_model"] = _FLAGS.base_model.value
+    service = build_service(_FLAGS.config.value, _FLAGS.workdir.value, **options)
+    absl_logging.info(
+        "serving %s on http://%s:%d", service.options.base_model, _FLAGS.host.value, _FLAGS.port.value
+    )
+    print(
+        f"rljax Tinker API: {service.options.base_model} on http://{_FLAGS.host.value}:{_FLAGS.port.value}",
+        flush=True,
+    )
     try:
-        uvicorn.run(make_app(service), host=_HOST.value, port=_PORT.value, log_level="warning")
+        uvicorn.run(make_app(service), host=_FLAGS.host.value, port=_FLAGS.port.value, log_level="warning")
     finally:
         service.close()
 
 
 def run(argv: list[str] | None = None) -> None:
     """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    _define_flags()
     app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
 
 

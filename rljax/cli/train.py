@@ -29,6 +29,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import types
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -36,58 +37,70 @@ from ml_collections import config_flags
 
 from rljax.cli.common import resolve_config_args
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    None,
-    "An ml_collections config file, or the name of a shipped recipe (rljax/recipes/).",
-    lock_config=True,
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (metrics, plots, checkpoints). Default: a new temporary directory."
-)
-_RESUME = flags.DEFINE_bool("resume", False, "Resume from the latest complete checkpoint in --workdir.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete an existing run in --workdir and start over.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed",
-    False,
-    "Join a multi-process run, with the coordinator / process count / process id JAX detects "
-    "(SLURM, Open MPI, Kubernetes, Cloud TPU) unless the flags below give them.",
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0's coordination service (multi-process runs)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes of the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
-_CPU_COLLECTIVES = flags.DEFINE_enum(
-    "cpu_collectives", "", ["", "gloo", "mpi"], "Collectives between processes on the CPU backend."
-)
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_s",
-    60,
-    "Multi-process runs: seconds without a peer's heartbeat after which every other process exits "
-    "with an error (the bound on how long a survivor of a dead peer keeps waiting).",
-)
-_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
-    "allow_config_change",
-    False,
-    "With --resume: continue even though result-changing config keys differ from the checkpoint's.",
-)
+_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+
+
+def _define_flags() -> None:
+    """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
+    tests) must not claim flag names that other subcommands define in the same process."""
+    _FLAGS.config = config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "An ml_collections config file, or the name of a shipped recipe (rljax/recipes/).",
+        lock_config=True,
+    )
+    _FLAGS.workdir = flags.DEFINE_string(
+        "workdir", None, "Run directory (metrics, plots, checkpoints). Default: a new temporary directory."
+    )
+    _FLAGS.resume = flags.DEFINE_bool(
+        "resume", False, "Resume from the latest complete checkpoint in --workdir."
+    )
+    _FLAGS.overwrite = flags.DEFINE_bool(
+        "overwrite", False, "Delete an existing run in --workdir and start over."
+    )
+    _FLAGS.distributed = flags.DEFINE_bool(
+        "distributed",
+        False,
+        "Join a multi-process run, with the coordinator / process count / process id JAX detects "
+        "(SLURM, Open MPI, Kubernetes, Cloud TPU) unless the flags below give them.",
+    )
+    _FLAGS.coordinator = flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0's coordination service (multi-process runs)."
+    )
+    _FLAGS.num_processes = flags.DEFINE_integer("num_processes", None, "Number of processes of the run.")
+    _FLAGS.process_id = flags.DEFINE_integer(
+        "process_id", None, "This process's index in [0, num_processes)."
+    )
+    _FLAGS.cpu_collectives = flags.DEFINE_enum(
+        "cpu_collectives", "", ["", "gloo", "mpi"], "Collectives between processes on the CPU backend."
+    )
+    _FLAGS.heartbeat = flags.DEFINE_integer(
+        "heartbeat_timeout_s",
+        60,
+        "Multi-process runs: seconds without a peer's heartbeat after which every other process exits "
+        "with an error (the bound on how long a survivor of a dead peer keeps waiting).",
+    )
+    _FLAGS.allow_config_change = flags.DEFINE_bool(
+        "allow_config_change",
+        False,
+        "With --resume: continue even though result-changing config keys differ from the checkpoint's.",
+    )
 
 
 def _initialize_distributed() -> bool:
     """Joins a multi-process run when the flags ask for one (before anything starts JAX's backends)."""
-    given = [f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)]
-    if not (_DISTRIBUTED.value or any(given)):
+    given = [f.value is not None for f in (_FLAGS.coordinator, _FLAGS.num_processes, _FLAGS.process_id)]
+    if not (_FLAGS.distributed.value or any(given)):
         return False
     from rljax.training import distributed
 
     try:
         config = distributed.DistributedConfig(
-            coordinator_address=_COORDINATOR.value,
-            num_processes=_NUM_PROCESSES.value,
-            process_id=_PROCESS_ID.value,
-            cpu_collectives=_CPU_COLLECTIVES.value,
-            heartbeat_timeout_s=_HEARTBEAT.value,
+            coordinator_address=_FLAGS.coordinator.value,
+            num_processes=_FLAGS.num_processes.value,
+            process_id=_FLAGS.process_id.value,
+            cpu_collectives=_FLAGS.cpu_collectives.value,
+            heartbeat_timeout_s=_FLAGS.heartbeat.value,
         )
     except ValueError as e:
         raise app.UsageError(str(e)) from None
@@ -132,17 +145,22 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it renames at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
-    config = _CONFIG.value
+    config = _FLAGS.config.value
     if config is None:
         raise app.UsageError("--config=<recipe name or config file> is required (e.g. --config=default)")
     multi_process = _initialize_distributed()
     workdir = _prepare_workdir(
-        _WORKDIR.value, resume=_RESUME.value, overwrite=_OVERWRITE.value, multi_process=multi_process
+        _FLAGS.workdir.value,
+        resume=_FLAGS.resume.value,
+        overwrite=_FLAGS.overwrite.value,
+        multi_process=multi_process,
     )
     print(f"workdir: {workdir}", flush=True)
     from rljax.run.trainer import Trainer  # import after flag parsing (fast --help)
 
-    trainer = Trainer(config, workdir, resume=_RESUME.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    trainer = Trainer(
+        config, workdir, resume=_FLAGS.resume.value, allow_config_change=_FLAGS.allow_config_change.value
+    )
     try:
         history = trainer.run()
     except FileNotFoundError as e:  # --resume of a workdir without a complete checkpoint
@@ -158,6 +176,7 @@ def main(argv: list[str]) -> None:
 
 def run(argv: list[str] | None = None) -> None:
     """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
+    _define_flags()
     app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
 
 
