@@ -270,7 +270,7 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSection:
-    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
+    """Loss reduction (design §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
     auxiliary losses (``moe_aux_loss_coef`` x Switch load balancing, ``router_z_loss_coef`` x
     router z-loss; 0 = off, metrics are logged anyway)."""
 
@@ -579,7 +579,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
         raise _fail(
             "config.trainer.mini_batch_prompts",
             f"{t.mini_batch_prompts} does not divide trainer.prompts_per_step={t.prompts_per_step}; every "
-            "mini-batch holds exactly mini_batch_prompts whole prompt groups (SPEC §2.6): pick a divisor",
+            "mini-batch holds exactly mini_batch_prompts whole prompt groups (design §2.6): pick a divisor",
         )
     for i, f in enumerate(t.filters):
         if not isinstance(f, Mapping) or "name" not in f:

@@ -1,4 +1,4 @@
-"""Tests for rljax.data.step_advantages (host glue of SPEC §2.3 / §2.4)."""
+"""Tests for rljax.data.step_advantages (host glue of design §2.3 / §2.4)."""
 
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def test_any_step_permutation_leaves_advantages_unchanged(batch_seed, perm_seed,
 
 
 # ------------------------------------------------------------------------------------------
-# per-step rewards (SPEC §2.4)
+# per-step rewards (design §2.4)
 # ------------------------------------------------------------------------------------------
 
 
@@ -364,7 +364,7 @@ def test_a_token_estimator_of_the_wrong_shape_is_a_clear_error(saved_estimators)
 
 
 def test_length_penalty_spec_check_value():
-    # SPEC §3.1: r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
+    # design §3.1: r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
     def one(rep, prompt, response, reward, last=True):
         return Step([1] * prompt, [2] * response, TrajectoryID("q", rep), reward=reward, is_last_step=last)
 

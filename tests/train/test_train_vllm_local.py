@@ -39,7 +39,7 @@ from rljax.train import trainer as trainer_mod
 
 pytestmark = pytest.mark.integration
 
-LOGPROB_ATOL = 1e-4  # SPEC §5 parity bound (float32, same weights)
+LOGPROB_ATOL = 1e-4  # design §5 parity bound (float32, same weights)
 MISMATCH_KL_MAX = 1e-3
 
 
