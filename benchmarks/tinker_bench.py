@@ -1,4 +1,4 @@
-"""Tinker API benchmark (issue 22): the cost of the HTTP front door over the same work in-process.
+"""Tinker API benchmark: the cost of the HTTP front door over the same work in-process.
 
 1. training: ``forward_backward`` (cross_entropy, ``--datums`` datums of ``--len`` tokens) +
    ``optim_step`` through the real ``tinker`` SDK against an in-process server, vs the SAME jitted

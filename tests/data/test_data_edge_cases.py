@@ -107,7 +107,7 @@ def test_degenerate_inputs_are_clear_errors(make, match):
 
 
 def test_validation_runs_once_per_batch(monkeypatch):
-    """Derived batches (algorithm split, filters, merge) trust their valid parent (issue 10)."""
+    """Derived batches (algorithm split, filters, merge) trust their valid parent."""
     from rljax.data import batch as batch_module
 
     calls = []

@@ -325,7 +325,7 @@ def discounted_return(token_rewards, mask, *, gamma=0.5):
 
 
 def test_registered_token_estimator_runs_per_step_like_reinforce_pp(saved_estimators):
-    """Issue 20 defect: a registered kind="token" estimator works on step-wise batches."""
+    """A registered kind="token" estimator works on step-wise batches."""
     core_adv.register_estimator("discounted_return_test", core_adv.Estimator(discounted_return, "token"))
     steps = [
         Step([1], [2, 3, 4], TrajectoryID("q", 0), loss_mask=[1, 0, 1], reward=1.0, is_last_step=False),
@@ -462,7 +462,7 @@ def test_errors_are_clear():
 
 
 # ------------------------------------------------------------------------------------------------
-# Errored trajectories stay out of group baselines (issue 10 defect: they acted as phantom failures)
+# Errored trajectories stay out of group baselines (else they would act as phantom failures)
 # ------------------------------------------------------------------------------------------------
 def _group_with_errored(stop_reason: str, mode: str) -> list[Step]:
     steps = []

@@ -144,7 +144,7 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
     """configs/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves.
-    The task runs as an agent through the gateway in front of the vLLM servers (issue 21's modes)."""
+    The task runs as an agent through the gateway in front of the vLLM servers."""
     import rljax.gateway as gateway_mod
     from configs import lora_vllm
 
