@@ -1,12 +1,12 @@
 """The default task trained as an environment and as an agent through the gateway: both reward curves.
 
-Issue 21: "the same task as an env and as an agent, same reward function: both train, and the agent
-version's reward rises on the default task". One run trains ``rljax/recipes/smoke.py`` (the default
-recipe's tool-lookup task on the smoke-sized model) twice with the same seeds, warm start and
-steps: once with the env loop, once with ``config.envs.lookup.agent`` set to
-:func:`rljax.agents.lookup_agent.lookup_agent` (the same task written as an OpenAI-SDK agent, every
-call through the run's gateway). It prints ``reward/mean`` per step of both runs and the means over
-the first and last ``--window`` steps.
+The question: trained on the same task with the same reward function, do the env version and
+the agent version both learn, and does the agent version's reward rise on the default task? One
+run trains ``rljax/recipes/smoke.py`` (the default recipe's tool-lookup task on the smoke-sized model)
+twice with the same seeds, warm start and steps: once with the env loop, once with
+``config.envs.lookup.agent`` set to :func:`rljax.agents.lookup_agent.lookup_agent` (the same task
+written as an OpenAI-SDK agent, every call through the run's gateway). It prints ``reward/mean`` per
+step of both runs and the means over the first and last ``--window`` steps.
 
     python benchmarks/agent_vs_env.py                 # 150 warm-start steps, 30 RL steps each
     python benchmarks/agent_vs_env.py --steps 10 --warm-start 20 --window 3   # a quick look
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from rljax.recipes import smoke  # noqa: E402
 from rljax.run.trainer import Trainer  # noqa: E402

@@ -1,4 +1,4 @@
-"""Attention backends on the accelerator (issue 23): cuDNN fused attention vs XLA, parity and speed.
+"""Attention backends on the accelerator: cuDNN fused attention vs XLA, parity and speed.
 
 Three parts, one run:
 

@@ -1,4 +1,4 @@
-"""XLA:CPU compile time under the test suite's flags (issue 20: the suite's time is mostly compiling).
+"""XLA:CPU compile time under the test suite's flags (the suite's time is mostly compiling).
 
 Each flag set runs in its own process (``XLA_FLAGS`` is read once, at start-up), the sets taking turns
 (A, B, C, A, B, C, ...), and with no persistent compilation cache. Each process measures:

@@ -1,4 +1,4 @@
-"""Core benchmark (issue 2): step-wise advantages and the default objective vs a memory floor.
+"""Core benchmark: step-wise advantages and the default objective vs a memory floor.
 
 Two jitted workloads, each timed against the floor ``bytes that must move at least once /
 this machine's memory bandwidth`` (bandwidth measured in the same run by a large copy):

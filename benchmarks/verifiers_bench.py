@@ -1,4 +1,4 @@
-"""verifiers benchmark (issue 21): what running an agent as a verifiers episode costs over the same
+"""verifiers benchmark: what running an agent as a verifiers episode costs over the same
 calls made by a plain agent function, both through the real gateway in front of an instant engine
 (answers at once; tests/gateway/vf_helpers.py: the test environment, 2 calls per episode).
 

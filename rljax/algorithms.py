@@ -1,6 +1,6 @@
-"""Named algorithms (SPEC §3.6): a registry of data-only recipes and their config-time rules.
+"""Named algorithms (design §3.6): a registry of data-only recipes and their config-time rules.
 
-An :class:`Algorithm` says which advantage estimator (SPEC §3.1) and policy loss (§3.2) an
+An :class:`Algorithm` says which advantage estimator (design §3.1) and policy loss (§3.2) an
 algorithm uses, which loss component the sampled action tokens feed (``rl``, ``ref_kl`` or
 ``ce``, §3.3/§3.5), what happens to observation tokens (echo: cross-entropy on the tokens of
 configured roles, one weight per role), where samples come from (the live ``policy`` or a
@@ -56,7 +56,7 @@ __all__ = [
     "validate_algorithm_config",
 ]
 
-#: Loss components the action (sampled) tokens can feed (SPEC §3.5).
+#: Loss components the action (sampled) tokens can feed (design §3.5).
 ACTION_COMPONENTS: tuple[str, ...] = ("rl", "ref_kl", "ce")
 #: Where rollouts are sampled from.
 SAMPLING_SOURCES: tuple[str, ...] = ("policy", "frozen")
@@ -107,7 +107,7 @@ def _finite_nonneg(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LengthPenalty:
-    """prime-rl "linear" length shaping of the grpo family (SPEC §3.1).
+    """prime-rl "linear" length shaping of the grpo family (design §3.1).
 
     ``frac_i = w_out*out_i/max(out) + w_in*in_i/max(in) + w_turn*turns_i/max(turns)`` (maxima
     floored at 1), ``shaped_i = r_i - mean(r)*frac_i``, ``A_i = shaped_i - mean(shaped)``.
@@ -129,15 +129,15 @@ class LengthPenalty:
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """One named algorithm: data only, read by the trainer (SPEC §3.6).
+    """One named algorithm: data only, read by the trainer (design §3.6).
 
     Attributes:
       name: registry key (also the value of ``Step.algorithm``).
       action_component: loss component of the sampled (action) tokens: "rl", "ref_kl" or "ce".
-      estimator: a registered advantage estimator (SPEC §3.1,
+      estimator: a registered advantage estimator (design §3.1,
         :func:`rljax.core.advantages.register_estimator`) for "rl"; None otherwise.
       estimator_kwargs: its keyword hyperparameters.
-      policy_loss: a registered per-token policy loss (SPEC §3.2,
+      policy_loss: a registered per-token policy loss (design §3.2,
         :func:`rljax.core.losses.register_policy_loss`) for "rl"; None otherwise.
       policy_loss_kwargs: its keyword hyperparameters (and input choices, e.g. cispo's ``behavior``).
       observation_ce: role -> alpha; observation tokens of these roles get ce weight alpha.
@@ -149,7 +149,7 @@ class Algorithm:
         as ``fn(sample: Step, candidates: bool[n]) -> bool[n]`` per merged sample.
       needs_demonstrations: prompts come with demonstrations (opsd conditions on them).
       length_penalty: optional prime-rl length shaping (group-relative estimators only).
-      reward_mode: "outcome" (SPEC §2.3) or "per_step" (§2.4).
+      reward_mode: "outcome" (design §2.3) or "per_step" (§2.4).
       step_wise: one sample per turn (True) or one sample per trajectory (False).
 
     >>> a = Algorithm("mine", action_component="rl", estimator="rloo", policy_loss="cispo")
@@ -230,7 +230,7 @@ class Algorithm:
     # Derived needs -------------------------------------------------------------------
     @property
     def components(self) -> tuple[str, ...]:
-        """Loss components this algorithm feeds (SPEC §3.5)."""
+        """Loss components this algorithm feeds (design §3.5)."""
         extra = ("ce",) if self.observation_ce and self.action_component != "ce" else ()
         return (self.action_component, *extra)
 
@@ -408,7 +408,7 @@ _builtin()
 def validate_algorithm(
     algorithm: Algorithm, *, group_size: int | None = None, env: str | None = None
 ) -> Algorithm:
-    """Enforces the run rules of SPEC §3.6 on one algorithm; returns it unchanged.
+    """Enforces the run rules of design §3.6 on one algorithm; returns it unchanged.
 
     Rules: ``rl``/``ref_kl`` train on the policy's own samples, so they need
     ``sampling="policy"``; ``ce`` on the policy's own samples is rejected (sft needs a frozen
@@ -567,7 +567,7 @@ def validate_algorithm_config(
     env_overrides: Mapping[str, Any] | None = None,
     group_size: int | Mapping[str, int] | None = None,
 ) -> AlgorithmConfig:
-    """Resolves and validates the run's algorithm and its per-env overrides (SPEC §3.6).
+    """Resolves and validates the run's algorithm and its per-env overrides (design §3.6).
 
     Args:
       algorithm: the default: a registered name, an :class:`Algorithm`, or a mapping /

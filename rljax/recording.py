@@ -1,4 +1,4 @@
-"""The step recorder: chat calls in, training :class:`~rljax.types.Step` s out (SPEC §2.1, §4).
+"""The step recorder: chat calls in, training :class:`~rljax.types.Step` s out (design §2.1, §4).
 
 Whatever drives the model -- rljax's own environment loop (:mod:`rljax.rollout`), an
 OpenAI-compatible gateway in front of a black-box agent harness, a Tinker-style sampling API --
@@ -49,7 +49,7 @@ token included) and the bridge suffix's roles (exactly as :class:`rljax.chat.Cha
   (< :data:`GREEDY_EPS`: the engines' greedy logprobs are at temperature 1);
 * an errored trajectory (:meth:`StepRecorder.fail`, or a completion that finished with "abort")
   gets loss mask 0 and reward 0 on every step, and its last step the stop reason "error" or
-  "abort": nothing partial is ever trained on (SPEC §2.1, :data:`rljax.types.ERROR_STOP_REASONS`).
+  "abort": nothing partial is ever trained on (design §2.1, :data:`rljax.types.ERROR_STOP_REASONS`).
 
 >>> from rljax.chat import ChatMLRenderer, toy_tokenizer
 >>> from rljax.inference.engine import Completion
@@ -256,7 +256,7 @@ class StepRecorder:
       trajectory_id: the trajectory (a :class:`~rljax.types.TrajectoryID` or an
         ``(instance_id, repetition_id)`` pair); ``instance_id`` is the GRPO group key.
       env: environment name recorded on the steps.
-      algorithm: algorithm name recorded on the steps (SPEC §3.6).
+      algorithm: algorithm name recorded on the steps (design §3.6).
       temperature: the sampling temperature of the calls (per call: ``record(temperature=)``).
       bridge: extend earlier calls when possible; False renders every prompt in full.
       same_reply: ``(sent, generated) -> bool``, whether a message a client sends back is the

@@ -1,4 +1,4 @@
-"""The agent loop: environments <-> inference engine, token-in / token-out (SPEC §4).
+"""The agent loop: environments <-> inference engine, token-in / token-out (design §4).
 
 For every task and each of ``group_size`` repetitions, one trajectory runs::
 
@@ -21,17 +21,17 @@ the trainer sees exactly ``c.ids`` and ``c.logprobs``. Trajectories run concurre
 (``asyncio``, at most ``max_concurrency`` at a time) and the result is returned in a
 deterministic order (task order, then repetition, then turn).
 
-Decisions (the spec leaves them open):
+Decisions (design §4 leaves them open):
 
 * **Rewards** are placed where the environment gives them: each step gets the reward ``env.step``
   returned for it (outcome environments return 0 until the last step). A trajectory's reward in
-  the metrics is its last step's reward (SPEC §2.3).
+  the metrics is its last step's reward (design §2.3).
 * **stop_reason** is the engine's finish reason ("stop" / "length"); tool-calling turns that ended
   on the end-of-turn token are "stop". A trajectory cut by the context limit ends with "length" on
   its last step.
 * **Truncated turns** (finish "length": ``max_tokens`` or the context budget ran out) are still
   shown to the environment (``action.stopped`` is False), then the trajectory ends with that
-  step's reward. Their loss mask stays 1: the ids and logprobs are exact, and SPEC §3.7's overlong
+  step's reward. Their loss mask stays 1: the ids and logprobs are exact, and design §3.7's overlong
   filter is the configurable place to mask them (DAPO-style overlong handling).
 * **Errors**: an exception from the environment (reset, step, malformed messages) or the engine,
   or an engine "abort", marks the trajectory errored: all its steps get loss mask 0 and reward 0,

@@ -2,7 +2,7 @@
 
 A :class:`Step` is one LLM turn exactly as the engine saw it (token ids in, token
 ids and logprobs out). A :class:`PackedBatch` is the fixed-shape pytree of per-token
-arrays the jitted train step consumes (see SPEC §2.6). These are plain records: this
+arrays the jitted train step consumes (see design §2.6). These are plain records: this
 module imports nothing from rljax. The validated batch of steps,
 :class:`rljax.data.batch.StepBatch`, lives in the data layer with its validation.
 """
@@ -60,7 +60,7 @@ class TrajectoryID:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One LLM turn (one training sample before merging). See SPEC §2.1.
+    """One LLM turn (one training sample before merging). See design §2.1.
 
     Attributes:
       prompt_ids: exact token ids the engine received for this turn.
@@ -72,7 +72,7 @@ class Step:
       is_last_step: True on the final step of its trajectory.
       stop_reason: "stop", "length", "abort", "tool_call", ...
       env: name of the environment that produced the step.
-      algorithm: name of the algorithm (SPEC §3.6) that trains it.
+      algorithm: name of the algorithm (design §3.6) that trains it.
       temperature: sampling temperature; the trainer divides logits by it.
       policy_version: weight version of the policy that sampled the step.
       prompt_roles: optional, one entry per prompt token: the role of the message whose BODY
@@ -129,7 +129,7 @@ def _register_dataclass(cls):
 @_register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Fixed-shape ``[rows, seq_len]`` per-token arrays (SPEC §2.6). A jax pytree.
+    """Fixed-shape ``[rows, seq_len]`` per-token arrays (design §2.6). A jax pytree.
 
     ``segment_ids`` is 0 on padding and 1..k for the k samples in a row; ``positions``
     restart at 0 for each sample; ``sample_index`` is a global sample id (0 on

@@ -34,7 +34,7 @@ def _share_compiled_programs() -> None:
 
     Much of the suite's time is XLA compiling tiny-model programs, often the same ones again: in
     module after module (``_release_compiled_programs`` drops the in-memory caches), in both xdist
-    workers and in launched processes (``python -m launch.*``, multi-process runs). Set here, before jax is
+    workers and in launched processes (``rljax`` subcommands, multi-process runs). Set here, before jax is
     imported, the variables reach the xdist workers and every subprocess (they inherit the
     environment), so a program compiled once is read back afterwards (jax writes only from process 0
     of a multi-process run). The directory starts empty (nothing

@@ -1,4 +1,4 @@
-"""Tests of rljax.algorithms: the named-algorithm registry and its config-time rules (SPEC §3.6)."""
+"""Tests of rljax.algorithms: the named-algorithm registry and its config-time rules (design §3.6)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def clean_registry():
 
 
 # --------------------------------------------------------------------------------------
-# registry contents (the table of SPEC §3.6)
+# registry contents (the table of design §3.6)
 # --------------------------------------------------------------------------------------
 def test_builtin_names():
     assert {"grpo", "max_rl", "rloo", "ppo", "opd", "opsd", "sft", "echo"} <= set(alg.list_algorithms())

@@ -1,4 +1,4 @@
-"""Chat renderers: chat templates as token streams, and tool-call parsing (SPEC §4).
+"""Chat renderers: chat templates as token streams, and tool-call parsing (design §4).
 
 Pick the renderer of the model's chat format (or ``GenericRenderer`` for any HF template)::
 

@@ -1,4 +1,4 @@
-"""Renderer interface: chat templates as token streams (SPEC §4).
+"""Renderer interface: chat templates as token streams (design §4).
 
 A renderer turns OpenAI-style messages (dicts with ``role``, ``content`` and optionally
 ``reasoning_content``, ``tool_calls``, ``tool_call_id``, ``name``) into token ids for one chat
@@ -30,7 +30,7 @@ Interface (every renderer):
 * ``demonstration_hint(demonstration) -> DemonstrationHint`` -- the ids of a system turn that
   carries a task's demonstration and where to insert them into any prompt of this format
   (after the template's fixed preamble, e.g. ``<|begin_of_text|>``), for scoring samples on a
-  demonstration-conditioned prompt (opsd, SPEC §3.6).
+  demonstration-conditioned prompt (opsd, design §3.6).
 
 Renderers that spell out a format (ChatML, Qwen3, Llama 3) build ids from *pieces*: single
 special tokens (one id each) and text between them, each text run tokenized as a whole. A

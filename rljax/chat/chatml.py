@@ -1,4 +1,4 @@
-"""ChatML and Qwen2.5 renderers (SPEC §4).
+"""ChatML and Qwen2.5 renderers (design §4).
 
 ChatML turns are ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the generation prompt is
 ``<|im_start|>assistant\\n``. Tool use follows the Qwen2.5 template (Hermes style, see the

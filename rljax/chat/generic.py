@@ -1,4 +1,4 @@
-"""Generic renderer: any Hugging Face chat template as a token stream (SPEC §4).
+"""Generic renderer: any Hugging Face chat template as a token stream (design §4).
 
 Full renders call the tokenizer's own ``apply_chat_template`` (so they are equal to it by
 construction). Bridging uses the *fixed-base* method, which works for any template:

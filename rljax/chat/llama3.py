@@ -1,4 +1,4 @@
-"""Llama 3 renderer: header-delimited turns and JSON tool calls (SPEC §4).
+"""Llama 3 renderer: header-delimited turns and JSON tool calls (design §4).
 
 Turns are ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content|trim}<|eot_id|>`` after
 ``<|begin_of_text|>``; the generation prompt is the assistant header. With

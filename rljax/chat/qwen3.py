@@ -1,4 +1,4 @@
-"""Qwen3 renderer: ChatML + ``<think>`` reasoning + Hermes tools (SPEC §4).
+"""Qwen3 renderer: ChatML + ``<think>`` reasoning + Hermes tools (design §4).
 
 The Qwen3 template (Qwen3 model card, "thinking" and "multi-turn") renders an assistant turn
 as ``<think>\\n{reasoning}\\n</think>\\n\\n{content}`` only when it comes after the last

@@ -1,4 +1,4 @@
-"""One trajectory's token stream: bridge when possible, full render otherwise (SPEC §4).
+"""One trajectory's token stream: bridge when possible, full render otherwise (design §4).
 
 :class:`ChatSession` is the bookkeeping an agent loop needs around a renderer: it keeps the
 message history (for fallback renders and for the environment) and the exact prompt ids of

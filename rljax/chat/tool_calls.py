@@ -1,4 +1,4 @@
-"""Parsing of model completions: reasoning blocks and tool calls (SPEC §4).
+"""Parsing of model completions: reasoning blocks and tool calls (design §4).
 
 Pure string functions used by the renderers' ``parse_response``. They never raise on
 malformed model output: a tool call that cannot be parsed is returned as a

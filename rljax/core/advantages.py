@@ -2,7 +2,7 @@
 
 Group-relative estimators (:func:`grpo`, :func:`rloo`, :func:`max_rl`) map one scalar
 reward per trajectory to one scalar advantage, grouped by a dense prompt-group id with a
-static ``num_groups`` (SPEC §3.1). They share the signature
+static ``num_groups`` (design §3.1). They share the signature
 ``fn(rewards, group_ids, num_groups, **kwargs) -> [N]``.
 
 **Registry.** Every estimator is registered as one :class:`Estimator` value (function,
@@ -27,7 +27,7 @@ steps**: the recursion carries straight through them (so observation tokens of a
 multi-turn sample do not cut credit assignment, unlike verl's reset-on-mask), rewards
 placed on them are ignored, and their outputs are 0.
 
-References are given per function; the formulas are SPEC §2.3, §2.4 and §3.1.
+References are given per function; the formulas are design §2.3, §2.4 and §3.1.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def max_rl(rewards: chex.Array, group_ids: chex.Array, num_groups: int) -> chex.
     ``A_i = (r_i - mean_g) / mean_g`` if ``mean_g > 0`` else 0. For binary rewards ``mean_g``
     is the empirical pass rate ``p``, and ``grad log p = grad p / p``: the REINFORCE estimate
     of ``grad p`` (baseline ``mean_g``) divided by ``p`` ascends the log-likelihood of success
-    instead of the success rate. Groups of one and all-equal groups get 0 (SPEC §3.1).
+    instead of the success rate. Groups of one and all-equal groups get 0 (design §3.1).
 
     >>> import jax.numpy as jnp
     >>> max_rl(jnp.array([1.0, 0.0, 0.0, 0.0]), jnp.array([0, 0, 0, 0]), 1).tolist()
@@ -245,7 +245,7 @@ def length_penalty(
     """Length-penalized group advantage: ``A_i = shaped_i - mean_g(shaped)``.
 
     ``shaped`` is :func:`length_shaped_rewards`; equivalently ``grpo(shaped,
-    norm_by_std=False)`` up to the all-equal rule. SPEC §3.1 check (one group, ``in =
+    norm_by_std=False)`` up to the all-equal rule. design §3.1 check (one group, ``in =
     total - out``)::
 
         r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
@@ -415,7 +415,7 @@ def gae(
 def broadcast_to_steps(
     traj_advantages: chex.Array, step_traj_ids: chex.Array, loss_mask: chex.Array
 ) -> chex.Array:
-    """Per-token advantages of steps from per-trajectory scalars (SPEC §2.3.3).
+    """Per-token advantages of steps from per-trajectory scalars (design §2.3.3).
 
     ``adv[s, t] = A[traj(s)] * loss_mask[s, t]``: every step gets its trajectory's advantage
     on each of ITS OWN trainable tokens (regression against SkyRL issue #1492, where earlier
@@ -451,7 +451,7 @@ def turn_returns(
     *,
     gamma_turn: float = 1.0,
 ) -> chex.Array:
-    """Turn-level discounted returns for per-step rewards (SPEC §2.4).
+    """Turn-level discounted returns for per-step rewards (design §2.4).
 
     ``G_jk = sum_{i >= k} gamma_turn^(i - k) r_ji`` for step ``k`` of trajectory ``j``.
     Steps may come in any order: they are scattered into a dense ``[num_trajectories,
@@ -501,7 +501,7 @@ def turn_returns(
 #: Estimator kinds: ``"group"`` = one scalar per trajectory baselined within its prompt group
 #: (outcome estimators); ``"token"`` = per-token returns along each sequence.
 ESTIMATOR_KINDS: tuple[str, ...] = ("group", "token")
-#: Reward modes of step-wise training (SPEC §2.3 ``"outcome"``, §2.4 ``"per_step"``).
+#: Reward modes of step-wise training (design §2.3 ``"outcome"``, §2.4 ``"per_step"``).
 REWARD_MODES: tuple[str, ...] = ("outcome", "per_step")
 
 
@@ -511,7 +511,7 @@ class Estimator:
 
     Attributes:
       fn: the estimator. ``kind="group"``: ``fn(rewards [N], group_ids [N], num_groups,
-        **hyperparameters) -> [N]`` (group-relative, outcome rewards, SPEC §2.3/§3.1).
+        **hyperparameters) -> [N]`` (group-relative, outcome rewards, design §2.3/§3.1).
         ``kind="token"``: ``fn(token_rewards [B, L], mask [B, L], **hyperparameters) -> [B, L]``,
         or with ``needs_critic`` ``fn(token_rewards, values, mask, **hyperparameters) ->
         (advantages, returns)``.
@@ -637,12 +637,12 @@ def is_group_estimator(name: str) -> bool:
 
 
 def check_estimator_reward_mode(estimator: str, reward_mode: str, step_wise: bool) -> None:
-    """Config-time rule of SPEC §2.2/§2.4: step-wise training with a token-level estimator.
+    """Config-time rule of design §2.2/§2.4: step-wise training with a token-level estimator.
 
     Token-level estimators (``kind="token"``: gae, reinforce_pp) need a reward per token (or
-    per turn); with step-wise samples and outcome rewards (SPEC §2.3) they would see one
+    per turn); with step-wise samples and outcome rewards (design §2.3) they would see one
     reward at the end of each trajectory only and silently mis-credit earlier turns, so they
-    are rejected unless ``reward_mode="per_step"`` (SPEC §2.4). Group estimators (grpo, rloo,
+    are rejected unless ``reward_mode="per_step"`` (design §2.4). Group estimators (grpo, rloo,
     max_rl and any registered ``kind="group"`` one) work in either mode.
 
     >>> check_estimator_reward_mode("gae", "per_step", True)
@@ -661,12 +661,12 @@ def check_estimator_reward_mode(estimator: str, reward_mode: str, step_wise: boo
         groups = [n for n in list_estimators() if is_group_estimator(n)]
         raise ValueError(
             f"estimator {estimator!r} is not an outcome estimator and cannot run step-wise with "
-            f"reward_mode={reward_mode!r}: set reward_mode='per_step' (SPEC §2.4), or use an outcome "
+            f"reward_mode={reward_mode!r}: set reward_mode='per_step' (design §2.4), or use an outcome "
             f"estimator ({groups}), or train non-step-wise"
         )
 
 
-# Defaults come from each function's signature (SPEC §3.6b), the one place they are written.
+# Defaults come from each function's signature (design §3.6b), the one place they are written.
 for _name, _est in {
     "grpo": Estimator(grpo, "group"),
     "rloo": Estimator(rloo, "group"),

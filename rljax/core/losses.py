@@ -2,7 +2,7 @@
 
 Every loss here is elementwise over any shape (``[B, L]`` padded or ``[R, L]`` packed)
 and returns the per-token loss with the shape of ``logp``, masked positions included
-(SPEC §3.2-§3.3, §3.6b). Masks, weights and normalizers are applied by
+(design §3.2-§3.3, §3.6b). Masks, weights and normalizers are applied by
 :mod:`rljax.core.objective`. Only :func:`gspo` is sequence-level: it takes
 ``segment_ids`` (the sample each token belongs to, values in ``[0, num_segments)``)
 and a static ``num_segments``.
@@ -1037,7 +1037,7 @@ def policy_loss(name: str, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array
 
 
 def _declared(public: Callable[..., jax.Array]) -> dict[str, Any]:
-    """A built-in's inputs and defaults, read from its public signature (SPEC §3.6b), where
+    """A built-in's inputs and defaults, read from its public signature (design §3.6b), where
     they are written once."""
     inputs, defaults, _ = registry.signature_parts(public, public.__name__)
     return {"inputs": inputs, "defaults": defaults}

@@ -1,4 +1,4 @@
-"""The exact per-mini-batch training objective (SPEC §3.5).
+"""The exact per-mini-batch training objective (design §3.5).
 
 For components ``c`` in ``(rl, ce, ref_kl)`` with raw per-token weights ``v_c`` and
 per-token losses ``l_c``::

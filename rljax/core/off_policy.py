@@ -1,4 +1,4 @@
-"""Off-policy correction between the trainer's old policy and the rollout engine (SPEC §3.4).
+"""Off-policy correction between the trainer's old policy and the rollout engine (design §3.4).
 
 With ``rho_t = exp(clip(old_logp_t - rollout_logp_t, -20, 20))`` (per token) and the
 sequences given by ``segment_ids`` (the sample each token belongs to), :func:`correct`

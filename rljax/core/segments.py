@@ -18,7 +18,7 @@ Conventions shared by every function of this module:
 
 :func:`safe_div` is the core's one guarded division (``0`` where the denominator is empty).
 
-Reference: SPEC §2.2-§2.3; SkyRL's step-wise broadcast (``cumsum`` of the shifted
+Reference: design §2.2-§2.3; SkyRL's step-wise broadcast (``cumsum`` of the shifted
 ``is_last_step``) for :func:`trajectory_index`.
 """
 

@@ -1,4 +1,4 @@
-"""StepBatch: an immutable, validated sequence of steps (SPEC §2.1, §2.2).
+"""StepBatch: an immutable, validated sequence of steps (design §2.1, §2.2).
 
 Constructing a :class:`StepBatch` runs :func:`rljax.data.validate.validate_steps` once and raises
 ``ValueError`` on the first violation. Everything the data layer derives from a valid batch
@@ -26,7 +26,7 @@ __all__ = ["StepBatch"]
 
 
 class StepBatch(Sequence[Step]):
-    """An immutable, validated batch of steps (SPEC §2.1, §2.2).
+    """An immutable, validated batch of steps (design §2.1, §2.2).
 
     Steps of one trajectory may appear in any order relative to other trajectories' steps;
     within a trajectory, list order is turn order. An empty batch is valid.
@@ -62,7 +62,7 @@ class StepBatch(Sequence[Step]):
     def derived(self, steps: Sequence[Step]) -> StepBatch:
         """A batch of ``steps`` derived from this valid batch, NOT validated again.
 
-        For the data layer's own transformations that keep every rule of SPEC §2.2 by
+        For the data layer's own transformations that keep every rule of design §2.2 by
         construction: subsets of whole trajectories, zeroed loss masks, merged turns. Use the
         constructor (or :meth:`replace_steps`) for anything else.
         """
@@ -115,6 +115,6 @@ class StepBatch(Sequence[Step]):
         """Inverse of :meth:`from_generator_output` (trajectory ids as TrajectoryID)."""
         return to_generator_output(self._steps)
 
-    #: Per-token advantages of every step, in batch order (SPEC §2.3 / §2.4): the function
+    #: Per-token advantages of every step, in batch order (design §2.3 / §2.4): the function
     #: :func:`rljax.data.step_advantages.compute_step_advantages` itself, bound to the batch.
     step_advantages = compute_step_advantages

@@ -1,4 +1,4 @@
-"""Demonstration-conditioned sequences for on-policy self-distillation (opsd, SPEC §3.3, §3.6).
+"""Demonstration-conditioned sequences for on-policy self-distillation (opsd, design §3.3, §3.6).
 
 In opsd the policy samples a response ``r`` to a prompt ``p`` as usual; the *teacher* is the
 same live policy shown the task's demonstration. Each sample is scored on the conditioned
@@ -11,7 +11,7 @@ where ``d`` is a system turn carrying the demonstration and ``k`` the position t
 ``s[t] = log p(c[t] | c[:t])`` (``rljax.inference.scoring.score_sequences``), the teacher's log-probability of
 response token ``j`` is ``s[start + j]``: slicing ``s[start : start + len(r)]`` gives one
 ``ref_logprobs`` value per response token, aligned with the sample's own logprobs for the
-``ref_kl`` component (SPEC §3.3). With an empty ``d`` the conditioned sequence is the sample
+``ref_kl`` component (design §3.3). With an empty ``d`` the conditioned sequence is the sample
 itself, so the slice is the plain prefill's response logprobs.
 
 Reference: Zhao et al. 2026, "Self-Distilled Reasoner: On-Policy Self-Distillation for Large

@@ -1,4 +1,4 @@
-"""Echo: cross-entropy on the environment's tokens of merged multi-turn samples (SPEC §3.3, §3.6).
+"""Echo: cross-entropy on the environment's tokens of merged multi-turn samples (design §3.3, §3.6).
 
 The ``echo`` algorithm trains the policy's sampled action tokens with the usual rl component
 (grpo advantages, the configured policy loss) and, in the same forward pass, the tokens the
@@ -9,7 +9,7 @@ role::
     v_rl,t = rl_weights_t * loss_mask_t        = 1 on trainable action tokens, 0 elsewhere
     v_ce,t = ce_weights_t * loss_mask_t        = alpha(role_t) on echo tokens, 0 elsewhere
 
-each component normalized by its own global count (:mod:`rljax.core.objective`, SPEC §3.5).
+each component normalized by its own global count (:mod:`rljax.core.objective`, design §3.5).
 Advantages on echo tokens are 0 (the merge fills gap tokens with 0), and they are not rl
 candidates (``rl_weights`` 0), so off-policy masks and rl metrics never see them.
 
@@ -25,7 +25,7 @@ Which tokens. An echo token is a token of a merged sample's response region that
   can only narrow the selection).
 
 Echo needs MERGED samples: the observations are the gap tokens that prefix-aware merging
-(SPEC §2.5, :mod:`rljax.data.merge`) inserts between the turns of a sample. With merging off
+(design §2.5, :mod:`rljax.data.merge`) inserts between the turns of a sample. With merging off
 every response region holds sampled tokens only, so nothing is echoed (``echo/tokens`` is 0)
 and echo trains exactly like grpo. Usage::
 
@@ -62,7 +62,7 @@ __all__ = [
     "response_roles",
 ]
 
-#: Default echo weights: cross-entropy with weight 0.1 on tool-result bodies (SPEC §3.6).
+#: Default echo weights: cross-entropy with weight 0.1 on tool-result bodies (design §3.6).
 DEFAULT_ALPHAS: Mapping[str, float] = types.MappingProxyType({"tool": 0.1})
 
 #: ``token_filter(sample, candidates) -> keep``: both bool arrays of ``len(sample.response_ids)``.
@@ -124,7 +124,7 @@ def check_alphas(alphas: Mapping[str, float] | Any) -> dict[str, float]:
 
 
 def response_roles(plan: MergePlan, steps: Sequence[Step]) -> list[list[str | None]]:
-    """Role of every response-region token of every merged sample (SPEC §2.5 layout).
+    """Role of every response-region token of every merged sample (design §2.5 layout).
 
     Merged sample ``k`` made of turns ``s_0, s_1, ...`` with gaps ``g_0 = 0, g_1, ...`` has the
     response ``r_{s_0} ++ p_{s_1}[-g_1:] ++ r_{s_1} ++ ...``; its roles are

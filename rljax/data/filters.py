@@ -1,4 +1,4 @@
-"""Rollout filters and DAPO dynamic sampling (SPEC §3.7). Host-side numpy.
+"""Rollout filters and DAPO dynamic sampling (design §3.7). Host-side numpy.
 
 A filter flags steps of a :class:`~rljax.data.batch.StepBatch`; it never drops them. In
 ``mode="enforce"`` the loss mask of every flagged step is zeroed, so the step trains nothing
@@ -21,7 +21,7 @@ zero_variance              every trajectory reward of its prompt group is equal
 :func:`apply_filters` (merged samples carry observation tokens with mask 0 and logprob 0,
 which must neither count as gibberish nor as confident repetition). Every filter of one
 :func:`apply_filters` call sees the same input batch, so its metrics do not depend on the
-order of the filters. A trajectory's reward is the total reward of its last step (SPEC §2.3).
+order of the filters. A trajectory's reward is the total reward of its last step (design §2.3).
 
 :class:`DynamicSampler` is DAPO's dynamic sampling (Yu et al., 2025, "DAPO: An Open-Source LLM
 Reinforcement Learning System at Scale", §3.2): it accumulates prompt groups over sampling
@@ -345,7 +345,7 @@ class OverlongUnrewardedFilter(Filter):
 class ZeroVarianceGroupFilter(Filter):
     """Flags every step of a prompt group whose trajectory rewards are all equal (spread ``<= atol``).
 
-    Such a group has zero group-relative advantage everywhere (SPEC §3.1); a group of one
+    Such a group has zero group-relative advantage everywhere (design §3.1); a group of one
     trajectory is zero-variance too.
 
     >>> from rljax.data.batch import StepBatch

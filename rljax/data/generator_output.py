@@ -1,4 +1,4 @@
-"""SkyRL ``GeneratorOutput`` dicts <-> rljax Steps (SPEC §2.1).
+"""SkyRL ``GeneratorOutput`` dicts <-> rljax Steps (design §2.1).
 
 A generator written for SkyRL returns a dict of parallel per-step lists::
 

@@ -1,4 +1,4 @@
-"""Prefix-aware merging of multi-turn steps into fewer training samples (SPEC §2.5).
+"""Prefix-aware merging of multi-turn steps into fewer training samples (design §2.5).
 
 A multi-turn agent emits one :class:`~rljax.types.Step` per LLM turn, and the prompt of
 turn ``i`` usually repeats every token of turns ``< i``. Training each step as its own
@@ -18,14 +18,14 @@ interleaved sub-agents and context resets). Anything that is not an exact prefix
 a new sample (graceful fallback); a turn whose prompt is shorter than the running
 sequence never merges.
 
-Decisions (beyond SPEC §2.5):
+Decisions (beyond design §2.5):
 
 * Scalar rewards: a merged sample's reward is the reward of its last merged turn. The
-  outcome-mode trajectory reward (SPEC §2.3: the reward of the trajectory's last step) and
+  outcome-mode trajectory reward (design §2.3: the reward of the trajectory's last step) and
   hence every outcome-mode advantage of every trainable token are unchanged by merging.
-  Per-token rewards are concatenated (gap tokens get 0), as in the spec's reference case;
+  Per-token rewards are concatenated (gap tokens get 0), as in the reference case of design §2.5;
   their sum over the final sample then includes earlier turns' rewards, which is what a
-  token-level estimator (reinforce_pp) expects. To use per-step rewards (SPEC §2.4),
+  token-level estimator (reinforce_pp) expects. To use per-step rewards (design §2.4),
   compute advantages on the unmerged batch and carry them with
   :meth:`MergePlan.merge_arrays` (gap tokens get ``fill``).
 * A turn merges only into an open sample with the same temperature, env, algorithm and
@@ -48,7 +48,7 @@ Decisions (beyond SPEC §2.5):
   merged batch is again a valid :class:`~rljax.data.batch.StepBatch`.
 
 References: SkyRL ``merge_stepwise_output`` and prime-rl's trajectory interleaving
-(longest-prefix extension), see SPEC §2.5.
+(longest-prefix extension), see design §2.5.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _compat_key(step: Step) -> tuple:
 
 
 def plan_merge(steps: Sequence[Step]) -> MergePlan:
-    """Decides which steps merge into which samples (SPEC §2.5), without building them.
+    """Decides which steps merge into which samples (design §2.5), without building them.
 
     Turn ``i`` extends the open sample ``s`` of its trajectory with the longest full
     sequence ``f_s`` such that ``len(f_s) <= len(prompt_i)`` and
@@ -227,7 +227,7 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
 
 
 def merge_steps(batch: StepBatch, plan: MergePlan | None = None) -> StepBatch:
-    """Merges the steps of each trajectory by the extension property (SPEC §2.5).
+    """Merges the steps of each trajectory by the extension property (design §2.5).
 
     Pure: ``batch`` is untouched; unmerged steps are shared (Steps are immutable), and when
     no step merges ``batch`` itself is returned. The result keeps ``vocab_size`` and
@@ -257,7 +257,7 @@ def trained_tokens(steps: Sequence[Step]) -> int:
 
 
 def merge_metrics(before: Sequence[Step], after: Sequence[Step]) -> dict[str, float]:
-    """Sample and token counts before/after :func:`merge_steps` (SPEC §2.5).
+    """Sample and token counts before/after :func:`merge_steps` (design §2.5).
 
     ``trained_tokens`` counts prompt + response tokens, i.e. what the forward pass costs.
 

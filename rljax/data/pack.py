@@ -1,4 +1,4 @@
-"""Packing samples into fixed-shape rows, and mini-batches of whole prompt groups (SPEC §2.6).
+"""Packing samples into fixed-shape rows, and mini-batches of whole prompt groups (design §2.6).
 
 A sample is ``prompt_ids ++ response_ids`` of one (merged or unmerged) step. Samples are
 placed first-fit-decreasing (FFD: longest first, each into the first row with room) into
@@ -27,7 +27,7 @@ group_index         dense prompt-group id (by ``instance_id``)   0 on padding
 Integer streams are int32, the others float32. Attention must not cross segment
 boundaries (the model uses ``segment_ids``); a sample never spans rows.
 
-Decisions (beyond SPEC §2.6):
+Decisions (beyond design §2.6):
 
 * Over-length samples raise ``ValueError`` naming the sample. With ``truncate=True`` the
   TAIL of the response is dropped (the prompt is the conditioning context and is kept
@@ -74,7 +74,7 @@ __all__ = [
 PerStep = float | Sequence[Any] | None
 
 #: The caller-supplied per-step streams of :func:`pack` / :func:`make_mini_batches` and the value
-#: a stream takes where it is not given (SPEC §2.6, §3.5): the one list of their names.
+#: a stream takes where it is not given (design §2.6, §3.5): the one list of their names.
 STREAM_DEFAULTS: Mapping[str, float] = {
     "advantages": 0.0,
     "ref_logprobs": 0.0,

@@ -1,14 +1,14 @@
 """The host preparation pipeline: a rollout's batch -> training samples with their streams.
 
 One RL step trains every algorithm of the run on the steps its environments produced
-(SPEC §3.6). The batch is validated once, where the rollout builds it; :func:`split_by_algorithm`
+(design §3.6). The batch is validated once, where the rollout builds it; :func:`split_by_algorithm`
 cuts it into whole trajectories per algorithm without validating again. For algorithm ``a`` and
 its steps ``B_a``, :func:`prepare_samples` computes (merge plan computed once)::
 
     A        = step advantages of B_a            (rl algorithms: a.estimator; others: zeros)
     B_a, m   = filters(B_a, A)                   (enforcing filters zero loss masks; metrics m)
-    S, A     = merge(B_a), A carried along        (prefix-aware, SPEC §2.5)
-    streams  = component weights of S             (what each token feeds, SPEC §3.5)
+    S, A     = merge(B_a), A carried along        (prefix-aware, design §2.5)
+    streams  = component weights of S             (what each token feeds, design §3.5)
 
 The component streams by action component (``loss_mask`` gates all of them in the objective):
 
@@ -196,10 +196,10 @@ def prepare_samples(
     Args:
       algorithm: the (validated) algorithm that trains every step of ``batch``.
       batch: its steps.
-      filters: SPEC §3.7 filters (enforcing ones zero loss masks; all report metrics). The
+      filters: design §3.7 filters (enforcing ones zero loss masks; all report metrics). The
         zero-advantage and zero-variance filters only apply to rl algorithms (others have no
         advantages or group baselines).
-      merge: fold turns that extend each other into one sample (SPEC §2.5). Echo needs it:
+      merge: fold turns that extend each other into one sample (design §2.5). Echo needs it:
         the observation tokens it trains are the gap tokens between merged turns.
       score: the ref_kl reference of the (merged) samples; required for ref_kl algorithms.
       observation_filter: echo's optional narrowing ``fn(sample, candidates) -> mask``.

@@ -1,6 +1,6 @@
 """Step-wise advantages on the host: StepBatch -> one per-token advantage array per step.
 
-This module is glue (SPEC §2.3, §2.4): it turns a :class:`~rljax.data.batch.StepBatch` into
+This module is glue (design §2.3, §2.4): it turns a :class:`~rljax.data.batch.StepBatch` into
 dense, bucketed numpy arrays (trajectory index, group index, turn index, padded loss
 masks), calls the jitted estimators of :mod:`rljax.core.advantages`, and cuts the padded
 result back into one float32 array per step, in batch order. All math lives in the core.
@@ -17,11 +17,11 @@ user-defined estimators need no padding logic.
 
 Modes:
 
-* ``reward_mode="outcome"`` (SPEC §2.3, SkyRL semantics): trajectory reward ``R_j`` = total
+* ``reward_mode="outcome"`` (design §2.3, SkyRL semantics): trajectory reward ``R_j`` = total
   reward of its ``is_last_step`` step; earlier rewards are ignored. The group estimator
   runs on ``R`` grouped by ``instance_id`` and every step of trajectory ``j`` gets
   ``A_j * loss_mask[s, t]`` on its own tokens.
-* ``reward_mode="per_step"`` (SPEC §2.4): ``G_jk = sum_{i>=k} gamma_turn^(i-k) r_ji`` with
+* ``reward_mode="per_step"`` (design §2.4): ``G_jk = sum_{i>=k} gamma_turn^(i-k) r_ji`` with
   ``r_jk`` the total reward of turn ``k``; the estimator baselines ``G_jk`` within the
   steps sharing ``(instance_id, k)``. This equals outcome mode when ``gamma_turn = 1``,
   rewards sit on last steps only, AND all trajectories of a group have the same number of
@@ -232,7 +232,7 @@ def compute_step_advantages(
     exclude_errored: bool = True,
     **estimator_kwargs: Any,
 ) -> list[np.ndarray]:
-    """Per-token advantages of every step, in batch order (SPEC §2.3, §2.4).
+    """Per-token advantages of every step, in batch order (design §2.3, §2.4).
 
     Args:
       batch: a validated :class:`~rljax.data.batch.StepBatch` (any other sequence of Steps is
@@ -272,10 +272,10 @@ def compute_step_advantages(
     steps = getattr(batch, "steps", None)  # a StepBatch is validated already
     if steps is None:
         steps = tuple(batch)
-        validate_steps(steps)  # SPEC §2.2
+        validate_steps(steps)  # design §2.2
     if reward_mode not in ("outcome", "per_step"):
         raise ValueError(
-            f"unknown reward_mode {reward_mode!r}; choose 'outcome' (SPEC §2.3) or 'per_step' (§2.4)"
+            f"unknown reward_mode {reward_mode!r}; choose 'outcome' (design §2.3) or 'per_step' (§2.4)"
         )
     if isinstance(gamma_turn, bool) or not isinstance(gamma_turn, (int, float)) or not 0 <= gamma_turn <= 1:
         raise ValueError(f"gamma_turn must be a number in [0, 1], got {gamma_turn!r}")

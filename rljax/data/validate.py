@@ -1,4 +1,4 @@
-"""Host-side validation of step batches (SPEC §2.2).
+"""Host-side validation of step batches (design §2.2).
 
 Every rule violation raises ``ValueError`` with a message that names the field, the step
 index and the trajectory, e.g. ``"step 3 (trajectory q7#1): loss_mask has 5 entries but
@@ -10,7 +10,7 @@ Per-token checks are vectorised: each step's lists are converted once with numpy
 arrays of a field are concatenated, checked in one pass, and a failing token is mapped back
 to its step with ``searchsorted`` over the step offsets.
 
-Decisions the spec leaves open:
+Decisions design §2.2 leaves open:
   * an empty ``response_ids`` is allowed (an aborted turn that produced no token trains
     nothing); an empty ``prompt_ids`` is an error (an engine never samples from nothing).
   * ``loss_mask`` entries may be ints or bools but must be 0/1; token ids must be ints
@@ -194,7 +194,7 @@ class _Flat:
 # validate_steps
 # --------------------------------------------------------------------------------------
 def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> None:
-    """Checks every rule of SPEC §2.2 on a sequence of steps; raises ``ValueError`` on a violation.
+    """Checks every rule of design §2.2 on a sequence of steps; raises ``ValueError`` on a violation.
 
     Rules: each Step's per-token lists (``loss_mask``, per-token ``reward``,
     ``response_logprobs``) have ``len(response_ids)`` entries; token ids are ints in
@@ -510,7 +510,7 @@ def batch_metrics(steps: Sequence[Step]) -> dict[str, float | int | bool]:
     """Counts of a (validated) batch: steps, trajectories, groups, tokens and the all-masked flag.
 
     ``trainable_tokens`` counts loss-mask ones; ``all_masked`` is True when a non-empty batch
-    has none (the soft rule of SPEC §2.2).
+    has none (the soft rule of design §2.2).
 
     >>> from rljax.types import Step, TrajectoryID
     >>> m = batch_metrics([Step([1], [2, 3], TrajectoryID("q", 0), loss_mask=[0, 0])])

@@ -1,4 +1,4 @@
-"""Multi-turn environments: the protocol and the built-in tasks (SPEC §4).
+"""Multi-turn environments: the protocol and the built-in tasks (design §4).
 
 An environment runs one episode: ``reset(task) -> messages`` then ``step(action) -> (messages,
 reward, done, info)`` after every assistant turn (sync or ``async``). See :mod:`rljax.envs.base`.

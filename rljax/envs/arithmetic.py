@@ -1,4 +1,4 @@
-"""Single-turn verifiable task: tiny arithmetic with an exact-match reward (SPEC §4 built-ins).
+"""Single-turn verifiable task: tiny arithmetic with an exact-match reward (design §4 built-ins).
 
 The user asks ``"What is 3 + 4? Answer with the number only."``; the episode ends after one
 assistant turn with reward::

@@ -1,4 +1,4 @@
-"""The environment protocol of the agent loop, and the small types around it (SPEC §4).
+"""The environment protocol of the agent loop, and the small types around it (design §4).
 
 An environment is one episode's state machine; the rollout builds a fresh one per trajectory::
 

@@ -244,7 +244,7 @@ def _parse_row(row: Any, fmt: str, env: str | None, split: str) -> tuple[Task, b
 def load_dataset_tasks(
     source: str | os.PathLike | Sequence[str | os.PathLike],
     *,
-    format: str = "auto",  # noqa: A002 - the issue's name for it
+    format: str = "auto",  # noqa: A002 - the documented keyword
     split: str = "train",
     env: str | None = None,
     eval_fraction: float | None = None,

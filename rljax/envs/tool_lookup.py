@@ -1,4 +1,4 @@
-"""Multi-turn tool-use task: look a fact up with a tool, then answer (SPEC §4 built-ins).
+"""Multi-turn tool-use task: look a fact up with a tool, then answer (design §4 built-ins).
 
 Each task hides a small table ``{object: color}`` (made-up object names, colors from a short
 list). The user asks ``"What color is the zorb?"``; the only way to know is to call the ``lookup``

@@ -1,4 +1,4 @@
-"""The inference-engine protocol: token ids in, token ids and logprobs out (SPEC §4, §5).
+"""The inference-engine protocol: token ids in, token ids and logprobs out (design §4, §5).
 
 Every engine (a pool of vLLM servers, the embedded JAX sampler, a test fake) implements
 :class:`Engine`: ``await engine.generate(prompt_ids, sampling, session_id=...)`` returns a

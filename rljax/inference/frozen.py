@@ -1,7 +1,7 @@
 """Frozen models: OpenAI-compatible endpoints that rljax reads from but never launches or updates.
 
 A frozen model is a name plus the base URL(s) of one or more servers that all serve the same fixed
-weights (SPEC §3.6: opd's teacher, sft's sampler). rljax uses it in two ways:
+weights (design §3.6: opd's teacher, sft's sampler). rljax uses it in two ways:
 
 - **teacher scoring** (opd): :meth:`FrozenModel.score` is ONE prefill of the exact token ids with
   ``prompt_logprobs`` at temperature 1, returning ``out[t] = log p(ids[t] | ids[:t])`` with
@@ -55,7 +55,7 @@ from rljax.inference.vllm.client import (
 )
 from rljax.progress import Progress
 
-# A teacher named "policy" means the live policy (opsd, SPEC §3.6), never a frozen endpoint.
+# A teacher named "policy" means the live policy (opsd, design §3.6), never a frozen endpoint.
 RESERVED_NAMES: frozenset[str] = frozenset({"policy"})
 # HTTP answers to GET /v1/models that mean "this server has no such route": use the default name.
 _NO_MODELS_ROUTE: frozenset[int] = frozenset({404, 405})

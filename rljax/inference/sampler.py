@@ -1,4 +1,4 @@
-"""Embedded JAX sampler: batched in-process generation with the trainer's own parameters (SPEC §5).
+"""Embedded JAX sampler: batched in-process generation with the trainer's own parameters (design §5).
 
 The default engine on a single machine. It implements :class:`rljax.inference.engine.Engine`
 (``await sampler.generate(prompt_ids, sampling, session_id=...)``) on top of the model's KV cache
@@ -14,7 +14,7 @@ two (prompt length, new tokens, batch rows, stop ids), so ``jit`` compiles a bou
 programs. A row's random stream depends only on its seed and the step index
 (``fold_in(key(seed), t)``), so a request gives the same completion alone or inside any batch.
 
-Logprobs (vLLM ``logprobs_mode="processed_logprobs"``, SPEC §5): each returned logprob is
+Logprobs (vLLM ``logprobs_mode="processed_logprobs"``, design §5): each returned logprob is
 ``log p~(token)`` under the *processed* distribution the token was drawn from::
 
     z = logits / T                                   (T = 1 for greedy rows, T < 1e-5)

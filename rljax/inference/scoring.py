@@ -3,7 +3,7 @@
 ``score_sequences(model, seqs)`` returns, for every sequence ``x``, ``out[t] = log p(x[t] | x[:t])``
 (``out[0] = 0``), the convention of :func:`rljax.models.sequence_logprobs`, which computes it.
 Used where a model scores token streams it did not necessarily sample: the live policy as the
-opsd teacher on demonstration-conditioned sequences (SPEC §3.6), recomputed logprobs, evals.
+opsd teacher on demonstration-conditioned sequences (design §3.6), recomputed logprobs, evals.
 
 Sequences are packed first-fit-decreasing (:func:`rljax.data.pack.first_fit_decreasing`) into
 rows of ``row_len`` tokens, several per row, with segment ids (attention never crosses
@@ -102,7 +102,7 @@ def score_sequences(
 ) -> list[np.ndarray]:
     """Per-token log-probabilities of many sequences: ``out[i][t] = log p(seqs[i][t] | seqs[i][:t])``.
 
-    Entry ``t`` is ``log softmax(logits(x[:t]) / tau)[x[t]]``, 0 at ``t = 0`` (SPEC §5), equal to
+    Entry ``t`` is ``log softmax(logits(x[:t]) / tau)[x[t]]``, 0 at ``t = 0`` (design §5), equal to
     :func:`rljax.models.sequence_logprobs` of the sequence alone: sequences are packed
     first-fit-decreasing into ``[rows_per_batch, row_len]`` batches with segment ids and
     positions restarting per sequence, and each batch goes through one jitted forward

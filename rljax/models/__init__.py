@@ -1,5 +1,5 @@
 """Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors I/O, chunked
-logprobs, KV cache and decode drivers (SPEC §5).
+logprobs, KV cache and decode drivers (design §5).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx

@@ -5,7 +5,7 @@ cache reuses the same mask and attention with "slot" indices, so a packed forwar
 step-by-step decode are one code path. The training forward (:func:`causal_attention`) computes
 the same attention in causal query blocks that skip the key blocks every query of the block masks.
 
-Packing convention (SPEC §2.6): ``segment_ids`` is ``int32 [B, L]`` with 0 = padding and 1..k for
+Packing convention (design §2.6): ``segment_ids`` is ``int32 [B, L]`` with 0 = padding and 1..k for
 the samples packed in a row; ``positions`` restart at 0 for every sample.
 """
 

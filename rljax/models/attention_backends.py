@@ -20,7 +20,7 @@ splash    Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_atte
           causal mask and ``SegmentIds``: the kernel skips fully masked ``(q, kv)`` blocks itself
 ========  ========================================================================================
 
-Every backend computes the same function (the packing convention of SPEC §2.6):
+Every backend computes the same function (the packing convention of design §2.6):
 ``out[b, i] = softmax_j(q_i . k_j / sqrt(D) + log mask[b, i, j]) v_j`` with
 ``mask[b, i, j] = (slot_j <= slot_i) & (seg[b, i] == seg[b, j])``, grouped-query heads
 (query head ``h`` reads key/value head ``h // (N / K)``).
@@ -134,7 +134,7 @@ def segment_runs(segment_ids: chex.Array, max_runs: int) -> tuple[jax.Array, jax
     tokens; unused entries are -1 (cuDNN's convention); ``count`` is the number of runs (when it
     exceeds ``M`` the metadata covers only the first ``M`` runs: callers must check).
 
-    Packing (SPEC §2.6) keeps every sample contiguous and pads at the end, so the runs are the
+    Packing (design §2.6) keeps every sample contiguous and pads at the end, so the runs are the
     samples and the trailing padding, and "causal within each run" is the packing mask
     ``(j <= i) & (seg_i == seg_j)`` on every real token (padding is masked from the losses).
 

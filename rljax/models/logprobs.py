@@ -7,7 +7,7 @@ backward pass recomputes a chunk's logits instead of keeping all of them alive: 
 ``O(chunk_size * V)`` forward and backward (the same trick as Liger / prime-rl fused linear
 cross-entropy, here written with plain XLA ops).
 
-Alignment (SPEC §5): entry ``t`` of the output is ``log p(tokens[t] | tokens[<t])`` within its
+Alignment (design §5): entry ``t`` of the output is ``log p(tokens[t] | tokens[<t])`` within its
 segment, computed from the hidden state at ``t - 1`` with logits divided by the temperature of
 token ``t``. Entry 0 of each row, the first token of each segment and padding (segment 0) are 0.
 """
@@ -238,7 +238,7 @@ def sequence_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
 ) -> jax.Array:
-    """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (SPEC §5).
+    """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (design §5).
 
     Same arguments as :func:`sequence_forward` (entry 0, segment starts and padding
     are 0; logits divided by the temperature of the token being predicted).

@@ -1,4 +1,4 @@
-"""Recipe: a tiny model learns a reasoning-gym task on 2 CPU cores (issue 11 acceptance).
+"""Recipe: a tiny model learns a reasoning-gym task on 2 CPU cores.
 
 Task: reasoning-gym ``spell_backward`` restricted to 3-letter words ("Spell this word backward
 (example: sun -> nus): nix" -> ``<answer>xin</answer>``), scored by the dataset's own

@@ -1,4 +1,4 @@
-"""Metrics sinks of a run (SPEC §5): stdout table, JSONL, TensorBoard, a reward/loss plot, progress bars.
+"""Metrics sinks of a run (design §5): stdout table, JSONL, TensorBoard, a reward/loss plot, progress bars.
 
 :class:`MetricsLogger` fans one ``log(step, metrics)`` call out to
 

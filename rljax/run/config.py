@@ -1,6 +1,6 @@
 """The run configuration: typed, frozen, parsed once from an ml_collections config.
 
-:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
+:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``rljax/recipes/*.py``, overridden by
 ``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
 place that knows the keys, their types and their defaults: a missing key takes the default of its
 dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
@@ -271,7 +271,7 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSection:
-    """Loss reduction (SPEC §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
+    """Loss reduction (design §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
     auxiliary losses (``moe_aux_loss_coef`` x Switch load balancing, ``router_z_loss_coef`` x
     router z-loss; 0 = off, metrics are logged anyway)."""
 
@@ -580,7 +580,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
         raise _fail(
             "config.trainer.mini_batch_prompts",
             f"{t.mini_batch_prompts} does not divide trainer.prompts_per_step={t.prompts_per_step}; every "
-            "mini-batch holds exactly mini_batch_prompts whole prompt groups (SPEC §2.6): pick a divisor",
+            "mini-batch holds exactly mini_batch_prompts whole prompt groups (design §2.6): pick a divisor",
         )
     for i, f in enumerate(t.filters):
         if not isinstance(f, Mapping) or "name" not in f:

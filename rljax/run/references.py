@@ -1,4 +1,4 @@
-"""Reference log-probabilities for the ref_kl component (SPEC §3.6): who scores each algorithm's samples.
+"""Reference log-probabilities for the ref_kl component (design §3.6): who scores each algorithm's samples.
 
 * **opd**: a frozen teacher endpoint scores every merged sample with one prefill (prompt logprobs
   over the exact ids, temperature 1), on its own worker so it never queues behind a rollout.

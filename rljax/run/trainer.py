@@ -1,4 +1,4 @@
-"""The trainer: wiring of a run's parts and the RL step loop (SPEC §5).
+"""The trainer: wiring of a run's parts and the RL step loop (design §5).
 
 One RL step ``n`` (``theta_n`` = parameters after ``n`` RL steps; policy version ``n``)::
 

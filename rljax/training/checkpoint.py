@@ -1,4 +1,4 @@
-"""Checkpoints of a run (SPEC §5): orbax arrays + JSON host state, an atomic ``latest`` marker.
+"""Checkpoints of a run (design §5): orbax arrays + JSON host state, an atomic ``latest`` marker.
 
 Layout of a checkpoint directory::
 

@@ -1,4 +1,4 @@
-"""PPO's critic on packed rows: old values, GAE advantages, and the jitted critic step (SPEC §3).
+"""PPO's critic on packed rows: old values, GAE advantages, and the jitted critic step (design §3).
 
 For one PPO mini-batch ``B`` (packed rows; merged multi-turn samples, observation tokens masked)::
 

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule of the train step (SPEC §5): AdamW, warmup, cosine or constant.
+"""Optimizer and learning-rate schedule of the train step (design §5): AdamW, warmup, cosine or constant.
 
 The update of one optimizer step ``s`` (``s`` = number of updates applied so far) is::
 

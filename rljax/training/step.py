@@ -1,4 +1,4 @@
-"""The jitted train step: packed batch -> logprobs -> objective -> gradients -> AdamW (SPEC §5).
+"""The jitted train step: packed batch -> logprobs -> objective -> gradients -> AdamW (design §5).
 
 One optimizer step on a mini-batch ``B`` split into micro-batches ``B_1..B_k`` (rows)::
 

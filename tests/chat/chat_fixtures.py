@@ -691,7 +691,7 @@ def env_messages(rng: random.Random, parsed: Any, *, dict_tool_content: bool = F
 
 
 def merge_linear(steps: list[tuple[list[int], list[int]]]) -> list[dict[str, Any]]:
-    """Reference prefix merge (SPEC 2.5, linear case): a turn extends the running sample when the
+    """Reference prefix merge (design §2.5, linear case): a turn extends the running sample when the
     running prompt+response is a prefix of its prompt; gap tokens get mask 0."""
     samples: list[dict[str, Any]] = []
     for j, (prompt, completion) in enumerate(steps):

@@ -1,4 +1,4 @@
-"""Tests for rljax.core.advantages: SPEC §3.1 reference values and float64 numpy references."""
+"""Tests for rljax.core.advantages: design §3.1 reference values and float64 numpy references."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from absl.testing import parameterized
 from rljax.core import advantages as adv
 
 # ------------------------------------------------------------------------------------------
-# float64 numpy references (loops; written from the SPEC formulas, not from the code)
+# float64 numpy references (loops; written from the formulas of design §3.1, not from the code)
 # ------------------------------------------------------------------------------------------
 
 
@@ -262,7 +262,7 @@ class GroupEstimatorTest(parameterized.TestCase):
             positional = ["rewards", "group_ids", "num_groups"] if kind == "group" else (
                 ["token_rewards", "values", "mask"] if critic else ["token_rewards", "mask"])
             assert [p.name for p in params[: len(positional)]] == positional
-        # SPEC §3.6b defaults (read from the signatures); gae's segment_ids is a data input, not one
+        # design §3.6b defaults (read from the signatures); gae's segment_ids is a data input, not one
         assert dict(adv.get_estimator("grpo").defaults) == {"norm_by_std": True, "eps": 1e-6}
         assert dict(adv.get_estimator("gae").defaults) == {"gamma": 1.0, "lam": 1.0}
         assert dict(adv.get_estimator("reinforce_pp").defaults) == {"gamma": 1.0}
@@ -396,7 +396,7 @@ class LengthPenaltyTest(parameterized.TestCase):
         got = fn(
             jnp.array([1.0, 0.0, 1.0, 0.0]),
             jnp.asarray(out, jnp.float32),
-            jnp.asarray(total - out, jnp.float32),  # SPEC gives totals; `in` = total - out
+            jnp.asarray(total - out, jnp.float32),  # design §3.1 gives totals; `in` = total - out
             jnp.array([1.0, 1.0, 2.0, 1.0]),
             jnp.zeros(4, jnp.int32),
         )

@@ -1,4 +1,4 @@
-"""Tests of rljax.core.losses against the spec's reference values and float64 numpy references."""
+"""Tests of rljax.core.losses against the reference values of design §3.2-§3.3 and float64 numpy."""
 
 import functools
 
@@ -20,7 +20,7 @@ def clipped_tokens(name, logp, old, inf, adv, mask, segment_ids=None, num_segmen
     return losses.policy_loss(name, inputs, **kw)[1]
 
 # ------------------------------------------------------------------------------------------------
-# float64 numpy references (written from SPEC §3.2-§3.3, independent of the code under test)
+# float64 numpy references (written from design §3.2-§3.3, independent of the code under test)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -175,7 +175,7 @@ BUILTIN_LOSSES = {"ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo", "rol
                   "importance_sampling", "clip_cov", "kl_cov"}
 
 # ------------------------------------------------------------------------------------------------
-# Spec reference values
+# Reference values of design §3.2-§3.3
 # ------------------------------------------------------------------------------------------------
 
 P_TRAIN = np.array([0.5, 0.5, 0.9, 0.1])

@@ -148,7 +148,7 @@ OFF_POLICY = {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 1.2,
 
 
 def np_objective(batch, logp, cfg, entropy=None):
-    """(loss, d loss / d logp) in float64, from the definitions in SPEC §3.5."""
+    """(loss, d loss / d logp) in float64, from the definitions in design §3.5."""
     b = {k: np.asarray(v, np.float64) for k, v in dataclasses.asdict(batch).items()}
     lp = np.asarray(logp, np.float64)
     sample_of = np.arange(R)[:, None] * 1000 + b["segment_ids"]

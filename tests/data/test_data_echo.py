@@ -247,7 +247,7 @@ def test_without_merging_nothing_is_echoed():
 
 
 # ------------------------------------------------------------------------------------------------
-# response_roles on the SPEC §2.5 reference layouts (hand-computed)
+# response_roles on the design §2.5 reference layouts (hand-computed)
 # ------------------------------------------------------------------------------------------------
 def _s(prompt, response, roles, rep=0, last=False):
     return Step(prompt, response, ("q", rep), is_last_step=last, prompt_roles=roles)

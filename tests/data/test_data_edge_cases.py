@@ -48,7 +48,7 @@ def test_the_empty_batch_is_valid_everywhere():
 
 def test_a_single_step_is_a_group_of_one():
     one = StepBatch([_one(reward=1.0)])
-    for estimator in ("grpo", "rloo", "max_rl"):  # SPEC §3.1 decision: a group of one gets 0
+    for estimator in ("grpo", "rloo", "max_rl"):  # design §3.1 decision: a group of one gets 0
         assert [a.tolist() for a in compute_step_advantages(one, estimator)] == [[0.0]]
     assert pack(one, seq_len=2).batch.tokens.tolist() == [[1, 2]]  # exactly fits: prompt + response
 
@@ -107,7 +107,7 @@ def test_degenerate_inputs_are_clear_errors(make, match):
 
 
 def test_validation_runs_once_per_batch(monkeypatch):
-    """Derived batches (algorithm split, filters, merge) trust their valid parent (issue 10)."""
+    """Derived batches (algorithm split, filters, merge) trust their valid parent."""
     from rljax.data import batch as batch_module
 
     calls = []

@@ -1,4 +1,4 @@
-"""Tests of rljax.data.filters (SPEC §3.7): each filter in both modes, composition, DAPO sampling."""
+"""Tests of rljax.data.filters (design §3.7): each filter in both modes, composition, DAPO sampling."""
 
 from __future__ import annotations
 

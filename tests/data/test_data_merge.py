@@ -1,4 +1,4 @@
-"""Tests of rljax.data.merge: SPEC §2.5 reference cases, an independent naive reference, properties."""
+"""Tests of rljax.data.merge: design §2.5 reference cases, an independent naive reference, properties."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _traj(prompts, responses, *, masks=None, logprobs=None, rewards=None, tid=("
 
 
 # ----------------------------------------------------------------------------------------
-# SPEC §2.5 reference cases
+# design §2.5 reference cases
 # ----------------------------------------------------------------------------------------
 
 
@@ -212,7 +212,7 @@ def test_merge_plan_merge_arrays_matches_merged_streams():
 
 
 def _outcome_token_advantages(steps):
-    """Independent SPEC §2.3 reference: R_j = last step's reward, A_j = R_j - mean over the group
+    """Independent design §2.3 reference: R_j = last step's reward, A_j = R_j - mean over the group
     (grpo without std), each step gets A_j * its own loss mask."""
     last_reward = {s.trajectory_id: s.total_reward for s in steps if s.is_last_step}
     groups = defaultdict(list)
@@ -251,7 +251,7 @@ def test_scalar_reward_is_last_turn_reward_and_outcome_advantages_unchanged():
 
 
 def _naive_merge(steps):
-    """Straightforward token-by-token implementation of SPEC §2.5 (with the documented decisions)."""
+    """Straightforward token-by-token implementation of design §2.5 (with the documented decisions)."""
     samples = []  # dicts
     open_by = defaultdict(list)
     for pos, s in enumerate(steps):

@@ -1,4 +1,4 @@
-"""Tests for rljax.data.step_advantages (host glue of SPEC §2.3 / §2.4)."""
+"""Tests for rljax.data.step_advantages (host glue of design §2.3 / §2.4)."""
 
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def test_any_step_permutation_leaves_advantages_unchanged(batch_seed, perm_seed,
 
 
 # ------------------------------------------------------------------------------------------
-# per-step rewards (SPEC §2.4)
+# per-step rewards (design §2.4)
 # ------------------------------------------------------------------------------------------
 
 
@@ -325,7 +325,7 @@ def discounted_return(token_rewards, mask, *, gamma=0.5):
 
 
 def test_registered_token_estimator_runs_per_step_like_reinforce_pp(saved_estimators):
-    """Issue 20 defect: a registered kind="token" estimator works on step-wise batches."""
+    """A registered kind="token" estimator works on step-wise batches."""
     core_adv.register_estimator("discounted_return_test", core_adv.Estimator(discounted_return, "token"))
     steps = [
         Step([1], [2, 3, 4], TrajectoryID("q", 0), loss_mask=[1, 0, 1], reward=1.0, is_last_step=False),
@@ -364,7 +364,7 @@ def test_a_token_estimator_of_the_wrong_shape_is_a_clear_error(saved_estimators)
 
 
 def test_length_penalty_spec_check_value():
-    # SPEC §3.1: r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
+    # design §3.1: r=[1,0,1,0], out=[100,50,200,100], total=[150,100,300,120], turns=[1,1,2,1]
     def one(rep, prompt, response, reward, last=True):
         return Step([1] * prompt, [2] * response, TrajectoryID("q", rep), reward=reward, is_last_step=last)
 
@@ -462,7 +462,7 @@ def test_errors_are_clear():
 
 
 # ------------------------------------------------------------------------------------------------
-# Errored trajectories stay out of group baselines (issue 10 defect: they acted as phantom failures)
+# Errored trajectories stay out of group baselines (else they would act as phantom failures)
 # ------------------------------------------------------------------------------------------------
 def _group_with_errored(stop_reason: str, mode: str) -> list[Step]:
     steps = []

@@ -1,4 +1,4 @@
-"""Tests of rljax.data.validate (SPEC §2.2) and the StepBatch generator-output round trip."""
+"""Tests of rljax.data.validate (design §2.2) and the StepBatch generator-output round trip."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The real-server tests use the session's shared vLLM server (conftest ``vllm_server``) as the frozen
 endpoint, first making it serve ``tiny_models.a`` through a separate, verified ``VLLMClient`` sync
 (other tests change its weights). References are rljax's own ``sequence_logprobs`` of the same
-weights (``tiny_models.logprobs``); bound 1e-4 (SPEC §5).
+weights (``tiny_models.logprobs``); bound 1e-4 (design §5).
 """
 
 import asyncio

@@ -1,7 +1,7 @@
 """A REAL vLLM (CPU) server against rljax: logprob parity, token-in/token-out, weight sync, failover.
 
 One server (tiny random Qwen3, tied embeddings, float32) is shared by the whole session (conftest).
-Parity bound: ``max |vLLM - rljax| <= 1e-4`` on the same float32 weights (SPEC §5).
+Parity bound: ``max |vLLM - rljax| <= 1e-4`` on the same float32 weights (design §5).
 """
 
 import asyncio

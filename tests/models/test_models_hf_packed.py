@@ -12,7 +12,7 @@ import pytest
 from rljax import models
 
 VOCAB = 320
-ATOL = 2e-5  # observed ~3e-6; the spec requires 1e-4
+ATOL = 2e-5  # observed ~3e-6; design §5 requires 1e-4
 
 
 def _logprobs(model, tokens, **kwargs):

@@ -155,7 +155,7 @@ def test_a_record_per_call_with_every_field(run):
 
 def test_sample_ids_follow_the_extension_rule(run):
     """Turns of one trajectory share a sample exactly when a turn's prompt extends the previous
-    turn's prompt + completion (SPEC §2.5, checked here on the ids)."""
+    turn's prompt + completion (design §2.5, checked here on the ids)."""
     checked = 0
     for step in (1, 2, 3):
         by_traj = {}

@@ -1,4 +1,4 @@
-"""Every named algorithm trains end to end through the real trainer (issue 7, SPEC §3.6).
+"""Every named algorithm trains end to end through the real trainer (design §3.6).
 
 A REAL vLLM (CPU) server plays the frozen teacher: a tiny random Qwen3 (head_dim 64, peaked
 weights) over the toy ChatML tokenizer's vocabulary. The student is the trainer's own tiny model,

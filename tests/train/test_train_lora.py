@@ -305,7 +305,7 @@ def test_trainer_with_config_lora_trains_adapters_only(tmp_path):
 
 
 def test_lora_after_a_warm_start_keeps_the_warm_started_base(tmp_path):
-    """Also the task run as an agent through the gateway (issue 21: LoRA through the gateway)."""
+    """Also the task run as an agent through the gateway (LoRA through the gateway)."""
     c = _config(warm_start=2)
     c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     t = Trainer(c, tmp_path)

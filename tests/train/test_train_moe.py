@@ -162,7 +162,7 @@ def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
     c.model.hf_path = c.tokenizer.name = str(tmp_path / "ckpt")
     c.engine.kind = "embedded"
     c.envs.lookup.update(num_train_tasks=8, num_eval_tasks=0)
-    # the task as an agent behind the gateway (issue 21: MoE with router replay through the gateway)
+    # the task as an agent behind the gateway (MoE with router replay through the gateway)
     c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     c.rollout.update(group_size=2, max_turns=2, max_tokens=16, max_context_len=896)
     c.trainer.update(num_steps=2, prompts_per_step=2, mini_batch_prompts=2, seq_len=1024,

@@ -208,7 +208,7 @@ VLLM_ARGS = (
     "--config.envs.lookup.num_eval_tasks=0",
     "--config.rollout.group_size=2",
     "--config.rollout.max_tokens=16",
-    # the task as an agent: each process runs its own gateway in front of its vLLM server (issue 21)
+    # the task as an agent: each process runs its own gateway in front of its vLLM server
     "--config.envs.lookup.agent=rljax.agents.lookup_agent:lookup_agent",
     "--config.mesh.data=4",
     "--config.mesh.fsdp=2",

@@ -1,4 +1,4 @@
-"""The typed run config and the run-breaking defects of the old trainer (issue 10), each reproduced.
+"""The typed run config and the run-breaking defects a trainer must not have, each reproduced.
 
 * one set of defaults: rljax/recipes/default.py IS RunConfig's defaults, every recipe parses;
 * silent surprises are errors naming the key, or honoured (model.dtype without hf_path, rollout.seed,

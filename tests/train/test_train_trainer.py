@@ -73,7 +73,7 @@ def test_task_iterator_order_and_state_round_trip(n, seed, sizes, cut):
 
 
 def test_task_iterator_draws_never_repeat_across_an_epoch_boundary():
-    # the reproduction: 10 tasks, 8 prompts per step; step 2 crosses into epoch 1
+    # the failing case: 10 tasks, 8 prompts per step; step 2 crosses into epoch 1
     it = TaskIterator([Task(f"t{i}") for i in range(10)], seed=0)
     for _ in range(12):
         draw = [t.id for t in it.take(8)]

@@ -39,7 +39,7 @@ from rljax.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
 
-LOGPROB_ATOL = 1e-4  # SPEC §5 parity bound (float32, same weights)
+LOGPROB_ATOL = 1e-4  # design §5 parity bound (float32, same weights)
 MISMATCH_KL_MAX = 1e-3
 
 
@@ -144,7 +144,7 @@ def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
     """rljax/recipes/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves.
-    The task runs as an agent through the gateway in front of the vLLM servers (issue 21's modes)."""
+    The task runs as an agent through the gateway in front of the vLLM servers."""
     import rljax.gateway as gateway_mod
     from rljax.recipes import lora_vllm
 

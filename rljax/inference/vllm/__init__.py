@@ -1,4 +1,4 @@
-"""Real vLLM servers for rljax: launcher, async token-in/token-out client, weight sync (SPEC §5).
+"""Real vLLM servers for rljax: launcher, async token-in/token-out client, weight sync (design §5).
 
 >>> from rljax.inference.vllm import VLLMClient, ServerConfig, SyncConfig
 >>> VLLMClient(["http://127.0.0.1:8000"]).sync_config == SyncConfig()

@@ -1,4 +1,4 @@
-"""Async token-in / token-out client for one or more OpenAI-compatible vLLM servers (SPEC §5, vLLM).
+"""Async token-in / token-out client for one or more OpenAI-compatible vLLM servers (design §5, vLLM).
 
 ``generate`` posts ``/v1/completions`` with the prompt as token ids, ``"return_token_ids": true`` and
 ``"logprobs": 0``, and returns the EXACT sampled ids with one logprob each (under the

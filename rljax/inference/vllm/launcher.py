@@ -1,4 +1,4 @@
-"""Start and stop OpenAI-compatible vLLM servers as child processes (SPEC §5, vLLM).
+"""Start and stop OpenAI-compatible vLLM servers as child processes (design §5, vLLM).
 
 vLLM pins its own torch and transformers, so it runs from its OWN virtual environment; rljax only
 needs that environment's ``python``. :func:`find_vllm_python` finds it (``$RLJAX_VLLM_PYTHON``, else

@@ -1,4 +1,4 @@
-"""Push trainer weights to running vLLM servers and prove they arrived (SPEC §5, vLLM weight sync).
+"""Push trainer weights to running vLLM servers and prove they arrived (design §5, vLLM weight sync).
 
 One sync (:func:`sync_weights`):
 
