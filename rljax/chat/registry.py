@@ -27,7 +27,24 @@ RENDERERS: dict[str, type[Renderer]] = {
 
 
 def make_renderer(name: str, tokenizer: Any, **kwargs: Any) -> Renderer:
-    """Builds the renderer ``name`` (a key of :data:`RENDERERS`) for ``tokenizer``."""
+    """Builds the renderer ``name`` for ``tokenizer``: a key of :data:`RENDERERS`, or the import
+    string ``"module:attr"`` of your own :class:`~rljax.chat.base.Renderer` subclass (or a factory
+    returning one), called as ``attr(tokenizer, **kwargs)``.
+
+    >>> from rljax.chat.toy import toy_tokenizer
+    >>> r = make_renderer("rljax.chat.chatml:ChatMLRenderer", toy_tokenizer("chatml"))
+    >>> type(r).__name__
+    'ChatMLRenderer'
+    """
+    if ":" in name:
+        from rljax.envs.loader import load_attr  # the resolver of every "module:attr" name
+
+        made = load_attr(name)(tokenizer, **kwargs)
+        if not isinstance(made, Renderer):
+            raise ValueError(f"renderer {name!r} built {type(made).__name__}, not an rljax.chat.Renderer")
+        return made
     if name not in RENDERERS:
-        raise ValueError(f"unknown renderer {name!r}; choose one of {sorted(RENDERERS)}")
+        raise ValueError(
+            f"unknown renderer {name!r}; choose one of {sorted(RENDERERS)}, or 'module:attr' of your own"
+        )
     return RENDERERS[name](tokenizer, **kwargs)

@@ -251,9 +251,9 @@ class ReasoningGymEnv:
         self.answer_tag = answer_tag
         self.extract_fn = None
         if extract_answer is not None:
-            from rljax.envs.rewards import load_function
+            from rljax.envs.loader import load_attr
 
-            self.extract_fn = load_function(extract_answer)
+            self.extract_fn = load_attr(extract_answer, where="extract_answer")
         self.system_prompt = system_prompt
         self.task: Task | None = None
         self.entry: dict[str, Any] | None = None

@@ -18,10 +18,11 @@ the rollout's per-call env timeout (``RolloutConfig.env_timeout_s``).
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from rljax.envs.loader import load_attr
 
 __all__ = ["METHODS", "load_function", "math_verify_score", "score"]
 
@@ -30,25 +31,13 @@ METHODS = ("math_verify", "rule", "exact_match")
 
 @functools.cache
 def load_function(spec: str) -> Callable[..., Any]:
-    """The callable named by ``"package.module:function"`` (``a.b:C.method`` works too).
+    """The callable named by ``"package.module:function"`` (``a.b:C.method`` works too), imported
+    once; a bad name is a :class:`rljax.envs.loader.LoadError` saying what failed.
 
     >>> load_function("math:sqrt")(4.0)
     2.0
     """
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"a function is named 'module:function', got {spec!r}")
-    module_name, attr = spec.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} of {spec!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{spec!r} is not callable")
-    return obj
+    return load_attr(spec)
 
 
 def _wrap_gold(gold: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from rljax.envs import rewards
 from rljax.envs.base import StepResult, Task
+from rljax.envs.loader import load_attr
 
 __all__ = ["VerifiableEnv"]
 
@@ -39,7 +40,7 @@ class VerifiableEnv:
         self, *, reward_fn: str | None = None, method: str | None = None, system_prompt: str | None = None
     ):
         if reward_fn is not None:
-            rewards.load_function(reward_fn)  # fail at construction on a bad name
+            load_attr(reward_fn, where="reward_fn")  # fail at construction on a bad name
         self.reward_fn = reward_fn
         self.method = method
         self.system_prompt = system_prompt

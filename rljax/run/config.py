@@ -41,6 +41,8 @@ from typing import Any
 
 from rljax.core.objective import REDUCTIONS
 from rljax.data.filters import make_filter
+from rljax.envs.loader import split_import_string
+from rljax.envs.registry import LIBRARIES
 from rljax.inference.frozen import frozen_models_from_config
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
@@ -121,7 +123,8 @@ class TokenizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class RendererSection:
-    """A renderer of :func:`rljax.chat.make_renderer` and its keyword arguments."""
+    """A renderer of :func:`rljax.chat.make_renderer` and its keyword arguments: a built-in name, or
+    ``"my_pkg.chat:MyRenderer"`` (a Renderer subclass or factory, called with the tokenizer)."""
 
     name: str = "chatml"
     kwargs: dict = _field({})
@@ -181,8 +184,14 @@ class EnvSection:
     """One environment of the run: ``env`` is its kind (default: the section's name; e.g. "lookup",
     "skyrl_gym:gsm8k", "reasoning_gym:leg_counting"), ``kwargs`` go to its constructor.
 
+    Your own env class: ``env = "my_pkg.envs:MyEnv"`` (a class, or a factory called with ``kwargs``),
+    or an id given to :func:`rljax.envs.register` or declared as an entry point of the group
+    ``rljax.envs`` by an installed package (:mod:`rljax.envs.registry`).
+
     Tasks come from the env's task maker (``task_kwargs``; train split seeded by ``seed``, eval split
-    by ``seed + 1``; ``num_train_tasks`` default 256, ``num_eval_tasks`` default 0) or, when
+    by ``seed + 1``; ``num_train_tasks`` default 256, ``num_eval_tasks`` default 0): ``tasks =
+    "module:function"`` (``function(num_tasks, *, seed, split, **task_kwargs) -> list[Task]``), else
+    the env's own (a built-in's, the ``tasks=`` of its registration, its ``make_tasks`` attribute); or, when
     ``dataset`` is set, from dataset files (:func:`rljax.envs.load_dataset_tasks`):
     ``dataset=dict(train=PATH, eval=PATH, format="auto", eval_fraction=None)`` (``eval`` a separate
     file, or ``eval_fraction`` a held-out share of ``train``); then ``num_*_tasks`` (if set) keep the
@@ -204,6 +213,7 @@ class EnvSection:
 
     env: str = ""
     kwargs: dict = _field({})
+    tasks: str = ""
     task_kwargs: dict = _field({})
     num_train_tasks: int | None = None
     num_eval_tasks: int | None = None
@@ -514,9 +524,22 @@ def critic_config(section: CriticSection) -> Any:
     return section.hyperparameters()
 
 
+def _check_import_strings(name: str, env: EnvSection) -> None:
+    """The form of the env's ``module:attr`` strings (imported when the trainer is built, so a config
+    can be read where the code is absent)."""
+    if ":" in env.env and env.env.partition(":")[0] not in LIBRARIES:
+        split_import_string(env.env, where=f"config.envs.{name}.env")
+    if env.tasks:
+        split_import_string(env.tasks, where=f"config.envs.{name}.tasks")
+        if env.dataset:
+            raise _fail(f"config.envs.{name}.tasks", "tasks come from the dataset; drop one of them")
+
+
 def _validate(cfg: RunConfig) -> RunConfig:
     """Cross-field rules and the value ranges of every section (each error names its key)."""
     t = cfg.trainer
+    if ":" in cfg.renderer.name:
+        split_import_string(cfg.renderer.name, where="config.renderer.name")
     _one_of("config.model.param_dtype", cfg.model.param_dtype, DTYPES)
     _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
     _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
@@ -618,12 +641,13 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.envs.{name}.dataset", "give eval (a file) or eval_fraction, not both")
         if env.dataset and env.task_kwargs:
             raise _fail(f"config.envs.{name}.task_kwargs", "tasks come from the dataset; drop task_kwargs")
+        _check_import_strings(name, env)
         if env.agent and env.agent_command:
             raise _fail(f"config.envs.{name}", "give agent (a function) or agent_command, not both")
         if env.agent and (env.agent.count(":") != 1 or not all(env.agent.split(":"))):
             raise _fail(f"config.envs.{name}.agent", f"expected 'module:function', got {env.agent!r}")
         if env.verifiers:
-            other = ("agent", "agent_command", "dataset", "task_kwargs", "kwargs")
+            other = ("agent", "agent_command", "dataset", "tasks", "task_kwargs", "kwargs")
             other = [k for k in other if getattr(env, k)]
             if other:
                 raise _fail(f"config.envs.{name}", f"a verifiers env has its own tasks, agent: drop {other}")

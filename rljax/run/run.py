@@ -44,6 +44,7 @@ from rljax.core.objective import ObjectiveConfig
 from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import PackResult
 from rljax.envs.base import Task
+from rljax.envs.loader import LoadError
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.lora import apply_lora, merge_lora
 from rljax.models.value import ValueModel, load_value_model
@@ -149,7 +150,10 @@ class Run:
         self.processes = jax.process_count()
         self._frozen_local: Any = None  # a multi-process run: the frozen base, whole on this process
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        self.renderer = make_renderer(cfg.renderer.name, self.tokenizer, **cfg.renderer.kwargs)
+        try:
+            self.renderer = make_renderer(cfg.renderer.name, self.tokenizer, **cfg.renderer.kwargs)
+        except LoadError as e:  # a "module:attr" name that does not import
+            raise ValueError(f"config.renderer.name: {e}") from None
         model = build_model(cfg.model, vocab_size=len(self.tokenizer), seed=cfg.seed)
         if cfg.lora:  # adapter-only training: the base is frozen (TrainState.frozen)
             apply_lora(model, cfg.lora, rngs=nnx.Rngs(derive_seed(cfg.seed, 0x10A)))

@@ -16,6 +16,9 @@ import numpy as np
 
 from rljax import envs as builtin_envs
 from rljax.envs.base import Task
+from rljax.envs.loader import load_attr
+from rljax.envs.registry import env_factory, run_task_maker, task_maker
+from rljax.envs.rewards import load_function
 from rljax.run.config import EnvSection, RunConfig
 
 __all__ = ["EnvTasks", "TaskIterator", "build_env_tasks"]
@@ -105,6 +108,7 @@ def _dataset_tasks(name: str, spec: EnvSection, *, seed: int) -> tuple[list[Task
         train = train[: spec.num_train_tasks]
     if spec.num_eval_tasks is not None:
         evals = evals[: spec.num_eval_tasks]
+    _check_reward_functions(name, [*train, *evals])
     if not train:
         raise ValueError(f"config.envs.{name}.dataset: no train rows in {d['train']!r}")
     return train, evals
@@ -162,14 +166,7 @@ def build_env_tasks(
         elif make_env is not None and name in make_env:
             factories[name] = make_env[name]
         else:
-            kwargs = dict(spec.kwargs)
-            try:
-                builtin_envs.make_env(spec.env, **kwargs)  # fail fast on a bad kind or keyword
-            except TypeError as e:
-                raise ValueError(f"config.envs.{name}.kwargs: {e}") from None
-            except ValueError as e:
-                raise ValueError(f"config.envs.{name}: {e}") from None
-            factories[name] = lambda kind=spec.env, kwargs=kwargs: builtin_envs.make_env(kind, **kwargs)
+            factories[name] = _env_factory(name, spec)
         if tasks is not None and name in tasks:
             tr, ev = tasks[name]
         elif spec.verifiers:
@@ -177,23 +174,68 @@ def build_env_tasks(
         elif spec.dataset:
             tr, ev = _dataset_tasks(name, spec, seed=cfg.seed)
         else:
-            if (spec.agent or spec.agent_command) and spec.env not in builtin_envs.TASK_MAKERS \
-                    and not spec.env.startswith("reasoning_gym:"):  # fmt: skip
-                raise ValueError(
-                    f"config.envs.{name}: an agent's tasks come from dataset=dict(train=...) or from the "
-                    f"task maker env= names ({sorted(builtin_envs.TASK_MAKERS)}, 'reasoning_gym:<dataset>'); "
-                    f"env={spec.env!r} is neither"
-                )
-            tk = dict(spec.task_kwargs)
-            n_train = 256 if spec.num_train_tasks is None else spec.num_train_tasks
-            n_eval = 0 if spec.num_eval_tasks is None else spec.num_eval_tasks
-            tr = builtin_envs.make_tasks(spec.env, n_train, seed=cfg.seed, split="train", **tk)
-            ev = builtin_envs.make_tasks(spec.env, n_eval, seed=cfg.seed + 1, split="test", **tk)
+            tr, ev = _made_tasks(name, spec, seed=cfg.seed)
         train += [dataclasses.replace(t, env=name) for t in tr]
         evals += [dataclasses.replace(t, env=name) for t in ev]
     return EnvTasks(
         factories=factories, train=tuple(train), eval=tuple(evals), agents=agents, agent_kwargs=agent_kwargs
     )
+
+
+def _env_factory(name: str, spec: EnvSection) -> Callable[[], Any]:
+    """The env's factory (its name resolved, its module imported), and one env built now: a bad name,
+    keyword or value fails here, with its key path."""
+    factory = env_factory(spec.env, spec.kwargs, where=f"config.envs.{name}.env")
+    try:
+        factory()
+    except TypeError as e:
+        raise ValueError(f"config.envs.{name}.kwargs: {e}") from None
+    except ValueError as e:
+        key, sep, why = str(e).partition(": ")
+        if sep and key in spec.kwargs:  # "<keyword>: why" names its key
+            raise ValueError(f"config.envs.{name}.kwargs.{key}: {why}") from None
+        raise ValueError(f"config.envs.{name}: {e}") from None
+    return factory
+
+
+def _made_tasks(name: str, spec: EnvSection, *, seed: int) -> tuple[list[Task], list[Task]]:
+    """Train / eval tasks of the env's task maker: ``config.envs.<name>.tasks``, else the env's own
+    (:mod:`rljax.envs.registry`); train split seeded by ``seed``, eval split by ``seed + 1``."""
+    if spec.tasks:
+        maker = load_attr(spec.tasks, where=f"config.envs.{name}.tasks")
+    else:
+        try:
+            maker = task_maker(spec.env, where=f"config.envs.{name}.env")
+        except ValueError as e:
+            if not (spec.agent or spec.agent_command):
+                raise
+            raise ValueError(
+                f"config.envs.{name}: an agent's tasks come from dataset=dict(train=...), from "
+                f"tasks='module:function' or from the task maker of env= ({e})"
+            ) from None
+    kwargs = dict(spec.task_kwargs)
+    n_train = 256 if spec.num_train_tasks is None else spec.num_train_tasks
+    n_eval = 0 if spec.num_eval_tasks is None else spec.num_eval_tasks
+    where = f"config.envs.{name}"
+    train = run_task_maker(maker, n_train, seed=seed, split="train", where=where, **kwargs)
+    evals = run_task_maker(maker, n_eval, seed=seed + 1, split="test", where=where, **kwargs)
+    return train, evals
+
+
+def _check_reward_functions(name: str, tasks: Sequence[Task]) -> None:
+    """Imports every ``"module:function"`` reward method the rows name: a bad one fails now, not
+    when its first answer is scored."""
+    checked: set[str] = set()
+    for t in tasks:
+        spec = t.reward_spec or {}
+        method = spec.get("method", spec.get("style"))
+        if isinstance(method, str) and ":" in method and method not in checked:
+            try:
+                load_function(method)
+            except ValueError as e:
+                where = f"config.envs.{name}.dataset: task {t.id!r} reward_spec.method"
+                raise ValueError(f"{where}: {e}") from None
+            checked.add(method)
 
 
 def _agent_of(name: str, spec: EnvSection) -> Callable[..., Any]:

@@ -1,0 +1,95 @@
+"""A user's environment, defined outside the package, trains through ``config.envs.<name>.env``
+alone: no registration, no ``Trainer(make_env=..., tasks=...)``, no edit to rljax.
+
+The environment's reward is a known function of the task (its value + a bonus from the config's
+``kwargs``), whatever the policy answers, so every reward metric of the run has an exact expected
+value, computed here from the episodes the environment itself recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from collections import Counter
+
+import numpy as np
+import pytest
+from recipes import load_recipe
+
+from rljax.run.trainer import Trainer
+
+pytestmark = pytest.mark.integration  # end-to-end training (seconds on the smoke model)
+
+MODULE = "user_coin_env"
+SOURCE = '''
+EPISODES = []  # (task id, split, reward) of every finished episode, in order
+
+
+class CoinEnv:
+    """One turn; reward = task value + bonus, whatever the answer."""
+
+    def __init__(self, bonus=0.0):
+        self.bonus = bonus
+
+    @staticmethod
+    def make_tasks(num_tasks, *, seed, split, levels=8):
+        return [
+            {"id": f"{split}-{i}", "data": {"value": i / levels}, "split": split}
+            for i in range(num_tasks)
+        ]
+
+    def reset(self, task):
+        self.task = task
+        return [{"role": "user", "content": f"Pick {task.id}."}]
+
+    def step(self, action):
+        reward = self.task.data["value"] + self.bonus
+        EPISODES.append((self.task.id, self.task.split, reward))
+        return [], reward, True, {"value": self.task.data["value"]}
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / f"{MODULE}.py").write_text(textwrap.dedent(SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))  # outside the package, as a user's code would be
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    yield
+    sys.modules.pop(MODULE, None)
+
+
+def test_an_env_class_from_outside_the_package_trains(tmp_path, user_module):
+    c = load_recipe("smoke")
+    c.envs = {
+        "coin": dict(
+            env=f"{MODULE}:CoinEnv",
+            kwargs=dict(bonus=0.5),
+            task_kwargs=dict(levels=8),
+            num_train_tasks=8,
+            num_eval_tasks=2,
+        )
+    }
+    c.warmstart.num_steps = 0  # the warm start replays env.solution demonstrations; this env has none
+    c.trainer.update(num_steps=2, prompts_per_step=2, eval_every=2, checkpoint_every=0)
+    history = Trainer(c, tmp_path / "run").run()
+
+    episodes = importlib.import_module(MODULE).EPISODES
+    per_step = c.trainer.prompts_per_step * c.rollout.group_size
+    train = [e for e in episodes if e[1] == "train"]
+    evals = [e for e in episodes if e[1] == "test"]
+    assert [h["step"] for h in history] == [1, 2]
+    assert len(train) == 2 * per_step and len(evals) == 2  # eval group size 1, 2 eval tasks
+    for step, row in enumerate(history):
+        drawn = train[step * per_step : (step + 1) * per_step]  # sync: step n's rollout precedes n+1's
+        ids = sorted(e[0] for e in drawn)
+        groups = Counter(ids)  # prompts_per_step tasks, each sampled group_size times
+        assert sorted(groups.values()) == [c.rollout.group_size] * c.trainer.prompts_per_step
+        # the reward the env's rule gives each drawn task: value i/8 of task "train-i" + bonus 0.5
+        expected = [int(task_id.split("-")[1]) / 8 + 0.5 for task_id in ids]
+        assert row["reward/mean"] == pytest.approx(np.mean(expected), abs=1e-6)
+        assert row["reward/max"] == pytest.approx(max(expected), abs=1e-6)
+        assert row["rollout/num_errored"] == 0
+    eval_expected = np.mean([int(task_id.split("-")[1]) / 8 + 0.5 for task_id, *_ in evals])
+    assert sorted(e[0] for e in evals) == ["test-0", "test-1"]
+    assert history[-1]["eval/reward_mean"] == pytest.approx(eval_expected, abs=1e-6)  # (0 + 1/8) / 2 + 0.5
