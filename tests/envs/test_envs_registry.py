@@ -150,8 +150,8 @@ def test_each_failure_says_what_failed(tmp_path, monkeypatch, coin):
 
 
 def test_reward_functions_and_agents_share_the_resolver(coin):
-    from rljax.envs.rewards import load_function
     from rljax.agents.runners import load_agent
+    from rljax.envs.rewards import load_function
 
     assert load_function(f"{coin}:other_tasks") is importlib.import_module(coin).other_tasks
     with pytest.raises(LoadError, match="has no attribute 'nope'") as e:
