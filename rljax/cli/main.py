@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from rljax.cli.common import recipe_names, resolve_config_args
+from rljax.extras import MissingExtraError
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -57,8 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # transformers' advisory lines ("PyTorch was not found ...") say nothing a user of rljax acts on:
     # rljax reads tokenizers and safetensors without torch. A user's own setting wins.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    module.run(sub_argv)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        module.run(sub_argv)
+    except MissingExtraError as e:  # a front door without its pip extra: one line, no traceback
+        print(f"rljax {name}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -67,6 +67,9 @@ def _define_flags() -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    from rljax.extras import require
+
+    require("tinker", "rljax serve")  # before any import of the extra's modules
     import uvicorn
 
     from rljax.tinker import build_service
