@@ -37,12 +37,21 @@ through the Engine protocol (asyncio) and returns ``Completion`` records.
 ``--decode-slots 64,256,1024`` also prints the model's decode cost in ms per step (``--num-prompts``
 rows, one :func:`rljax.models.decode_step` per step inside one jitted loop) at those cache sizes.
 
+``--layouts auto,off,on`` measures the embedded sampler alone with its decode-time weight layout
+(:func:`compare_layouts`): ``auto`` (the default, ``kernel_layout="auto"``: the AVX2 panel kernel
+only where its timed first-use comparison found it >= 5 % faster than XLA on this machine),
+``off`` (``"out_in"``: XLA, what ``RLJAX_PANEL_MATMUL=0`` gives) and ``on`` (``"panels"``: the kernel,
+as ``RLJAX_PANEL_MATMUL=1``), interleaved pass by pass in one process; it prints which layout auto
+chose, the kernel's timed choice and the seconds of every pass. With ``--layouts`` the defaults
+are the ``--tunix`` workload (29M Qwen3, 32 prompts x (64 + 128) tokens).
+
 Usage::
 
     python benchmarks/generation_bench.py                      # embedded, vllm-eager, vllm
     python benchmarks/generation_bench.py --engines embedded --decode-slots 64,256,1024
     python benchmarks/generation_bench.py --quick              # 16 prompts x 32 new tokens
     python benchmarks/generation_bench.py --tunix              # rljax vs Google Tunix (29M, 32 x (64 + 128))
+    python benchmarks/generation_bench.py --layouts auto,off,on --repeats 3   # the CPU decode kernel
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ from rljax.models import (
     save_pretrained,
     sequence_logprobs,
 )
+from rljax.models import panel_matmul as panel_matmul_lib
 from rljax.models.panel_matmul import available as panel_matmul_available
 from rljax.models.panel_matmul import pack_panels, panel_matmul
 
@@ -217,7 +227,8 @@ def weight_matmul_floor(
     sampler's decode loop), float32, the weights passed as arguments (as a sampler's are).
     ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``), ``[out, in]`` (``x @ W^T``;
     XLA:CPU runs few-row matmuls faster that way) or ``"panels"`` (16-column panels multiplied by
-    :func:`rljax.models.panel_matmul.panel_matmul`, the embedded sampler's default on x86-64 CPUs).
+    :func:`rljax.models.panel_matmul.panel_matmul`, the embedded sampler's default on x86-64 CPUs
+    where it measured faster than XLA).
     Attention over the cache, norms, RoPE and sampling are left out, so no sampler can beat it with
     the same matmuls; the best of ``reps`` timings after one warm-up.
     """
@@ -425,6 +436,64 @@ def compare_tunix(
 
 
 # ------------------------------------------------------------------------------------------------
+# the decode-time weight layout (the CPU panel kernel or XLA)
+# ------------------------------------------------------------------------------------------------
+
+#: ``--layouts`` names -> ``EmbeddedSampler(kernel_layout=...)``.
+LAYOUT_ARMS = {"auto": "auto", "off": "out_in", "on": "panels"}
+
+
+def compare_layouts(
+    model: Decoder, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Seconds per pass of the embedded sampler with each ``--layouts`` arm, interleaved pass by pass
+    (the order rotating) in one process after ``--warmup`` passes each; prints which layout ``auto``
+    chose, the kernel's timed choice, every pass and each arm's median against ``off``."""
+    load = _sibling("tunix_peer").load_average
+    samplers: dict[str, EmbeddedSampler] = {}
+    for name in args.layouts:
+        if LAYOUT_ARMS[name] == "panels" and not panel_matmul_available():
+            print(f"  {name}: not measured ({panel_matmul_lib.unavailable_reason()})", flush=True)
+            continue
+        samplers[name] = EmbeddedSampler(
+            model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=16,
+            kernel_layout=LAYOUT_ARMS[name],
+        )  # fmt: skip
+    if "auto" in samplers:
+        print(f"  auto chose kernel_layout={samplers['auto'].kernel_layout!r}", flush=True)
+    if panel_matmul_available() and os.environ.get("RLJAX_PANEL_MATMUL", "auto") in ("", "auto"):
+        print(f"  {panel_matmul_lib.timed_choice().describe()}", flush=True)
+
+    def one_pass(name: str) -> float:
+        start = time.perf_counter()
+        asyncio.run(_run(samplers[name], prompts, args.max_tokens))
+        return time.perf_counter() - start
+
+    for name in samplers:
+        for _ in range(args.warmup):
+            one_pass(name)
+    seconds: dict[str, list[float]] = {name: [] for name in samplers}
+    names = list(samplers)
+    for i in range(args.repeats):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            seconds[name].append(one_pass(name))
+        print(f"    pass {i}: " + "  ".join(f"{n} {seconds[n][-1]:.2f} s" for n in names)
+              + f"  [load average {load()}]", flush=True)  # fmt: skip
+    tokens = len(prompts) * args.max_tokens
+    for name in names:
+        median = float(np.median(seconds[name]))
+        passes = "/".join(f"{t:.2f}" for t in seconds[name])
+        versus = ""
+        if "off" in seconds and name != "off":
+            ratio = float(np.median(np.divide(seconds["off"], seconds[name])))
+            versus = f"; off / {name}: {ratio:.2f}x (median per pass pair)"
+        print(f"  {name} ({samplers[name].kernel_layout}): {passes} s per pass, median {median:.2f} s "
+              f"({tokens / median:,.0f} tokens/s){versus}", flush=True)  # fmt: skip
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
 
@@ -460,13 +529,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-startup-timeout", type=float, default=1800.0)
     parser.add_argument("--decode-slots", default="", help="e.g. 64,256,1024: also print decode ms/step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--layouts",
+        default="",
+        help=f"comma list of {list(LAYOUT_ARMS)}: the embedded sampler alone with each decode weight layout, "
+        "interleaved (auto = the default, off = XLA, on = the panel kernel)",
+    )
     args = parser.parse_args(argv)
+    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    for name in args.layouts:
+        if name not in LAYOUT_ARMS:
+            parser.error(f"unknown layout {name!r}; choose from {list(LAYOUT_ARMS)}")
     if args.engines is None:
         args.engines = "embedded" if args.tunix else "embedded,vllm-eager,vllm"
     if args.num_prompts is None:
-        args.num_prompts = 32 if args.tunix else 64
+        args.num_prompts = 32 if args.tunix or args.layouts else 64
     if args.model is None:
-        args.model = "small" if args.tunix else "tiny"
+        args.model = "small" if args.tunix or args.layouts else "tiny"
     if args.quick:
         args.num_prompts, args.prompt_len, args.max_tokens, args.repeats, args.warmup = 16, 32, 32, 2, 1
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -497,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     for slots in [int(s) for s in args.decode_slots.split(",") if s.strip()]:
         ms = decode_ms_per_step(model, rows=args.num_prompts, slots=slots)
         print(f"  decode: {ms:.2f} ms/step at {slots} cache slots ({args.num_prompts} rows)", flush=True)
+    if args.layouts:
+        compare_layouts(model, prompts, args)
+        return 0
 
     results: dict[str, float] = {}
     with contextlib.ExitStack() as stack:

@@ -50,9 +50,10 @@ from flax import nnx
 
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.decode import decode_step, prefill
+from rljax.models.decode_layout import decode_layout
 from rljax.models.kv_cache import grow_cache
-from rljax.models.layers import decode_layout
 from rljax.models.panel_matmul import available as panel_matmul_available
+from rljax.models.panel_matmul import use_panels
 
 __all__ = [
     "FINISH_LENGTH",
@@ -474,9 +475,10 @@ def _decode_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
 
 
 def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple[Any, Any]:
-    """``(graphdef, state)`` of the same model with its Linear kernels stored for decoding
-    (:func:`rljax.models.layers.decode_layout`: ``"out_in"`` transposed, ``"panels"`` packed for the
-    CPU kernel), as new arrays made by one jitted copy.
+    """``(graphdef, state)`` of the sampler's decode-time copy of the model, a
+    :class:`rljax.models.decode_layout.DecodeModel` with its Linear kernels stored for decoding
+    (:func:`rljax.models.decode_layout.decode_layout`: ``"out_in"`` transposed, ``"panels"`` packed
+    for the CPU kernel), as new arrays made by one jitted copy.
 
     Stored, not transposed inside the generation program: XLA:CPU folds an in-program transpose
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
@@ -491,12 +493,14 @@ def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
 
 
 def auto_kernel_layout(model: Any) -> str:
-    """``EmbeddedSampler(kernel_layout="auto")``: ``"panels"`` on a CPU where the AVX2 kernel of
-    :mod:`rljax.models.panel_matmul` is available and the model computes in float32, else
-    ``"out_in"`` on a CPU and ``"in_out"`` elsewhere."""
+    """``EmbeddedSampler(kernel_layout="auto")``: ``"in_out"`` off the CPU; on a CPU ``"panels"``
+    for a float32 model where the AVX2 kernel of :mod:`rljax.models.panel_matmul` is available and
+    measured faster than XLA on this machine (:func:`rljax.models.panel_matmul.use_panels`: a
+    timed comparison at first use, cached; ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces it on / off),
+    else ``"out_in"``."""
     if jax.default_backend() != "cpu":
         return "in_out"
-    if panel_matmul_available() and jnp.dtype(getattr(model, "dtype", jnp.float32)) == jnp.float32:
+    if jnp.dtype(getattr(model, "dtype", jnp.float32)) == jnp.float32 and use_panels():
         return "panels"
     return "out_in"
 
@@ -522,10 +526,13 @@ class EmbeddedSampler:
         :meth:`set_weights`, :func:`to_decode_layout`: decode's few-row matmuls run faster on
         XLA:CPU than with ``"in_out"``) or ``"panels"`` (a copy packed into 16-column panels, output
         projection included, multiplied by the AVX2 kernel of :mod:`rljax.models.panel_matmul`;
-        float32 models on x86-64 CPUs); ``"auto"`` (default, :func:`auto_kernel_layout`):
-        ``"panels"`` where that kernel is available, else ``"out_in"`` on CPU, and ``"in_out"``
-        elsewhere (the copy would hold the weights twice in accelerator memory). 29M Qwen3, 32 x
-        (64 + 128) tokens: see the README's generation benchmark.
+        float32 models on x86-64 CPUs; ``"out_in"`` where the kernel is not available, and
+        ``kernel_layout`` then says so);
+        ``"auto"`` (default, :func:`auto_kernel_layout`): ``"panels"`` where that kernel is
+        available and measured faster than XLA on this machine (timed once, cached), else
+        ``"out_in"`` on CPU, and ``"in_out"`` elsewhere (the copy would hold the weights twice in
+        accelerator memory). 29M Qwen3, 32 x (64 + 128) tokens: see the README's generation
+        benchmark.
       decode_segments: most segments of a call's decode loop (:func:`generate_tokens`): each
         segment's steps attend only to the cache slots filled by its end, so more segments mean
         less attention work per step and a longer compile (one more decode step per segment).
@@ -565,14 +572,16 @@ class EmbeddedSampler:
             raise ValueError(
                 f"EmbeddedSampler kernel_layout must be one of {KERNEL_LAYOUTS}, got {kernel_layout!r}"
             )
-        if kernel_layout == "auto":
-            kernel_layout = auto_kernel_layout(model)
-        self.kernel_layout = kernel_layout
         if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
             raise ValueError(
                 f"EmbeddedSampler needs an rljax.models.Decoder, got {type(model).__name__}; "
                 "build one with rljax.models.Decoder(...) or rljax.models.from_pretrained(...)"
             )
+        if kernel_layout == "auto":
+            kernel_layout = auto_kernel_layout(model)
+        elif kernel_layout == "panels" and not panel_matmul_available():
+            kernel_layout = "out_in"  # decided here, not inside the jitted copy (its trace is cached)
+        self.kernel_layout = kernel_layout
         sizes = dict(
             max_batch_size=max_batch_size,
             min_batch_bucket=min_batch_bucket,
@@ -587,7 +596,7 @@ class EmbeddedSampler:
             raise ValueError(f"EmbeddedSampler batch_wait_ms must be >= 0, got {batch_wait_ms}")
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef  # the model's own layout: set_weights merges new states with it
-        self._decode_graphdefs: dict[Any, Any] = {}  # model graphdef -> its kernel_layout="out_in" one
+        self._decode_graphdefs: dict[Any, Any] = {}  # model graphdef -> its decode-time copy's
         self._structure = jax.tree_util.tree_structure(state)
         self.config = model.config
         self.vocab_size = int(model.config.vocab_size)
@@ -628,7 +637,7 @@ class EmbeddedSampler:
         """Serves new parameters (a Decoder or its ``nnx.State``); returns the new version.
 
         No sync: the references to the (immutable) parameter arrays are swapped (with
-        ``kernel_layout="out_in"``, to a transposed copy of the Linear kernels, dispatched
+        ``kernel_layout="out_in"`` / ``"panels"``, to a relaid copy of the Linear kernels, dispatched
         asynchronously). Batches already running keep the parameters (and version) they started
         with, and later in-place changes to ``model_or_state`` are not seen until the next
         ``set_weights``, so the reported version always names the parameters that produced a

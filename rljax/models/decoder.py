@@ -23,7 +23,7 @@ Parameter names follow the HF checkpoint layout (``layers.{i}.self_attn.q_proj.k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -52,7 +52,6 @@ from rljax.models.context import (
 from rljax.models.kv_cache import KVCache
 from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
 from rljax.models.moe import Routing, SparseMoeBlock
-from rljax.models.panel_matmul import panel_matmul
 
 DEFAULT_ATTENTION_CHUNK_SIZE = 1024
 
@@ -560,15 +559,23 @@ class Decoder(nnx.Module):
             adapter.lora_a[...].astype(self.dtype), adapter.lora_b[...].astype(self.dtype), adapter.lora_scale
         )
 
-    def logits(self, hidden: chex.Array) -> jax.Array:
+    def logits(
+        self, hidden: chex.Array, *, unembed: Callable[[jax.Array], jax.Array] | None = None
+    ) -> jax.Array:
         """float32 logits ``hidden @ unembedding()`` (plus the unembedding adapter's
-        ``(alpha / r) (hidden A) B``) for hidden states of any leading shape."""
+        ``(alpha / r) (hidden A) B``) for hidden states of any leading shape.
+
+        ``unembed`` computes the base product ``flat @ unembedding()`` (``flat``: the hidden states
+        as ``[M, hidden]`` in compute dtype; float32 ``[M, vocab]`` out) in place of the dense
+        matmul, for a caller that keeps its own copy of the output projection in another layout
+        (the embedded sampler's decode-time model, :mod:`rljax.models.decode_layout`); the adapter
+        is added on top either way.
+        """
         flat = hidden.reshape(-1, hidden.shape[-1]).astype(self.dtype)  # one 2-D matmul, as in Linear
-        f32 = jnp.float32
-        packed = getattr(self, "unembedding_panels", None)  # decode_layout(layout="panels")
-        if packed is not None:
-            logits = panel_matmul(flat, packed[...])
+        if unembed is not None:
+            logits = unembed(flat)
         else:
+            f32 = jnp.float32
             logits = jnp.dot(flat, self.unembedding(), precision=self.precision, preferred_element_type=f32)
         adapter = self.unembedding_lora()
         if adapter is not None:

@@ -12,8 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rljax.models.config import ModelConfig
-from rljax.models.panel_matmul import PANEL, pack_panels, panel_matmul
-from rljax.models.panel_matmul import available as panel_matmul_available
 
 __all__ = ["MLP", "Linear", "RMSNorm"]
 
@@ -71,14 +69,7 @@ class Linear(nnx.Module):
         # (token) axis, a plain matmul for XLA:CPU. Contracting [B, T] as two axes sent it to a slow
         # generic dot fed by a transposed copy of the output gradient (~20 % of a CPU train step).
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        kernel = self.kernel[...].astype(self.dtype)
-        layout = getattr(self, "kernel_layout", "in_out")
-        if layout == "out_in":  # decode_layout: kernel stored [out, in]
-            y = jax.lax.dot_general(x2, kernel, _CONTRACT_LAST, precision=self.precision)
-        elif layout == "panels":  # decode_layout(layout="panels"): [out / 16, in, 16], the CPU kernel
-            y = panel_matmul(x2, kernel)
-        else:
-            y = jnp.dot(x2, kernel, precision=self.precision)
+        y = self.product(x2)
         lora_a = getattr(self, "lora_a", None)  # a LoRA adapter (rljax.models.lora): + (alpha/r) x A B
         if lora_a is not None:
             xa = jnp.dot(x2, lora_a[...].astype(self.dtype), precision=self.precision)
@@ -89,68 +80,14 @@ class Linear(nnx.Module):
             y = y + self.bias[...].astype(self.dtype)
         return y
 
+    def product(self, x2: jax.Array) -> jax.Array:
+        """``x2 [M, in] @ kernel`` in compute dtype: the base matmul, before any adapter and bias.
 
-#: ``x [M, in]`` against a kernel stored ``[out, in]``: contract the last axes of both.
-_CONTRACT_LAST = (((1,), (1,)), ((), ()))
-
-
-#: Linears whose kernel their owner reads as ``[in, out]`` itself (the untied output projection,
-#: :meth:`rljax.models.Decoder.unembedding`; an MoE router): :func:`decode_layout` leaves them.
-_READ_DIRECTLY = ("lm_head", "gate")
-
-
-#: :func:`decode_layout` layouts: kernels stored transposed, or as column panels for the CPU kernel.
-DECODE_LAYOUTS = ("out_in", "panels")
-
-
-def decode_layout(model: nnx.Module, layout: str = "out_in") -> nnx.Module:
-    """``model`` with its :class:`Linear` kernels stored for the sampler's decode loop; same outputs
-    up to float rounding of the matmuls. The untied ``lm_head`` and MoE routers (``gate``), whose
-    owners read their kernels directly, keep theirs.
-
-    * ``"out_in"``: transposed, ``[out, in]`` (HF's layout). A decode step multiplies a few rows by
-      every weight; XLA:CPU runs ``x [M, in] @ W^T`` with ``W`` stored ``[out, in]`` faster than
-      ``x @ W`` with ``W`` stored ``[in, out]`` when ``M`` is small.
-    * ``"panels"``: ``[out / 16, in, 16]`` column panels multiplied by the AVX2 kernel of
-      :mod:`rljax.models.panel_matmul` (float32 Linears whose ``out`` is a multiple of 16, where the
-      kernel is available; the others are stored ``"out_in"``). The decoder's output projection is
-      also packed once (``unembedding_panels``, one more copy of it) and :meth:`Decoder.logits` uses it.
-
-    ``benchmarks/generation_bench.py`` prints the weight-matmul floor of each layout. Call it inside
-    the jitted program, before the loop: the copies then run once per call and the caller's model is
-    untouched (it changes ``model`` in place; pass a fresh ``nnx.merge``).
-
-    >>> from rljax.models.tiny import tiny_model
-    >>> model = tiny_model(vocab_size=32, num_layers=1)
-    >>> proj = model.layers[0].mlp.up_proj
-    >>> shape = proj.kernel[...].shape
-    >>> decode_layout(model).layers[0].mlp.up_proj.kernel[...].shape == shape[::-1]
-    True
-    """
-    if layout not in DECODE_LAYOUTS:
-        raise ValueError(f"decode_layout layout must be one of {DECODE_LAYOUTS}, got {layout!r}")
-    panels = layout == "panels" and panel_matmul_available()
-    for path, module in nnx.iter_graph(model):
-        if path and path[-1] in _READ_DIRECTLY:
-            continue
-        if isinstance(module, Linear) and getattr(module, "kernel_layout", "in_out") == "in_out":
-            kernel = module.kernel[...]
-            if panels and _packable(kernel, module.dtype):
-                module.kernel = nnx.Param(pack_panels(kernel))
-                module.kernel_layout = "panels"
-            else:
-                module.kernel = nnx.Param(kernel.T)
-                module.kernel_layout = "out_in"
-    unembedding = getattr(model, "unembedding", None)
-    if panels and unembedding is not None and getattr(model, "unembedding_panels", None) is None:
-        weight = unembedding()
-        if _packable(weight, model.dtype):
-            model.unembedding_panels = nnx.Param(pack_panels(weight))
-    return model
-
-
-def _packable(kernel: jax.Array, dtype: jnp.dtype) -> bool:
-    return kernel.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.float32 and kernel.shape[1] % PANEL == 0
+        A subclass that stores its kernel in another layout overrides this method alone and keeps
+        :meth:`__call__` (bias, adapters): the embedded sampler's decode-time copies
+        (:mod:`rljax.models.decode_layout`).
+        """
+        return jnp.dot(x2, self.kernel[...].astype(self.dtype), precision=self.precision)
 
 
 class MLP(nnx.Module):

@@ -4,16 +4,22 @@
 ``[N / 16, K, 16]`` (:func:`pack_panels`): each 16-column panel is contiguous, so a decode step,
 which multiplies one row per sequence by every weight, streams each panel once while up to six rows
 accumulate in AVX2 registers, prefetching the next panel and sharing the panels with XLA's intra-op
-thread pool. On the 2-core development machine a ``[32, 512] @ [512, 1536]`` product with weights
-streamed from memory ran at ~125 GFLOP/s against ~70 for XLA:CPU's own kernels on the same shapes
-(see the README's generation section for the sampler-level figures).
+thread pool. Whether that beats XLA:CPU depends on the machine, not on its AVX2 flag: on a 2-core
+AMD EPYC (no AVX-512) a ``[32, 512] @ [512, 1536]`` product with weights streamed from memory ran at
+~125 GFLOP/s against ~70 for XLA's own kernels; on a 2-core Intel Xeon with AVX-512 XLA was the
+faster (~70 vs ~60 GFLOP/s on :func:`timed_choice`'s workload; the 29M model's sampling pass
+1.1-1.4x slower with the kernel). So the embedded sampler's default takes it only where
+:func:`use_panels` says so: a timed comparison on decode shapes at first use, cached per machine
+and build (:func:`timed_choice`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces it on / off (see the
+README's generation section).
 
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache
 (``$RLJAX_KERNEL_CACHE`` or ``~/.cache/rljax/kernels``, else a temporary directory), keyed by the
 source, the jaxlib version and the compiler flags, and registered with ``jax.ffi``.
-:func:`available` is False, and callers keep XLA's matmul, when the backend is not the CPU, the CPU
-lacks AVX2/FMA, no compiler works, or ``RLJAX_PANEL_MATMUL=0``.
+:func:`available` is False (:func:`unavailable_reason` says why), and callers keep XLA's matmul,
+when the backend is not the CPU, the CPU lacks AVX2/FMA, no compiler works, or
+``RLJAX_PANEL_MATMUL=0``.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> w = np.arange(12 * 32, dtype=np.float32).reshape(12, 32) / 100
@@ -28,20 +34,40 @@ lacks AVX2/FMA, no compiler works, or ``RLJAX_PANEL_MATMUL=0``.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["PANEL", "available", "pack_panels", "panel_matmul", "unpack_panels"]
+__all__ = [
+    "MARGIN",
+    "PANEL",
+    "Choice",
+    "available",
+    "pack_panels",
+    "panel_matmul",
+    "prefers_panels",
+    "speedup",
+    "timed_choice",
+    "unavailable_reason",
+    "unpack_panels",
+    "use_panels",
+]
 
 #: Columns per panel (two 8-float AVX registers); ``N`` must be a multiple of it.
 PANEL = 16
@@ -89,20 +115,242 @@ def panel_matmul(x: chex.Array, panels: chex.Array) -> jax.Array:
 
 
 def available() -> bool:
-    """True when the kernel is built, registered and usable on this process's default backend."""
-    if os.environ.get("RLJAX_PANEL_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
+    """True when the kernel is built, registered and usable on this process's default backend (and
+    ``RLJAX_PANEL_MATMUL`` is not ``0``). Whether it is also *faster* here is :func:`use_panels`."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False here, in words; None when it is True."""
+    if _mode() == "0":
+        return "RLJAX_PANEL_MATMUL=0 turns it off"
+    if jax.default_backend() != "cpu":
+        return f"the default backend is {jax.default_backend()!r}, not the CPU"
+    if not _register():
+        return _unregistered_because
+    return None
+
+
+# -- whether to use it: a timed comparison on this machine ----------------------------------------
+
+#: ``EmbeddedSampler(kernel_layout="auto")`` takes the kernel only where it beats XLA by this much.
+MARGIN = 0.05
+
+#: The comparison's workload (:func:`_measure`): the MLP matmuls of one decode step of the ~29M Qwen3
+#: (hidden 512, intermediate 1536, 8 layers: 72 MiB of float32 weights, more than the CPU caches of
+#: a core hold, so they stream from memory as in a decode step) for 32 rows (sequences), and the
+#: number of interleaved rounds. Part of the cache key: changing it measures again.
+_ROWS, _HIDDEN, _INTERMEDIATE, _LAYERS, _ROUNDS = 32, 512, 1536, 8, 9
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome of the timed comparison behind :func:`use_panels`.
+
+    Attributes:
+      use_panels: whether the kernel won by :data:`MARGIN` (:func:`prefers_panels`).
+      panel_s, xla_s: seconds of each round's workload pass with the kernel and with XLA (the
+        weights stored ``[out, in]``, the sampler's layout without the kernel), in round order.
+      path: the cache file the decision is stored in.
+      cached: True when read from ``path`` rather than measured by this process.
+    """
+
+    use_panels: bool
+    panel_s: tuple[float, ...]
+    xla_s: tuple[float, ...]
+    path: str
+    cached: bool = False
+
+    def describe(self) -> str:
+        """One line: the decision and both timings (logged once per process)."""
+        verdict = "the panel kernel" if self.use_panels else "XLA's matmul"
+        origin = "cached" if self.cached else "measured now"
+        return (
+            f"decode matmuls use {verdict}: panels {statistics.median(self.panel_s) * 1e3:.1f} ms vs "
+            f"XLA {statistics.median(self.xla_s) * 1e3:.1f} ms per 32-row MLP pass of the 29M model "
+            f"(medians of {len(self.panel_s)} interleaved rounds; XLA / panels "
+            f"{speedup(self.panel_s, self.xla_s):.2f}x, panels need >= {1 + MARGIN:.2f}x; "
+            f"{origin}, {self.path})"
+        )
+
+
+def speedup(panel_s: Sequence[float], xla_s: Sequence[float]) -> float:
+    """Median over rounds of ``xla_s[i] / panel_s[i]``: each round timed both back to back, so load
+    that changes between rounds cancels in the ratio.
+
+    >>> speedup([1.0, 2.0, 1.0], [1.2, 2.2, 0.5])
+    1.1
+    """
+    if len(panel_s) != len(xla_s) or not panel_s:
+        raise ValueError(f"need the same number (>= 1) of rounds, got {len(panel_s)} and {len(xla_s)}")
+    return statistics.median(x / p for p, x in zip(panel_s, xla_s, strict=True))
+
+
+def prefers_panels(panel_s: Sequence[float], xla_s: Sequence[float], *, margin: float = MARGIN) -> bool:
+    """True when the kernel beats XLA by at least ``margin`` (``speedup >= 1 + margin``); a tie or a
+    small edge keeps XLA, whose matmul needs no extra copy of the weights.
+
+    >>> prefers_panels([1.0, 1.0], [1.1, 1.1]), prefers_panels([1.0, 1.0], [1.02, 1.03])
+    (True, False)
+    """
+    return speedup(panel_s, xla_s) >= 1 + margin
+
+
+def use_panels() -> bool:
+    """Whether ``EmbeddedSampler(kernel_layout="auto")`` multiplies with the kernel on this machine.
+
+    ``RLJAX_PANEL_MATMUL=1``: wherever it is :func:`available`; ``=0``: never; unset (or ``auto``):
+    where it is available and the timed comparison (:func:`timed_choice`) found it faster than
+    XLA by :data:`MARGIN`. An AVX2 flag alone does not say so: on an AMD EPYC without AVX-512 the
+    kernel decoded 1.26x faster than XLA, on an Intel Xeon with AVX-512 1.4x slower.
+    """
+    mode = _mode()
+    if mode == "0" or not available():
         return False
-    return _register()
+    return mode == "1" or timed_choice().use_panels
+
+
+def _mode() -> str:
+    mode = os.environ.get("RLJAX_PANEL_MATMUL", "").strip().lower() or "auto"
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"RLJAX_PANEL_MATMUL must be 0 (off), 1 (on) or auto (timed, default), got {mode!r}")
+    return mode
+
+
+@functools.cache
+def timed_choice() -> Choice:
+    """The kernel against XLA on this machine, measured at first use (:func:`_measure`: ~1 s) and
+    stored beside the library. The file is keyed by the build (source, jaxlib, compiler, flags), the
+    CPU's model name and feature flags, the usable core count, ``XLA_FLAGS`` (they change XLA's
+    code) and the workload: another machine, build, XLA setting or workload measures afresh. Read
+    once per process and logged (INFO) with both timings; delete the ``*.choice.json`` file to
+    measure again. Call only where :func:`available` is True."""
+    return _timed_choice(_measure)
+
+
+def _timed_choice(measure: Callable[[], tuple[Sequence[float], Sequence[float]]]) -> Choice:
+    key = _choice_key()
+    path = _cache_dir() / f"panel_matmul-{key}.choice.json"
+    choice = _read_choice(path, key)
+    if choice is None:
+        panel_s, xla_s = measure()
+        choice = Choice(prefers_panels(panel_s, xla_s), tuple(panel_s), tuple(xla_s), str(path))
+        _write_choice(path, key, choice)
+    _log.info("rljax panel_matmul: %s", choice.describe())
+    return choice
+
+
+def _choice_key() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workload = (_ROWS, _HIDDEN, _INTERMEDIATE, _LAYERS, _ROUNDS, MARGIN)
+    parts = [_build_key(), *_cpu_identity(), str(cores), os.environ.get("XLA_FLAGS", ""), repr(workload)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_identity() -> tuple[str, str]:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``; ``platform``'s words elsewhere)."""
+    fields: dict[str, str] = {}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(name.strip(), value.strip())
+    return fields.get("model name") or f"{platform.machine()} {platform.processor()}", fields.get("flags", "")
+
+
+def _read_choice(path: Path, key: str) -> Choice | None:
+    """The stored choice, or None when there is none (or it is unreadable, or another key's)."""
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != key:
+            return None
+        return Choice(bool(data["use_panels"]), tuple(data["panel_s"]), tuple(data["xla_s"]), str(path), True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_choice(path: Path, key: str, choice: Choice) -> None:
+    """Stores ``choice`` (written aside, then renamed: concurrent first uses are safe)."""
+    import jaxlib
+
+    data = {
+        "key": key,
+        "use_panels": choice.use_panels,
+        "panel_s": list(choice.panel_s),
+        "xla_s": list(choice.xla_s),
+        "speedup": speedup(choice.panel_s, choice.xla_s),
+        "cpu": _cpu_identity()[0],
+        "jaxlib": jaxlib.__version__,
+    }
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # the decision still holds for this process
+        _log.info("could not store the panel_matmul choice in %s: %s", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _measure(rounds: int = _ROUNDS) -> tuple[list[float], list[float]]:
+    """Seconds of one workload pass (see ``_ROWS``) with the kernel and with XLA, ``rounds`` times
+    each, interleaved (the order alternating), after a warm-up call of each (compilation)."""
+    shapes = [(_HIDDEN, _INTERMEDIATE), (_HIDDEN, _INTERMEDIATE), (_INTERMEDIATE, _HIDDEN)] * _LAYERS
+    rng = np.random.default_rng(0)  # numpy: no eager jax op to compile, the setup stays ~0.1 s
+    weights = [rng.standard_normal(s, np.float32) * np.float32(s[0] ** -0.5) for s in shapes]
+    x = jnp.asarray(rng.standard_normal((_ROWS, _HIDDEN), np.float32))
+    panels = [jnp.asarray(w.reshape(w.shape[0], -1, PANEL).transpose(1, 0, 2).copy()) for w in weights]
+    out_in = [jnp.asarray(w.T.copy()) for w in weights]
+    runs = {
+        "panels": (jax.jit(functools.partial(_mlp_pass, panel_matmul)), panels),
+        "xla": (jax.jit(functools.partial(_mlp_pass, _matmul_out_in)), out_in),
+    }
+    del weights
+    for fn, ws in runs.values():
+        jax.block_until_ready(fn(ws, x))
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(rounds):
+        for name in sorted(runs, reverse=i % 2 == 1):
+            fn, ws = runs[name]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(ws, x))
+            seconds[name].append(time.perf_counter() - start)
+    return seconds["panels"], seconds["xla"]
+
+
+def _mlp_pass(matmul: Callable[[jax.Array, jax.Array], jax.Array], weights: list, x: jax.Array) -> jax.Array:
+    """The gated MLPs of a decode step: ``x + down(silu(gate(x)) * up(x))`` per layer."""
+    for i in range(0, len(weights), 3):
+        gate, up, down = weights[i : i + 3]
+        x = x + matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+    return x
+
+
+def _matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for ``w`` stored ``[out, in]`` (:class:`rljax.models.decode_layout.TransposedLinear`)."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+#: Why :func:`_register` failed (for :func:`unavailable_reason`).
+_unregistered_because = "not registered yet"
 
 
 @functools.cache
 def _register() -> bool:
+    global _unregistered_because
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         _log.warning("rljax panel_matmul kernel unavailable (XLA's matmul is used instead): %s", e)
+        _unregistered_because = f"the kernel did not build or load: {e}"
         return False
     if not lib.rljax_panel_matmul_supported():
+        _unregistered_because = "this CPU lacks AVX2/FMA"
         return False
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.RljaxPanelMatmul), platform="cpu")
     return True
@@ -129,14 +377,18 @@ def _cache_dir() -> Path:
         return fallback
 
 
-def _build() -> Path:
-    """The compiled library, built once per (source, jaxlib, compiler, flags) into the cache."""
+def _build_key() -> str:
+    """Names one build: the source, the jaxlib version, the compiler and its flags."""
     import jaxlib
 
+    words = [jaxlib.__version__, _compiler(), " ".join(_FLAGS)]
+    return hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), *(w.encode() for w in words)])).hexdigest()[:16]
+
+
+def _build() -> Path:
+    """The compiled library, built once per (source, jaxlib, compiler, flags) into the cache."""
     cxx = _compiler()
-    parts = [_SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), " ".join(_FLAGS).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    lib = _cache_dir() / f"panel_matmul-{key}.so"
+    lib = _cache_dir() / f"panel_matmul-{_build_key()}.so"
     if lib.exists():
         return lib
     # built aside, then renamed into place: concurrent builds (test workers) are safe

@@ -280,7 +280,8 @@ def test_decode_layout_keeps_logits_with_adapters():
     included, with B != 0 so the adapters matter, and leaves no Linear in the old layout."""
     import jax
 
-    from rljax.models.layers import Linear, decode_layout
+    from rljax.models.decode_layout import decode_layout
+    from rljax.models.layers import Linear
 
     model = random_decoder(models.tiny_config("qwen3", vocab_size=64), seed=4)
     lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(1))

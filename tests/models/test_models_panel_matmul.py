@@ -1,18 +1,26 @@
-"""The AVX2 few-row matmul kernel (``rljax.models.panel_matmul``) against float64 numpy.
+"""The AVX2 few-row matmul kernel (``rljax.models.panel_matmul``) against float64 numpy, and the
+timed choice of whether the sampler uses it.
 
 The reference bound is the textbook one for a float32 dot product of length K summed in any order:
 ``|fl(x . w) - x . w| <= K * eps32 * (|x| . |w|)`` per output element (Higham, "Accuracy and Stability
 of Numerical Algorithms", 2nd ed., eq. 3.5, first order) — an a priori bound, not a measured one, so
 it holds on any machine, while a wrong panel, row, prefetch or thread split gives errors of the
 size of the outputs themselves.
+
+Tests that run the kernel skip, with the reason, where it cannot be built, and fail there instead
+under ``RLJAX_REQUIRE_PANEL_KERNEL=1`` (``tests/panel_kernel.py``). The choice (kernel or XLA) is
+tested as logic on given timings, so no test depends on which is faster on the machine it runs on.
 """
 
+import json
+import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from panel_kernel import REQUIRE_ENV, require_panel_kernel
 
 from rljax.models import panel_matmul as pm
 
@@ -36,10 +44,10 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def kernel():
     assert jax.default_backend() == "cpu"
-    # this project's machines (x86-64 with AVX2/FMA and a C++ compiler) must build it
+    require_panel_kernel()  # skips with the reason where it cannot build; CI requires it
     assert pm.available(), "the panel_matmul kernel did not build (see the logged warning)"
 
 
@@ -53,6 +61,7 @@ def within_float32_bound(y, x, w):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.usefixtures("kernel")
 def test_matches_float64_numpy(shape, jit):
     m, k, n = shape
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -62,6 +71,7 @@ def test_matches_float64_numpy(shape, jit):
     within_float32_bound(fn(jnp.asarray(x), pm.pack_panels(jnp.asarray(w))), x, w)
 
 
+@pytest.mark.usefixtures("kernel")
 def test_inside_a_loop_with_transposed_and_sliced_operands():
     """In a while loop's body (as the decode steps), with an operand XLA produces transposed and
     one sliced out of a stack: the custom call still gets dense row-major buffers."""
@@ -100,11 +110,15 @@ def test_bad_operands_raise_clear_errors():
         pm.panel_matmul(jnp.zeros((2, 8), jnp.bfloat16), panels)
 
 
+@pytest.mark.usefixtures("kernel")
 def test_switch_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(pm, "_unregistered_because", pm._unregistered_because)  # restored afterwards
     monkeypatch.setenv("RLJAX_PANEL_MATMUL", "0")
     assert not pm.available()
+    assert "RLJAX_PANEL_MATMUL=0" in pm.unavailable_reason()
     monkeypatch.delenv("RLJAX_PANEL_MATMUL")
     assert pm.available()
+    assert pm.unavailable_reason() is None
     # a compiler that fails: a clear error from the build, and registration reports "unavailable"
     broken = tmp_path / "broken-cxx"
     broken.write_text("#!/bin/sh\necho 'no such compiler' >&2\nexit 1\n")
@@ -116,6 +130,7 @@ def test_switch_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written left behind
     assert pm._register.__wrapped__() is False
     assert "unavailable" in caplog.text
+    assert "no such compiler" in pm._unregistered_because  # what unavailable_reason() then reports
 
 
 def test_an_unusable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path):
@@ -126,3 +141,151 @@ def test_an_unusable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, 
     (tmp_path / "tmp").mkdir()
     fallback = pm._cache_dir()  # where _build then writes the library
     assert fallback == tmp_path / "tmp" / f"rljax-kernels-{os.getuid()}" and fallback.is_dir()
+
+
+# -- the timed choice: kernel or XLA ------------------------------------------------------------------
+
+
+def test_the_kernel_is_preferred_only_by_a_clear_margin():
+    """Paired rounds: the median of XLA / panels must reach 1 + MARGIN (1.05); ties keep XLA."""
+    assert pm.MARGIN == 0.05
+    assert pm.speedup([2.0, 1.0, 4.0], [3.0, 1.0, 4.4]) == pytest.approx(1.1)  # ratios 1.5, 1.0, 1.1
+    assert pm.prefers_panels([1.0] * 3, [1.06] * 3)
+    assert pm.prefers_panels([1.0] * 3, [1.05] * 3)  # exactly the margin
+    assert not pm.prefers_panels([1.0] * 3, [1.04] * 3)
+    assert not pm.prefers_panels([1.0] * 3, [1.0] * 3)
+    assert not pm.prefers_panels([1.0] * 3, [0.7] * 3)  # the Xeon case: the kernel 1.4x slower
+    assert pm.prefers_panels([1.0] * 3, [1.26] * 3)  # the EPYC case
+    assert not pm.prefers_panels([1.0] * 3, [1.2] * 3, margin=0.25)
+
+
+def test_the_choice_pairs_rounds_so_a_loaded_round_does_not_flip_it():
+    """Load that slows both sides of a round cancels in its ratio, and one outlier round (the kernel's
+    first call on a cold cache, a neighbour's burst) cannot outvote the others."""
+    panel = [1.0, 3.0, 1.0, 1.0, 9.0]  # rounds 2 and 5 loaded
+    xla = [0.9, 2.8, 0.9, 0.9, 1.0]  # XLA 10 % faster in every quiet round
+    assert pm.speedup(panel, xla) == pytest.approx(0.9)
+    assert not pm.prefers_panels(panel, xla)
+    assert pm.prefers_panels([1.0, 1.0, 5.0], [1.2, 1.2, 1.0])  # one bad round out of three
+    with pytest.raises(ValueError, match="same number"):
+        pm.speedup([1.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="same number"):
+        pm.speedup([], [])
+
+
+def _choice(use: bool) -> pm.Choice:
+    return pm.Choice(use, (1.0,), (1.1 if use else 0.9,), "given")
+
+
+def test_the_switch_forces_the_kernel_on_or_off_and_auto_follows_the_timing(monkeypatch):
+    """``RLJAX_PANEL_MATMUL``: 1 on (where available) and 0 off without measuring; unset or ``auto``
+    asks the timed choice; anything else is an error. Registration is faked: no build needed."""
+    monkeypatch.setattr(pm, "_register", lambda: True)
+    timed = []
+    monkeypatch.setattr(pm, "timed_choice", lambda: timed.append(1) or _choice(chosen))
+    for env, chosen, want, measured in [
+        (None, True, True, 1), (None, False, False, 1), ("auto", True, True, 1), ("AUTO ", False, False, 1),
+        ("1", False, True, 0), ("1", True, True, 0), ("0", True, False, 0),
+    ]:  # fmt: skip
+        if env is None:
+            monkeypatch.delenv("RLJAX_PANEL_MATMUL", raising=False)
+        else:
+            monkeypatch.setenv("RLJAX_PANEL_MATMUL", env)
+        timed.clear()
+        assert pm.use_panels() is want, (env, chosen)
+        assert len(timed) == measured, env
+    assert not pm.available()  # still "0": the kernel is off altogether
+    monkeypatch.setenv("RLJAX_PANEL_MATMUL", "1")
+    monkeypatch.setattr(pm, "_register", lambda: False)  # forced on, but it did not build
+    assert pm.use_panels() is False
+    monkeypatch.setenv("RLJAX_PANEL_MATMUL", "yes")
+    with pytest.raises(ValueError, match="RLJAX_PANEL_MATMUL must be 0"):
+        pm.use_panels()
+
+
+@pytest.fixture
+def choice_cache(monkeypatch, tmp_path):
+    """A fresh cache directory, a fixed compiler name (the key needs no compiler installed) and the
+    process-wide decision forgotten before and after."""
+    monkeypatch.setenv("RLJAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(pm, "_compiler", lambda: "c++")
+    pm.timed_choice.cache_clear()
+    yield tmp_path
+    pm.timed_choice.cache_clear()
+
+
+def test_the_choice_is_written_once_reused_and_rekeyed(choice_cache, monkeypatch, caplog):
+    """Measured once and stored; read back (not measured) while the key holds; measured afresh
+    when the CPU, the jaxlib version or XLA_FLAGS change; each decision logged with both timings."""
+    import jaxlib
+
+    caplog.set_level(logging.INFO, logger=pm.__name__)
+    calls = []
+
+    def measure(panel, xla):
+        return lambda: calls.append(1) or ([panel] * 3, [xla] * 3)
+
+    def never():
+        raise AssertionError("measured although a stored choice matches")
+
+    first = pm._timed_choice(measure(0.010, 0.012))
+    assert first.use_panels and not first.cached and calls == [1]
+    assert "panels 10.0 ms vs XLA 12.0 ms" in caplog.text and "measured now" in caplog.text
+    (stored,) = choice_cache.glob("*.choice.json")
+    data = json.loads(stored.read_text())
+    assert data["use_panels"] is True and data["speedup"] == pytest.approx(1.2)
+    assert data["jaxlib"] == jaxlib.__version__ and data["cpu"]
+    again = pm._timed_choice(never)
+    assert again == pm.Choice(True, first.panel_s, first.xla_s, str(stored), cached=True)
+
+    monkeypatch.setattr(pm, "_cpu_identity", lambda: ("Another CPU", "fma avx2 avx512f"))
+    other = pm._timed_choice(measure(0.010, 0.007))
+    assert not other.use_panels and not other.cached and len(calls) == 2
+    assert "XLA's matmul" in caplog.text and "panels 10.0 ms vs XLA 7.0 ms" in caplog.text
+    assert pm._timed_choice(never) == pm.Choice(False, other.panel_s, other.xla_s, other.path, cached=True)
+    assert len(list(choice_cache.glob("*.choice.json"))) == 2  # one per machine
+
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.0-other")
+    assert not pm._timed_choice(measure(0.010, 0.011)).cached and len(calls) == 3
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert not pm._timed_choice(measure(0.010, 0.011)).cached and len(calls) == 4
+    assert pm._timed_choice(never).cached
+
+
+def test_a_damaged_or_foreign_choice_file_is_measured_again(choice_cache):
+    first = pm._timed_choice(lambda: ([1.0], [2.0]))
+    path = choice_cache / os.path.basename(first.path)
+    path.write_text("{not json")
+    assert pm._timed_choice(lambda: ([1.0], [0.5])).use_panels is False
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "key": "someone else's"}))
+    assert pm._timed_choice(lambda: ([1.0], [2.0])).use_panels is True
+
+
+def test_timed_choice_measures_and_logs_once_per_process(choice_cache, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=pm.__name__)
+    calls = []
+    monkeypatch.setattr(pm, "_measure", lambda: calls.append(1) or ([1.0, 1.0], [0.8, 0.9]))
+    assert pm.timed_choice() is pm.timed_choice()
+    assert calls == [1] and caplog.text.count("decode matmuls use XLA's matmul") == 1
+
+
+@pytest.mark.usefixtures("kernel")
+def test_the_measurement_times_both_sides_once_per_round():
+    """The real workload (the 29M model's MLP matmuls at 32 rows), two rounds: a positive time for
+    each side in each round (which side wins is this machine's business, not the test's)."""
+    panel_s, xla_s = pm._measure(rounds=2)
+    assert len(panel_s) == len(xla_s) == 2
+    assert all(0 < t < 60 for t in [*panel_s, *xla_s])
+
+
+def test_an_unbuildable_kernel_skips_its_tests_unless_required(monkeypatch):
+    monkeypatch.setattr(pm, "unavailable_reason", lambda: "no C++ compiler found (set $CXX)")
+    with pytest.raises(pytest.skip.Exception, match="no C\\+\\+ compiler"):
+        require_panel_kernel({})
+    with pytest.raises(pytest.skip.Exception):
+        require_panel_kernel({REQUIRE_ENV: "0"})
+    with pytest.raises(pytest.fail.Exception, match=f"no C\\+\\+ compiler.*{REQUIRE_ENV}=1"):
+        require_panel_kernel({REQUIRE_ENV: "1"})
+    monkeypatch.setattr(pm, "unavailable_reason", lambda: None)
+    assert require_panel_kernel({REQUIRE_ENV: "1"}) is None
