@@ -16,6 +16,10 @@ gateway agents alike, both from :attr:`rljax.rollout.TrajectoryRecord.calls`)::
     trained         status == "trained"                errored       the trajectory errored
     trajectory_reward, end                             the trajectory's reward and how it ended
 
+A file is written whole (temporary file, ``fsync``, rename) before its step's checkpoint commits; a
+run resumed from checkpoint ``R`` deletes the files of steps after ``R``
+(:func:`drop_rollout_records_after`), which it writes again.
+
 ``completion`` is the content the client was answered with when a front door answered one (the
 gateway sets ``RecordedCall.returned``), else the decoded completion ids, which is the text the
 environment was given. ``sample`` comes from the trainer's own preparation
