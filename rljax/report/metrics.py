@@ -7,8 +7,11 @@
 * :class:`JsonlSink`: ``metrics.jsonl``, one JSON object per step (``{"step": N, "time": unix_s,
   **metrics}``), flushed line by line, appended to on resume; non-finite values are written as
   ``null`` so that every line is strict (RFC 8259) JSON;
-* :class:`TensorBoardSink`: TensorBoard scalar events under ``tb/`` written with ``tensorboardX``
-  (pure Python; no TensorFlow);
+* :class:`TensorBoardSink`: TensorBoard events under ``tb/`` (``tensorboardX``'s protobufs and
+  summary builders, pure Python, no TensorFlow), written synchronously by this process;
+
+Both have ``sync()``: everything written so far is on disk (``fsync``) when it returns; the trainer
+calls it before a checkpoint commits, so a ``kill -9`` can never leave a checkpoint ahead of them.
 
 and ``close()`` draws ``metrics.png`` (reward mean and loss vs step, matplotlib's Agg canvas, no
 ``pyplot`` global state) from the whole JSONL history, so a resumed run plots its full curve.
@@ -22,11 +25,14 @@ Only the primary process of a multi-host run should create a logger. The run's s
 from __future__ import annotations
 
 import decimal
+import functools
 import json
 import math
 import numbers
 import os
 import pathlib
+import socket
+import struct
 import sys
 import time
 import uuid
@@ -229,11 +235,17 @@ class JsonlSink:
             self._file.write("\n")
 
     def write(self, step: int, metrics: Mapping[str, Number]) -> None:
-        """Appends and flushes the record of ``step``."""
+        """Appends and flushes the record of ``step`` (to the OS: a killed process loses nothing)."""
         record = {"step": _check_step(step), "time": round(time.time(), 3)}
         record.update({k: _json_value(v) for k, v in _scalars(metrics).items()})
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+
+    def sync(self) -> None:
+        """``fsync`` of the file: the records written so far survive a machine crash too."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Closes the file."""
@@ -266,8 +278,32 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+@functools.cache
+def _histogram_edges() -> list[float]:
+    """TensorFlow's default histogram bucket edges (what ``SummaryWriter.add_histogram`` uses):
+    ``+-1e-12 * 1.1**k`` up to 1e20, and 0."""
+    edges, v = [], 1e-12
+    while v < 1e20:
+        edges.append(v)
+        v *= 1.1
+    return [-e for e in reversed(edges)] + [0.0] + edges
+
+
 class TensorBoardSink:
-    """TensorBoard scalars (one tag per metric) written by ``tensorboardX`` into ``logdir``.
+    """TensorBoard events (one scalar tag per metric, histograms, text) in a new event file of ``logdir``.
+
+    Events are written by the calling thread: each call appends TFRecords (``uint64`` length, its
+    masked CRC-32C, the serialized ``Event``, its masked CRC-32C) and flushes them to the OS, and
+    :meth:`sync` ``fsync`` s the file. (``tensorboardX.SummaryWriter`` hands events to a background
+    thread through a queue, and its ``flush()`` does not wait for that queue, so an event logged just
+    before a ``kill -9`` could be lost after the checkpoint that follows it had committed.)
+
+    ``purge_step=S`` (a resumed run, ``S`` = the checkpoint's step + 1) starts the file with a
+    ``SessionLog.START`` event at step ``S``: TensorBoard then discards the events of EARLIER files
+    of the directory at steps ``>= S`` (those a killed run wrote after its last checkpoint), so each
+    step shows once, with the resumed run's values. TensorBoard reads a directory's files in name
+    order; names start with ``events.out.tfevents.<unix seconds>``, so a restart must come at least
+    a second after the first file was created (starting JAX and restoring takes longer than that).
 
     Non-finite values are written as they are (TensorBoard shows them as gaps / NaN).
 
@@ -280,39 +316,75 @@ class TensorBoardSink:
     True
     """
 
-    def __init__(self, logdir: str | os.PathLike) -> None:
+    def __init__(self, logdir: str | os.PathLike, *, purge_step: int | None = None) -> None:
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "TensorBoard logging needs tensorboardX (pip install tensorboardX); or pass tensorboard=False"
             ) from e
         self.logdir = pathlib.Path(logdir)
-        # tensorboardX names files events.out.tfevents.<second>.<host> and opens them with "wb": a second
-        # writer in the same second (a quick restart) would truncate the first one's file.
-        suffix = f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=5, filename_suffix=suffix)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        # pid + random suffix: two writers started in the same second never share (truncate) a file
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        )
+        self.path = self.logdir / name
+        self._file = open(self.path, "xb")  # noqa: SIM115 - closed by close()
+        self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            start = SessionLog(status=SessionLog.START)
+            self._append(Event(wall_time=time.time(), step=_check_step(purge_step), session_log=start))
+        self._file.flush()
+
+    def _append(self, event: Any) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._file.write(header + struct.pack("<I", masked_crc32c(header)))
+        self._file.write(data + struct.pack("<I", masked_crc32c(data)))
+
+    def _summary(self, step: int, summary: Any) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
+        self._append(Event(wall_time=time.time(), step=_check_step(step), summary=summary))
 
     def write(self, step: int, metrics: Mapping[str, Number]) -> None:
-        """Adds one scalar event per metric at ``step`` and flushes the event file."""
-        step = _check_step(step)
+        """One scalar event per metric at ``step``, flushed. The tag is the metric's name as it is
+        (``tensorboardX.summary.scalar`` would turn ``eval/pass@1`` and ``eval/pass^1`` both into
+        ``eval/pass_1``: one series with two points per step)."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
         for key, value in _scalars(metrics).items():
-            self._writer.add_scalar(key, float(value), global_step=step)
-        self._writer.flush()
+            self._summary(step, Summary(value=[Summary.Value(tag=key, simple_value=float(value))]))
+        self._file.flush()
 
     def histogram(self, step: int, tag: str, values: np.ndarray) -> None:
-        """A histogram event of ``values`` (1-D numbers) under ``tag`` at ``step``."""
-        self._writer.add_histogram(tag, np.asarray(values, np.float64), global_step=_check_step(step))
-        self._writer.flush()
+        """A histogram event of ``values`` (1-D numbers) under ``tag`` at ``step``, flushed."""
+        from tensorboardX.summary import histogram
+
+        self._summary(step, histogram(tag, np.asarray(values, np.float64), _histogram_edges()))
+        self._file.flush()
 
     def text(self, step: int, tag: str, markdown: str) -> None:
-        """A text (Markdown) event under ``tag`` at ``step``."""
-        self._writer.add_text(tag, markdown, global_step=_check_step(step))
-        self._writer.flush()
+        """A text (Markdown) event under ``tag`` at ``step``, flushed."""
+        from tensorboardX.summary import text
+
+        self._summary(step, text(tag, markdown))
+        self._file.flush()
+
+    def sync(self) -> None:
+        """``fsync`` of the event file: the events written so far survive a machine crash too."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Flushes and closes the event file."""
-        self._writer.close()
+        if not self._file.closed:
+            self._file.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -461,6 +533,12 @@ class MetricsLogger:
                 sink.write(step, values)
         if self.jsonl is None:
             self._records.append({"step": step, **values})
+
+    def sync(self) -> None:
+        """``fsync`` of the JSONL and TensorBoard files (everything logged so far is on disk)."""
+        for sink in (self.jsonl, self.tensorboard):
+            if sink is not None and not self._closed:
+                sink.sync()
 
     def close(self) -> pathlib.Path | None:
         """Closes the sinks and writes ``metrics.png`` (from the JSONL history); returns its path."""

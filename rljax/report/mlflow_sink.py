@@ -11,6 +11,15 @@ Rollout samples are table artifacts ``rollouts/step_<S>.json`` (an experiment th
 local store keeps its artifacts in ``<workdir>/mlflow-artifacts``); MLflow has no histograms, so
 distributions are not sent. The run id is kept in ``<workdir>/report_runs.json``: ``--resume``
 continues that run (and leaves its params as they are).
+
+Resume from checkpoint ``R`` (the rules of :mod:`rljax.report.sinks`). MLflow keeps every value
+logged, so a step logged twice would have two points, and ``log_table`` appends to an existing
+table artifact. ``log_batch`` is synchronous (the store has the row when it returns), so after a
+``kill -9`` the run holds every step whose checkpoint committed, and maybe steps after ``R``. On
+resume the sink reads which ``(key, step)`` pairs and ``rollouts/step_<S>.json`` tables the run
+already has and never sends those again (a redone step keeps its first values: the killed run's,
+equal in a deterministic run but for wall-clock times); rows of ``metrics.jsonl`` up to ``R``
+(``RunInfo.history``) that the run lacks are sent again.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ class MlflowSink(Sink):
         self.client = None
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
+        self.logged: dict[str, set[int]] = {}  # a continued run's {MLflow key: steps it has}
+        self.tables: set[str] = set()  # a continued run's rollouts/step_<S>.json artifacts
 
     def open(self, run: RunInfo) -> None:
         try:
@@ -69,6 +80,9 @@ class MlflowSink(Sink):
         if recorded.get("run_id") and recorded.get("tracking_uri") == uri:
             self.run_id = recorded["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
+            self._read_logged()
+            for record in run.history:
+                self.log_metrics(int(record["step"]), record)
         else:
             # a local store (sqlite / file) would put artifacts under ./mlruns of the CWD: keep them
             # in the workdir; a tracking server decides for itself
@@ -89,6 +103,12 @@ class MlflowSink(Sink):
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
         save_run_id(run.workdir, self.name, {"run_id": self.run_id, "tracking_uri": uri})
 
+    def _read_logged(self) -> None:
+        """What the continued run already has: every metric's steps and the table artifacts."""
+        for key in self.client.get_run(self.run_id).data.metrics:
+            self.logged[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        self.tables = {a.path for a in self.client.list_artifacts(self.run_id, "rollouts")}
+
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
@@ -96,14 +116,20 @@ class MlflowSink(Sink):
         rows = [
             Metric(mlflow_key(k), float(v), now, int(step))
             for k, v in metrics.items()
-            if math.isfinite(float(v))
+            if k not in ("step", "time")  # a metrics.jsonl record sent again
+            and v is not None
+            and math.isfinite(float(v))
+            and int(step) not in self.logged.get(mlflow_key(k), ())
         ]
         for i in range(0, len(rows), BATCH):
             self.client.log_batch(self.run_id, metrics=rows[i : i + BATCH])
 
     def log_samples(self, step: int, table: SampleTable) -> None:
+        artifact = f"rollouts/step_{step}.json"
+        if artifact in self.tables:
+            return
         columns = {c: [r[i] for r in table.rows] for i, c in enumerate(table.columns)}
-        self.client.log_table(self.run_id, data=columns, artifact_file=f"rollouts/step_{step}.json")
+        self.client.log_table(self.run_id, data=columns, artifact_file=artifact)
 
     def close(self) -> None:
         if self.client is not None and self.run_id is not None:

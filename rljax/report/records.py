@@ -16,6 +16,10 @@ gateway agents alike, both from :attr:`rljax.rollout.TrajectoryRecord.calls`)::
     trained         status == "trained"                errored       the trajectory errored
     trajectory_reward, end                             the trajectory's reward and how it ended
 
+A file is written whole (temporary file, ``fsync``, rename) before its step's checkpoint commits; a
+run resumed from checkpoint ``R`` deletes the files of steps after ``R``
+(:func:`drop_rollout_records_after`), which it writes again.
+
 ``completion`` is the content the client was answered with when a front door answered one (the
 gateway sets ``RecordedCall.returned``), else the decoded completion ids, which is the text the
 environment was given. ``sample`` comes from the trainer's own preparation
@@ -33,6 +37,7 @@ import math
 import os
 import pathlib
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +52,7 @@ __all__ = [
     "ROLLOUTS_DIR",
     "PreparationTrace",
     "StepTrace",
+    "drop_rollout_records_after",
     "read_rollout_records",
     "rollout_distributions",
     "rollout_records",
@@ -56,6 +62,7 @@ __all__ = [
 ]
 
 ROLLOUTS_DIR = "rollouts"
+_STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 
 
 def rollouts_path(workdir: str | os.PathLike, step: int) -> pathlib.Path:
@@ -193,16 +200,55 @@ def rollout_records(trajectories: Iterable[TrajectoryRecord], trace: Preparation
 def write_rollout_records(
     workdir: str | os.PathLike, step: int, records: Sequence[Mapping[str, Any]]
 ) -> pathlib.Path:
-    """Writes ``records`` to ``rollouts/step_<step>.jsonl`` (replacing a file of a run resumed
-    before that step); returns its path."""
+    """Writes ``records`` to ``rollouts/step_<step>.jsonl`` durably (temporary file, ``fsync``,
+    rename, ``fsync`` of the directory: when this returns, a crash leaves the whole file or, if it
+    came before, none) and returns its path. A file of the step already there is replaced."""
     path = rollouts_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, allow_nan=False, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
+    _fsync_dir(path.parent)
     return path
+
+
+def drop_rollout_records_after(workdir: str | os.PathLike, step: int) -> list[int]:
+    """Deletes ``rollouts/step_<S>.jsonl`` of every ``S > step`` (and temporaries of killed writes);
+    returns the dropped steps, sorted. A run resumed from checkpoint ``step`` calls it: those
+    records belong to steps it trains again.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for s in (2, 4, 6):
+    ...     _ = write_rollout_records(d, s, [{"step": s}])
+    >>> drop_rollout_records_after(d, 4), sorted(p.name for p in (pathlib.Path(d) / ROLLOUTS_DIR).iterdir())
+    ([6], ['step_2.jsonl', 'step_4.jsonl'])
+    """
+    directory = pathlib.Path(workdir) / ROLLOUTS_DIR
+    if not directory.is_dir():
+        return []
+    dropped = []
+    for path in directory.iterdir():
+        if path.name.endswith(".jsonl.tmp"):
+            path.unlink(missing_ok=True)
+        elif (match := _STEP_FILE.fullmatch(path.name)) and int(match.group(1)) > step:
+            path.unlink(missing_ok=True)
+            dropped.append(int(match.group(1)))
+    if dropped:
+        _fsync_dir(directory)
+    return sorted(dropped)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_rollout_records(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -10,9 +10,28 @@ A :class:`Sink` is opened once with the run's :class:`RunInfo`, then receives, p
   rollouts (:class:`SampleTable`), to sinks that show tables (TensorBoard text, W&B tables, MLflow
   artifacts);
 
+* ``flush()``: everything logged so far must be durable when it returns: files written and
+  ``fsync`` ed (JSONL, TensorBoard), remote calls answered. The trainer calls it after a step's row
+  and records and BEFORE that step's checkpoint commits, so a committed checkpoint is never ahead
+  of its sinks (a ``kill -9`` right after the commit loses nothing);
+
 and is closed at the end. :class:`SinkSet` fans each call out: a sink that cannot START is an
 error (the run stops before its first step, naming the sink); a sink that raises mid-run is warned
 about once (``RuntimeWarning``) and the run goes on, the other sinks unaffected.
+
+Resume from checkpoint ``R`` (:class:`RunInfo` ``resume_step``). A killed run may have logged steps
+after ``R`` (their checkpoint never committed); the resumed run trains them again. Every step must
+end up in each sink exactly once:
+
+* ``metrics.jsonl``: lines of steps ``> R`` (and a half-written last line) are dropped before the
+  sink opens (:class:`rljax.run.report.RunSinks`), so the file reads as one uninterrupted run;
+* ``rollouts/step_<S>.jsonl``: files of ``S > R`` are deleted likewise;
+* TensorBoard: the resumed run's event file starts with a purge event at step ``R + 1``
+  (``SessionLog.START``), so TensorBoard discards the killed run's events of steps ``> R``;
+* W&B and MLflow keep a history per run that only grows: a step they already have keeps its first
+  values and is not sent again (no duplicates; the redone step's values equal the first ones in a
+  deterministic run, wall-clock times aside), and steps up to ``R`` that they lack are sent again
+  from ``metrics.jsonl`` (``RunInfo.history``): see each sink's module for how it knows.
 
 Remote sinks (:mod:`rljax.report.wandb_sink`, :mod:`rljax.report.mlflow_sink`) remember the id of
 the run they log to in ``<workdir>/report_runs.json`` (:func:`load_run_ids`), so that ``--resume``
@@ -93,12 +112,16 @@ class RunInfo:
       resume: the run continues from a checkpoint: remote sinks continue the run recorded in
         ``workdir`` (a fresh run when none is).
       resume_step: the checkpoint's step (rows after it are logged again).
+      history: on resume, the rows of steps ``<= resume_step`` that ``metrics.jsonl`` holds
+        (``{"step": S, "time": t, **metrics}``, in step order), for sinks that may have lost some
+        (a remote service's buffer dies with the killed process) and send them again.
     """
 
     workdir: pathlib.Path
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     resume: bool = False
     resume_step: int | None = None
+    history: Sequence[Mapping[str, Any]] = ()
 
     @property
     def name(self) -> str:
@@ -161,6 +184,9 @@ class Sink:
     def log_samples(self, step: int, table: SampleTable) -> None:
         """A table of sampled rollouts; sinks without tables ignore it."""
 
+    def flush(self) -> None:
+        """Makes everything logged so far durable (called before a checkpoint commits)."""
+
     def close(self) -> None:
         """Flushes and releases the sink."""
 
@@ -198,6 +224,10 @@ class JsonlMetricsSink(Sink):
         assert self.writer is not None, "open() the sink first"
         self.writer.write(step, metrics)
 
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.sync()
+
     def close(self) -> None:
         if self.writer is None:
             return
@@ -209,7 +239,8 @@ class JsonlMetricsSink(Sink):
 
 class TensorBoardMetricsSink(Sink):
     """TensorBoard under ``<logdir>/tb``: scalars, histograms (``dist/<name>``) and the sample
-    table as a Markdown text summary (``rollouts``)."""
+    table as a Markdown text summary (``rollouts``). A resumed run's file starts with a purge event
+    at ``resume_step + 1`` (:class:`rljax.report.metrics.TensorBoardSink`)."""
 
     name = "tensorboard"
     MAX_TEXT_ROWS: ClassVar[int] = 16
@@ -220,7 +251,8 @@ class TensorBoardMetricsSink(Sink):
         self.writer: metrics_lib.TensorBoardSink | None = None
 
     def open(self, run: RunInfo) -> None:
-        self.writer = metrics_lib.TensorBoardSink(self.logdir / metrics_lib.TB_DIR)
+        purge = None if run.resume_step is None else run.resume_step + 1
+        self.writer = metrics_lib.TensorBoardSink(self.logdir / metrics_lib.TB_DIR, purge_step=purge)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         assert self.writer is not None, "open() the sink first"
@@ -243,6 +275,10 @@ class TensorBoardMetricsSink(Sink):
         lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
         lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in table.rows[: self.MAX_TEXT_ROWS]]
         self.writer.text(step, "rollouts", "\n".join(lines))
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.sync()
 
     def close(self) -> None:
         if self.writer is not None:
@@ -282,16 +318,17 @@ class SinkSet:
                 ) from e
             self._opened.append(sink)
 
-    def _each(self, method: str, step: int, *args: Any) -> None:
+    def _each(self, method: str, step: int | None, *args: Any) -> None:
         for sink in self._opened:
             try:
-                getattr(sink, method)(step, *args)
+                getattr(sink, method)(*args) if step is None else getattr(sink, method)(step, *args)
             except Exception as e:  # a dashboard failing mid-run never stops training
                 count = self.failures.get(sink.name, 0)
                 self.failures[sink.name] = count + 1
                 if count == 0:
+                    where = "" if step is None else f" at step {step}"
                     message = (
-                        f"report sink {sink.name!r} failed in {method} at step {step}: {type(e).__name__}: "
+                        f"report sink {sink.name!r} failed in {method}{where}: {type(e).__name__}: "
                         f"{e}; the run goes on (later failures of this sink are counted, not reported)"
                     )
                     logger.warning(message)
@@ -305,6 +342,9 @@ class SinkSet:
 
     def log_samples(self, step: int, table: SampleTable) -> None:
         self._each("log_samples", step, table)
+
+    def flush(self) -> None:
+        self._each("flush", None)
 
     def close(self) -> None:
         opened, self._opened = self._opened, []

@@ -9,6 +9,7 @@ rows, distributions and rollout samples to the run's sinks (:mod:`rljax.report.s
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from rljax.report import sinks as sinks_lib
 from rljax.report.config import ReportConfig
 from rljax.report.records import (
     PreparationTrace,
+    drop_rollout_records_after,
     rollout_distributions,
     rollout_records,
     sample_table,
@@ -94,8 +96,15 @@ class RunSinks:
     ``config.report.sinks`` (``jsonl``: ``metrics.jsonl`` and ``metrics.png``; ``tensorboard``;
     ``wandb``; ``mlflow``), all opened here (a sink that cannot start raises); the warm start gets
     its own local logger (``workdir/warmstart``: table, JSONL, TensorBoard, plot), since its steps
-    are not RL steps. On resume, JSONL lines of steps after the checkpoint are dropped first, so the
-    file reads as one uninterrupted run; a fresh run starts a fresh file.
+    are not RL steps.
+
+    A fresh run (``resume_step=None``) starts a fresh ``metrics.jsonl``. A run resumed from
+    checkpoint ``R`` first makes the workdir look as if the run had stopped right after step ``R``
+    (the rules of :mod:`rljax.report.sinks`): ``metrics.jsonl`` keeps its lines of steps ``<= R``
+    (rewritten atomically: temporary file, ``fsync``, rename; a half-written line is dropped),
+    ``rollouts/step_<S>.jsonl`` of ``S > R`` are deleted, TensorBoard purges steps ``> R``, and the
+    kept rows go to the sinks as :attr:`RunInfo.history <rljax.report.sinks.RunInfo>`.
+    :meth:`flush` makes all of it durable; the trainer calls it before each checkpoint commits.
 
     ``enabled=False`` (every process but 0 of a multi-process run) writes nothing anywhere."""
 
@@ -117,16 +126,10 @@ class RunSinks:
         if not enabled:
             return
         path = workdir / metrics_lib.JSONL_NAME
-        if resume_step is not None and path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a half-written line of the killed run
-                if int(rec.get("step", 0)) <= resume_step:
-                    kept.append(line)
-            path.write_text("".join(k + "\n" for k in kept))
+        history: list[dict[str, Any]] = []
+        if resume_step is not None:
+            history = _truncate_jsonl(path, resume_step)
+            drop_rollout_records_after(workdir, resume_step)
         elif path.exists():
             path.unlink()
         sinks: list[sinks_lib.Sink] = [sinks_lib.StdoutSink(table_keys)]
@@ -139,6 +142,7 @@ class RunSinks:
                 config=sinks_lib.flat_config(config or {}),
                 resume=resume_step is not None if resume is None else resume,
                 resume_step=resume_step,
+                history=history,
             )
         )
 
@@ -176,12 +180,58 @@ class RunSinks:
             write_rollout_records(self.workdir, step, records)
             self.rl.log_samples(step, sample_table(records, seed=step))
 
+    def flush(self) -> None:
+        """Everything logged so far is durable (files ``fsync`` ed; see :meth:`Sink.flush
+        <rljax.report.sinks.Sink.flush>`) when this returns; rollout records already are."""
+        if self.enabled:
+            self.rl.flush()
+            if self.warmstart is not None:
+                self.warmstart.sync()
+
     def close(self) -> None:
         if not self.enabled:
             return
         self.rl.close()
         if self.warmstart is not None:
             self.warmstart.close()
+
+
+def _truncate_jsonl(path: pathlib.Path, step: int) -> list[dict[str, Any]]:
+    """Keeps the lines of ``path`` whose step is ``<= step`` (atomically) and returns their records.
+
+    Lines that do not parse (the half-written last line of a killed run) are dropped. The file is
+    replaced by a temporary copy (``fsync`` ed, renamed, directory ``fsync`` ed), so a crash while
+    resuming leaves either the old file or the new one, never a shortened one.
+
+    >>> import tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    >>> _ = path.write_text('{"step": 1}\\n{"step": 2}\\n{"step": 3}\\n{"st')
+    >>> [r["step"] for r in _truncate_jsonl(path, 2)], path.read_text()
+    ([1, 2], '{"step": 1}\\n{"step": 2}\\n')
+    """
+    if not path.exists():
+        return []
+    kept, records = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= step:
+            kept.append(line)
+            records.append(record)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return records
 
 
 def _make_sink(name: str, report: ReportConfig, workdir: pathlib.Path) -> sinks_lib.Sink:

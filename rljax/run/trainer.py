@@ -8,7 +8,7 @@ One RL step ``n`` (``theta_n`` = parameters after ``n`` RL steps; policy version
         for each mini-batch B of mini_batch_prompts prompt groups of S_a:
             theta <- train_step(theta, pack(B), counts(B))       (ONE jitted function)
     scheduler.add_version(n + 1, theta)           the weights the next rollouts serve
-    metrics -> sinks; checkpoint every checkpoint_every steps
+    row + rollout records -> sinks, flushed       then, every checkpoint_every steps, the checkpoint
 
 The parts, each in its own module:
 
@@ -31,6 +31,25 @@ step index or from checkpointed state (task order, mini-batch shuffles, behaviou
 async mode). A checkpoint at step ``n`` holds ``theta_n``, the optimizer state and counters, the
 behaviour parameters still needed by rollouts ``n .. n+k-1``, the task iterator and RNG state, and
 the config; resuming with a config that differs in a result-changing key is refused.
+
+What a step produced reaches the sinks BEFORE its checkpoint commits: the step's metrics row and
+rollout records are written and flushed (``fsync`` for files, synchronous calls for MLflow;
+:meth:`RunSinks.flush <rljax.run.report.RunSinks.flush>`), and only then ``latest`` moves to the
+step. A ``kill -9`` after the commit therefore loses nothing (``--resume`` starts at ``n + 1``, and
+everything of step ``n`` is already written; W&B, whose client buffers rows and loses the buffer
+to a ``kill -9``, is sent the rows it lacks again from ``metrics.jsonl``); a kill between the row
+and the commit leaves rows
+of steps after the checkpoint, which ``--resume`` drops or hides (JSONL lines, ``rollouts/``
+files, TensorBoard's purge event) or does not send twice (W&B, MLflow): the rules of
+:mod:`rljax.report.sinks`. The alternative, keeping the row and records inside the checkpoint and
+writing what the sinks lack on resume, would put rollout records (every call's tokens, logprobs,
+messages) into each checkpoint and its manifest, and still leave the sinks to find out what they
+lack. The price of this order is that a checkpoint's own time cannot be in its step's row:
+``time/checkpoint_s`` of row ``n`` is the time the checkpoint saved just BEFORE step ``n`` took (of
+step ``n - 1``, or step 0's after the warm start), and the last checkpoint's time is logged
+(``logging``) when the run ends. ``time/step_s`` runs from the step's start to its row.
+:mod:`rljax.training.checkpoint` has fault-injection points (``RLJAX_FAULT``) right before and right
+after the commit for the tests of exactly these windows.
 
 Reference: the SkyRL / prime-rl trainer loops (async off-policy rollouts bounded by
 ``max_off_policy_steps``, policy versions recorded on samples).
@@ -251,12 +270,14 @@ class Trainer:
         parts.engines.check_frozen_models(
             self.parts.algorithms, parts.rollout_worker
         )  # fails in seconds, not later
+        checkpoint_s: float | None = None  # the last checkpoint's time, for the next row
         if resumed is None:
             self._warm_start()
             start = 0
             parts.sync_weights(0)
             if t.checkpoint_every:
-                self._save(0)
+                self.sinks.flush()  # the warm start's rows
+                checkpoint_s = self._timed_save(0)
         else:
             start = resumed
             print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
@@ -297,10 +318,9 @@ class Trainer:
                 if t.mode == "sync" or step_no == t.num_steps:
                     metrics.update(self._eval_result(*eval_future))
                     eval_future = None
-            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
-                save_start = time.perf_counter()
-                self._save(step_no)
-                metrics["time/checkpoint_s"] = time.perf_counter() - save_start
+            if checkpoint_s is not None:
+                metrics["time/checkpoint_s"] = checkpoint_s  # of the checkpoint before this step
+                checkpoint_s = None
             metrics["time/step_s"] = time.perf_counter() - step_start
             metrics["time/elapsed_s"] = time.perf_counter() - run_start
             metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
@@ -309,7 +329,18 @@ class Trainer:
             save = bool(every) and step_no % every == 0
             self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
             self.sinks.log(step_no, metrics)
+            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
+                self.sinks.flush()  # the step's row and records are durable before `latest` moves
+                checkpoint_s = self._timed_save(step_no)
+        if checkpoint_s is not None:
+            logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
+
+    def _timed_save(self, step: int) -> float:
+        """Checkpoints ``step``; returns the seconds it took."""
+        start = time.perf_counter()
+        self._save(step)
+        return time.perf_counter() - start
 
 
 def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algorithm:

@@ -50,6 +50,23 @@ PRNG implementation name, numpy ``Generator`` states as their exact integer stat
 plain (uncommitted) default-device arrays get uncommitted arrays back, so a jitted train step is
 not recompiled after a resume.
 
+Fault injection (tests of what a crash at the commit leaves behind): the environment variable
+``RLJAX_FAULT=<point>:<step>`` (several joined by ``,``) makes :func:`save` of that step SIGKILL its
+own process (``os.kill(os.getpid(), SIGKILL)``: no handler, no ``finally``, no flush) at
+
+* ``kill_before_checkpoint_commit``: ``step_N`` is written and sealed, ``latest`` does not name it
+  yet. On the primary process this is right before the marker is written, so the step never
+  commits; on the other processes of a multi-host run it is the same place in the code, after
+  their share was written, and the primary may still move ``latest`` (only it writes the marker);
+* ``kill_after_checkpoint_commit``: ``latest`` names ``step_N``. On the primary this is right after
+  the marker's rename and directory ``fsync`` (before the older steps are collected and before the
+  all-process barrier); on the other processes after that barrier, the first place where they know
+  the step committed.
+
+Only the process whose environment names a point dies, so a multi-host test can kill one chosen
+process. An unknown point or a malformed value is a ``ValueError`` at the first save, never
+ignored. The run is left exactly as a ``kill -9`` at that instant would leave it.
+
 Reference: orbax-checkpoint ``Checkpointer`` / ``CompositeCheckpointHandler`` (atomic tmp-dir
 rename); the marker follows the write-temp / fsync / rename idiom of durable file updates; the
 manifest is a per-file digest list like ``sha256sum`` output (FIPS 180-4 SHA-256).
@@ -69,6 +86,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -78,6 +96,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 __all__ = [
+    "FAULT_ENV",
+    "FAULT_POINTS",
     "FORMAT",
     "MANIFEST",
     "CheckpointCorruptedError",
@@ -108,6 +128,11 @@ _HASH = "sha256"
 _HASH_THREADS = 8
 
 PathLike = str | os.PathLike
+
+#: The environment variable of the fault-injection points (see the module docstring).
+FAULT_ENV = "RLJAX_FAULT"
+#: The points :func:`save` can kill its process at.
+FAULT_POINTS = ("kill_before_checkpoint_commit", "kill_after_checkpoint_commit")
 
 
 class Restored(NamedTuple):
@@ -326,6 +351,32 @@ def _garbage_collect(directory: pathlib.Path, step: int, keep: int | None) -> No
     older = [s for s in checkpoint_steps(directory) if s < step]
     for old in older[: max(len(older) - (keep - 1), 0)]:
         _remove(directory / f"step_{old}")
+
+
+def _faults(value: str) -> set[tuple[str, int]]:
+    """``{(point, step), ...}`` of an ``RLJAX_FAULT`` value such as ``"kill_after_checkpoint_commit:3"``.
+
+    >>> sorted(_faults("kill_after_checkpoint_commit:3, kill_before_checkpoint_commit:0"))
+    [('kill_after_checkpoint_commit', 3), ('kill_before_checkpoint_commit', 0)]
+    >>> _faults("")
+    set()
+    """
+    out = set()
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        point, _, step = item.partition(":")
+        if point not in FAULT_POINTS or not step.isdigit():
+            raise ValueError(
+                f"{FAULT_ENV}={value!r}: expected <point>:<step> items joined by ',', with point one of "
+                f"{', '.join(FAULT_POINTS)} and step an int >= 0; got {item!r}"
+            )
+        out.add((point, int(step)))
+    return out
+
+
+def _fault_point(point: str, step: int) -> None:
+    """SIGKILLs this process when ``RLJAX_FAULT`` names ``point`` at ``step`` (module docstring)."""
+    if (point, step) in _faults(os.environ.get(FAULT_ENV, "")):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -798,6 +849,7 @@ def save(
     ([1, 2], 2)
     """
     step = _check_step(step)
+    _faults(os.environ.get(FAULT_ENV, ""))  # a malformed value fails before anything is written
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
     if data_state is not None and not isinstance(data_state, Mapping):
@@ -837,12 +889,18 @@ def save(
         if not _is_committed(target):  # orbax returned without committing: never mark it
             raise RuntimeError(f"orbax finished saving {target} but its completion file is missing")
         _seal(target, step)  # before the marker: a marked step always has its manifest
+        _fault_point("kill_before_checkpoint_commit", step)
         _write_marker(root, step)
+        _fault_point("kill_after_checkpoint_commit", step)
         _garbage_collect(root, step, keep)
+    else:
+        _fault_point("kill_before_checkpoint_commit", step)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"rljax_checkpoint_marked_{step}")
+    if not primary:
+        _fault_point("kill_after_checkpoint_commit", step)
     return target
 
 

@@ -63,6 +63,17 @@ def run_history(paths: list[pathlib.Path]) -> tuple[set[str], dict[int, dict[str
     return ids, rows
 
 
+def history_steps(paths: list[pathlib.Path]) -> list[int]:
+    """The step of every history record of ``paths``, in order (a step twice: logged twice)."""
+    steps = []
+    for path in paths:
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): i.value_json for i in record.history.item}
+                steps.append(int(json.loads(items["_step"])))
+    return steps
+
+
 def run_config(paths: list[pathlib.Path]) -> dict[str, Any]:
     """The config updates of the runs' ``config`` records."""
     out: dict[str, Any] = {}

@@ -428,3 +428,53 @@ def test_kill_9_mid_save_leaves_the_previous_step_latest(tmp_path):
     ck.save(tmp_path, 100, params=_tree(100), opt_state={"count": np.int32(100)}, keep=2)
     assert ck.latest_step(tmp_path) == 100
     assert not [p for p in tmp_path.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+
+
+# ------------------------------------------------------------------------------------------------
+# fault injection at the commit (RLJAX_FAULT)
+# ------------------------------------------------------------------------------------------------
+
+_FAULT_CHILD = """
+import sys
+import numpy as np
+from rljax.training import checkpoint as ck
+for step in (1, 2, 3):
+    ck.save(sys.argv[1], step, params={"w": np.full(2, step, np.float32)}, opt_state={}, keep=1)
+print("UNREACHED", flush=True)
+"""
+
+
+@pytest.mark.subprocess
+def test_fault_points_kill_the_process_right_before_and_after_the_marker(tmp_path):
+    points = {"kill_before_checkpoint_commit": 1, "kill_after_checkpoint_commit": 2}  # -> latest
+    children = {
+        point: subprocess.Popen(
+            [sys.executable, "-c", _FAULT_CHILD, str(tmp_path / point)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=subprocess_env(**{ck.FAULT_ENV: f"{point}:2"}),
+        )
+        for point in points
+    }
+    for point, latest in points.items():
+        out, err = children[point].communicate(timeout=120)
+        assert children[point].returncode == -signal.SIGKILL, err.decode()[-2000:]
+        assert b"UNREACHED" not in out
+        directory = tmp_path / point
+        assert ck.latest_step(directory) == latest
+        assert json.loads((directory / "latest").read_text()) == {"step": latest}
+        # step_2 is sealed in both cases; keep=1 never deleted step_1: the kill came before that
+        assert ck.checkpoint_steps(directory) == [1, 2] and ck.verify(directory, 2)
+        assert ck.restore(directory).params["w"].tolist() == [latest, latest]
+
+
+def test_a_malformed_fault_variable_fails_before_anything_is_written(tmp_path, monkeypatch):
+    w = {"w": jnp.ones(2)}
+    for bad in ("kill_after_commit:2", "kill_after_checkpoint_commit", "kill_after_checkpoint_commit:-1"):
+        monkeypatch.setenv(ck.FAULT_ENV, bad)
+        with pytest.raises(ValueError, match="RLJAX_FAULT=.*kill_before_checkpoint_commit, kill_after"):
+            ck.save(tmp_path, 2, params=w, opt_state={})
+    assert not tmp_path.exists() or ck.checkpoint_steps(tmp_path) == []
+    monkeypatch.setenv(ck.FAULT_ENV, "kill_after_checkpoint_commit:3, kill_before_checkpoint_commit:4")
+    ck.save(tmp_path, 2, params=w, opt_state={})  # other steps: an ordinary save
+    assert ck.latest_step(tmp_path) == 2

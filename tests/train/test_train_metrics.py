@@ -323,3 +323,13 @@ def test_progress_is_a_bar_on_a_terminal_and_one_line_elsewhere(monkeypatch):
     assert mt.is_ci() is False
     with pytest.raises(ValueError, match="needs an iterable"):
         list(mt.Progress(stream=pipe))
+
+
+def test_tensorboard_tags_are_the_metric_names(tmp_path):
+    """pass@k and pass^k are two series (tensorboardX's tag cleaning would make both eval/pass_1)."""
+    from tensorboard_events import scalars
+
+    sink = mt.TensorBoardSink(tmp_path)
+    sink.write(1, {"eval/pass@1": 1.0, "eval/pass^1": 0.5})
+    sink.close()
+    assert scalars(tmp_path) == {"eval/pass@1": [(1, 1.0)], "eval/pass^1": [(1, 0.5)]}

