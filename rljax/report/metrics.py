@@ -289,6 +289,17 @@ def _histogram_edges() -> list[float]:
     return [-e for e in reversed(edges)] + [0.0] + edges
 
 
+def _next_event_seconds(logdir: pathlib.Path) -> int:
+    """The seconds field of a new event file's name: now, or one past the newest existing file's
+    (TensorBoard reads a directory's files in name order; a resumed run's file must come last)."""
+    now = int(time.time())
+    for path in logdir.glob("events.out.tfevents.*"):
+        field = path.name.split(".")[3]
+        if field.isdigit():
+            now = max(now, int(field) + 1)
+    return now
+
+
 class TensorBoardSink:
     """TensorBoard events (one scalar tag per metric, histograms, text) in a new event file of ``logdir``.
 
@@ -302,8 +313,8 @@ class TensorBoardSink:
     ``SessionLog.START`` event at step ``S``: TensorBoard then discards the events of EARLIER files
     of the directory at steps ``>= S`` (those a killed run wrote after its last checkpoint), so each
     step shows once, with the resumed run's values. TensorBoard reads a directory's files in name
-    order; names start with ``events.out.tfevents.<unix seconds>``, so a restart must come at least
-    a second after the first file was created (starting JAX and restoring takes longer than that).
+    order; names start with ``events.out.tfevents.<unix seconds>``, and a new file's seconds are
+    past every existing file's (a restart within the same second still sorts after the first file).
 
     Non-finite values are written as they are (TensorBoard shows them as gaps / NaN).
 
@@ -325,9 +336,10 @@ class TensorBoardSink:
             ) from e
         self.logdir = pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        # pid + random suffix: two writers started in the same second never share (truncate) a file
+        # pid + random suffix: two writers started in the same second never share (truncate) a file;
+        # the seconds field is past every existing file's, so this file sorts (and is read) last
         name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"events.out.tfevents.{_next_event_seconds(self.logdir):010d}.{socket.gethostname()}."
             f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
         )
         self.path = self.logdir / name

@@ -162,7 +162,7 @@ def test_the_kernel_is_preferred_only_by_a_clear_margin():
 def test_the_choice_pairs_rounds_so_a_loaded_round_does_not_flip_it():
     """Load that slows both sides of a round cancels in its ratio, and one outlier round (the kernel's
     first call on a cold cache, a neighbour's burst) cannot outvote the others."""
-    panel = [1.0, 3.0, 1.0, 1.0, 9.0]  # rounds 2 and 5 loaded
+    panel = [1.0, 3.0, 1.0, 1.0, 9.0]  # the second and fifth timing rounds ran on a loaded machine
     xla = [0.9, 2.8, 0.9, 0.9, 1.0]  # XLA 10 % faster in every quiet round
     assert pm.speedup(panel, xla) == pytest.approx(0.9)
     assert not pm.prefers_panels(panel, xla)

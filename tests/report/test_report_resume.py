@@ -194,3 +194,20 @@ def test_wandb_offline_resume_holds_every_step_once(tmp_path):
     ids, history = run_history([new])
     assert ids == {first.run_id}
     assert {s: history[s]["loss"] for s in history} == {1: 11.0, 2: 12.0, 3: 23.0, 4: 24.0}
+
+
+def test_a_resumed_event_file_sorts_after_the_first_within_the_same_second(tmp_path, monkeypatch):
+    """TensorBoard reads a directory's event files in name order: a writer started in the same second
+    as an earlier one (a fast restart) must still sort after it, or its purge step hides nothing."""
+    import time
+
+    from rljax.report.metrics import TensorBoardSink
+
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)  # every writer starts in one second
+    paths = []
+    for _ in range(5):
+        sink = TensorBoardSink(tmp_path)
+        sink.write(1, {"loss": 1.0})
+        sink.close()
+        paths.append(sink.path)
+    assert event_files(tmp_path) == paths  # creation order is name order
