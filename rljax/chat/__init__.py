@@ -13,7 +13,13 @@ helper and :mod:`rljax.chat.tool_calls` for the parsers.
 """
 
 from rljax.chat.base import DemonstrationHint, ParsedResponse, Rendered, Renderer, TemplateRenderer
-from rljax.chat.chatml import QWEN25_DEFAULT_SYSTEM, ChatMLRenderer, Qwen25Renderer
+from rljax.chat.chatml import (
+    QWEN25_DEFAULT_SYSTEM,
+    SMOLLM2_DEFAULT_SYSTEM,
+    ChatMLRenderer,
+    Qwen25Renderer,
+    SmolLM2Renderer,
+)
 from rljax.chat.generic import GenericRenderer
 from rljax.chat.llama3 import Llama3Renderer
 from rljax.chat.qwen3 import Qwen3Renderer
@@ -30,6 +36,7 @@ from rljax.chat.toy import toy_tokenizer
 __all__ = [
     "QWEN25_DEFAULT_SYSTEM",
     "RENDERERS",
+    "SMOLLM2_DEFAULT_SYSTEM",
     "ChatMLRenderer",
     "ChatSession",
     "DemonstrationHint",
@@ -40,6 +47,7 @@ __all__ = [
     "Qwen3Renderer",
     "Rendered",
     "Renderer",
+    "SmolLM2Renderer",
     "TemplateRenderer",
     "ToolCallError",
     "make_renderer",

@@ -9,7 +9,8 @@ Qwen2.5 model card "function calling"):
 * tool results: consecutive ``tool`` messages share one ``user`` turn of
   ``\\n<tool_response>\\n{content}\\n</tool_response>`` blocks.
 
-``Qwen25Renderer`` is the same format with Qwen2.5's default system prompt. Usage::
+``Qwen25Renderer`` is the same format with Qwen2.5's default system prompt; ``SmolLM2Renderer`` is
+SmolLM2-Instruct's template (ChatML with its own default system prompt, no tool format). Usage::
 
     r = ChatMLRenderer(tokenizer)                      # or Qwen25Renderer(tokenizer)
     prompt = r.render_ids(messages, add_generation_prompt=True, tools=tools)
@@ -25,9 +26,17 @@ from typing import Any
 from rljax.chat.base import Message, Piece, TemplateRenderer
 from rljax.chat.tool_calls import ToolCallError, parse_hermes_tool_calls, tool_call_function
 
-__all__ = ["QWEN25_DEFAULT_SYSTEM", "ChatMLRenderer", "Qwen25Renderer", "tojson"]
+__all__ = [
+    "QWEN25_DEFAULT_SYSTEM",
+    "SMOLLM2_DEFAULT_SYSTEM",
+    "ChatMLRenderer",
+    "Qwen25Renderer",
+    "SmolLM2Renderer",
+    "tojson",
+]
 
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
@@ -203,3 +212,52 @@ class Qwen25Renderer(ChatMLRenderer):
 
     def __init__(self, tokenizer: Any, *, default_system: str | None = QWEN25_DEFAULT_SYSTEM):
         super().__init__(tokenizer, default_system=default_system)
+
+
+class SmolLM2Renderer(ChatMLRenderer):
+    """SmolLM2-Instruct's chat template (the ``tokenizer.chat_template`` of its HF repo and GGUF files).
+
+    Every message is a ChatML turn ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, ``tool`` messages
+    included (under their own role, not Qwen's ``<tool_response>`` blocks); a conversation that does
+    not start with a system message gets :data:`SMOLLM2_DEFAULT_SYSTEM`. The template has no tool
+    format: it drops ``tools`` and assistant ``tool_calls`` silently, so this renderer raises a
+    ``ValueError`` for them instead of training on prompts that lack them; responses are parsed as
+    plain text.
+
+    >>> from rljax.chat.toy import toy_tokenizer
+    >>> r = SmolLM2Renderer(toy_tokenizer("chatml"))
+    >>> print(r.decode(r.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)))
+    <|im_start|>system
+    You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+    <|im_start|>user
+    hi<|im_end|>
+    <|im_start|>assistant
+    <BLANKLINE>
+    """
+
+    FORMAT = "SmolLM2"
+
+    def __init__(self, tokenizer: Any, *, default_system: str | None = SMOLLM2_DEFAULT_SYSTEM):
+        super().__init__(tokenizer, default_system=default_system)
+
+    def _pieces(
+        self, messages: list[Message], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+    ) -> list[Piece]:
+        if tools:
+            raise ValueError(
+                "the SmolLM2 chat template has no tool format (it drops tools); render without tools, or "
+                "use GenericRenderer with a tokenizer whose template renders them"
+            )
+        for i, message in enumerate(messages):
+            if message.get("tool_calls"):
+                raise ValueError(
+                    f"messages[{i}] has tool_calls, which the SmolLM2 chat template drops; "
+                    "put the call in the content instead"
+                )
+        return super()._pieces(messages, add_generation_prompt=add_generation_prompt, tools=None)
+
+    def _tool_pieces(self, messages: list[Message], i: int) -> list[Piece]:
+        return self._plain_turn("tool", message_text(messages[i], i), i)
+
+    def _parse_text(self, text: str) -> tuple[str, str | None, list[dict[str, Any]], list[ToolCallError]]:
+        return text, None, [], []

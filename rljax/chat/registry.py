@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljax.chat.base import Renderer
-from rljax.chat.chatml import ChatMLRenderer, Qwen25Renderer
+from rljax.chat.chatml import ChatMLRenderer, Qwen25Renderer, SmolLM2Renderer
 from rljax.chat.generic import GenericRenderer
 from rljax.chat.llama3 import Llama3Renderer
 from rljax.chat.qwen3 import Qwen3Renderer
@@ -23,6 +23,7 @@ RENDERERS: dict[str, type[Renderer]] = {
     "qwen2.5": Qwen25Renderer,
     "qwen3": Qwen3Renderer,
     "llama3": Llama3Renderer,
+    "smollm2": SmolLM2Renderer,
 }
 
 

@@ -1,5 +1,5 @@
-"""Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors I/O, chunked
-logprobs, KV cache and decode drivers (design §5).
+"""Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors and GGUF
+I/O, chunked logprobs, KV cache and decode drivers (design §5).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -14,6 +14,8 @@ from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.decode import DecodeOutput, decode_step, prefill
 from rljax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput, cast_model, num_params
+from rljax.models.gguf_io import from_gguf, is_gguf_path, load_gguf_config
+from rljax.models.gguf_tokenizer import gguf_tokenizer
 from rljax.models.hf_io import (
     HF_EXPERT_NAME_MAP,
     HF_NAME_MAP,
@@ -72,6 +74,10 @@ __all__ = [
     "ModelConfig",
     "Routing",
     "decode_step",
+    "from_gguf",
+    "gguf_tokenizer",
+    "is_gguf_path",
+    "load_gguf_config",
     "expert_load",
     "flip_fraction",
     "load_balancing_loss",

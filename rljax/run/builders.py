@@ -16,7 +16,7 @@ from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.chat import toy_tokenizer
 from rljax.core.objective import ObjectiveConfig
 from rljax.extras import require
-from rljax.models import Decoder, ModelConfig, from_pretrained
+from rljax.models import Decoder, ModelConfig, from_gguf, from_pretrained, gguf_tokenizer, is_gguf_path
 from rljax.run.config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
 from rljax.run.tasks import EnvTasks
 
@@ -58,16 +58,20 @@ def check_extras(cfg: RunConfig) -> None:
 
 
 def build_tokenizer(cfg: TokenizerSection) -> Any:
-    """``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path."""
+    """``"toy:<family>"`` (a byte-level toy tokenizer built in code), a ``.gguf`` file (its tokenizer
+    and chat template, :func:`rljax.models.gguf_tokenizer.gguf_tokenizer`) or an HF tokenizer path."""
     if cfg.name.startswith("toy:"):
         return toy_tokenizer(cfg.name[4:])
+    if is_gguf_path(cfg.name):
+        return gguf_tokenizer(cfg.name)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.name)
 
 
 def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
-    """A Decoder from ``cfg.hf_path`` (HF safetensors) or a fresh one of ``cfg.init``.
+    """A Decoder from ``cfg.hf_path`` (an HF safetensors directory or a ``.gguf`` file, dequantized by
+    :func:`rljax.models.gguf_io.from_gguf`) or a fresh one of ``cfg.init``.
 
     Parameters are held in ``cfg.param_dtype`` whatever the checkpoint stores (a bfloat16 checkpoint
     is upcast to float32 master weights by default), activations computed in ``cfg.compute_dtype``.
@@ -77,7 +81,7 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
               attention=cfg.attention, context_attention=cfg.context_attention,
               precision=precision)  # fmt: skip
     if cfg.hf_path:
-        return from_pretrained(cfg.hf_path, **kw)
+        return (from_gguf if is_gguf_path(cfg.hf_path) else from_pretrained)(cfg.hf_path, **kw)
     fields = dict(cfg.init)
     if not fields.get("vocab_size"):
         fields["vocab_size"] = int(vocab_size)

@@ -142,7 +142,7 @@ def test_session_errors_and_flow(toks):
 
 
 def test_registry_and_toy_tokenizers(toks):
-    assert sorted(RENDERERS) == ["chatml", "generic", "llama3", "qwen2.5", "qwen3"]
+    assert sorted(RENDERERS) == ["chatml", "generic", "llama3", "qwen2.5", "qwen3", "smollm2"]
     assert isinstance(make_renderer("qwen3", toks["qwen3"], retention="all"), Qwen3Renderer)
     for family, name in (("chatml", "qwen3"), ("llama3", "llama3")):
         tok = toy_tokenizer(family)
