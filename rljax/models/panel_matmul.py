@@ -6,7 +6,7 @@ which multiplies one row per sequence by every weight, streams each panel once w
 accumulate in AVX2 registers, prefetching the next panel and sharing the panels with XLA's intra-op
 thread pool. On the 2-core development machine a ``[32, 512] @ [512, 1536]`` product with weights
 streamed from memory ran at ~125 GFLOP/s against ~70 for XLA:CPU's own kernels on the same shapes
-(see the README's generation section for the sampler-level figures).
+(see docs/results.md for the sampler-level figures).
 
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache
