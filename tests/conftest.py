@@ -1,5 +1,5 @@
 """Test-wide settings: 8 fake CPU devices for sharding tests, float64 available for references; the
-tiers of the suite (markers registered in setup.cfg, see README "Tests").
+tiers of the suite (markers registered in setup.cfg, see docs/getting_started.md).
 
 * ``vllm``: the test needs a real vLLM server; applied here to every test that uses the
   ``vllm_python`` fixture (directly or through a server fixture built on it);

@@ -531,8 +531,7 @@ class EmbeddedSampler:
         ``"auto"`` (default, :func:`auto_kernel_layout`): ``"panels"`` where that kernel is
         available and measured faster than XLA on this machine (timed once, cached), else
         ``"out_in"`` on CPU, and ``"in_out"`` elsewhere (the copy would hold the weights twice in
-        accelerator memory). 29M Qwen3, 32 x (64 + 128) tokens: see the README's generation
-        benchmark.
+        accelerator memory). 29M Qwen3, 32 x (64 + 128) tokens: see docs/results.md.
       decode_segments: most segments of a call's decode loop (:func:`generate_tokens`): each
         segment's steps attend only to the cache slots filled by its end, so more segments mean
         less attention work per step and a longer compile (one more decode step per segment).

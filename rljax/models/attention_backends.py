@@ -15,7 +15,7 @@ cudnn_ragged
           more than :data:`CUDNN_MAX_RUNS` runs takes the ``cudnn`` path (exact). On an H200: ~3.5x
           faster than ``cudnn`` at 16k tokens, a 64k-token train step 11x faster in the same memory
           (cuDNN's packed backward holds buffers that grow with the bound times the row length, which
-          is why the bound is 16; see the README)
+          is why the bound is 16; see docs/guides/long_context.md)
 splash    Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) with a
           causal mask and ``SegmentIds``: the kernel skips fully masked ``(q, kv)`` blocks itself
 ========  ========================================================================================

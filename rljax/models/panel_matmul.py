@@ -10,8 +10,7 @@ AMD EPYC (no AVX-512) a ``[32, 512] @ [512, 1536]`` product with weights streame
 faster (~70 vs ~60 GFLOP/s on :func:`timed_choice`'s workload; the 29M model's sampling pass
 1.1-1.4x slower with the kernel). So the embedded sampler's default takes it only where
 :func:`use_panels` says so: a timed comparison on decode shapes at first use, cached per machine
-and build (:func:`timed_choice`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces it on / off (see the
-README's generation section).
+and build (:func:`timed_choice`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces it on / off (see docs/results.md).
 
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache

@@ -14,7 +14,7 @@ one and change what they need.
     rljax train --config=default --workdir=/tmp/rljax_default
     rljax train --config=default --config.trainer.num_steps=5
     rljax train --config=default \
-        --config.trainer.filters="[dict(name='overlong', mode='enforce')]"
+        --config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"
 """
 
 from ml_collections import config_dict

@@ -12,7 +12,7 @@ upcast on load; an lr of 1e-6 would round away in bf16), activations in bfloat16
 log-probs / ratios / losses in float32; each mini-batch runs as micro-batches of at most
 ``trainer.micro_batch_tokens`` tokens accumulated in one jitted scan. vLLM serves bfloat16 weights
 (``engine.dtype``) and every sync is verified against rljax's own bf16 logprobs of the same cast
-weights (tolerance: ``SYNC_ATOL['bfloat16']``, see the README's "Real models").
+weights (tolerance: ``SYNC_ATOL['bfloat16']``, see docs/guides/precision_memory_export.md).
 
 Layout: the trainer holds the model on the mesh (parameters and Adam moments sharded by the rules of
 rljax.models.sharding; batches sharded by rows over data x fsdp); generation runs on vLLM servers

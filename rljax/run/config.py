@@ -748,7 +748,8 @@ def default_config() -> Any:
     """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``rljax/recipes/default.py``).
 
     Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
-    fields, so ``--config.trainer.filters="[dict(name='overlong', mode='enforce')]"`` works.
+    fields, so ``--config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"`` works (a Python
+    literal: ml_collections parses the value with ``ast.literal_eval``, so ``dict(...)`` calls stay a string).
     """
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})

@@ -35,7 +35,8 @@ transformers = pytest.importorskip("transformers")
 # of random tiny models with peaked distributions (random_decoder), 5 seeds per family (measured
 # 2026-11-24): dense llama/qwen2/qwen3 <= 0.084 (mean 0.010-0.016); MoE <= 0.33 (a token whose
 # top-k flips under bf16 routes to other experts; mean <= 0.04). bf16 keeps 8 mantissa bits
-# (relative rounding 2^-9 per op). Documented bounds (README "Real models"): 2-3x the measured max.
+# (relative rounding 2^-9 per op). Documented bounds (docs/guides/precision_memory_export.md): 2-3x
+# the measured max.
 BF16_COMPUTE_LOGPROB_ATOL = {"dense": 0.2, "moe": 1.0}
 BF16_COMPUTE_LOGPROB_MEAN_ATOL = 0.1
 
