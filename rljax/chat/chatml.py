@@ -27,6 +27,7 @@ from rljax.chat.tool_calls import ToolCallError, parse_hermes_tool_calls, tool_c
 
 __all__ = ["QWEN25_DEFAULT_SYSTEM", "ChatMLRenderer", "Qwen25Renderer", "tojson"]
 
+#: The system turn Qwen2.5's chat template adds when a conversation has none.
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"

@@ -15,7 +15,7 @@ from rljax.models.config import ModelConfig
 from rljax.models.panel_matmul import PANEL, pack_panels, panel_matmul
 from rljax.models.panel_matmul import available as panel_matmul_available
 
-__all__ = ["MLP", "Linear", "RMSNorm"]
+__all__ = ["MLP", "Linear", "RMSNorm", "decode_layout"]
 
 _INIT_STD = 0.02
 

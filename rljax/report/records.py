@@ -55,6 +55,7 @@ __all__ = [
     "write_rollout_records",
 ]
 
+#: Folder of a run's workdir holding the rollout records (``step_<S>.jsonl``).
 ROLLOUTS_DIR = "rollouts"
 
 
@@ -114,6 +115,7 @@ class PreparationTrace:
         self._offset += len(prepared.samples)
 
     def get(self, trajectory: TrajectoryID, turn: int) -> StepTrace | None:
+        """The trace of one trajectory's turn, or None when it was not traced."""
         return self._by_key.get((trajectory, turn))
 
     def samples_of(self, trajectory: TrajectoryID) -> int:
