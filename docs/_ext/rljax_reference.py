@@ -194,7 +194,7 @@ def module_page(module: str, entries: list[Entry], children: list[str]) -> str:
         for e in (e for e in entries if e.public):
             lines += [
                 f"   * - :py:obj:`~{e.home}`",
-                f"     - {summary(getattr(sys.modules[module], e.name))}",
+                f"     - {summary(module, e.name)}",
             ]
         lines.append("")
     own = attribute_docs(module)
@@ -210,18 +210,24 @@ def module_page(module: str, entries: list[Entry], children: list[str]) -> str:
     return "\n".join(lines)
 
 
-_ROLE = re.compile(r":(?:py:)?\w+:`~?\.?(?:[^`<]*<)?([^`>]+)>?`")
+_ROLE = re.compile(r":(?:py:)?(\w+):`~?\.?(?:[^`<]*<)?([^`>]+)>?`")
 
 
-def summary(value: Any) -> str:
-    """The first sentence of ``value``'s docstring as plain text with literals (no references: the
-    summary table's page is not the module the docstring's relative names are written for)."""
-    doc = inspect.getdoc(value) if _kind(value) != "data" else None
+def _role_text(match: re.Match) -> str:
+    role, target = match.groups()
+    return "``" + (target if role == "mod" else target.rpartition(".")[2]) + "``"
+
+
+def summary(module: str, name: str) -> str:
+    """The first sentence of the docstring of ``module.name`` as plain text with literals (no
+    references: the summary table's page is not the module the docstring's names are relative to)."""
+    value = getattr(sys.modules[module], name)
+    doc = data_docs(module, name) if _kind(value) == "data" else inspect.getdoc(value)
     if not doc:
         return ""
     paragraph = " ".join(doc.split("\n\n")[0].split())
     sentence = _split_clauses(paragraph, stops=".")[0] if paragraph else ""
-    text = _ROLE.sub(lambda m: "``" + m.group(1).rpartition(".")[2] + "``", sentence)
+    text = _ROLE.sub(_role_text, sentence)
     text = re.sub(r"(?<!`)`([^`]+)`(?!`)", r"``\1``", text)  # default role -> literal
     return text
 
