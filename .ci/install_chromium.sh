@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install Chromium from the Debian packages for the browser test of the run report (tests/report/).
+# Install Chromium from the Debian packages for the browser tests of the run report (tests/report/)
+# and of the documentation site (tests/docs/).
 #
 # Idempotent: does nothing when a chromium binary is already on PATH. Needs root (CI containers) or
 # passwordless sudo; without either it only says so (the report test then fails under CI=true).

@@ -258,6 +258,7 @@ class Algorithm:
         return self.teacher
 
     def replace(self, **changes: Any) -> Algorithm:
+        """A copy with the given fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -539,6 +540,7 @@ class AlgorithmConfig:
 
     @property
     def algorithms(self) -> tuple[Algorithm, ...]:
+        """The run's distinct algorithms (the default and the per-env ones), sorted by name."""
         seen: dict[str, Algorithm] = {}
         for a in (self.default, *self.per_env.values()):
             seen.setdefault(a.name, a)
@@ -546,18 +548,22 @@ class AlgorithmConfig:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The names of :attr:`algorithms`, sorted."""
         return tuple(a.name for a in self.algorithms)
 
     @property
     def needs_critic(self) -> bool:
+        """Whether any of the run's algorithms needs a value model (PPO's GAE)."""
         return any(a.needs_critic for a in (self.default, *self.per_env.values()))
 
     @property
     def needs_teacher(self) -> bool:
+        """Whether any of the run's algorithms scores samples with a frozen model."""
         return any(a.needs_teacher for a in (self.default, *self.per_env.values()))
 
     @property
     def needs_demonstrations(self) -> bool:
+        """Whether any of the run's algorithms reads the tasks' demonstrations."""
         return any(a.needs_demonstrations for a in (self.default, *self.per_env.values()))
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 __all__ = ["EXTRAS", "MissingExtraError", "missing_modules", "require"]
 
+#: Each optional part (a pip extra or one tracker of one) and the modules it needs.
 EXTRAS: dict[str, tuple[str, ...]] = {  # extra -> the importable modules it installs
     "gateway": ("uvicorn", "openai"),
     "tinker": ("tinker", "fastapi", "uvicorn"),

@@ -233,9 +233,11 @@ class TrajectoryRecord:
 
     @property
     def errored(self) -> bool:
+        """Whether the trajectory ended on an error."""
         return self.error_kind is not None
 
     def fail(self, kind: str, error: BaseException | str) -> None:
+        """Records that the trajectory failed with ``error`` of ``kind`` (an engine error aborts it)."""
         self.error_kind = kind
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         self.exception = None if isinstance(error, str) else error

@@ -106,10 +106,12 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus response tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
     def per_token_reward(self) -> bool:
+        """Whether ``reward`` is an array over the response tokens (else a scalar)."""
         return not np.isscalar(self.reward) and not isinstance(self.reward, (int, float))
 
     @property
@@ -118,6 +120,7 @@ class Step:
         return float(np.sum(self.reward)) if self.per_token_reward else float(self.reward)
 
     def replace(self, **changes: Any) -> Step:
+        """A copy with the given fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -163,7 +166,9 @@ class PackedBatch:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """``(rows, seq_len)`` of the packed tokens."""
         return tuple(np.shape(self.tokens))
 
     def replace(self, **changes: Any) -> PackedBatch:
+        """A copy with the given fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)

@@ -64,6 +64,8 @@ __all__ = [
     "run_agent_rollout",
 ]
 
+#: An agent function: ``async def agent(task, client, **kwargs)`` with an ``openai.AsyncOpenAI``
+#: client bound to its rollout's gateway session (:func:`load_agent` imports one by name).
 AgentFn = Callable[..., Any]
 
 

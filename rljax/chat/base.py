@@ -3,7 +3,7 @@
 A renderer turns OpenAI-style messages (dicts with ``role``, ``content`` and optionally
 ``reasoning_content``, ``tool_calls``, ``tool_call_id``, ``name``) into token ids for one chat
 format, and reads completions back. The agent loop never re-tokenizes generated text: the
-next prompt is the previous prompt + the sampled completion ids + the ids :meth:`bridge` adds
+next prompt is the previous prompt + the sampled completion ids + the ids :meth:`Renderer.bridge` adds
 for the new environment messages, so a trainer sees exactly the ids the sampler produced.
 
 Interface (every renderer):
@@ -64,6 +64,7 @@ __all__ = [
     "normalize_tools",
 ]
 
+#: A chat message: an OpenAI-style mapping (``role``, ``content``, optional ``tool_calls``, ...).
 Message = Mapping[str, Any]
 
 #: Default text of the system turn that carries a task's demonstration (opsd).

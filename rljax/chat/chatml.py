@@ -35,6 +35,7 @@ __all__ = [
     "tojson",
 ]
 
+#: The system turn Qwen2.5's chat template adds when a conversation has none.
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -52,6 +52,7 @@ from rljax.chat.tool_calls import parse_hermes_tool_calls, parse_llama3_json_too
 
 __all__ = ["TOOL_PARSERS", "GenericRenderer"]
 
+#: Tool-call parsers of :class:`GenericRenderer` by ``tool_parser`` name (None: no tool calls).
 TOOL_PARSERS = {"hermes": parse_hermes_tool_calls, "llama3_json": parse_llama3_json_tool_calls, None: None}
 _RENDER_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError)
 

@@ -40,6 +40,7 @@ from rljax.chat.tool_calls import ToolCallError, parse_hermes_tool_calls, split_
 __all__ = ["RETENTIONS", "Qwen3Renderer", "is_user_query", "last_query_index"]
 
 Retention = Literal["all", "tool_cycle", "template"]
+#: How :class:`Qwen3Renderer` keeps past reasoning (its ``retention``; see the module docstring).
 RETENTIONS: tuple[str, ...] = ("all", "tool_cycle", "template")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 

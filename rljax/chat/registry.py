@@ -17,6 +17,7 @@ from rljax.chat.qwen3 import Qwen3Renderer
 
 __all__ = ["RENDERERS", "make_renderer"]
 
+#: The built-in renderers by name (``config.renderer.name``; :func:`make_renderer`).
 RENDERERS: dict[str, type[Renderer]] = {
     "generic": GenericRenderer,
     "chatml": ChatMLRenderer,

@@ -2,7 +2,7 @@
 
 :class:`ChatSession` is the bookkeeping an agent loop needs around a renderer: it keeps the
 message history (for fallback renders and for the environment) and the exact prompt ids of
-the next turn. Completions are recorded as the sampler's ids and never re-tokenized.
+the next turn. Completions are recorded as the sampler's ids and never re-tokenized::
 
     session = ChatSession(renderer, env.reset(task), tools=tools)
     while True:

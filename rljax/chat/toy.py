@@ -49,7 +49,8 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
-# Minimal reference templates (plain formats, no tools) for GenericRenderer examples.
+#: Minimal reference templates (plain formats, no tools) for
+#: :class:`~rljax.chat.generic.GenericRenderer` examples.
 TOY_TEMPLATES = {
     "chatml": (
         "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 __all__ = ["RECIPES_DIR", "recipe_names", "recipe_path", "resolve_config_args"]
 
+#: The folder of the shipped recipes (``--config=<name>`` names a file in it).
 RECIPES_DIR = pathlib.Path(__file__).resolve().parents[1] / "recipes"
 
 

@@ -1,5 +1,7 @@
 """Evaluate a training checkpoint on the config's held-out tasks, without training.
 
+For example::
+
     rljax eval --config=reasoning_gym --checkpoint=/tmp/rg
     rljax eval --config=reasoning_gym --checkpoint=/tmp/rg/checkpoints/step_0 \\
         --config.eval.group_size=16 --config.eval.pass_k="(1, 4, 16)" --metrics_out=/tmp/rg_step0.json
@@ -67,6 +69,7 @@ def _default_out(directory: pathlib.Path, step: int) -> pathlib.Path:
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax eval`` with the parsed flags (``argv``: what absl left, the program name only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO

@@ -41,6 +41,7 @@ def _define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax export`` with the parsed flags (``argv``: what absl left, the program name only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it reads at INFO

@@ -12,7 +12,8 @@ from rljax.extras import MissingExtraError
 
 __all__ = ["SUBCOMMANDS", "main"]
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, one-line help)
+#: The subcommands of ``rljax``: name -> (module, one-line help).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("rljax.cli.train", "run (or resume) RL post-training from a config"),
     "eval": ("rljax.cli.eval", "evaluate a checkpoint on the config's held-out tasks"),
     "serve": ("rljax.cli.serve", "serve the Tinker-compatible training API"),

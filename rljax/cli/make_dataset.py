@@ -1,5 +1,7 @@
 """Write a dataset file of SkyRL-format rows from a task generator (so users see and edit the format).
 
+For example::
+
     rljax make-dataset --source reasoning_gym:leg_counting --num 512 --out data/legs.parquet
     rljax make-dataset --source reasoning_gym:basic_arithmetic --num 64 --split test \\
         --dataset_config='{"max_terms": 3}' --out data/arith_eval.jsonl
@@ -53,6 +55,7 @@ def make_rows(
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax make-dataset`` with the parsed flags (``argv``: what absl left, the program name only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     for flag in (_FLAGS.source, _FLAGS.num, _FLAGS.out):

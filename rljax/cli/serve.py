@@ -66,6 +66,7 @@ def _define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax serve`` with the parsed flags until the server is stopped (``argv`` is unused)."""
     del argv
     from rljax.extras import require
 

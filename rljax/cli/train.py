@@ -141,6 +141,7 @@ def _prepare_workdir(
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax train`` with the parsed flags (``argv``: what absl left, the program name only)."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it renames at INFO

@@ -26,6 +26,7 @@ def _define_flags() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Runs ``rljax view`` with the parsed flags: writes the run's HTML report (``argv`` is unused)."""
     import pathlib
 
     from rljax.report.html import write_report

@@ -557,6 +557,7 @@ class Estimator:
 
     @property
     def label(self) -> str:
+        """The estimator's name in messages: its registered name, else its function's name."""
         return self.name or getattr(self.fn, "__name__", repr(self.fn))
 
     @property

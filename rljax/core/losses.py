@@ -907,6 +907,7 @@ class PolicyLoss:
 
     @property
     def label(self) -> str:
+        """The loss's name in messages: its registered name, else its function's name."""
         return self.name or getattr(self.fn, "__name__", repr(self.fn))
 
     @property

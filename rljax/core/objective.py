@@ -49,7 +49,9 @@ import jax.numpy as jnp
 
 from rljax.core import losses, off_policy, segments
 
+#: The objective's per-token terms: the policy loss, cross-entropy, the KL to a reference.
 COMPONENTS: tuple[str, ...] = ("rl", "ce", "ref_kl")
+#: How per-token losses reduce to a scalar (design §3.5; ``config.objective.reduction``).
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
 
 

@@ -45,6 +45,8 @@ class Registry(Generic[T]):
         self.view: Mapping[str, T] = MappingProxyType(self._values)
 
     def register(self, name: str, value: T, *, overwrite: bool = False) -> T:
+        """Registers ``value`` under ``name`` and returns it; a taken name raises ``ValueError`` unless
+        ``overwrite``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self.what} name must be a non-empty str, got {name!r}")
         if name in self._values and not overwrite:
@@ -53,11 +55,13 @@ class Registry(Generic[T]):
         return value
 
     def get(self, name: str) -> T:
+        """The value registered as ``name``; an unknown name raises ``ValueError`` listing the known ones."""
         if not isinstance(name, str) or name not in self._values:
             raise ValueError(f"unknown {self.what} {name!r}; choose one of {self.names()}")
         return self._values[name]
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._values)
 
 

@@ -85,10 +85,12 @@ class StepBatch(Sequence[Step]):
 
     @property
     def steps(self) -> tuple[Step, ...]:
+        """The validated steps, in the order given."""
         return self._steps
 
     @property
     def trajectory_ids(self) -> list[TrajectoryID]:
+        """The trajectory id of each step, in step order."""
         return [s.trajectory_id for s in self._steps]
 
     def replace_steps(self, steps: Sequence[Step]) -> StepBatch:

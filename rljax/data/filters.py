@@ -198,6 +198,7 @@ class GibberishFilter(Filter):
 
     @property
     def logprob_threshold(self) -> float:
+        """Token log-probs below this (uniform over the vocabulary, less ``margin``) count as gibberish."""
         return -math.log(self.vocab_size) - self.margin
 
     def flags(self, batch: Sequence[Step], advantages: Advantages = None) -> np.ndarray:
@@ -368,6 +369,7 @@ class ZeroVarianceGroupFilter(Filter):
         return group_reward_spread(batch) <= self.atol
 
 
+#: The sample filters by name (``config.trainer.filters``; :func:`make_filter`).
 FILTERS: Mapping[str, type[Filter]] = {
     cls.name: cls
     for cls in (
@@ -500,6 +502,7 @@ class DynamicSampler:
 
     @property
     def groups_kept(self) -> int:
+        """Prompt groups kept so far, at most ``target_groups``."""
         return min(len(self._kept), self.target_groups)
 
     @property

@@ -91,6 +91,7 @@ class MergePlan:
 
     @property
     def num_samples(self) -> int:
+        """The number of samples after merging."""
         return len(self.samples)
 
     def merge_arrays(self, arrays: Sequence[Any], *, fill: float = 0.0) -> list[np.ndarray]:

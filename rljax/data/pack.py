@@ -8,21 +8,21 @@ jitted train step compiles a bounded number of times. Every per-token stream of
 :class:`~rljax.types.PackedBatch` is written at the same ``[row, column]`` as its token;
 entry ``t`` refers to predicting ``tokens[t]`` from ``tokens[<t]`` of the same segment:
 
-==================  ===========================================  ==============
-stream              response tokens                              prompt/padding
-==================  ===========================================  ==============
-loss_mask           the step's loss_mask                         0
-advantages          caller's per-step arrays (default 0)         0
-inference_logprobs  the step's response_logprobs (0 if None)     0
-old_logprobs        = inference_logprobs (trainer may recompute) 0
-ref_logprobs        caller's per-step arrays (default 0)         0
-rl/ce/ref_kl_w      caller's per-step arrays/scalars (1/0/0)     0
-temperatures        the step's temperature on the whole sample   1.0 on padding
-positions           0, 1, ... restarting at each sample          0 on padding
-segment_ids         1..k for the k samples of a row              0 on padding
-sample_index        dense sample id 0..n-1 (input order)         0 on padding
-group_index         dense prompt-group id (by ``instance_id``)   0 on padding
-==================  ===========================================  ==============
+==================  ============================================  ==============
+stream              response tokens                               prompt/padding
+==================  ============================================  ==============
+loss_mask           the step's loss_mask                          0
+advantages          caller's per-step arrays (default 0)          0
+inference_logprobs  the step's response_logprobs (0 if None)      0
+old_logprobs        = inference_logprobs (trainer may recompute)  0
+ref_logprobs        caller's per-step arrays (default 0)          0
+rl/ce/ref_kl_w      caller's per-step arrays/scalars (1/0/0)      0
+temperatures        the step's temperature on the whole sample    1.0 on padding
+positions           0, 1, ... restarting at each sample           0 on padding
+segment_ids         1..k for the k samples of a row               0 on padding
+sample_index        dense sample id 0..n-1 (input order)          0 on padding
+group_index         dense prompt-group id (by ``instance_id``)    0 on padding
+==================  ============================================  ==============
 
 Integer streams are int32, the others float32. Attention must not cross segment
 boundaries (the model uses ``segment_ids``); a sample never spans rows.
@@ -56,6 +56,7 @@ from rljax.data.batch import StepBatch
 from rljax.types import PackedBatch, Step
 
 __all__ = [
+    "OPTIONAL_STREAMS",
     "PackLayout",
     "PackResult",
     "bucket_rows",
@@ -239,10 +240,12 @@ class PackLayout:
 
     @property
     def num_samples(self) -> int:
+        """The number of samples placed."""
         return int(self.rows.shape[0])
 
     @property
     def lengths(self) -> np.ndarray:
+        """Each sample's length in tokens (prompt + response)."""
         return self.prompt_lens + self.response_lens
 
     def flat_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

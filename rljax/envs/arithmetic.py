@@ -117,6 +117,7 @@ class ArithmeticEnv:
         self.done = False
 
     def reset(self, task: Task) -> list[dict[str, Any]]:
+        """Starts the episode of ``task``: the optional system prompt and the question."""
         for key in ("a", "op", "b", "answer"):
             if key not in task.data:
                 raise ValueError(f"arithmetic task {task.id!r} has no {key!r} in its data")
@@ -136,6 +137,7 @@ class ArithmeticEnv:
         return self.format_credit if _INT.fullmatch(text) else 0.0
 
     def step(self, action: str) -> StepResult:
+        """Scores the answer (1.0 when correct) and ends the episode."""
         if self.task is None or self.done:
             raise ValueError("step() after the episode ended (or before reset); call reset(task) first")
         self.done = True

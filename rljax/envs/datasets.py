@@ -45,6 +45,7 @@ __all__ = [
     "write_rows",
 ]
 
+#: Row formats of dataset files: ``auto`` (detected per row), SkyRL's, verl's.
 ROW_FORMATS = ("auto", "skyrl", "verl")
 ID_COLUMNS = ("id", "uid", "instance_id")
 SPLIT_ALIASES = {"train": "train", "test": "test", "eval": "test", "validation": "test", "val": "test"}

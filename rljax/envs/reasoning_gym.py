@@ -38,6 +38,7 @@ __all__ = [
     "make_reasoning_gym_tasks",
 ]
 
+#: The system prompt of reasoning-gym tasks: reason, then answer inside ``<answer>`` tags.
 DEFAULT_SYSTEM_PROMPT = (
     "Given a problem, think step by step if needed, then give the final answer as "
     "<answer>answer here</answer>. Put only the final answer inside the tags."
@@ -261,6 +262,7 @@ class ReasoningGymEnv:
         self.done = False
 
     def reset(self, task: Task) -> list[dict[str, Any]]:
+        """Starts the episode of ``task`` (a reasoning-gym entry): the system prompt and the question."""
         name, entry = _entry_of(task)
         if self.dataset is not None and name != self.dataset:
             raise ValueError(
@@ -294,6 +296,7 @@ class ReasoningGymEnv:
         return extract_answer(text, tag_name=self.answer_tag)
 
     def step(self, action: str) -> StepResult:
+        """Scores the extracted answer with the dataset's own scorer and ends the episode."""
         if self.task is None or self.done:
             raise ValueError("step() after the episode ended (or before reset); call reset(task) first")
         self.done = True

@@ -80,15 +80,18 @@ __all__ = [
 #: The importlib.metadata entry-point group installed packages declare their envs in.
 ENTRY_POINT_GROUP = "rljax.envs"
 
+#: The built-in environment classes by name (``config.envs.<name>.env``).
 ENVS: dict[str, type] = {
     ArithmeticEnv.name: ArithmeticEnv,
     ToolLookupEnv.name: ToolLookupEnv,
     VerifiableEnv.name: VerifiableEnv,
 }
+#: The task makers of the built-in environments by name.
 TASK_MAKERS: dict[str, Callable[..., list[Task]]] = {
     ArithmeticEnv.name: make_arithmetic_tasks,
     ToolLookupEnv.name: make_lookup_tasks,
 }
+#: Environment libraries named as ``<library>:<id>`` (``skyrl_gym:gsm8k``, ``reasoning_gym:leg_counting``).
 LIBRARIES = ("skyrl_gym", "reasoning_gym")
 
 Factory = Callable[..., Any]

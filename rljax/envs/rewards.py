@@ -26,6 +26,7 @@ from rljax.envs.loader import load_attr
 
 __all__ = ["METHODS", "load_function", "math_verify_score", "score"]
 
+#: The ``method`` values of a ``reward_spec`` that :func:`score` computes.
 METHODS = ("math_verify", "rule", "exact_match")
 
 

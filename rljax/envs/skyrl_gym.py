@@ -35,6 +35,7 @@ from rljax.envs.base import StepResult, Task
 
 __all__ = ["POSTPROCESSED_ACTION_POLICIES", "SkyRLGymEnv"]
 
+#: What :class:`SkyRLGymEnv` does when an env rewrites the sampled action (``on_postprocessed_action``).
 POSTPROCESSED_ACTION_POLICIES = ("error", "keep_sampled")
 
 
@@ -95,6 +96,8 @@ class SkyRLGymEnv:
         self.task: Task | None = None
 
     def reset(self, task: Task) -> list[dict[str, Any]]:
+        """Creates the skyrl-gym env of ``task`` (its ``env_class`` unless the env names one) and returns
+        its prompt."""
         skyrl_gym = _import_skyrl_gym()
         env_id = self.env_id or (task.data or {}).get("env_class")
         if not env_id:
@@ -119,6 +122,8 @@ class SkyRLGymEnv:
         return [dict(m) for m in prompt]
 
     def step(self, action: str) -> StepResult:
+        """Passes the sampled text to the skyrl-gym env; returns its observations, reward, done flag and
+        metadata."""
         if self.env is None:
             raise ValueError("step() before reset(task)")
         text = str(action)
@@ -142,18 +147,21 @@ class SkyRLGymEnv:
         )
 
     def close(self) -> None:
+        """Closes the skyrl-gym env (its metrics stay readable)."""
         if self.env is not None:
             env, self.env = self.env, None
             self._closed = env
             env.close()
 
     def get_metrics(self) -> dict[str, Any]:
+        """The skyrl-gym env's episode metrics (empty when it has none)."""
         env = self.env if self.env is not None else getattr(self, "_closed", None)
         if env is None or not hasattr(env, "get_metrics"):
             return {}
         return dict(env.get_metrics() or {})
 
     def aggregate_metrics(self, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        """Episode metrics aggregated by the skyrl-gym env class, else their numeric means."""
         env = self.env if self.env is not None else getattr(self, "_closed", None)
         agg = getattr(type(env), "aggregate_metrics", None) if env is not None else None
         if agg is None:

@@ -40,12 +40,15 @@ __all__ = [
     "COLORS",
     "COMPACT_SYSTEM_PROMPT",
     "LOOKUP_TOOL",
+    "SYSTEM_PROMPT",
     "ToolLookupEnv",
     "make_lookup_tasks",
     "object_names",
 ]
 
+#: The colors the lookup task's objects can have.
 COLORS = ("red", "blue", "green", "gold")
+#: The ``lookup`` tool's OpenAI function schema (rendered into the prompt unless ``compact``).
 LOOKUP_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -58,7 +61,9 @@ LOOKUP_TOOL: dict[str, Any] = {
         },
     },
 }
+#: The default system prompt (the tool schema is rendered with it).
 SYSTEM_PROMPT = "Find facts with the lookup tool. Answer with one word."
+#: The system prompt of ``compact=True``: the tool-call format in one line, no tool schema.
 COMPACT_SYSTEM_PROMPT = (
     'Call <tool_call>\n{"name": "lookup", "arguments": {"key": NAME}}\n</tool_call> '
     "to get a color. Answer with one word."
@@ -175,6 +180,7 @@ class ToolLookupEnv:
         self.best_credit = 0.0
 
     def reset(self, task: Task) -> list[dict[str, Any]]:
+        """Starts the episode of ``task``: the optional system prompt and the question."""
         for key in ("table", "query", "answer"):
             if key not in task.data:
                 raise ValueError(f"lookup task {task.id!r} has no {key!r} in its data")
@@ -201,6 +207,8 @@ class ToolLookupEnv:
         return self.task.data["table"].get(key, f"no object named {key!r}")
 
     def step(self, action: str) -> StepResult:
+        """Answers the turn's ``lookup`` calls with tool messages, or scores its final answer and ends the
+        episode."""
         if self.task is None or self.done:
             raise ValueError("step() after the episode ended (or before reset); call reset(task) first")
         if hasattr(action, "tool_calls"):

@@ -48,6 +48,8 @@ class VerifiableEnv:
         self.done = False
 
     def reset(self, task: Task) -> list[dict[str, Any]]:
+        """Starts the episode of a dataset row: its messages, with the env's system prompt when they have
+        none."""
         if task.messages is None:
             raise ValueError(f"task {task.id!r} has no messages (the verifiable env runs dataset rows)")
         if task.reward_spec is None and self.reward_fn is None:
@@ -59,6 +61,7 @@ class VerifiableEnv:
         return messages
 
     def reward_spec(self) -> dict[str, Any]:
+        """The task's ``reward_spec`` with the env's ``reward_fn`` or ``method`` in place of its method."""
         assert self.task is not None
         spec = dict(self.task.reward_spec or {})
         if self.reward_fn is not None:
@@ -68,6 +71,7 @@ class VerifiableEnv:
         return spec
 
     def step(self, action: str) -> StepResult:
+        """Scores the response under :meth:`reward_spec` and ends the episode."""
         if self.task is None or self.done:
             raise ValueError("step() after the episode ended (or before reset); call reset(task) first")
         self.done = True

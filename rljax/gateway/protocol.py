@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "Answer",
     "ChatRequest",
     "GatewayError",
     "completion_body",
@@ -80,6 +81,7 @@ class GatewayError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI-style JSON error body of this error."""
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
 

@@ -246,6 +246,7 @@ class Gateway:
     # -- lifecycle --------------------------------------------------------------------------------------
     @property
     def started(self) -> bool:
+        """Whether the server is up and serving."""
         return self._server is not None and self._server.started and not self._task.done()
 
     @property

@@ -30,8 +30,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-# Reasons a completion ends. "abort": the engine gave up on the request (server died, request
-# cancelled); the tokens returned so far are exact but the turn is incomplete.
+#: Reasons a completion ends. "abort": the engine gave up on the request (server died, request
+#: cancelled); the tokens returned so far are exact but the turn is incomplete.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "FINISH_STOP",
     "GREEDY_EPS",
     "KERNEL_LAYOUTS",
+    "MIN_SEGMENT_STEPS",
     "EmbeddedSampler",
     "auto_kernel_layout",
     "bucket_size",
@@ -73,11 +74,15 @@ __all__ = [
     "to_decode_layout",
 ]
 
-GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding (vLLM's _SAMPLING_EPS)
+#: Temperatures below this mean greedy decoding (vLLM's ``_SAMPLING_EPS``).
+GREEDY_EPS = 1e-5
+#: Finish codes of a sequence in the decode loop: still running, stopped (a stop token), out of
+#: tokens (``max_tokens`` or the context).
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 _FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 _NEG_INF = -jnp.inf
-MIN_SEGMENT_STEPS = 32  # fewest decode steps per segment of the generation loop (decode_segment_ends)
+#: Fewest decode steps per segment of the generation loop (:func:`decode_segment_ends`).
+MIN_SEGMENT_STEPS = 32
 
 
 def bucket_size(n: int, *, minimum: int = 1) -> int:

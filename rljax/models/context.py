@@ -51,6 +51,7 @@ from rljax.models.attention import (
     merge_attention,
 )
 
+#: The mesh axis that splits each row's tokens (context parallelism).
 CONTEXT_AXIS = "context"
 #: How attention crosses the ``context`` axis (``model.context_attention``).
 CONTEXT_COLLECTIVES = ("all_gather", "ring")

@@ -28,8 +28,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
-# (HF checkpoint name, rljax parameter path, transpose). Rows whose parameter the model does not
-# have (biases, q/k norms, untied lm_head) are skipped for that model.
+#: (HF checkpoint name, rljax parameter path, transpose). Rows whose parameter the model does not
+#: have (biases, q/k norms, untied lm_head) are skipped for that model.
 HF_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
     ("model.embed_tokens.weight", "embed_tokens", False),
     ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False),
@@ -72,8 +72,8 @@ HF_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
     ("lm_head.weight", "lm_head.kernel", True),
 )
 
-# Per-expert HF tensors ``{e}`` = expert index; rljax stacks them along a leading expert axis, so the
-# rljax side names one slice ``path[e]`` of a stacked ``[E, in, out]`` parameter.
+#: Per-expert HF tensors ``{e}`` = expert index; rljax stacks them along a leading expert axis, so the
+#: rljax side names one slice ``path[e]`` of a stacked ``[E, in, out]`` parameter.
 HF_EXPERT_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers.{i}.mlp.experts.gate_proj[{e}]", True),
     ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers.{i}.mlp.experts.up_proj[{e}]", True),

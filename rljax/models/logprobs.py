@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
 
+#: Tokens per chunk of the chunked log-prob computation (bounds the ``[chunk, vocab]`` logits held).
 DEFAULT_CHUNK_SIZE = 512
 
 

@@ -82,8 +82,11 @@ __all__ = [
     "save_adapter",
 ]
 
+#: File name of a saved adapter's config (PEFT's).
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+#: File name of a saved adapter's weights (PEFT's).
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+#: Modules that get adapters by default: every attention and MLP projection.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT ``target_parameters`` of the stacked MoE experts (transformers' fused ``Qwen*MoeExperts``), in
 #: their registration order (PEFT nests the wrappers in that order); ``"experts"`` targets both.
@@ -110,6 +113,12 @@ class LoRAConfig:
     one shared ``A`` per expert, ``experts.down_proj`` the down projection; ``mlp.experts.*`` as PEFT
     writes them is accepted too). ``"experts"`` expands to both expert targets. The default targets
     the dense projections only: an expert adapter has ``E`` times the parameters of a dense one.
+
+    Attributes:
+      rank: the adapters' rank ``r``.
+      alpha: the adapters' scale numerator (scale ``alpha / r``).
+      targets: the modules that get adapters (see above).
+      dropout: adapter dropout; only 0 is supported.
 
     >>> LoRAConfig(targets=("q_proj", "experts")).targets
     ('q_proj', 'experts.gate_up_proj', 'experts.down_proj')
@@ -141,6 +150,7 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
+        """The factor of the adapter's output: ``alpha / rank``."""
         return float(self.alpha) / self.rank
 
     @property

@@ -5,21 +5,21 @@ Every parameter of :class:`rljax.models.Decoder` carries ``logical_axes`` metada
 dimension. :data:`DEFAULT_RULES` maps names to mesh axes (Megatron-style tensor parallelism over
 heads / MLP width / vocabulary, ZeRO-3 style FSDP over the hidden dimension):
 
-=========  ==========  =============================================
-logical    mesh axis   used by
-=========  ==========  =============================================
-vocab      tensor      embedding rows, lm_head columns
-embed      fsdp        hidden dim of every kernel and the embedding
-heads      tensor      q_proj columns / o_proj rows (num_heads*head_dim)
-kv_heads   tensor      k_proj, v_proj columns
-mlp        tensor      gate/up columns, down rows
-norm       (none)      RMSNorm weights (replicated)
-expert     expert      leading axis of stacked MoE expert weights
-moe_mlp    tensor      expert gate/up columns, down rows
-batch      data, fsdp, activations (for the train step's inputs); the
-           expert      expert axis also splits rows (expert parallelism
-                       borrows from data parallelism outside MoE layers)
-=========  ==========  =============================================
+=========  ============  ================================================================
+logical    mesh axis     used by
+=========  ============  ================================================================
+vocab      tensor        embedding rows, lm_head columns
+embed      fsdp          hidden dim of every kernel and the embedding
+heads      tensor        q_proj columns / o_proj rows (num_heads*head_dim)
+kv_heads   tensor        k_proj, v_proj columns
+mlp        tensor        gate/up columns, down rows
+norm       (none)        RMSNorm weights (replicated)
+expert     expert        leading axis of stacked MoE expert weights
+moe_mlp    tensor        expert gate/up columns, down rows
+batch      data, fsdp,   activations (for the train step's inputs); the expert axis also
+           expert        splits rows (expert parallelism borrows from data parallelism
+                         outside MoE layers)
+=========  ============  ================================================================
 
 Expert parallelism: MoE layers run under an ambient mesh (``jax.set_mesh``) with an ``expert`` axis
 exchange tokens with all-to-all (:func:`rljax.models.moe.expert_parallel_ffn`).
@@ -37,12 +37,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+#: Mesh axes of a dense model's trainer mesh.
 MESH_AXES = ("data", "fsdp", "tensor")
 #: Mesh axes with expert parallelism (MoE models).
 EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
+#: Sharding rules: (logical axis, mesh axis or axes or None) pairs, as :data:`DEFAULT_RULES`.
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
+#: Logical axis -> mesh axes (the table of the module docstring).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),

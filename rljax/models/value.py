@@ -35,6 +35,7 @@ from rljax.models.hf_io import from_pretrained, save_pretrained
 
 __all__ = ["VALUE_HEAD_FILE", "ValueModel", "load_value_model", "save_value_model", "values"]
 
+#: File of a value model's head, beside its HF checkpoint.
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
@@ -56,6 +57,7 @@ class ValueModel(nnx.Module):
 
     @property
     def config(self):  # noqa: ANN201 - the backbone's ModelConfig
+        """The backbone's :class:`~rljax.models.config.ModelConfig`."""
         return self.backbone.config
 
 

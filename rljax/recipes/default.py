@@ -23,4 +23,5 @@ from rljax.run.config import default_config
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The defaults of :class:`rljax.run.config.RunConfig` as a ``ConfigDict`` (see the module docstring)."""
     return default_config()

@@ -18,6 +18,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe with a LoRA adapter section (adapter-only training)."""
     c = default.get_config()
     c.lora = dict(
         rank=16,

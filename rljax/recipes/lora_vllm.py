@@ -16,6 +16,7 @@ from rljax.recipes import lora, vllm_local
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The local-vLLM recipe with the LoRA recipe's adapter section."""
     c = vllm_local.get_config()
     c.lora = lora.get_config().lora
     c.optimizer.learning_rate = lora.get_config().optimizer.learning_rate

@@ -1,10 +1,10 @@
 """A documented GPU recipe: Qwen3 from a Hugging Face checkpoint, vLLM servers, a (data, fsdp, tensor) mesh.
 
-Set the checkpoint directory (config.json + *.safetensors + tokenizer files, e.g. a local download of
+Set the checkpoint directory (``config.json`` + ``*.safetensors`` + tokenizer files, e.g. a local download of
 ``Qwen/Qwen3-0.6B``) and the mesh for your devices, then::
 
-    rljax train --config=qwen3_gpu \
-        --config.model.hf_path=/ckpts/Qwen3-0.6B --config.tokenizer.name=/ckpts/Qwen3-0.6B \
+    rljax train --config=qwen3_gpu \\
+        --config.model.hf_path=/ckpts/Qwen3-0.6B --config.tokenizer.name=/ckpts/Qwen3-0.6B \\
         --config.mesh.data=1 --config.mesh.fsdp=8 --workdir=/runs/qwen3_lookup
 
 Precision and memory: master weights, gradients and Adam moments in float32 (the bf16 checkpoint is
@@ -28,6 +28,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe set up for a Qwen3 checkpoint on GPUs (edit the paths and the mesh)."""
     c = default.get_config()
     c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
     # attention "auto": cuDNN's ragged fused attention on GPU with bf16 compute ("xla" / "cudnn" to compare)

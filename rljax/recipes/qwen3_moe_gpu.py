@@ -1,10 +1,10 @@
 """A documented MoE GPU recipe: Qwen3-30B-A3B with GSPO, sequence-level TIS and router replay (R3).
 
-Set the checkpoint directory (config.json + *.safetensors + tokenizer files, e.g. a local download of
+Set the checkpoint directory (``config.json`` + ``*.safetensors`` + tokenizer files, e.g. a local download of
 ``Qwen/Qwen3-30B-A3B``) and the mesh for your devices, then::
 
-    rljax train --config=qwen3_moe_gpu \
-        --config.model.hf_path=/ckpts/Qwen3-30B-A3B --config.tokenizer.name=/ckpts/Qwen3-30B-A3B \
+    rljax train --config=qwen3_moe_gpu \\
+        --config.model.hf_path=/ckpts/Qwen3-30B-A3B --config.tokenizer.name=/ckpts/Qwen3-30B-A3B \\
         --config.mesh.fsdp=2 --config.mesh.expert=4 --workdir=/runs/qwen3_moe
 
 Why these choices (the reference recipe in the team notes):
@@ -32,6 +32,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe set up for Qwen3-30B-A3B with GSPO and router replay (edit paths and mesh)."""
     c = default.get_config()
     c.model.update(
         hf_path="/path/to/Qwen3-30B-A3B",

@@ -43,6 +43,7 @@ WRONG = ("aaa", "eee", "ooo", "the", "and", "you", "xyz", "qqq", "mmm", "sss", "
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe on the reasoning-gym task of the module docstring."""
     c = default.get_config()
     c.envs = config_dict.ConfigDict(
         {

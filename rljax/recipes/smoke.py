@@ -9,6 +9,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe shrunk to a run of seconds."""
     c = default.get_config()
     c.model.init.update(
         hidden_size=16,

@@ -15,6 +15,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe's model served by ``rljax serve`` (no warm start: clients train it)."""
     c = default.get_config()
     c.warmstart.num_steps = 0  # the API trains what its clients ask for, nothing else
     return c

@@ -1,6 +1,6 @@
 """Tinker-compatible API recipe with sampling clients served by vLLM: ``rljax/recipes/tinker.py``'s tiny
 model (``head_dim`` 64: vLLM's CPU attention rejects smaller heads) with ``rljax/recipes/vllm_local.py``'s
-engine section.
+engine section::
 
     rljax serve --config=tinker_vllm --port=8000 --workdir=/tmp/rljax_tinker
     # attach to servers you started yourself on the same base weights (with --enable-lora
@@ -22,6 +22,7 @@ from rljax.recipes import tinker, vllm_local
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The Tinker API recipe with the local-vLLM recipe's engine section."""
     c = tinker.get_config()
     v = vllm_local.get_config()
     init = v.model.init

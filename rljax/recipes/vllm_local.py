@@ -21,6 +21,7 @@ from rljax.recipes import default
 
 
 def get_config() -> config_dict.ConfigDict:
+    """The default recipe with its policy served by locally launched vLLM servers."""
     c = default.get_config()
     c.model.init.update(head_dim=64, max_position_embeddings=1024)
     c.engine.update(

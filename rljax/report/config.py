@@ -33,6 +33,13 @@ class WandbConfig:
 
     ``mode="offline"`` writes the run under ``$WANDB_DIR`` (default ``<workdir>/wandb``) for a later
     ``wandb sync``; ``name`` None = the workdir's name.
+
+    Attributes:
+      project: the W&B project.
+      entity: the W&B entity (None = the default one).
+      name: the run's name (None = the workdir's name).
+      mode: ``"online"`` or ``"offline"``.
+      tags: tags of the run.
     """
 
     project: str = "rljax"
@@ -56,7 +63,14 @@ class WandbConfig:
 @dataclasses.dataclass(frozen=True)
 class MlflowConfig:
     """MLflow: runs of ``experiment`` at ``tracking_uri`` (None = ``$MLFLOW_TRACKING_URI``, else
-    ``sqlite:///<workdir>/mlflow.db``); ``run_name`` None = the workdir's name."""
+    ``sqlite:///<workdir>/mlflow.db``); ``run_name`` None = the workdir's name.
+
+    Attributes:
+      tracking_uri: where runs are tracked (None = ``$MLFLOW_TRACKING_URI``, else
+        ``sqlite:///<workdir>/mlflow.db``).
+      experiment: the MLflow experiment.
+      run_name: the run's name (None = the workdir's name).
+    """
 
     tracking_uri: str | None = None
     experiment: str = "rljax"
@@ -71,7 +85,13 @@ class MlflowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ReportConfig:
-    """The run's sinks (``jsonl`` also draws ``metrics.png`` at the end) and their settings."""
+    """The run's sinks (``jsonl`` also draws ``metrics.png`` at the end) and their settings.
+
+    Attributes:
+      sinks: the sinks to write to: any of ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
+      wandb: the Weights & Biases sink (:class:`WandbConfig`).
+      mlflow: the MLflow sink (:class:`MlflowConfig`).
+    """
 
     sinks: tuple = ("jsonl", "tensorboard")
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)

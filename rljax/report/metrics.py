@@ -58,7 +58,9 @@ __all__ = [
     "read_jsonl",
 ]
 
+#: Metrics of the printed table when a run names none.
 DEFAULT_TABLE_KEYS: tuple[str, ...] = ("reward/mean", "loss", "rl/clip_frac", "entropy", "grad_norm", "lr")
+#: Metrics of ``metrics.png`` when a run names none.
 DEFAULT_PLOT_KEYS: tuple[str, ...] = ("reward/mean", "loss")
 RESERVED_KEYS: frozenset[str] = frozenset({"step", "time"})
 JSONL_NAME, TB_DIR, PLOT_NAME = "metrics.jsonl", "tb", "metrics.png"

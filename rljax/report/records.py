@@ -61,6 +61,7 @@ __all__ = [
     "write_rollout_records",
 ]
 
+#: Folder of a run's workdir holding the rollout records (``step_<S>.jsonl``).
 ROLLOUTS_DIR = "rollouts"
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 
@@ -121,6 +122,7 @@ class PreparationTrace:
         self._offset += len(prepared.samples)
 
     def get(self, trajectory: TrajectoryID, turn: int) -> StepTrace | None:
+        """The trace of one trajectory's turn, or None when it was not traced."""
         return self._by_key.get((trajectory, turn))
 
     def samples_of(self, trajectory: TrajectoryID) -> int:

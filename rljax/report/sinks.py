@@ -99,6 +99,7 @@ class SampleTable:
     columns: tuple[str, ...] = SAMPLE_COLUMNS
 
     def as_dicts(self) -> list[dict[str, Any]]:
+        """The rows as dicts keyed by column."""
         return [dict(zip(self.columns, r, strict=True)) for r in self.rows]
 
 
@@ -125,6 +126,7 @@ class RunInfo:
 
     @property
     def name(self) -> str:
+        """The run's name: its workdir's folder name."""
         return self.workdir.name
 
 
@@ -308,6 +310,7 @@ class SinkSet:
         self._opened: list[Sink] = []
 
     def open(self, run: RunInfo) -> None:
+        """Opens every sink; one that cannot start closes those already open and raises ``RuntimeError``."""
         for sink in self.sinks:
             try:
                 sink.open(run)
@@ -335,18 +338,22 @@ class SinkSet:
                     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Logs ``metrics`` to every sink (a failing sink warns once and the run goes on)."""
         self._each("log_metrics", step, metrics)
 
     def log_distributions(self, step: int, distributions: Mapping[str, np.ndarray]) -> None:
+        """Logs ``distributions`` to every sink (a failing sink warns once and the run goes on)."""
         self._each("log_distributions", step, distributions)
 
     def log_samples(self, step: int, table: SampleTable) -> None:
+        """Logs the sample ``table`` to every sink (a failing sink warns once and the run goes on)."""
         self._each("log_samples", step, table)
 
     def flush(self) -> None:
         self._each("flush", None)
 
     def close(self) -> None:
+        """Closes the open sinks in reverse order; a failure to close warns."""
         opened, self._opened = self._opened, []
         for sink in reversed(opened):
             try:

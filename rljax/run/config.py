@@ -59,14 +59,19 @@ from rljax.training.warmstart import WarmStartConfig
 __all__ = [
     "DTYPES",
     "DynamicSamplingSection",
+    "ENGINE_DTYPES",
     "EngineSection",
     "EnvSection",
     "EvalSection",
+    "MATMUL_PRECISIONS",
     "ModelSection",
     "ObjectiveSection",
+    "REMAT_POLICIES",
     "RESULT_NEUTRAL_KEYS",
+    "ROUTER_REPLAY",
     "RendererSection",
     "RunConfig",
+    "SYNC_ON_MISMATCH",
     "TokenizerSection",
     "TrainerSection",
     "config_differences",
@@ -116,15 +121,24 @@ def _copy(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSection:
-    """``name``: ``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path."""
+    """The tokenizer.
+
+    Attributes:
+      name: ``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path.
+    """
 
     name: str = "toy:chatml"
 
 
 @dataclasses.dataclass(frozen=True)
 class RendererSection:
-    """A renderer of :func:`rljax.chat.make_renderer` and its keyword arguments: a built-in name, or
-    ``"my_pkg.chat:MyRenderer"`` (a Renderer subclass or factory, called with the tokenizer)."""
+    """The renderer: the chat template as a token stream (:func:`rljax.chat.make_renderer`).
+
+    Attributes:
+      name: a built-in name (``chatml``, ``qwen2.5``, ``qwen3``, ``llama3``, ``generic``) or
+        ``"my_pkg.chat:MyRenderer"`` (a Renderer subclass or factory, called with the tokenizer).
+      kwargs: keyword arguments of the renderer.
+    """
 
     name: str = "chatml"
     kwargs: dict = _field({})
@@ -147,26 +161,35 @@ DEFAULT_INIT = dict(
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """``hf_path``: an HF checkpoint directory to load; empty = a fresh model of ``init`` (ModelConfig
-    fields). Precision (each one of :data:`DTYPES`): ``param_dtype`` stores the master weights, their
-    gradients and the optimizer state (float32 default, whatever the checkpoint's dtype: a bf16
-    checkpoint is upcast on load); ``compute_dtype`` is the dtype of activations and matmuls (logits,
-    log-probs, ratios and every loss stay float32). ``remat``: activation recomputation of each
-    block in the backward pass, one of :data:`REMAT_POLICIES` (``none``, ``full``: save only block
-    inputs, ``dots_saveable``: also keep matmul outputs without batch dims). ``router_replay`` (MoE
-    models): ``"r3"`` replays the experts the sampler routed every token to in the train forward
-    (gates recomputed from the current router); ``"off"`` routes afresh. ``routing/flip_fraction``
-    (the share of tokens whose trainer top-k differs from the sampler's) is logged either way.
-    ``attention``: the training forward's attention kernel, one of ``auto`` (cuDNN's ragged kernel on
-    GPU with bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's
-    packed variable-length kernel), ``splash`` (:mod:`rljax.models.attention_backends`).
-    ``context_attention``: how attention crosses ``mesh.context`` when it is > 1, ``all_gather``
-    (each device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value
-    chunks passed around the devices, partial softmaxes merged; XLA blocks), see
-    :mod:`rljax.models.context`. ``matmul_precision``: the precision of every matmul of the model
-    (trainer and embedded sampler), one of :data:`MATMUL_PRECISIONS`; ``"default"`` lets the platform
-    choose (on NVIDIA GPUs float32 matmuls then run as TF32, and the sampler's float32 logprobs differ
-    from the trainer's by ~1e-4 instead of ~1e-6); ``"highest"`` keeps float32 matmuls float32."""
+    """The policy model: where it comes from, its precision, memory and attention kernels.
+
+    Attributes:
+      hf_path: an HF checkpoint directory to load; empty = a fresh model of ``init``.
+      param_dtype: dtype of the master weights, their gradients and the optimizer state, one of
+        :data:`DTYPES` (float32 by default, whatever the checkpoint's dtype: a bf16 checkpoint is upcast
+        on load).
+      compute_dtype: dtype of activations and matmuls, one of :data:`DTYPES` (logits, log-probs, ratios
+        and every loss stay float32).
+      remat: activation recomputation of each block in the backward pass, one of
+        :data:`REMAT_POLICIES`: ``none``, ``full`` (save only block inputs), ``dots_saveable`` (also
+        keep matmul outputs without batch dims).
+      router_replay: MoE models: ``"r3"`` replays the experts the sampler routed every token to in the
+        train forward (gates recomputed from the current router); ``"off"`` routes afresh. The share of
+        tokens whose trainer top-k differs from the sampler's (``routing/flip_fraction``) is logged
+        either way.
+      attention: the training forward's attention kernel: ``auto`` (cuDNN's ragged kernel on GPU with
+        bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's packed
+        variable-length kernel) or ``splash`` (:mod:`rljax.models.attention_backends`).
+      context_attention: how attention crosses ``mesh.context`` when it is > 1: ``all_gather`` (each
+        device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value chunks
+        passed around the devices, partial softmaxes merged; XLA blocks), see :mod:`rljax.models.context`.
+      matmul_precision: the precision of every matmul of the model (trainer and embedded sampler), one
+        of :data:`MATMUL_PRECISIONS`; ``"default"`` lets the platform choose (on NVIDIA GPUs float32
+        matmuls then run as TF32, and the sampler's float32 logprobs differ from the trainer's by ~1e-4
+        instead of ~1e-6); ``"highest"`` keeps float32 matmuls float32.
+      init: :class:`rljax.models.config.ModelConfig` fields of a fresh model (``vocab_size`` 0 = the
+        tokenizer's size).
+    """
 
     hf_path: str = ""
     param_dtype: str = "float32"
@@ -209,6 +232,23 @@ class EnvSection:
     ``env_args`` is verifiers' env config (its ``[env]`` block: ``taskset`` fields, ``agent.runtime``,
     ...); train tasks are its taskset's, eval tasks those of the taskset with ``eval_env_args``
     (taskset fields, e.g. ``{"split": "test"}``) applied; ``num_*_tasks`` keep the first N.
+
+    Attributes:
+      env: the environment's kind (default: the section's name): a built-in, a library env
+        (``skyrl_gym:<id>``, ``reasoning_gym:<id>``), ``"module:attr"`` or a registered id.
+      kwargs: keyword arguments of the environment's constructor (of the agent function for ``agent``).
+      tasks: ``"module:function"``, the task maker (else the env's own).
+      task_kwargs: keyword arguments of the task maker.
+      num_train_tasks: train tasks to make (default 256), or the first N rows of a dataset.
+      num_eval_tasks: held-out tasks to make (default 0), or the first N rows of a dataset.
+      dataset: dataset files of the tasks: ``dict(train=PATH, eval=PATH, format="auto",
+        eval_fraction=None)``.
+      agent: ``"module:function"``, an agent function that plays the episodes through the gateway.
+      agent_command: an external agent process run per rollout (with ``OPENAI_BASE_URL`` /
+        ``OPENAI_API_KEY`` set).
+      verifiers: a verifiers environment id, run as the agent.
+      env_args: the verifiers environment's config (its ``[env]`` block).
+      eval_env_args: taskset fields applied for the verifiers environment's eval tasks.
     """
 
     env: str = ""
@@ -240,17 +280,32 @@ DEFAULT_ENVS = {
 
 @dataclasses.dataclass(frozen=True)
 class EngineSection:
-    """The policy's inference engine. ``embedded``: the in-process JAX sampler (its batching fields).
-    ``vllm``: servers at ``urls``, or ``num_servers`` launched locally on the initial weights from the
-    vLLM virtual environment ``python`` (empty: found automatically); ``server`` holds
-    :class:`rljax.inference.vllm.ServerConfig` fields, ``client`` VLLMClient keyword arguments,
-    ``sync`` :class:`rljax.inference.vllm.SyncConfig` fields (weight-sync probe length / seed,
-    ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" | "warn").
-    ``lora_sync`` (LoRA runs on vLLM): ``"adapter"`` loads each version's adapter at run time
-    (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
-    ``dtype``: the dtype weights are served in (cast from the master weights on every sync; "auto" =
-    ``model.compute_dtype``); a launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
-    is set."""
+    """The policy's inference engine: the in-process JAX sampler or vLLM servers.
+
+    Attributes:
+      kind: ``"embedded"`` (the in-process JAX sampler) or ``"vllm"``.
+      dtype: the dtype weights are served in (cast from the master weights on every sync); ``"auto"``
+        = ``model.compute_dtype``. A launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
+        is set.
+      max_batch_size: embedded: most requests per jitted sampling call.
+      min_batch_bucket: embedded: smallest number of rows of a sampling call (fewer shapes to compile).
+      batch_wait_ms: embedded: how long the first queued request waits for others to join its batch.
+      min_prompt_bucket: embedded: smallest padded prompt length (buckets are powers of two above it).
+      min_new_tokens_bucket: embedded: smallest loop bound for new tokens.
+      max_model_len: embedded: longest prompt + completion (None = the model's
+        ``max_position_embeddings``).
+      urls: vllm: servers to use (started by you on the same initial weights).
+      num_servers: vllm: servers to launch locally when ``urls`` is empty.
+      python: vllm: the Python of the vLLM virtual environment for launched servers (empty: found
+        automatically).
+      server: vllm: :class:`rljax.inference.vllm.ServerConfig` fields of launched servers.
+      client: vllm: keyword arguments of :class:`rljax.inference.vllm.VLLMClient`.
+      sync: vllm: the weight sync (:class:`rljax.inference.vllm.SyncConfig` fields: probe length and
+        seed, ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" |
+        "warn").
+      lora_sync: LoRA runs on vLLM: ``"adapter"`` loads each version's adapter at run time
+        (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
+    """
 
     kind: str = "embedded"
     dtype: str = "auto"
@@ -271,8 +326,14 @@ class EngineSection:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSection:
-    """Held-out evaluation: ``group_size`` samples per eval task at ``temperature`` (0 = greedy);
-    ``pass_k`` are the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``)."""
+    """Held-out evaluation.
+
+    Attributes:
+      group_size: samples per eval task.
+      temperature: sampling temperature of the evaluation (0 = greedy; greedy saturates at 1.0 after
+        the default warm start).
+      pass_k: the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``).
+    """
 
     group_size: int = 1
     temperature: float = 1.0  # greedy (0.0) saturates at 1.0 after the default warm start
@@ -281,9 +342,20 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSection:
-    """Loss reduction (design §3.5), off-policy correction (SkyRL names, §3.4), entropy bonus; MoE
-    auxiliary losses (``moe_aux_loss_coef`` x Switch load balancing, ``router_z_loss_coef`` x
-    router z-loss; 0 = off, metrics are logged anyway)."""
+    """The objective's reduction, off-policy correction and extra terms (design §3.4, §3.5).
+
+    Attributes:
+      reduction: how per-token losses reduce to a scalar, one of
+        :data:`rljax.core.objective.REDUCTIONS`.
+      off_policy: the off-policy correction, SkyRL's keys and defaults
+        (:func:`rljax.core.off_policy.resolve_config`); empty = none.
+      entropy_coef: coefficient of the entropy bonus (0 = none).
+      max_len: the constant of the ``seq_mean_token_sum_norm`` reduction (required for it).
+      moe_aux_loss_coef: coefficient of the Switch load-balancing loss of MoE routers (0 = off; the
+        metric is logged anyway).
+      router_z_loss_coef: coefficient of the router z-loss of MoE routers (0 = off; the metric is logged
+        anyway).
+    """
 
     reduction: str = "token_mean"
     off_policy: dict = _field({})
@@ -295,8 +367,13 @@ class ObjectiveSection:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicSamplingSection:
-    """DAPO dynamic sampling: resample (up to ``max_rounds`` rounds; 0 = off) until every prompt slot
-    holds a group whose rewards spread more than ``atol``; ``strict`` fails when rounds run out."""
+    """DAPO dynamic sampling: resample until every prompt slot holds a group whose rewards differ.
+
+    Attributes:
+      max_rounds: most resampling rounds (0 = off).
+      atol: a group is kept when its rewards spread more than this.
+      strict: fail when the rounds run out (else train on what was kept).
+    """
 
     max_rounds: int = 0
     atol: float = 0.0
@@ -316,9 +393,33 @@ DEFAULT_TABLE_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
-    """The RL loop. ``prompts_per_step`` prompt groups per RL step, trained in mini-batches of
-    ``mini_batch_prompts`` groups (0 = one mini-batch); ``mode="async"`` overlaps the rollout of step
-    n+1 with training of step n (samples at most ``max_off_policy_steps`` versions stale)."""
+    """The RL loop: steps, batches, packing, evaluation, checkpoints.
+
+    Attributes:
+      num_steps: RL steps to run (0: the warm start only, and a step-0 checkpoint).
+      mode: ``"sync"``, or ``"async"``: the rollout of step n+1 overlaps training of step n.
+      max_off_policy_steps: async mode: how many policy versions a sample may be stale.
+      prompts_per_step: prompt groups per RL step.
+      mini_batch_prompts: prompt groups per mini-batch, a divisor of ``prompts_per_step`` (0 = one
+        mini-batch).
+      seq_len: tokens per packed row.
+      truncate: drop the tail of (rare) over-long samples (counted in the pack metrics) instead of
+        failing.
+      merge: merge the turns of a trajectory whose prompts extend each other into one sample (design
+        §2.5).
+      filters: sample filters, e.g. ``(dict(name="overlong", mode="enforce"), dict(name="gibberish"))``
+        (:data:`rljax.data.filters.FILTERS`).
+      dynamic_sampling: DAPO dynamic sampling (:class:`DynamicSamplingSection`).
+      row_buckets: allowed numbers of packed rows (None: data-parallel size x powers of two), see
+        :func:`rljax.data.pack.bucket_rows`.
+      micro_batch_tokens: tokens per micro-batch, accumulated in one jitted scan (a multiple of
+        ``seq_len``; 0 = no micro-batching).
+      eval_every: RL steps between held-out evaluations (and after the last step; 0 = never).
+      checkpoint_every: RL steps between checkpoints (and after the last step; 0 = never).
+      keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
+      table_keys: metrics of the printed table.
+      save_rollouts_every: N: ``rollouts/step_<S>.jsonl`` and a sample table every N steps (0 = never).
+    """
 
     num_steps: int = 120
     mode: str = "sync"
@@ -341,7 +442,32 @@ class TrainerSection:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything a run reads, typed and validated. See the module docstring."""
+    """Everything a run reads, typed and validated (see :mod:`rljax.run.config`).
+
+    Attributes:
+      seed: the seed of every random choice of the run (tasks, sampling, initialization, shuffles).
+      tokenizer: the tokenizer (:class:`TokenizerSection`).
+      renderer: the chat template (:class:`RendererSection`).
+      model: the policy model (:class:`ModelSection`).
+      envs: the environments, by name (each an :class:`EnvSection`).
+      engine: the policy's inference engine (:class:`EngineSection`).
+      rollout: the rollouts (:class:`rljax.rollout.RolloutConfig`; its algorithm fields are set by the
+        run).
+      eval: held-out evaluation (:class:`EvalSection`).
+      algorithm: a registered algorithm name or a dict ``{"name": ..., <field overrides>}``
+        (:mod:`rljax.algorithms`).
+      env_algorithms: env name -> algorithm (same forms), for envs trained with another algorithm.
+      frozen_models: frozen models by name (opd teachers, sft samplers): FrozenModelConfig fields.
+      objective: the objective (:class:`ObjectiveSection`).
+      optimizer: the optimizer (:class:`rljax.training.optimizer.OptimizerConfig`).
+      warmstart: the supervised warm start on demonstrations
+        (:class:`rljax.training.warmstart.WarmStartConfig`).
+      critic: PPO's critic (:class:`rljax.training.critic.CriticSection`).
+      lora: LoRA adapters (:class:`rljax.models.lora.LoRAConfig`); None or empty = full training.
+      trainer: the RL loop (:class:`TrainerSection`).
+      report: metric sinks: jsonl, tensorboard, wandb, mlflow (:class:`rljax.report.config.ReportConfig`).
+      mesh: the trainer's device mesh (:class:`rljax.training.sharding.MeshConfig`; size 1 = one device).
+    """
 
     seed: int = 0
     tokenizer: TokenizerSection = _field(TokenizerSection())
@@ -380,6 +506,7 @@ class RunConfig:
 
     @property
     def uses_mesh(self) -> bool:
+        """Whether the trainer runs on a device mesh (``mesh.size > 1``)."""
         return self.mesh.size > 1
 
 

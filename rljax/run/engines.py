@@ -28,7 +28,7 @@ from rljax.run.config import EngineSection
 from rljax.run.worker import Worker
 from rljax.training.distributed import process_share
 
-__all__ = ["EngineSet", "process_urls", "resolve_frozen_models"]
+__all__ = ["EngineSet", "lora_server_args", "process_urls", "resolve_frozen_models"]
 
 logger = logging.getLogger(__name__)
 

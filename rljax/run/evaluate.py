@@ -2,7 +2,7 @@
 weights of the checkpoint, and the scheduler's own evaluation (``rljax eval`` is its command line).
 
 The metrics equal the ``eval/*`` row the trainer logged for that step (same tasks, same request
-seeds): see :mod:`rljax eval` for the record's fields.
+seeds): see :mod:`rljax.cli.eval` for the record's fields.
 """
 
 from __future__ import annotations

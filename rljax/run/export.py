@@ -1,5 +1,5 @@
 """A training checkpoint's policy as a Hugging Face model directory (``rljax export`` is its command
-line; see :mod:`rljax export` for what is written)."""
+line; see :mod:`rljax.cli.export` for what is written)."""
 
 from __future__ import annotations
 

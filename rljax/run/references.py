@@ -66,6 +66,8 @@ class ReferenceScorers:
         return self._hints[demonstration]
 
     def for_algorithm(self, algorithm: Algorithm) -> Scorer | None:
+        """The reference scorer of ``algorithm``: its frozen teacher's, the live policy's on demonstrations
+        (opsd), or None without ref_kl."""
         if algorithm.action_component != "ref_kl":
             return None
         if algorithm.frozen_model is None:

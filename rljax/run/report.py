@@ -147,6 +147,7 @@ class RunSinks:
         )
 
     def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> None:
+        """Logs one step's ``metrics`` to the RL sinks, or the warm start's (``phase``)."""
         if not self.enabled:
             return
         scalars = {k: v for k, v in metrics.items() if k not in metrics_lib.RESERVED_KEYS}
@@ -189,6 +190,7 @@ class RunSinks:
                 self.warmstart.sync()
 
     def close(self) -> None:
+        """Closes the RL sinks and the warm start's."""
         if not self.enabled:
             return
         self.rl.close()

@@ -255,6 +255,7 @@ class Run:
         return merge_model(self.state.graphdef, params, self.state.frozen)
 
     def current_model(self) -> nnx.Module:
+        """An NNX model holding the current policy parameters."""
         return self.model_of(self.state.params)
 
     def snapshot(self) -> Any:

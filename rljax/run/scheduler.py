@@ -346,4 +346,5 @@ class RolloutScheduler:
         return self.worker.submit(job)
 
     def restore(self, data_state: Mapping[str, Any]) -> None:
+        """Restores the task order from a checkpoint's data state."""
         self.tasks.restore(data_state["tasks"])

@@ -74,9 +74,12 @@ class TaskIterator:
         return [self.tasks[i] for i in picked]
 
     def state(self) -> dict[str, Any]:
+        """The checkpointable state: epoch, position and task order."""
         return {"epoch": self.epoch, "position": self.position, "order": self._order.tolist()}
 
     def restore(self, state: Mapping[str, Any]) -> None:
+        """Continues from a :meth:`state`; a task order that no longer fits the task list raises
+        ``ValueError``."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         order = state.get("order")
         self._order = self._permutation(self.epoch) if order is None else np.asarray(order, np.int64)
@@ -130,6 +133,7 @@ class EnvTasks:
     agent_kwargs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def by_id(self) -> dict[str, Task]:
+        """The train tasks by id."""
         return {t.id: t for t in self.train}
 
 

@@ -12,19 +12,19 @@ One RL step ``n`` (``theta_n`` = parameters after ``n`` RL steps; policy version
 
 The parts, each in its own module:
 
-================================ =============================================================
-:mod:`~rljax.run.run`          the run object: train state, engines + weight sync, references, the
-                                 checkpoint state tree (shared with rljax.cli.eval / export, front doors)
-:mod:`~rljax.run.config`   the typed config, parsed once (every config error, with its key)
-:mod:`~rljax.run.builders`     tokenizer, model, per-algorithm objective, cross-part checks
-:mod:`~rljax.run.tasks`        env factories, train/eval tasks, the checkpointed task order
-:mod:`~rljax.run.engines`      policy engine, frozen models, weight serving, shutdown
-:mod:`~rljax.run.references`   ref_kl reference scores (opd teacher, opsd live policy)
-:mod:`~rljax.run.scheduler`    rollouts per step: versions/staleness, dynamic sampling, evals
-:mod:`rljax.data.prepare`        the host preparation pipeline (in the data layer)
-:mod:`~rljax.training.step`         the jitted train step; :mod:`~rljax.training.checkpoint` orbax I/O
-:mod:`~rljax.run.report`       metric rows and their sinks
-================================ =============================================================
+============================  ==============================================================================
+:mod:`~rljax.run.run`         the run object: train state, engines + weight sync, references, the
+                              checkpoint state tree (shared with rljax.cli.eval / export, front doors)
+:mod:`~rljax.run.config`      the typed config, parsed once (every config error, with its key)
+:mod:`~rljax.run.builders`    tokenizer, model, per-algorithm objective, cross-part checks
+:mod:`~rljax.run.tasks`       env factories, train/eval tasks, the checkpointed task order
+:mod:`~rljax.run.engines`     policy engine, frozen models, weight serving, shutdown
+:mod:`~rljax.run.references`  ref_kl reference scores (opd teacher, opsd live policy)
+:mod:`~rljax.run.scheduler`   rollouts per step: versions/staleness, dynamic sampling, evals
+:mod:`rljax.data.prepare`     the host preparation pipeline (in the data layer)
+:mod:`~rljax.training.step`   the jitted train step; :mod:`~rljax.training.checkpoint` orbax I/O
+:mod:`~rljax.run.report`      metric rows and their sinks
+============================  ==============================================================================
 
 Determinism (resume is bit-for-bit on CPU): every random choice comes from the config seed and the
 step index or from checkpointed state (task order, mini-batch shuffles, behaviour parameters of

@@ -73,6 +73,7 @@ class TinkerServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Stops the HTTP server and closes the service."""
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self.service.close()

@@ -62,6 +62,7 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask"),
     ),
 }
+#: The Tinker loss functions the server implements (the keys of :data:`LOSS_INPUTS`).
 SUPPORTED_LOSSES = tuple(LOSS_INPUTS)
 #: Losses that reduce over each datum's tokens (segment sums with a static bound ``num_segments``);
 #: the others are compiled without it (one program for any number of datums).

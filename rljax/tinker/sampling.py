@@ -82,6 +82,7 @@ class VLLMSessionEngine:
     adapter_dir: pathlib.Path | None = None
 
     async def generate(self, prompt: list[int], sampling: SamplingParams) -> Any:
+        """Samples from ``prompt`` on the vLLM servers under this session's model name."""
         return await self.client.generate(prompt, sampling, model=self.model)
 
 
@@ -250,11 +251,13 @@ class SamplerPool:
         return VLLMSessionEngine(client, name, directory)
 
     def base_sampler_id(self, base_model: str) -> str:
+        """The id of the base model's sampling session (created on first use)."""
         if self._base_id is None:
             self._base_id = self.add(None, None, base_model)
         return self._base_id
 
     def get(self, sampler_id: str) -> SamplingSession | None:
+        """The sampling session ``sampler_id``, or None."""
         return self.sessions.get(sampler_id)
 
     def drop(self, sampler_id: str, *, drain_timeout_s: float = 30.0) -> None:

@@ -164,12 +164,14 @@ class TinkerService:
 
     # -- sessions ------------------------------------------------------------------------------------------
     def create_session(self) -> str:
+        """Opens a client session; returns its id."""
         sid = f"session-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self.sessions[sid] = _Session(sid, time.monotonic())
         return sid
 
     def heartbeat(self, session_id: str) -> None:
+        """Keeps session ``session_id`` alive; an unknown or expired one raises ``UserError``."""
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None:
@@ -428,6 +430,7 @@ class TinkerService:
         return engines, VLLMBackend(client, self.root / "vllm_adapters")
 
     def close(self) -> None:
+        """Stops the worker threads and the engines the service launched."""
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
@@ -476,6 +479,7 @@ class TinkerService:
         optimizer: Mapping[str, Any] | None,
         model_seq_id: int | None = None,
     ) -> str:
+        """Creates a trainable model (full or LoRA) on the base model in a session; returns its id."""
         session = self._session(session_id)
         self._check_base(base_model)
         if optimizer and optimizer.get("type", "adamw") != "adamw":
@@ -498,12 +502,14 @@ class TinkerService:
         return self._submit("create_model", model_id, create)
 
     def model(self, model_id: str) -> TrainableModel:
+        """The trainable model ``model_id``; an unknown one raises ``UserError``."""
         m = self.models.get(model_id)
         if m is None:
             raise UserError(f"unknown model_id {model_id!r} (never created, or its session expired)")
         return m
 
     def get_info(self, model_id: str) -> dict[str, Any]:
+        """The ``get_info`` answer of model ``model_id``."""
         m = self.model(model_id)
         return {
             "type": "get_info",
@@ -520,6 +526,7 @@ class TinkerService:
 
     # -- forward / backward --------------------------------------------------------------------------------
     def submit_forward_backward(self, req: FwdBwdRequest) -> str:
+        """Queues a forward-backward request; returns its request id."""
         self.model(req.model_id)
         _loss_config(req.loss_fn, req.loss_fn_config)  # unknown losses fail before they queue
         if not req.data:
@@ -678,6 +685,7 @@ class TinkerService:
         return outputs
 
     def optim_step(self, model_id: str, adam: Mapping[str, Any]) -> str:
+        """Queues an Adam step with the client's parameters; returns its request id."""
         self.model(model_id)
         params = {k: float(adam.get(k, v)) for k, v in ADAM_DEFAULTS.items()}
         if params["learning_rate"] < 0 or not 0 <= params["beta1"] < 1 or not 0 <= params["beta2"] < 1:
@@ -709,6 +717,8 @@ class TinkerService:
         sampling_session_seq_id: int | None = None,
         session_id: str | None = None,
     ) -> str:
+        """Queues a save of the model's weights (and optimizer state, unless ``for_sampler``); returns its
+        request id."""
         m = self.model(model_id)
         kind = "sampler_weights" if for_sampler else "weights"
         ephemeral = for_sampler and name is None
@@ -825,6 +835,7 @@ class TinkerService:
         return self._submit("load", new_id, load)
 
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
+        """The model's saved checkpoints (training and sampler weights) in the API's listing format."""
         out = []
         for kind, ctype in (("weights", "training"), ("sampler_weights", "sampler")):
             d = self.root / model_id / kind
@@ -845,6 +856,7 @@ class TinkerService:
 
     # -- sampling --------------------------------------------------------------------------------------------
     def create_sampling_session(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        """Opens a sampling session on saved weights (``model_path``) or the base model; returns its id."""
         session = self._session(session_id)
         if model_path:
             owner, kind, _ = self._parse_path(model_path)
@@ -861,12 +873,14 @@ class TinkerService:
         return sid
 
     def sampler_info(self, sampler_id: str) -> dict[str, Any]:
+        """The base model and weights path of sampling session ``sampler_id``."""
         s = self.samplers.get(sampler_id)
         if s is None:
             raise UserError(f"unknown sampling session {sampler_id!r}")
         return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
     def submit_sample(self, body: Mapping[str, Any]) -> tuple[str, list[str]]:
+        """Queues a sample request; returns its request id and the ids of its sampling sessions."""
         sid = body.get("sampling_session_id")
         if sid is None:
             if body.get("model_path"):

@@ -46,6 +46,7 @@ __all__ = [
     "forward_fused",
     "forward_fused_async",
     "make_trainable",
+    "target_logprobs",
 ]
 
 #: ``(loss name, backward, clients)`` -> times the jitted forward / backward step was traced (=
@@ -86,9 +87,11 @@ class TrainableModel:
 
     @property
     def is_lora(self) -> bool:
+        """Whether the model trains a LoRA adapter only."""
         return self.lora is not None
 
     def model(self) -> nnx.Module:
+        """An NNX model holding the current parameters."""
         return merge_model(self.graphdef, self.params, self.frozen)
 
     def forward(

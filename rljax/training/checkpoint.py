@@ -114,6 +114,7 @@ __all__ = [
     "verify",
 ]
 
+#: Format tag written into every checkpoint (a reader refuses another).
 FORMAT = "rljax.checkpoint/1"
 LATEST = "latest"
 _COMMIT_FILE = "commit_success.txt"
@@ -122,6 +123,7 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _DELETING_MARK = ".deleting-"
 _RNG_TAG = "__rljax_rng__"
 _JSON_ITEMS = ("data_state", "rng", "config", "extra", "meta")
+#: File of a checkpoint listing every file with its size and hash (see :func:`verify`).
 MANIFEST = "manifest.json"
 _MANIFEST_FORMAT = "rljax.manifest/1"
 _HASH = "sha256"

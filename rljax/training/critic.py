@@ -76,6 +76,12 @@ class CriticSection(CriticConfig):
     :class:`rljax.training.optimizer.OptimizerConfig` give the critic its own AdamW.
     :meth:`hyperparameters` is the hashable :class:`CriticConfig` the jitted functions take.
 
+    Attributes:
+      hf_path: a value model to start from (HF checkpoint + ``value_head.safetensors``); empty = the
+        policy's initial weights with a fresh zero head.
+      learning_rate: the critic's learning rate (None = the run's).
+      optimizer: :class:`rljax.training.optimizer.OptimizerConfig` field overrides of the critic's AdamW.
+
     >>> CriticSection(gamma=0.99, learning_rate=1e-5).hyperparameters()
     CriticConfig(gamma=0.99, lam=1.0, whiten_advantages=True, value_clip=0.2, warmup_steps=0)
     """
@@ -85,6 +91,7 @@ class CriticSection(CriticConfig):
     optimizer: dict = dataclasses.field(default_factory=dict)
 
     def hyperparameters(self) -> CriticConfig:
+        """The hashable :class:`CriticConfig` part of the section (what the jitted functions take)."""
         return CriticConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CriticConfig)})
 
 

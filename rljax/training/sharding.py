@@ -39,6 +39,13 @@ class MeshConfig:
     """A run's ``config.mesh``: the size of each axis of :func:`make_mesh` (``expert`` None = no
     expert axis). A product of 1 means no mesh: the run trains on one device.
 
+    Attributes:
+      data: data-parallel size (batch rows; replicated parameters).
+      fsdp: fully sharded data-parallel size (batch rows; parameters and optimizer state sharded).
+      tensor: tensor-parallel size (heads and MLP columns).
+      expert: MoE expert-parallel size (None = no expert axis).
+      context: context-parallel size (each row's tokens split over devices).
+
     >>> MeshConfig(data=2, fsdp=2).size, MeshConfig().size
     (4, 1)
     """
@@ -59,6 +66,7 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
+        """The number of devices of the mesh (the product of its axes)."""
         return self.data * self.fsdp * self.tensor * (self.expert or 1) * self.context
 
     def make(self) -> Mesh:

@@ -51,6 +51,8 @@ class WarmStartConfig:
       corrupt_choices: the answers to corrupt with (a different one than the right answer).
       seq_len: packed row length.
       log_every: steps between log lines.
+      optimizer: :class:`rljax.training.optimizer.OptimizerConfig` field overrides of the warm
+        start's optimizer (the run's ``optimizer`` otherwise).
 
     The defaults are those of a run's ``config.warmstart`` (the default recipe's lookup task).
 

@@ -62,7 +62,9 @@ __all__ = [
     "unload_adapter_on_servers",
 ]
 
+#: vLLM's route that loads a LoRA adapter at run time.
 LOAD_PATH = "/v1/load_lora_adapter"
+#: vLLM's route that unloads a LoRA adapter.
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 
 

@@ -46,8 +46,9 @@ from pathlib import Path
 
 VLLM_PYTHON_ENV = "RLJAX_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-#: The directory put on a server's PYTHONPATH for the worker extension, and the extension's qualname.
+#: The directory put on a server's PYTHONPATH for the worker extension.
 WORKER_EXTENSION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_ext")
+#: The worker extension's qualified name (``--worker-extension-cls``).
 WORKER_EXTENSION_CLS = "rljax_vllm_ext.RljaxWorkerExtension"
 _PORT_IN_USE_MARKERS = ("address already in use", "errno 98")
 

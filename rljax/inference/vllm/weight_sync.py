@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
-LM_HEAD_FILE = "model-lm_head.safetensors"  # "model*" so save_pretrained clears it on the next write
+#: The file holding a tied model's ``lm_head.weight`` for vLLM ("model*", so save_pretrained clears
+#: it on the next write).
+LM_HEAD_FILE = "model-lm_head.safetensors"
 PAUSE_MODES = ("wait", "abort", "keep")
 EXTENSION_RELOAD = "rljax_reload_weights"  # rljax's worker extension (launcher.WORKER_EXTENSION_CLS)
 VLLM_RELOAD = "reload_weights"  # vLLM's own worker method
@@ -94,11 +96,14 @@ class SyncTarget(Protocol):
 
     urls: list[str]
 
-    async def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]: ...
+    async def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
+        """POSTs ``body`` to ``path`` on every server; returns their answers in server order."""
 
     async def score(
         self, ids: Sequence[int], *, server: int | None = None, gated: bool = True
-    ) -> np.ndarray: ...
+    ) -> np.ndarray:
+        """The served model's log-probs of ``ids`` at temperature 1; ``server`` picks one server,
+        ``gated=False`` runs even while a weight sync holds new requests back."""
 
 
 @dataclasses.dataclass(frozen=True)
