@@ -2,23 +2,6 @@
 
 ``model.attention`` picks one of :data:`ATTENTION_BACKENDS`:
 
-auto      ``cudnn_ragged`` on GPU when the compute dtype is bfloat16/float16 (cuDNN's fused attention
-          has no float32 kernel), ``splash`` on TPU, ``xla`` otherwise (CPU: the path that always ran)
-xla       :func:`rljax.models.attention.causal_attention`: causal query blocks, XLA einsums
-cudnn     ``jax.nn.dot_product_attention(implementation="cudnn")``, called per causal query block
-          with the boolean mask of that block (``[B, 1, block, prefix]``, never ``T x T``)
-cudnn_ragged
-          cuDNN's fused flash attention on the packed rows themselves: every run of equal segment
-          ids is one variable-length sequence (cuDNN's ragged "THD" offsets, causal within it), so
-          nothing masked is computed and no mask exists (:func:`packed_cudnn_attention`); a row of
-          more than :data:`CUDNN_MAX_RUNS` runs takes the ``cudnn`` path (exact). On an H200: ~3.5x
-          faster than ``cudnn`` at 16k tokens, a 64k-token train step 11x faster in the same memory
-          (cuDNN's packed backward holds buffers that grow with the bound times the row length, which
-          is why the bound is 16; see docs/guides/long_context.md)
-splash    Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) with a
-          causal mask and ``SegmentIds``: the kernel skips fully masked ``(q, kv)`` blocks itself
-========  ========================================================================================
-=======
 ``auto``
     ``cudnn_ragged`` on GPU when the compute dtype is bfloat16/float16 (cuDNN's fused attention
     has no float32 kernel), ``splash`` on TPU, ``xla`` otherwise (CPU: the path that always ran)
