@@ -145,7 +145,7 @@ def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python
     """rljax/recipes/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves.
     The task runs as an agent through the gateway in front of the vLLM servers."""
-    import rljax.gateway as gateway_mod
+    import rljax.agents as agents_mod
     from rljax.recipes import lora_vllm
 
     c = lora_vllm.get_config()
@@ -155,7 +155,7 @@ def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python
     c.envs.lookup.agent = "rljax.agents.lookup_agent:lookup_agent"
     c.engine.server.extra_args = small.engine.server.extra_args
     syncs = []
-    real_rollout = gateway_mod.agent_rollout
+    real_rollout = agents_mod.agent_rollout
 
     async def recording_rollout(*args, **kwargs):
         engine = kwargs["engine"]
@@ -163,7 +163,7 @@ def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python
         syncs.append(engine.last_adapter_sync)
         return await real_rollout(*args, **kwargs)
 
-    monkeypatch.setattr(gateway_mod, "agent_rollout", recording_rollout)
+    monkeypatch.setattr(agents_mod, "agent_rollout", recording_rollout)
     t = trainer_mod.Trainer(c, tmp_path / "run")
     base = [np.array(x) for x in jax.tree.leaves(t.state.frozen)]
     history = t.run()
