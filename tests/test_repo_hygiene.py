@@ -1,8 +1,9 @@
-"""The repository speaks of the product only: no work-item labels, no citations of an outside spec.
+"""Every tracked text file describes the product: no numbered labels of how it was built, no
+citations of a document that is not in the repository.
 
 Every tracked text file (``git ls-files``) is scanned for
 
-* numbered work labels: an issue, item, round or session followed by its number (an upstream
+* numbered labels: one of the words of :data:`WORK_LABEL` followed by a number (an upstream
   tracker reference such as "SkyRL issue #1492" carries a ``#`` and is not a label);
 * citations of the specification document that lived outside the repository (its file name, or its
   section sign): the design is ``docs/design.md``, cited as "design §N".
@@ -64,10 +65,10 @@ def test_the_patterns_catch_labels_and_spare_product_words() -> None:
     # Built at run time, so this file never holds a label itself.
     number = str(6 * 7)
     planted = [
-        "Benchmark (" + "issue " + number + "): what a call costs",
-        "see " + "Issue " + number + " item " + str(5) + " for the acceptance",
-        "measured in " + "session " + number + "'s closing note",
-        "the figures of " + "round " + number,
+        "Benchmark (" + "iss" + "ue " + number + "): what a call costs",
+        "see " + "Iss" + "ue " + number + " it" + "em " + str(5),
+        "measured in " + "sess" + "ion " + number,
+        "the figures of " + "rou" + "nd " + number,
         "Named algorithms (" + "SP" + "EC §3.6)",
         "The contract is " + "SP" + "EC.md",
         "Reference merge (" + "SP" + "EC 2.5, linear case)",
