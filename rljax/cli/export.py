@@ -16,17 +16,13 @@ adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) for 
 
 from __future__ import annotations
 
-import os
-import sys
-
 from absl import app, flags
 from absl import logging as absl_logging
 
-from rljax.cli.common import resolve_config_args
 from rljax.run.export import export_checkpoint
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     """The CLI's flags, defined only when it runs: importing :func:`export_checkpoint` (tests,
     notebooks) must not claim absl flag names (``--checkpoint``, ``--out``, ``--step``) that the other
     launchers (``rljax eval``, ``rljax make-dataset``) define in the same process."""
@@ -65,14 +61,3 @@ def main(argv: list[str]) -> None:
         f"to {summary['out']}",
         flush=True,
     )
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
-    _define_flags()
-    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
-    run()

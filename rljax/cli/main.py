@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from absl import app
+
 from rljax.cli.common import recipe_names, resolve_config_args
 from rljax.extras import MissingExtraError
 
@@ -61,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
-        module.run(sub_argv)
+        module.define_flags()  # a subcommand's absl flags exist only in the process that runs it
+        app.run(module.main, argv=sub_argv)
     except MissingExtraError as e:  # a front door without its pip extra: one line, no traceback
         print(f"rljax {name}: {e}", file=sys.stderr)
         return 1

@@ -17,18 +17,15 @@ ground_truth}`` instead of ``env_class``/``reward_spec``). The file type follows
 from __future__ import annotations
 
 import json
-import os
 import sys
 import types
 
 from absl import app, flags
 
-from rljax.cli.common import resolve_config_args
-
-_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+_FLAGS = types.SimpleNamespace()  # the flag holders, once define_flags() ran
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
     tests) must not claim flag names that other subcommands define in the same process."""
     _FLAGS.source = flags.DEFINE_string(
@@ -79,14 +76,3 @@ def main(argv: list[str]) -> None:
     )
     path = write_rows(rows, _FLAGS.out.value)
     print(f"wrote {len(rows)} {_FLAGS.format.value} rows ({_FLAGS.split.value}) to {path}", file=sys.stderr)
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
-    _define_flags()
-    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
-    run()

@@ -21,20 +21,18 @@ target; ``rljax.tinker.sampling``).
 
 from __future__ import annotations
 
-import os
-import sys
 import types
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from rljax.cli.common import recipe_path, resolve_config_args
+from rljax.cli.common import recipe_path
 
-_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+_FLAGS = types.SimpleNamespace()  # the flag holders, once define_flags() ran
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
     tests) must not claim flag names that other subcommands define in the same process."""
     _FLAGS.config = config_flags.DEFINE_config_file(
@@ -99,14 +97,3 @@ def main(argv: list[str]) -> None:
         uvicorn.run(make_app(service), host=_FLAGS.host.value, port=_FLAGS.port.value, log_level="warning")
     finally:
         service.close()
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
-    _define_flags()
-    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
-    run()

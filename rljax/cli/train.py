@@ -24,10 +24,8 @@ Open MPI, Kubernetes / GKE, Cloud TPU); ``--cpu_collectives=gloo`` for CPU-only 
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import types
 
@@ -35,12 +33,10 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from rljax.cli.common import resolve_config_args
-
-_FLAGS = types.SimpleNamespace()  # the flag holders, once _define_flags() ran
+_FLAGS = types.SimpleNamespace()  # the flag holders, once define_flags() ran
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     """The subcommand's absl flags, defined only when it runs: importing this module (the docs,
     tests) must not claim flag names that other subcommands define in the same process."""
     _FLAGS.config = config_flags.DEFINE_config_file(
@@ -173,14 +169,3 @@ def main(argv: list[str]) -> None:
             f"elapsed {last.get('time/elapsed_s', float('nan')):.1f}s; metrics in {workdir}",
             flush=True,
         )
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
-    _define_flags()
-    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
-    run()

@@ -10,15 +10,13 @@ inline (data, script, style): open it from the file system, no server needed. Se
 
 from __future__ import annotations
 
-import os
 import sys
 
-from absl import app, flags
-
-from rljax.cli.common import resolve_config_args
+from absl import flags
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
+    """The subcommand's absl flags, defined only in the process that runs it (``rljax view``)."""
     flags.DEFINE_string("workdir", None, "The run's workdir (metrics.jsonl, rollouts/).")
     flags.DEFINE_string("out", None, "The HTML file to write (default: <workdir>/report.html).")
     flags.DEFINE_integer("max_trajectories", 64, "Most trajectories shown per saved step.")
@@ -42,14 +40,3 @@ def main(argv: list[str]) -> None:
     steps = None if f.steps is None else [int(s) for s in f.steps]
     path = write_report(workdir, out, max_trajectories=f.max_trajectories, steps=steps)
     print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB); open it in a browser")
-
-
-def run(argv: list[str] | None = None) -> None:
-    """Runs the subcommand on ``argv`` (default ``sys.argv``; a recipe name in ``--config`` is resolved)."""
-    _define_flags()
-    app.run(main, argv=resolve_config_args(sys.argv if argv is None else argv))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())  # config files may import helpers next to them
-    run()
