@@ -106,10 +106,19 @@ def objective_workload(rows: int, seq_len: int, seed: int = 0):
     adv = rng.normal(size=shape).astype(np.float32)
     zeros = np.zeros(shape, np.float32)
     batch = PackedBatch(  # what the packer emits for a grpo mini-batch (ce/ref_kl weights all zero)
-        tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32), segment_ids=segment_ids,
-        sample_index=np.zeros(shape, np.int32), group_index=np.zeros(shape, np.int32), loss_mask=loss_mask,
-        advantages=adv, inference_logprobs=inference, old_logprobs=inference, ref_logprobs=zeros,
-        temperatures=np.ones(shape, np.float32), rl_weights=np.ones(shape, np.float32), ce_weights=zeros,
+        tokens=np.zeros(shape, np.int32),
+        positions=np.zeros(shape, np.int32),
+        segment_ids=segment_ids,
+        sample_index=np.zeros(shape, np.int32),
+        group_index=np.zeros(shape, np.int32),
+        loss_mask=loss_mask,
+        advantages=adv,
+        inference_logprobs=inference,
+        old_logprobs=inference,
+        ref_logprobs=zeros,
+        temperatures=np.ones(shape, np.float32),
+        rl_weights=np.ones(shape, np.float32),
+        ce_weights=zeros,
         ref_kl_weights=zeros,
     )
     batch = jax.tree.map(jax.device_put, batch)
@@ -129,8 +138,10 @@ def report(name: str, seconds: float, floor_bytes: int, bandwidth: float) -> flo
     floor = floor_bytes / bandwidth
     ratio = seconds / floor
     verdict = "PASS" if ratio <= GOAL_RATIO else "FAIL"
-    print(f"{name}: {seconds * 1e3:.2f} ms | floor {floor_bytes / 1e6:.1f} MB -> {floor * 1e3:.2f} ms | "
-          f"time/floor {ratio:.2f} (goal <= {GOAL_RATIO:.0f}) {verdict}")
+    print(
+        f"{name}: {seconds * 1e3:.2f} ms | floor {floor_bytes / 1e6:.1f} MB -> {floor * 1e3:.2f} ms | "
+        f"time/floor {ratio:.2f} (goal <= {GOAL_RATIO:.0f}) {verdict}"
+    )
     return ratio
 
 
@@ -146,8 +157,9 @@ def main() -> None:
 
     time_adv, adv_bytes, num_steps = advantage_workload(num_traj, 8, resp_len)
     t_plain, t_adv = time_adv(False, args.repeats), time_adv(True, args.repeats)
-    print(f"step-wise advantages: {num_traj} trajectories, {num_steps} steps x {resp_len} tokens, "
-          "groups of 8")
+    print(
+        f"step-wise advantages: {num_traj} trajectories, {num_steps} steps x {resp_len} tokens, groups of 8"
+    )
     report("  grpo + broadcast (fresh output buffer)", t_plain, adv_bytes, bandwidth)
     report("  grpo + broadcast (mask buffer donated)", t_adv, adv_bytes, bandwidth)
 

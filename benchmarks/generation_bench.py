@@ -235,6 +235,7 @@ def weight_matmul_floor(
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 7 * cfg.num_layers + 2))
+
     def weight(fan_in: int, fan_out: int) -> jax.Array:
         w = jax.random.normal(next(keys), (fan_in, fan_out), jnp.float32) * fan_in**-0.5
         return {"in_out": w, "out_in": w.T.copy(), "panels": pack_panels(w)}[kernel_layout]

@@ -151,9 +151,7 @@ def random_packed_batch(rng: np.random.Generator, rows: int, seq_len: int, vocab
         arrays["loss_mask"] > 0, np.log(rng.uniform(1e-5, 1e-3, (rows, seq_len))), 0.0
     ).astype(np.float32)
     arrays["rl_weights"] = arrays["loss_mask"].copy()
-    return PackedBatch(
-        old_logprobs=None, ref_logprobs=None, ce_weights=None, ref_kl_weights=None, **arrays
-    )
+    return PackedBatch(old_logprobs=None, ref_logprobs=None, ce_weights=None, ref_kl_weights=None, **arrays)
 
 
 def mean_causal_span(batch: PackedBatch) -> float:
@@ -194,15 +192,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chunk-size", type=int, default=None, help="logits chunk in tokens (default: tokens/4)")
-    p.add_argument("--attention-chunk", type=int, default=None, help="queries per attention block "
-                   "(Decoder attention_chunk_size; default: the model's default)")
+    p.add_argument(
+        "--attention-chunk",
+        type=int,
+        default=None,
+        help="queries per attention block (Decoder attention_chunk_size; default: the model's default)",
+    )
     p.add_argument("--mesh", default=None, help="data,fsdp,tensor sizes over all devices, e.g. 1,8,1")
     p.add_argument("--quick", action="store_true", help="smaller rows and fewer steps (CI smoke run)")
-    p.add_argument("--ppo", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time a PPO step (critic + GAE) on the same batches and print ppo/grpo")
-    p.add_argument("--tunix", action="store_true",
-                   help="compare the GRPO policy update with Google Tunix's instead (interleaved; "
-                   "goal >= 1.5x)")
+    p.add_argument(
+        "--ppo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time a PPO step (critic + GAE) on the same batches and print ppo/grpo",
+    )
+    p.add_argument(
+        "--tunix",
+        action="store_true",
+        help="compare the GRPO policy update with Google Tunix's instead (interleaved; goal >= 1.5x)",
+    )
     return p.parse_args()
 
 
@@ -465,8 +473,10 @@ def ppo_vs_grpo(state: Any, batches: list, counts: list, grpo_s: float, *, steps
     ppo_s = min(times)
     ratio = ppo_s / grpo_s
     verdict = "PASS" if ratio <= 2.2 else "FAIL"
-    print(f"ppo step (critic values + GAE + policy step + critic step): {ppo_s:.3f} s best of {steps}; "
-          f"grpo step {grpo_s:.3f} s; ppo/grpo {ratio:.2f}x (goal <= 2.2x: {verdict})")
+    print(
+        f"ppo step (critic values + GAE + policy step + critic step): {ppo_s:.3f} s best of {steps}; "
+        f"grpo step {grpo_s:.3f} s; ppo/grpo {ratio:.2f}x (goal <= 2.2x: {verdict})"
+    )
 
 
 if __name__ == "__main__":

@@ -383,8 +383,10 @@ def test_user_estimator_works_like_a_builtin(core_registries, clean_registry):
 
 def test_user_token_estimator_follows_the_token_rules(core_registries):
     core_advantages.register_estimator(
-        "critic_test", core_advantages.Estimator(core_advantages.gae, "token", {"gamma": 1.0, "lam": 0.9},
-                                                 needs_critic=True)
+        "critic_test",
+        core_advantages.Estimator(
+            core_advantages.gae, "token", {"gamma": 1.0, "lam": 0.9}, needs_critic=True
+        ),
     )
     a = Algorithm("critic", estimator="critic_test", estimator_kwargs={"lam": 0.5}, step_wise=False)
     assert a.needs_critic and not a.group_relative

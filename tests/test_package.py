@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.subprocess]
 ABSENT = ("fastapi", "uvicorn", "starlette", "openai", "anthropic", "tinker", "wandb", "mlflow")
 
 
-def _run(cmd: list[str], cwd: pathlib.Path, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:  # noqa: E501
+def _run(
+    cmd: list[str], cwd: pathlib.Path, timeout: float, env: dict | None = None
+) -> subprocess.CompletedProcess:  # noqa: E501
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

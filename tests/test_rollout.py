@@ -34,6 +34,7 @@ def RolloutConfig(**kwargs) -> _RolloutConfig:  # noqa: N802  (stands in for the
     long = dict(max_turns=8, max_tokens=256, max_context_len=4096, max_concurrency=64, group_size=4)
     return _RolloutConfig(**{**long, **kwargs})
 
+
 TOK = toy_tokenizer("chatml")
 RENDERER = Qwen3Renderer(TOK)
 IM_END = TOK.convert_tokens_to_ids("<|im_end|>")

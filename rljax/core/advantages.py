@@ -494,7 +494,6 @@ def turn_returns(
     return segments.segment_gather(returns_t.T.reshape(-1), flat)
 
 
-
 # --------------------------------------------------------------------------------------------
 # registry: an estimator is a value (function + hyperparameter defaults + kind)
 # --------------------------------------------------------------------------------------------

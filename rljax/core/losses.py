@@ -144,12 +144,18 @@ def dual_clip(
     >>> [round(float(x), 4) for x in loss]
     [3.0, -1.2]
     """
-    return _dual_clip_terms(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high,
-                            clip_ratio_c=clip_ratio_c)[0]
+    return _dual_clip_terms(
+        logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )[0]
 
 
 def _dual_clip_terms(
-    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float,
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    *,
+    eps_low: float,
+    eps_high: float,
     clip_ratio_c: float,
 ) -> tuple[jax.Array, jax.Array]:
     """(:func:`dual_clip`, where the PPO clip or the dual bound ``-A c`` is active)."""
@@ -200,13 +206,21 @@ def gspo(
     >>> [round(float(x), 4) for x in loss]
     [-1.1, -1.1, -1.2]
     """
-    return _gspo_terms(logp, old_logp, adv, mask, segment_ids, num_segments, eps_low=eps_low,
-                       eps_high=eps_high)[0]
+    return _gspo_terms(
+        logp, old_logp, adv, mask, segment_ids, num_segments, eps_low=eps_low, eps_high=eps_high
+    )[0]
 
 
 def _gspo_terms(
-    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, mask: chex.Array, segment_ids: chex.Array,
-    num_segments: int, *, eps_low: float, eps_high: float,
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    segment_ids: chex.Array,
+    num_segments: int,
+    *,
+    eps_low: float,
+    eps_high: float,
 ) -> tuple[jax.Array, jax.Array]:
     """(:func:`gspo`, where its clipped branch is active)."""
     _check([logp, old_logp, adv], (mask, segment_ids))
@@ -274,13 +288,28 @@ def dppo(
     >>> round(float(loss.sum()), 5)
     0.50293
     """
-    return _dppo_terms(logp, inference_logp, adv, mask, mask_low=mask_low, mask_high=mask_high,
-                       adv_tau=adv_tau, kl_tau=kl_tau)[0]
+    return _dppo_terms(
+        logp,
+        inference_logp,
+        adv,
+        mask,
+        mask_low=mask_low,
+        mask_high=mask_high,
+        adv_tau=adv_tau,
+        kl_tau=kl_tau,
+    )[0]
 
 
 def _dppo_terms(
-    logp: chex.Array, inference_logp: chex.Array, adv: chex.Array, mask: chex.Array, *, mask_low: float,
-    mask_high: float, adv_tau: float, kl_tau: float,
+    logp: chex.Array,
+    inference_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    *,
+    mask_low: float,
+    mask_high: float,
+    adv_tau: float,
+    kl_tau: float,
 ) -> tuple[jax.Array, jax.Array]:
     """(:func:`dppo`, where the token left the trust region and was dropped from the policy term)."""
     _check([logp, inference_logp, adv], (mask,))
@@ -493,18 +522,47 @@ def clip_cov(
     >>> [round(float(x), 4) for x in loss]
     [0.0, -1.0, -1.0, 4.0]
     """
-    return _clip_cov_terms(logp, old_logp, adv, mask, rng, eps_low=eps_low, eps_high=eps_high,
-                           clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)[0]
+    return _clip_cov_terms(
+        logp,
+        old_logp,
+        adv,
+        mask,
+        rng,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio=clip_ratio,
+        clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub,
+    )[0]
 
 
 def _clip_cov_terms(
-    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, mask: chex.Array, rng: jax.Array | None, *,
-    eps_low: float, eps_high: float, clip_ratio: float, clip_cov_lb: float, clip_cov_ub: float,
+    logp: chex.Array,
+    old_logp: chex.Array,
+    adv: chex.Array,
+    mask: chex.Array,
+    rng: jax.Array | None,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
 ) -> tuple[jax.Array, jax.Array]:
     """(:func:`clip_cov`, where the PPO clip is active or the token was removed)."""
     _check([logp, old_logp, adv], (mask,))
-    removed = _clip_cov_selected(logp, old_logp, adv, mask, rng, eps_low=eps_low, eps_high=eps_high,
-                                 clip_ratio=clip_ratio, clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)
+    removed = _clip_cov_selected(
+        logp,
+        old_logp,
+        adv,
+        mask,
+        rng,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio=clip_ratio,
+        clip_cov_lb=clip_cov_lb,
+        clip_cov_ub=clip_cov_ub,
+    )
     r, a = _ratio(logp, old_logp), _f32(adv)
     ppo_hit = _surrogate_clipped(r, a, eps_low, eps_high) > 0
     return jnp.where(removed, 0.0, _clipped_surrogate(r, a, eps_low, eps_high)), ppo_hit | removed
@@ -818,11 +876,14 @@ class InputChoice:
     def __post_init__(self) -> None:
         options = dict(self.options)
         if not options or any(v not in LOSS_INPUTS for v in options.values()):
-            raise ValueError(f"InputChoice {self.slot!r}: options must map values to inputs of "
-                             f"{LOSS_INPUTS}; got {options}")
+            raise ValueError(
+                f"InputChoice {self.slot!r}: options must map values to inputs of "
+                f"{LOSS_INPUTS}; got {options}"
+            )
         if self.default not in options:
-            raise ValueError(f"InputChoice {self.slot!r}: default {self.default!r} is not one of "
-                             f"{sorted(options)}")
+            raise ValueError(
+                f"InputChoice {self.slot!r}: default {self.default!r} is not one of {sorted(options)}"
+            )
         object.__setattr__(self, "options", MappingProxyType(options))
 
 
@@ -891,8 +952,10 @@ class PolicyLoss:
         slots = {c.slot: k for k, c in choices.items()}
         unknown = [i for i in inputs if i not in LOSS_INPUTS and i not in slots]
         if unknown or len(set(inputs)) != len(inputs) or not inputs:
-            raise ValueError(f"{what}: inputs {list(inputs)} must be distinct names from {LOSS_INPUTS} "
-                             f"(or the slot of a declared choice); unknown: {unknown}")
+            raise ValueError(
+                f"{what}: inputs {list(inputs)} must be distinct names from {LOSS_INPUTS} "
+                f"(or the slot of a declared choice); unknown: {unknown}"
+            )
         unused = sorted(s for s in slots if s not in inputs)
         if unused:
             raise ValueError(f"{what}: choice slot(s) {unused} are not among inputs {list(inputs)}")
@@ -931,8 +994,10 @@ class PolicyLoss:
         for k, c in self.choices.items():
             value = kw.pop(k, c.default)
             if not isinstance(value, str) or value not in c.options:
-                raise ValueError(f"policy loss {self.label!r}: {k} must be one of {tuple(c.options)} (which "
-                                 f"input fills {c.slot}); got {value!r}")
+                raise ValueError(
+                    f"policy loss {self.label!r}: {k} must be one of {tuple(c.options)} (which "
+                    f"input fills {c.slot}); got {value!r}"
+                )
             routes[c.slot] = c.options[value]
         return {**self.defaults, **kw}, routes
 
@@ -953,8 +1018,10 @@ class PolicyLoss:
         loss = jnp.asarray(loss)
         clipped = jnp.zeros(loss.shape, jnp.float32) if clipped is None else jnp.asarray(clipped) != 0
         if loss.shape != jnp.shape(inputs.logp) or clipped.shape != loss.shape:
-            raise ValueError(f"policy loss {self.label!r} returned shapes {loss.shape} (loss) and "
-                             f"{clipped.shape} (clipped); both must be logp's shape {jnp.shape(inputs.logp)}")
+            raise ValueError(
+                f"policy loss {self.label!r} returned shapes {loss.shape} (loss) and "
+                f"{clipped.shape} (clipped); both must be logp's shape {jnp.shape(inputs.logp)}"
+            )
         return loss, clipped.astype(jnp.float32)
 
 

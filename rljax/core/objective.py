@@ -120,8 +120,10 @@ class ObjectiveConfig:
         if self.reduction == "seq_mean_token_sum_norm" and not (
             isinstance(self.max_len, int) and self.max_len > 0
         ):
-            raise ValueError(f"reduction 'seq_mean_token_sum_norm' needs max_len, a positive int (the "
-                             f"normalizing length); got {self.max_len!r}")
+            raise ValueError(
+                f"reduction 'seq_mean_token_sum_norm' needs max_len, a positive int (the "
+                f"normalizing length); got {self.max_len!r}"
+            )
         if self.num_groups is not None and not (isinstance(self.num_groups, int) and self.num_groups > 0):
             raise ValueError(f"num_groups must be a positive int or None; got {self.num_groups!r}")
         if self.reduction == "prompt_mean" and self.num_groups is None:
@@ -406,8 +408,9 @@ def objective(
         per_token["ref_kl"] = losses.ref_kl(lp, _f32(inference), ref, raw["ref_kl"] != 0)
 
     weights = {c: normalized_weights(raw[c], c, batch, counts, config) for c in per_token}
-    metrics = {f"loss/{c}": _weighted_sum(weights[c], per_token[c]) if c in per_token else zero
-               for c in COMPONENTS}
+    metrics = {
+        f"loss/{c}": _weighted_sum(weights[c], per_token[c]) if c in per_token else zero for c in COMPONENTS
+    }
     total = sum(metrics[f"loss/{c}"] for c in COMPONENTS)
     if entropy is not None:
         ent = _f32(entropy)

@@ -108,10 +108,16 @@ def resolve_config(config: Any) -> dict[str, Any]:
         if value is None and key in _OPTIONAL_THRESHOLDS:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"off-policy correction {key} must be a positive number"
-                             f"{' or None' if key in _OPTIONAL_THRESHOLDS else ''}; got {value!r}")
-    for low, high in (("geo_mask_low", "geo_mask_high"), ("product_mask_low", "product_mask_high"),
-                      _OPTIONAL_THRESHOLDS[:2], _OPTIONAL_THRESHOLDS[2:]):
+            raise ValueError(
+                f"off-policy correction {key} must be a positive number"
+                f"{' or None' if key in _OPTIONAL_THRESHOLDS else ''}; got {value!r}"
+            )
+    for low, high in (
+        ("geo_mask_low", "geo_mask_high"),
+        ("product_mask_low", "product_mask_high"),
+        _OPTIONAL_THRESHOLDS[:2],
+        _OPTIONAL_THRESHOLDS[2:],
+    ):
         if cfg[low] is not None and cfg[high] is not None and cfg[low] > cfg[high]:
             raise ValueError(f"off-policy correction needs {low} <= {high}; got {cfg[low]} > {cfg[high]}")
     return cfg

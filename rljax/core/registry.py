@@ -85,8 +85,9 @@ def signature_parts(
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: cannot read the signature of {fn!r}; declare its inputs and defaults "
-                         "explicitly") from e
+        raise ValueError(
+            f"{what}: cannot read the signature of {fn!r}; declare its inputs and defaults explicitly"
+        ) from e
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     inputs = tuple(p.name for p in params if p.kind in positional)
     if any(p.kind is p.VAR_POSITIONAL for p in params):
@@ -114,8 +115,10 @@ def check_required(what: str, fn: Callable[..., Any], defaults: Mapping[str, Any
         return  # nothing to check against
     missing = sorted(set(required) - set(defaults))
     if missing:
-        raise ValueError(f"{what}: keyword(s) {missing} of its function have no default (give one in its "
-                         "signature or in defaults)")
+        raise ValueError(
+            f"{what}: keyword(s) {missing} of its function have no default (give one in its "
+            "signature or in defaults)"
+        )
 
 
 def freeze_defaults(defaults: Any, what: str) -> Mapping[str, Any]:
@@ -134,8 +137,9 @@ def freeze_defaults(defaults: Any, what: str) -> Mapping[str, Any]:
         try:
             hash(v)
         except TypeError as e:
-            raise ValueError(f"{what}: default of {k!r} must be hashable (static under jit), "
-                             f"got {v!r}") from e
+            raise ValueError(
+                f"{what}: default of {k!r} must be hashable (static under jit), got {v!r}"
+            ) from e
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{what}: default of {k!r} must be finite, got {v!r}")
     return MappingProxyType(dict(defaults))

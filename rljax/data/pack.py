@@ -98,6 +98,7 @@ def check_streams(streams: Mapping[str, PerStep]) -> dict[str, PerStep]:
     out.update({name: streams[name] for name in OPTIONAL_STREAMS if streams.get(name) is not None})
     return out
 
+
 _RESPONSE_STREAMS = (
     "loss_mask",
     "advantages",

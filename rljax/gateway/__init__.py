@@ -11,7 +11,6 @@ The agents that run against it (agent functions, commands, verifiers environment
 :mod:`rljax.agents`. This package needs the ``gateway`` extra (``pip install 'rljax[gateway]'``).
 """
 
-
 from rljax.extras import require
 
 require("gateway", "the gateway (rljax.gateway)")  # one line naming the extra, before any import of it

@@ -49,9 +49,7 @@ def get_config() -> config_dict.ConfigDict:
     c.renderer.name = "qwen3"
     c.renderer.kwargs = dict(retention="tool_cycle")
     c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
-    c.algorithm = dict(
-        name="grpo", policy_loss="gspo", policy_loss_kwargs=dict(eps_low=3e-4, eps_high=4e-4)
-    )
+    c.algorithm = dict(name="grpo", policy_loss="gspo", policy_loss_kwargs=dict(eps_low=3e-4, eps_high=4e-4))
     c.objective.update(
         off_policy=dict(tis_ratio_type="sequence", sequence_tis_ratio_clip_high=5.0),
         reduction="sequence_mean",

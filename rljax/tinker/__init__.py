@@ -16,7 +16,6 @@ against it) trains and samples models served by rljax.
 :func:`serve_in_thread` starts a server inside this process (tests, notebooks, benchmarks).
 """
 
-
 from __future__ import annotations
 
 import pathlib

@@ -240,9 +240,7 @@ class SamplerPool:
         directory = self.vllm.directory / sid
         nnx_model = model.model()
         save_adapter(nnx_model, directory, base_model_name_or_path=client.model)
-        load = load_verified_adapter(
-            client, nnx_model, name=name, path=directory, config=client.sync_config
-        )
+        load = load_verified_adapter(client, nnx_model, name=name, path=directory, config=client.sync_config)
         try:
             asyncio.run_coroutine_threadsafe(load, self.loop).result()
         except BaseException:

@@ -1119,7 +1119,6 @@ def read_extra(directory: PathLike, *, step: int | None = None) -> dict[str, Any
     return out["extra"]
 
 
-
 def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[pathlib.Path, int]:
     """``(checkpoint directory, step)`` of a workdir, a checkpoint directory or a ``step_N`` directory.
 

@@ -109,6 +109,7 @@ def test_export_imports_beside_the_other_launchers(other, tmp_path):
     other launcher (``--checkpoint`` / ``--out`` / ``--step`` clashed with rljax.cli.eval and
     rljax.cli.make_dataset and broke tests that imported both)."""
     code = f"import rljax.cli.export, {other}; from rljax.run.export import export_checkpoint; print('ok')"
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -251,16 +251,24 @@ class GroupEstimatorTest(parameterized.TestCase):
         assert np.all(np.isfinite(np.asarray(grad)))
 
     def test_registry(self):
-        builtin = {"grpo": ("group", False), "rloo": ("group", False), "max_rl": ("group", False),
-                   "reinforce_pp": ("token", False), "gae": ("token", True)}
+        builtin = {
+            "grpo": ("group", False),
+            "rloo": ("group", False),
+            "max_rl": ("group", False),
+            "reinforce_pp": ("token", False),
+            "gae": ("token", True),
+        }
         assert set(builtin) <= set(adv.ESTIMATORS)
         for name, (kind, critic) in builtin.items():
             est = adv.get_estimator(name)
             got = (est.kind, est.needs_critic, est.name, est.group_relative)
             assert got == (kind, critic, name, kind == "group")
             params = list(inspect.signature(est.fn).parameters.values())
-            positional = ["rewards", "group_ids", "num_groups"] if kind == "group" else (
-                ["token_rewards", "values", "mask"] if critic else ["token_rewards", "mask"])
+            positional = (
+                ["rewards", "group_ids", "num_groups"]
+                if kind == "group"
+                else (["token_rewards", "values", "mask"] if critic else ["token_rewards", "mask"])
+            )
             assert [p.name for p in params[: len(positional)]] == positional
         # design §3.6b defaults (read from the signatures); gae's segment_ids is a data input, not one
         assert dict(adv.get_estimator("grpo").defaults) == {"norm_by_std": True, "eps": 1e-6}
@@ -283,7 +291,8 @@ class GroupEstimatorTest(parameterized.TestCase):
     def test_register_estimator(self):
         def scaled_mean_baseline(rewards, group_ids, num_groups, *, scale):
             mean = jax.ops.segment_sum(rewards, group_ids, num_groups) / jax.ops.segment_sum(
-                jnp.ones_like(rewards), group_ids, num_groups)
+                jnp.ones_like(rewards), group_ids, num_groups
+            )
             return scale * (rewards - mean[group_ids])
 
         mine = adv.Estimator(scaled_mean_baseline, "group", {"scale": 2.0})
@@ -295,8 +304,9 @@ class GroupEstimatorTest(parameterized.TestCase):
             r, g = jnp.array([1.0, 0.0, 4.0, 2.0]), jnp.array([0, 0, 1, 1])
             # defaults from the registration: 2 * (r - mean_g) = [1, -1, 2, -2]
             np.testing.assert_allclose(got(r, g, 2), [1.0, -1.0, 2.0, -2.0], rtol=1e-6)
-            np.testing.assert_allclose(jax.jit(got, static_argnums=2)(r, g, 2, scale=1.0),
-                                       [0.5, -0.5, 1.0, -1.0], rtol=1e-6)
+            np.testing.assert_allclose(
+                jax.jit(got, static_argnums=2)(r, g, 2, scale=1.0), [0.5, -0.5, 1.0, -1.0], rtol=1e-6
+            )
             adv.check_estimator_reward_mode("scaled_test", "outcome", True)  # group estimators: any mode
             with pytest.raises(ValueError, match="already registered; pass overwrite=True"):
                 adv.register_estimator("scaled_test", mine)
@@ -336,10 +346,15 @@ class GroupEstimatorTest(parameterized.TestCase):
             adv.register_estimator("bad_test", adv.rloo)
 
     @parameterized.parameters(
-        ("grpo", "outcome", True, True), ("rloo", "per_step", True, True), ("max_rl", "outcome", False, True),
-        ("gae", "outcome", True, False), ("reinforce_pp", "outcome", True, False),
-        ("gae", "per_step", True, True), ("reinforce_pp", "per_step", True, True),
-        ("gae", "outcome", False, True), ("reinforce_pp", "outcome", False, True),
+        ("grpo", "outcome", True, True),
+        ("rloo", "per_step", True, True),
+        ("max_rl", "outcome", False, True),
+        ("gae", "outcome", True, False),
+        ("reinforce_pp", "outcome", True, False),
+        ("gae", "per_step", True, True),
+        ("reinforce_pp", "per_step", True, True),
+        ("gae", "outcome", False, True),
+        ("reinforce_pp", "outcome", False, True),
     )
     def test_estimator_reward_mode_rule(self, estimator, mode, step_wise, ok):
         if ok:

@@ -19,6 +19,7 @@ def clipped_tokens(name, logp, old, inf, adv, mask, segment_ids=None, num_segmen
     inputs = losses.LossInputs(logp, old, inf, adv, mask, segment_ids, num_segments)
     return losses.policy_loss(name, inputs, **kw)[1]
 
+
 # ------------------------------------------------------------------------------------------------
 # float64 numpy references (written from design §3.2-§3.3, independent of the code under test)
 # ------------------------------------------------------------------------------------------------
@@ -171,8 +172,18 @@ def grad_of(fn, lp, *args):
 
 
 TOL = dict(rtol=2e-5, atol=2e-6)
-BUILTIN_LOSSES = {"ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo", "rollout_is",
-                  "importance_sampling", "clip_cov", "kl_cov"}
+BUILTIN_LOSSES = {
+    "ppo_clip",
+    "dual_clip",
+    "gspo",
+    "cispo",
+    "dppo",
+    "sapo",
+    "rollout_is",
+    "importance_sampling",
+    "clip_cov",
+    "kl_cov",
+}
 
 # ------------------------------------------------------------------------------------------------
 # Reference values of design §3.2-§3.3
@@ -210,16 +221,24 @@ class SpecValuesTest(chex.TestCase):
 # name -> (jax fn taking float32 arrays, numpy reference, which inputs: indices into random_inputs)
 ELEMENTWISE = {
     "ppo_clip": (losses.ppo_clip, np_ppo, (0, 1, 4)),
-    "ppo_clip_asym": (functools.partial(losses.ppo_clip, eps_low=0.1, eps_high=0.28),
-                      functools.partial(np_ppo, eps_low=0.1, eps_high=0.28), (0, 1, 4)),
+    "ppo_clip_asym": (
+        functools.partial(losses.ppo_clip, eps_low=0.1, eps_high=0.28),
+        functools.partial(np_ppo, eps_low=0.1, eps_high=0.28),
+        (0, 1, 4),
+    ),
     "dual_clip": (losses.dual_clip, np_dual_clip, (0, 1, 4)),
     "cispo": (losses.cispo, np_cispo, (0, 1, 4)),
-    "cispo_tight": (functools.partial(losses.cispo, eps_low=0.2, eps_high=0.3),
-                    functools.partial(np_cispo, eps_low=0.2, eps_high=0.3), (0, 1, 4)),
+    "cispo_tight": (
+        functools.partial(losses.cispo, eps_low=0.2, eps_high=0.3),
+        functools.partial(np_cispo, eps_low=0.2, eps_high=0.3),
+        (0, 1, 4),
+    ),
     "dppo": (losses.dppo, np_dppo, (0, 2, 4, 5)),
-    "dppo_kwargs": (functools.partial(losses.dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
-                    functools.partial(np_dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
-                    (0, 2, 4, 5)),
+    "dppo_kwargs": (
+        functools.partial(losses.dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
+        functools.partial(np_dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
+        (0, 2, 4, 5),
+    ),
     "sapo": (losses.sapo, np_sapo, (0, 1, 4)),
     "rollout_is": (losses.rollout_is, np_rollout_is, (0, 2, 4)),
     "importance_sampling": (losses.importance_sampling, np_is, (0, 1, 4)),
@@ -300,8 +319,12 @@ class GspoTest(chex.TestCase):
         lp = jnp.zeros(2)
         out = losses.gspo(lp, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1)
         np.testing.assert_allclose(out, np.exp(10.0) * np.ones(2), rtol=1e-6)
-        grad = grad_of(lambda x: losses.gspo(x, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2),
-                                             jnp.zeros(2, jnp.int32), 1), lp)
+        grad = grad_of(
+            lambda x: losses.gspo(
+                x, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1
+            ),
+            lp,
+        )
         np.testing.assert_array_equal(grad, 0.0)
 
     def test_vmap_over_rows(self):
@@ -309,7 +332,7 @@ class GspoTest(chex.TestCase):
         jl, jo, ja = f32(lp, old, adv)
         fn = functools.partial(losses.gspo, num_segments=4)
         # Row-wise, a segment id shared by two rows denotes two different sequences.
-        rows = [np_gspo(*(x[i:i + 1] for x in (lp, old, adv, mask, seg)))[0] for i in range(3)]
+        rows = [np_gspo(*(x[i : i + 1] for x in (lp, old, adv, mask, seg)))[0] for i in range(3)]
         want = np.concatenate(rows)
         np.testing.assert_allclose(jax.vmap(fn)(jl, jo, ja, mask, seg), want, **TOL)
 
@@ -332,8 +355,11 @@ class OtherComponentsTest(chex.TestCase):
 
     def test_kl_k3_hand_values(self):
         # logp=log .5, ref=log .25: x=-log 2 -> .5 + log 2 - 1
-        np.testing.assert_allclose(losses.kl(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])))[0],
-                                   0.5 + np.log(2) - 1, rtol=1e-6)
+        np.testing.assert_allclose(
+            losses.kl(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])))[0],
+            0.5 + np.log(2) - 1,
+            rtol=1e-6,
+        )
         self.assertEqual(float(losses.kl(jnp.array([-3.0]), jnp.array([-60.0]))[0]), 10.0)
 
     def test_kl_rejects_unknown_kind(self):
@@ -391,8 +417,9 @@ class AdapterTest(chex.TestCase):
         for name, value in want.items():
             np.testing.assert_allclose(self.call(name), value, err_msg=name, **TOL)
         # clip_cov with an empty covariance band removes nothing: plain PPO
-        np.testing.assert_allclose(self.call("clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7),
-                                   np_ppo(lp, old, adv)[0], **TOL)
+        np.testing.assert_allclose(
+            self.call("clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7), np_ppo(lp, old, adv)[0], **TOL
+        )
 
     def test_registered_value_equals_the_public_function(self):
         """Each registered built-in computes exactly its public function (a different non-default
@@ -416,10 +443,13 @@ class AdapterTest(chex.TestCase):
             self.assertEqual(loss.name, name)
             np.testing.assert_array_equal(self.call(name), fn(), err_msg=name)
             for k, v in loss.defaults.items():
-                np.testing.assert_array_equal(self.call(name, **{k: v * 0.5}), fn(**{k: v * 0.5}),
-                                              err_msg=f"{name} {k}")
-        self.assertEqual(losses.get_policy_loss("cispo").hyperparameters,
-                         {"eps_low": 1.0, "eps_high": 4.0, "behavior": "old"})
+                np.testing.assert_array_equal(
+                    self.call(name, **{k: v * 0.5}), fn(**{k: v * 0.5}), err_msg=f"{name} {k}"
+                )
+        self.assertEqual(
+            losses.get_policy_loss("cispo").hyperparameters,
+            {"eps_low": 1.0, "eps_high": 4.0, "behavior": "old"},
+        )
 
     def test_cispo_behavior_and_kwargs(self):
         lp, _, inf, adv, _, _ = self.np
@@ -520,8 +550,14 @@ class AdapterTest(chex.TestCase):
         (dict(fn=losses.ppo_clip, inputs=("logp",), defaults={"e": [1]}), "hashable"),
         (dict(fn=lambda logp, *, eps: logp), r"keyword\(s\) \['eps'\] of its function have no default"),
         (dict(fn=lambda *arrays: arrays[0]), r"takes \*args, so its inputs cannot be read; declare inputs"),
-        (dict(fn=losses.ppo_clip, inputs=("logp",),
-              choices={"b": losses.InputChoice("x", {"o": "old_logp"}, "o")}), "not among inputs"),
+        (
+            dict(
+                fn=losses.ppo_clip,
+                inputs=("logp",),
+                choices={"b": losses.InputChoice("x", {"o": "old_logp"}, "o")},
+            ),
+            "not among inputs",
+        ),
     )
     def test_policy_loss_value_errors(self, kwargs, match):
         with self.assertRaisesRegex(ValueError, match):
@@ -615,13 +651,16 @@ def np_clip_cov_eligible(lp, old, a, mask, eps_low=0.2, eps_high=0.2, clip_cov_l
 class CovLossesTest(chex.TestCase):
     def test_spec_defaults(self):
         """SkyRL's defaults (ppo_base_config: clip_cov.*, kl_cov.*; eps_clip_low/high 0.2)."""
-        self.assertEqual(dict(losses.get_policy_loss("clip_cov").defaults),
-                         {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio": 2e-4, "clip_cov_lb": 1.0,
-                          "clip_cov_ub": 5.0})
-        self.assertEqual(dict(losses.get_policy_loss("kl_cov").defaults),
-                         {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0})
-        self.assertEqual(losses.get_policy_loss("clip_cov").inputs,
-                         ("logp", "old_logp", "adv", "mask", "rng"))
+        self.assertEqual(
+            dict(losses.get_policy_loss("clip_cov").defaults),
+            {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+        )
+        self.assertEqual(
+            dict(losses.get_policy_loss("kl_cov").defaults), {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0}
+        )
+        self.assertEqual(
+            losses.get_policy_loss("clip_cov").inputs, ("logp", "old_logp", "adv", "mask", "rng")
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_kl_cov_hand_values(self):
@@ -674,8 +713,9 @@ class CovLossesTest(chex.TestCase):
         for seed in range(3):
             lp, old, _, _, adv, mask, _ = random_inputs(seed, extreme=False)
             kw = dict(clip_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=2.0)
-            eligible, ppo_clipped = np_clip_cov_eligible(lp, old, adv, mask, clip_cov_lb=0.05,
-                                                         clip_cov_ub=2.0)
+            eligible, ppo_clipped = np_clip_cov_eligible(
+                lp, old, adv, mask, clip_cov_lb=0.05, clip_cov_ub=2.0
+            )
             self.assertGreater(eligible.sum(), 2)
             ppo_value, ppo_grad = np_ppo(lp, old, adv)
             fn = functools.partial(losses.clip_cov, **kw)
@@ -742,8 +782,9 @@ class CovLossesTest(chex.TestCase):
         lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
         zero = jnp.zeros(4)
         np.testing.assert_allclose(losses.kl_cov(lp, old, a, zero), [-6.0, -1.0, -1.0, 2.0], rtol=1e-6)
-        np.testing.assert_allclose(losses.clip_cov(lp, old, a, zero), np_ppo(np.log(HAND_P), np.log(HAND_OLD),
-                                                                            HAND_A)[0], rtol=1e-6)
+        np.testing.assert_allclose(
+            losses.clip_cov(lp, old, a, zero), np_ppo(np.log(HAND_P), np.log(HAND_OLD), HAND_A)[0], rtol=1e-6
+        )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,20 @@ R, L, G = 8, 16, 5
 def make_batch(seed, *, rows=R, length=L):
     """A random packed batch: several samples per row, prompt tokens masked, padding rows."""
     rng = np.random.default_rng(seed)
-    f = {k: np.zeros((rows, length), np.float32) for k in (
-        "loss_mask", "advantages", "inference_logprobs", "old_logprobs", "ref_logprobs", "temperatures",
-        "rl_weights", "ce_weights", "ref_kl_weights")}
+    f = {
+        k: np.zeros((rows, length), np.float32)
+        for k in (
+            "loss_mask",
+            "advantages",
+            "inference_logprobs",
+            "old_logprobs",
+            "ref_logprobs",
+            "temperatures",
+            "rl_weights",
+            "ce_weights",
+            "ref_kl_weights",
+        )
+    }
     int_keys = ("tokens", "positions", "segment_ids", "sample_index", "group_index")
     ints = {k: np.zeros((rows, length), np.int32) for k in int_keys}
     sample = 0
@@ -70,6 +81,7 @@ def make_batch(seed, *, rows=R, length=L):
 
 def take_rows(batch, rows, pad_to=R):
     """The micro-batch of ``rows``, padded with fully masked rows to ``pad_to`` rows."""
+
     def one(x):
         x = np.asarray(x)[rows]
         return np.concatenate([x, np.zeros((pad_to - len(rows), x.shape[1]), x.dtype)])
@@ -84,6 +96,7 @@ def take_rows(batch, rows, pad_to=R):
 
 def np_policy(name, kw, lp, old, inf, adv, cand, sample_of):
     """(value, d value / d lp) of the per-token policy loss, float64."""
+
     def ratio(a, b):
         return np.exp(np.clip(a - b, -20, 20))
 
@@ -143,8 +156,13 @@ def np_off_policy(old, inf, cand, sample_of):
     return weight, mask
 
 
-OFF_POLICY = {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 1.2,
-              "sequence_mask_metric": "geometric", "geo_mask_low": 0.9, "geo_mask_high": 1.1}
+OFF_POLICY = {
+    "tis_ratio_type": "token",
+    "token_tis_ratio_clip_high": 1.2,
+    "sequence_mask_metric": "geometric",
+    "geo_mask_low": 0.9,
+    "geo_mask_high": 1.1,
+}
 
 
 def np_objective(batch, logp, cfg, entropy=None):
@@ -157,8 +175,9 @@ def np_objective(batch, logp, cfg, entropy=None):
     v = {"rl": b["rl_weights"] * mask, "ce": b["ce_weights"] * mask, "ref_kl": b["ref_kl_weights"] * mask}
     cand = (v["rl"] != 0).astype(np.float64)
     kw = dict(cfg.policy_loss_kwargs)
-    l_rl, g_rl = np_policy(cfg.policy_loss, kw, lp, b["old_logprobs"], b["inference_logprobs"],
-                           b["advantages"], cand, sample_of)
+    l_rl, g_rl = np_policy(
+        cfg.policy_loss, kw, lp, b["old_logprobs"], b["inference_logprobs"], b["advantages"], cand, sample_of
+    )
     if cfg.off_policy is not None:
         weight, keep = np_off_policy(b["old_logprobs"], b["inference_logprobs"], cand, sample_of)
         l_rl, g_rl, v["rl"] = l_rl * weight, g_rl * weight, v["rl"] * keep
@@ -200,14 +219,17 @@ def np_objective(batch, logp, cfg, entropy=None):
 
 CONFIGS = {
     "dppo": dict(),
-    "ppo_offpolicy": dict(policy_loss="ppo_clip", policy_loss_kwargs={"eps_high": 0.28},
-                          off_policy=OFF_POLICY),
+    "ppo_offpolicy": dict(
+        policy_loss="ppo_clip", policy_loss_kwargs={"eps_high": 0.28}, off_policy=OFF_POLICY
+    ),
     "gspo_offpolicy": dict(policy_loss="gspo", off_policy=OFF_POLICY),
     "cispo_inference": dict(policy_loss="cispo", policy_loss_kwargs={"behavior": "inference"}),
     # batch-statistics losses: not in COMBOS (their statistics are per micro-batch by design)
     "kl_cov": dict(policy_loss="kl_cov", policy_loss_kwargs={"kl_cov_frac": 0.3}),
-    "clip_cov": dict(policy_loss="clip_cov", policy_loss_kwargs={"clip_ratio": 1.0, "clip_cov_lb": 0.02,
-                                                                 "clip_cov_ub": 1.0}),
+    "clip_cov": dict(
+        policy_loss="clip_cov",
+        policy_loss_kwargs={"clip_ratio": 1.0, "clip_cov_lb": 0.02, "clip_cov_ub": 1.0},
+    ),
 }
 REDUCTION_KW = {
     "token_mean": {},
@@ -289,7 +311,9 @@ class ReferenceTest(chex.TestCase):
             group_index=np.array([[0, 0, 1, 0], [2, 2, 2, 2]]),
             rl_weights=np.array([[1, 1, 1, 0], [0, 0, 0, 0]], np.float32),
             ce_weights=np.array([[0, 0, 0, 0], [0.5, 0.5, 0.5, 0]], np.float32),
-            ref_kl_weights=None, inference_logprobs=-one, old_logprobs=-one,
+            ref_kl_weights=None,
+            inference_logprobs=-one,
+            old_logprobs=-one,
         )
         c = global_counts(b, ObjectiveConfig(reduction="prompt_mean", num_groups=3))
         np.testing.assert_array_equal(c.tokens, [2, 3, 0])
@@ -301,9 +325,13 @@ class ReferenceTest(chex.TestCase):
     def test_reduction_weights_by_hand(self):
         # one row, samples: A = tokens 0-2 (group 0), B = token 3 (group 1); all rl weight 1
         b = SimpleNamespace(segment_ids=np.array([[1, 1, 1, 2]]), group_index=np.array([[0, 0, 0, 1]]))
-        c = Counts(tokens=np.array([4.0, 0, 0]), sequences=np.array([2.0, 0, 0]),
-                   group_tokens=np.array([[3.0, 1.0], [0, 0], [0, 0]]), rl_candidate_tokens=4.0,
-                   loss_tokens=4.0)
+        c = Counts(
+            tokens=np.array([4.0, 0, 0]),
+            sequences=np.array([2.0, 0, 0]),
+            group_tokens=np.array([[3.0, 1.0], [0, 0], [0, 0]]),
+            rl_candidate_tokens=4.0,
+            loss_tokens=4.0,
+        )
         v = np.ones((1, 4))
         cases = {
             ObjectiveConfig(): [1 / 4] * 4,
@@ -318,11 +346,18 @@ class ReferenceTest(chex.TestCase):
     def test_spec_dppo_case_through_objective(self):
         lp = np.log(np.array([[0.5, 0.5, 0.9, 0.1]], np.float32))
         one = np.ones((1, 4), np.float32)
-        b = SimpleNamespace(loss_mask=one, segment_ids=one.astype(np.int32), group_index=0 * one,
-                            advantages=np.array([[1.0, 1, -1, -1]], np.float32), rl_weights=None,
-                            ce_weights=None, ref_kl_weights=np.ones((1, 4), np.float32), old_logprobs=None,
-                            inference_logprobs=np.log(np.array([[0.5, 0.2, 0.6, 0.4]], np.float32)),
-                            ref_logprobs=np.log(np.array([[0.6, 0.3, 0.8, 0.3]], np.float32)))
+        b = SimpleNamespace(
+            loss_mask=one,
+            segment_ids=one.astype(np.int32),
+            group_index=0 * one,
+            advantages=np.array([[1.0, 1, -1, -1]], np.float32),
+            rl_weights=None,
+            ce_weights=None,
+            ref_kl_weights=np.ones((1, 4), np.float32),
+            old_logprobs=None,
+            inference_logprobs=np.log(np.array([[0.5, 0.2, 0.6, 0.4]], np.float32)),
+            ref_logprobs=np.log(np.array([[0.6, 0.3, 0.8, 0.3]], np.float32)),
+        )
         cfg = ObjectiveConfig(reduction="seq_mean_token_sum_norm", max_len=1)
         loss, m = objective(lp, b, global_counts(b, cfg), cfg)  # one sequence, max_len 1: plain sums
         np.testing.assert_allclose(m["loss/rl"], 0.5029258, rtol=1e-6)
@@ -354,8 +389,12 @@ class EdgeCaseTest(chex.TestCase):
         ns.rl_weights = ns.ce_weights = ns.ref_kl_weights = ns.ref_logprobs = ns.old_logprobs = None
         cfg = ObjectiveConfig()
         loss, m = objective(jnp.asarray(logp), ns, global_counts(ns, cfg), cfg)
-        explicit = batch.replace(rl_weights=np.ones_like(batch.rl_weights), ce_weights=0 * batch.ce_weights,
-                                 ref_kl_weights=0 * batch.ce_weights, old_logprobs=batch.inference_logprobs)
+        explicit = batch.replace(
+            rl_weights=np.ones_like(batch.rl_weights),
+            ce_weights=0 * batch.ce_weights,
+            ref_kl_weights=0 * batch.ce_weights,
+            old_logprobs=batch.inference_logprobs,
+        )
         want, _ = objective(jnp.asarray(logp), explicit, global_counts(explicit, cfg), cfg)
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         self.assertNotIn("ref_kl/k3", m)
@@ -393,10 +432,16 @@ class EdgeCaseTest(chex.TestCase):
             ObjectiveConfig(off_policy={"tis": "token"})
         with self.assertRaisesRegex(ValueError, "hashable"):
             ObjectiveConfig(policy_loss_kwargs={"eps_low": [0.1]}, policy_loss="ppo_clip")
-        a = ObjectiveConfig(policy_loss="ppo_clip", policy_loss_kwargs={"eps_high": 0.3, "eps_low": 0.1},
-                            off_policy=ml_collections.ConfigDict({"tis_ratio_type": "token"}))
-        b = ObjectiveConfig(policy_loss="ppo_clip", policy_loss_kwargs=(("eps_low", 0.1), ("eps_high", 0.3)),
-                            off_policy={"tis_ratio_type": "token"})
+        a = ObjectiveConfig(
+            policy_loss="ppo_clip",
+            policy_loss_kwargs={"eps_high": 0.3, "eps_low": 0.1},
+            off_policy=ml_collections.ConfigDict({"tis_ratio_type": "token"}),
+        )
+        b = ObjectiveConfig(
+            policy_loss="ppo_clip",
+            policy_loss_kwargs=(("eps_low", 0.1), ("eps_high", 0.3)),
+            off_policy={"tis_ratio_type": "token"},
+        )
         self.assertEqual(a, b)
         self.assertEqual(hash(a), hash(b))
         self.assertIsNone(ObjectiveConfig(off_policy={"tis_ratio_type": None}).off_policy)
@@ -405,9 +450,22 @@ class EdgeCaseTest(chex.TestCase):
         batch, logp, entropy = make_batch(7)
         cfg = make_config("ppo_offpolicy", "token_mean")
         _, m = objective(jnp.asarray(logp), batch, global_counts(batch, cfg), cfg, entropy=entropy)
-        for k in ("loss", "loss/rl", "loss/ce", "loss/ref_kl", "loss/entropy", "rl/clip_frac",
-                  "rl/mismatch_kl", "rl/adv_mean", "rl/adv_sq_mean", "ref_kl/k3", "entropy", "tokens/rl",
-                  "off_policy/masked_frac", "off_policy/tis_clipped_frac"):
+        for k in (
+            "loss",
+            "loss/rl",
+            "loss/ce",
+            "loss/ref_kl",
+            "loss/entropy",
+            "rl/clip_frac",
+            "rl/mismatch_kl",
+            "rl/adv_mean",
+            "rl/adv_sq_mean",
+            "ref_kl/k3",
+            "entropy",
+            "tokens/rl",
+            "off_policy/masked_frac",
+            "off_policy/tis_clipped_frac",
+        ):
             self.assertIn(k, m)
             self.assertEqual(jnp.shape(m[k]), ())
         cand = (np.asarray(batch.rl_weights) * np.asarray(batch.loss_mask)) != 0
@@ -442,11 +500,12 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
         pad = lambda x, rows=rows: take_rows(x, rows)  # noqa: E731
         part_counts = counts_of(micro, cfg)
         summed_counts = part_counts if summed_counts is None else summed_counts + part_counts
-        (m_loss, m_metrics), m_grad = value_and_grad(jnp.asarray(pad(logp)), micro, counts, cfg,
-                                                     jnp.asarray(pad(entropy)))
+        (m_loss, m_metrics), m_grad = value_and_grad(
+            jnp.asarray(pad(logp)), micro, counts, cfg, jnp.asarray(pad(entropy))
+        )
         total_loss += float(m_loss)
         total_grad[rows] += np.asarray(m_grad)[: len(rows)]
-        assert not np.any(np.asarray(m_grad)[len(rows):])  # padding rows get no gradient
+        assert not np.any(np.asarray(m_grad)[len(rows) :])  # padding rows get no gradient
         for key in total_metrics:
             total_metrics[key] += float(m_metrics[key])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), summed_counts, counts)
@@ -479,8 +538,9 @@ def test_data_parallel_sharding_matches_single_device():
 class CovLossesThroughObjectiveTest(chex.TestCase):
     """clip_cov / kl_cov via ObjectiveConfig: numpy reference with statistics over the rl tokens passed in."""
 
-    @parameterized.named_parameters(("kl_cov", "kl_cov", "token_mean"),
-                                    ("clip_cov", "clip_cov", "sequence_mean"))
+    @parameterized.named_parameters(
+        ("kl_cov", "kl_cov", "token_mean"), ("clip_cov", "clip_cov", "sequence_mean")
+    )
     def test_matches_numpy(self, name, reduction):
         cfg = make_config(name, reduction)
         for seed in (0, 1):
@@ -531,8 +591,9 @@ class RegisteredLossThroughObjectiveTest(chex.TestCase):
         saved = dict(losses.POLICY_LOSSES)
         try:
             losses.register_policy_loss("scaled_test", losses.PolicyLoss(scaled_reinforce))
-            cfg = ObjectiveConfig(policy_loss="scaled_test", policy_loss_kwargs={"scale": 2.0},
-                                  components=("rl",))
+            cfg = ObjectiveConfig(
+                policy_loss="scaled_test", policy_loss_kwargs={"scale": 2.0}, components=("rl",)
+            )
             with pytest.raises(ValueError, match=r"unknown hyperparameters \['eps'\]"):
                 ObjectiveConfig(policy_loss="scaled_test", policy_loss_kwargs={"eps": 2.0})
             batch, logp, _ = make_batch(5)
@@ -564,11 +625,16 @@ def test_components_left_out_are_skipped_entirely():
     shape = (2, 6)
     one = np.ones(shape, np.float32)
     batch = SimpleNamespace(
-        loss_mask=(rng.random(shape) < 0.8).astype(np.float32), segment_ids=np.ones(shape, np.int32),
-        group_index=np.zeros(shape, np.int32), advantages=rng.normal(size=shape).astype(np.float32),
-        rl_weights=one, ce_weights=one, ref_kl_weights=one,
+        loss_mask=(rng.random(shape) < 0.8).astype(np.float32),
+        segment_ids=np.ones(shape, np.int32),
+        group_index=np.zeros(shape, np.int32),
+        advantages=rng.normal(size=shape).astype(np.float32),
+        rl_weights=one,
+        ce_weights=one,
+        ref_kl_weights=one,
         ref_logprobs=np.log(rng.uniform(0.1, 1, shape)).astype(np.float32),
-        inference_logprobs=np.log(rng.uniform(0.1, 1, shape)).astype(np.float32), old_logprobs=None,
+        inference_logprobs=np.log(rng.uniform(0.1, 1, shape)).astype(np.float32),
+        old_logprobs=None,
     )
     logp = np.log(rng.uniform(0.1, 1, shape)).astype(np.float32)
     rl_only = SimpleNamespace(**{**vars(batch), "ce_weights": None, "ref_kl_weights": None})
@@ -581,8 +647,9 @@ def test_components_left_out_are_skipped_entirely():
     # and with every component active the ce and ref_kl terms do contribute
     loss_c, m_c = objective(logp, batch, global_counts(batch, cfg_all), cfg_all)
     assert float(m_c["loss/ce"]) > 0.0
-    np.testing.assert_allclose(float(loss_c), float(m_c["loss/rl"] + m_c["loss/ce"] + m_c["loss/ref_kl"]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(loss_c), float(m_c["loss/rl"] + m_c["loss/ce"] + m_c["loss/ref_kl"]), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("components", [(), ("rl", "kl"), ("value",)])

@@ -112,15 +112,19 @@ class StageTest(chex.TestCase):
         mask = np.array([[1, 0, 0, 1], [1, 1, 1, 0]])  # seq0 -> 1.5, seq1 -> 1.0, seq2 0.49, seq3 empty
         _, m, _ = run(rho, mask, {"sequence_mask_metric": "product"})
         np.testing.assert_array_equal(m, [[1, 0, 0, 1], [0, 0, 0, 0]])
-        _, m, _ = run(rho, ONES, {"sequence_mask_metric": "product", "product_mask_low": 0.3,
-                                  "product_mask_high": 2.5})
+        _, m, _ = run(
+            rho, ONES, {"sequence_mask_metric": "product", "product_mask_low": 0.3, "product_mask_high": 2.5}
+        )
         np.testing.assert_array_equal(m, [[1, 1, 0, 0], [1, 1, 1, 1]])  # only seq1 (3.0) is out
 
     def test_stage_order(self):
         """A token removed by the token mask (2) leaves the TIS (3) and sequence-mask (4) sums."""
         rho = np.array([[1.0, 50.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-        cfg = {"token_mask_is_threshold_high": 10.0, "tis_ratio_type": "sequence",
-               "sequence_mask_metric": "product"}
+        cfg = {
+            "token_mask_is_threshold_high": 10.0,
+            "tis_ratio_type": "sequence",
+            "sequence_mask_metric": "product",
+        }
         out, m, met = run(rho, ONES, cfg)
         np.testing.assert_array_equal(m, [[1, 0, 1, 1], [1, 1, 1, 1]])
         np.testing.assert_allclose(out, ONES, rtol=1e-6)
@@ -257,21 +261,37 @@ def np_correct(loss, old, roll, mask, seg, cfg):
     removed["sequence_masked_frac"] = before - m.sum()
     n = m0.sum()
     metrics = {k: v / n for k, v in removed.items()}
-    metrics.update(is_ratio_mean=(rho * m0).sum() / n, tis_clipped_frac=clipped / n,
-                   masked_frac=(m0.sum() - m.sum()) / n)
+    metrics.update(
+        is_ratio_mean=(rho * m0).sum() / n, tis_clipped_frac=clipped / n, masked_frac=(m0.sum() - m.sum()) / n
+    )
     return loss * weight, m, metrics
 
 
 RANDOM_CONFIGS = {
-    "token_tis_geo": {"tis_ratio_type": "token", "sequence_mask_metric": "geometric", "geo_mask_low": 0.9,
-                      "geo_mask_high": 1.1},
-    "seq_tis_product": {"tis_ratio_type": "sequence", "sequence_mask_metric": "product",
-                        "sequence_tis_ratio_clip_high": 2.0, "product_mask_low": 0.2,
-                        "product_mask_high": 4.0},
-    "everything": {"outlier_token_is_threshold_low": 0.3, "outlier_token_is_threshold_high": 3.0,
-                   "token_mask_is_threshold_low": 0.7, "token_mask_is_threshold_high": 1.4,
-                   "tis_ratio_type": "token", "token_tis_ratio_clip_high": 1.2,
-                   "sequence_mask_metric": "geometric", "geo_mask_low": 0.95, "geo_mask_high": 1.05},
+    "token_tis_geo": {
+        "tis_ratio_type": "token",
+        "sequence_mask_metric": "geometric",
+        "geo_mask_low": 0.9,
+        "geo_mask_high": 1.1,
+    },
+    "seq_tis_product": {
+        "tis_ratio_type": "sequence",
+        "sequence_mask_metric": "product",
+        "sequence_tis_ratio_clip_high": 2.0,
+        "product_mask_low": 0.2,
+        "product_mask_high": 4.0,
+    },
+    "everything": {
+        "outlier_token_is_threshold_low": 0.3,
+        "outlier_token_is_threshold_high": 3.0,
+        "token_mask_is_threshold_low": 0.7,
+        "token_mask_is_threshold_high": 1.4,
+        "tis_ratio_type": "token",
+        "token_tis_ratio_clip_high": 1.2,
+        "sequence_mask_metric": "geometric",
+        "geo_mask_low": 0.95,
+        "geo_mask_high": 1.05,
+    },
     "outlier_only": {"outlier_token_is_threshold_high": 1.4},
 }
 
@@ -291,8 +311,11 @@ class RandomReferenceTest(chex.TestCase):
             loss = rng.normal(0, 1, shape)
             want_loss, want_mask, want_metrics = np_correct(loss, old, roll, mask, seg, cfg)
             fn = self.variant(functools.partial(correct, num_segments=10, config=cfg))
-            got_loss, got_mask, got_metrics = fn(*[jnp.asarray(x, jnp.float32) for x in (loss, old, roll)],
-                                                 mask=jnp.asarray(mask), segment_ids=jnp.asarray(seg))
+            got_loss, got_mask, got_metrics = fn(
+                *[jnp.asarray(x, jnp.float32) for x in (loss, old, roll)],
+                mask=jnp.asarray(mask),
+                segment_ids=jnp.asarray(seg),
+            )
             np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(got_mask, want_mask)
             for k in off_policy.METRIC_NAMES:

@@ -161,16 +161,27 @@ class SegmentReductionTest(parameterized.TestCase):
         """[R, L] token arrays (the objective's and off-policy's use): the same as the flat [R*L] case."""
         x, ids, where = random_case(4)
         x2, ids2, w2 = (a[:12].reshape(3, 4) for a in (x, ids, where))
-        for name in ("segment_sum", "segment_count", "segment_mean", "segment_std", "segment_max",
-                     "segment_min"):
+        for name in (
+            "segment_sum",
+            "segment_count",
+            "segment_mean",
+            "segment_std",
+            "segment_max",
+            "segment_min",
+        ):
             fn = functools.partial(getattr(segments, name), num_segments=7, where=jnp.asarray(w2))
             got = self.variant(fn)(jnp.asarray(x2), jnp.asarray(ids2))
-            flat = getattr(segments, name)(jnp.asarray(x2.reshape(-1)), jnp.asarray(ids2.reshape(-1)), 7,
-                                           where=jnp.asarray(w2.reshape(-1)))
+            flat = getattr(segments, name)(
+                jnp.asarray(x2.reshape(-1)),
+                jnp.asarray(ids2.reshape(-1)),
+                7,
+                where=jnp.asarray(w2.reshape(-1)),
+            )
             np.testing.assert_allclose(got, flat, rtol=1e-6, err_msg=name)
         # hand case: ids -1 and 2 (= num_segments) are dropped
-        got = segments.segment_sum(jnp.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]),
-                                   jnp.array([[0, 1, -1], [1, 2, 0]]), 2)
+        got = segments.segment_sum(
+            jnp.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]]), jnp.array([[0, 1, -1], [1, 2, 0]]), 2
+        )
         np.testing.assert_array_equal(got, [33.0, 10.0])
 
 

@@ -339,8 +339,9 @@ def test_registered_token_estimator_runs_per_step_like_reinforce_pp(saved_estima
     #   gamma = 1.0:                           [2, 0, 2],       [1.5, 1.5],       [2, 2]
     got = StepBatch(steps).step_advantages("discounted_return_test", reward_mode="per_step", gamma_turn=0.5)
     assert_steps_close(got, [[1.0, 0.0, 2.0], [0.75, 1.5], [1.0, 2.0]], atol=1e-6)
-    got = compute_step_advantages(steps, "discounted_return_test", reward_mode="per_step", gamma_turn=0.5,
-                                  gamma=1.0)
+    got = compute_step_advantages(
+        steps, "discounted_return_test", reward_mode="per_step", gamma_turn=0.5, gamma=1.0
+    )
     assert_steps_close(got, [[2.0, 0.0, 2.0], [1.5, 1.5], [2.0, 2.0]], atol=1e-6)
     # the token rules of the built-in token estimators apply to it too
     with pytest.raises(ValueError, match="reward_mode='per_step'"):

@@ -120,7 +120,9 @@ def test_exported_rows_load_back_and_score_the_same(tmp_path, suffix):
     subprocess.run(
         [
             sys.executable,
-            "-m", "rljax", "make-dataset",
+            "-m",
+            "rljax",
+            "make-dataset",
             "--source",
             "reasoning_gym:leg_counting",
             "--num",

@@ -22,6 +22,8 @@ TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "zob"}}\n</too
 def tool_then_answer(prompt: str) -> str:
     """A scripted policy: first turn the lookup call; after a tool response, the answer."""
     return "It is red." if "<tool_response>" in prompt else TOOL_CALL
+
+
 LOOKUP = {
     "type": "function",
     "function": {

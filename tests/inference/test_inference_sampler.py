@@ -453,8 +453,9 @@ def test_panels_fall_back_per_matrix_and_for_bfloat16():
     bf16 = models.Decoder(odd.config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert EmbeddedSampler(bf16, **BUCKETS).kernel_layout == "out_in"
     served = nnx.merge(*EmbeddedSampler(bf16, kernel_layout="panels", **BUCKETS)._weights[:2])
-    layouts = {getattr(m, "kernel_layout", "in_out") for _, m in nnx.iter_graph(served)
-               if isinstance(m, Linear)}
+    layouts = {
+        getattr(m, "kernel_layout", "in_out") for _, m in nnx.iter_graph(served) if isinstance(m, Linear)
+    }
     assert "panels" not in layouts and "out_in" in layouts
 
 

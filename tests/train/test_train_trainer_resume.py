@@ -118,7 +118,9 @@ def _launch(workdir: pathlib.Path, *extra: str, fault: str | None = None) -> sub
     env = subprocess_env(CI="true", **({ckpt.FAULT_ENV: fault} if fault else {}))
     cmd = [
         sys.executable,
-        "-m", "rljax", "train",
+        "-m",
+        "rljax",
+        "train",
         "--config=smoke",
         f"--workdir={workdir}",
         "--config.trainer.num_steps=4",

@@ -99,9 +99,7 @@ class SyncTarget(Protocol):
     async def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
         """POSTs ``body`` to ``path`` on every server; returns their answers in server order."""
 
-    async def score(
-        self, ids: Sequence[int], *, server: int | None = None, gated: bool = True
-    ) -> np.ndarray:
+    async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
         """The served model's log-probs of ``ids`` at temperature 1; ``server`` picks one server,
         ``gated=False`` runs even while a weight sync holds new requests back."""
 
