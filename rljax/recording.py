@@ -425,6 +425,7 @@ class StepRecorder:
                     policy_version=c.completion.weight_version,
                     prompt_roles=None if c.prompt.roles is None else list(c.prompt.roles),
                     routed_experts=getattr(c.completion, "routed_experts", None),
+                    response_versions=_response_versions(c.completion),
                 )
             )
         return out
@@ -436,3 +437,9 @@ class StepRecorder:
                 raise ValueError("finish(reward=...) needs a recorded call to put the reward on")
             self._calls[-1].reward = reward
         return self.steps()
+
+
+def _response_versions(completion: Any) -> list[int] | None:
+    """Per-token versions of a completion an in-flight weight update crossed; None for one version."""
+    spans = getattr(completion, "weight_versions", ())
+    return completion.token_versions() if len(spans) > 1 else None

@@ -59,6 +59,81 @@ class TrajectoryID:
 
 
 @dataclasses.dataclass(frozen=True)
+class VersionSpan:
+    """Tokens ``[start, end)`` of a completion were sampled with weight version ``version``.
+
+    A completion that an in-flight weight update crossed carries several spans (SGLang's per-request
+    ``[{"version", "start", "end"}]``); the spans of one completion are contiguous, their versions
+    strictly increase, and together they cover every token (:func:`check_version_spans`).
+    """
+
+    version: int
+    start: int
+    end: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The JSON form written to rollout records: ``{"version": v, "start": i, "end": j}``."""
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+def check_version_spans(spans: Sequence[VersionSpan], num_tokens: int) -> None:
+    """Raises ValueError unless ``spans`` are contiguous, strictly increasing in version, cover
+    ``[0, num_tokens)`` and are non-empty each (no spans at all for ``num_tokens == 0``).
+
+    >>> check_version_spans([VersionSpan(3, 0, 2), VersionSpan(5, 2, 4)], 4)
+    >>> check_version_spans([VersionSpan(3, 0, 2), VersionSpan(3, 2, 4)], 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: weight version spans must strictly increase in version; span 1 has version 3 after 3
+    """
+    pos = 0
+    for i, span in enumerate(spans):
+        if span.start != pos or span.end <= span.start:
+            raise ValueError(
+                f"weight version spans must be contiguous and non-empty from 0 to {num_tokens}; span {i} is "
+                f"[{span.start}, {span.end}) after position {pos}"
+            )
+        if span.version < 0:
+            raise ValueError(f"weight version spans need versions >= 0; span {i} has {span.version}")
+        if i and span.version <= spans[i - 1].version:
+            raise ValueError(
+                "weight version spans must strictly increase in version; "
+                f"span {i} has version {span.version} after {spans[i - 1].version}"
+            )
+        pos = span.end
+    if pos != num_tokens:
+        raise ValueError(f"weight version spans cover {pos} tokens, the completion has {num_tokens}")
+
+
+def version_spans(token_versions: Sequence[int]) -> tuple[VersionSpan, ...]:
+    """Run-length spans of a per-token version list (the inverse of :func:`token_versions`).
+
+    >>> version_spans([2, 2, 3, 3, 3])
+    (VersionSpan(version=2, start=0, end=2), VersionSpan(version=3, start=2, end=5))
+    """
+    spans: list[VersionSpan] = []
+    start = 0
+    versions = [int(v) for v in token_versions]
+    for i in range(1, len(versions) + 1):
+        if i == len(versions) or versions[i] != versions[start]:
+            spans.append(VersionSpan(versions[start], start, i))
+            start = i
+    return tuple(spans)
+
+
+def token_versions(spans: Sequence[VersionSpan]) -> list[int]:
+    """The version of each token, from spans that start at 0 and are contiguous.
+
+    >>> token_versions([VersionSpan(2, 0, 2), VersionSpan(3, 2, 5)])
+    [2, 2, 3, 3, 3]
+    """
+    out: list[int] = []
+    for span in spans:
+        out.extend([int(span.version)] * (span.end - span.start))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """One LLM turn (one training sample before merging). See design §2.1.
 
@@ -74,7 +149,12 @@ class Step:
       env: name of the environment that produced the step.
       algorithm: name of the algorithm (design §3.6) that trains it.
       temperature: sampling temperature; the trainer divides logits by it.
-      policy_version: weight version of the policy that sampled the step.
+      policy_version: weight version of the policy that sampled the step: the OLDEST version
+        among its tokens when an in-flight weight update crossed the turn.
+      response_versions: optional, one weight version per response token (a turn that an
+        in-flight weight update crossed, or a merged sample of turns sampled with different
+        versions); None means every response token has ``policy_version``
+        (:meth:`token_versions`).
       prompt_roles: optional, one entry per prompt token: the role of the message whose BODY
         the token is (e.g. "tool", "user"), None for template scaffolding; the rollout records
         it from the renderer, and the echo algorithm reads it (:mod:`rljax.data.echo`).
@@ -98,6 +178,7 @@ class Step:
     policy_version: int = 0
     prompt_roles: Sequence[str | None] | None = None
     routed_experts: Any = None
+    response_versions: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trajectory_id", TrajectoryID.coerce(self.trajectory_id))
@@ -108,6 +189,12 @@ class Step:
     def num_tokens(self) -> int:
         """Prompt plus response tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def token_versions(self) -> np.ndarray:
+        """int64 ``[len(response_ids)]``: the weight version that sampled each response token."""
+        if self.response_versions is None:
+            return np.full(len(self.response_ids), int(self.policy_version), np.int64)
+        return np.asarray(self.response_versions, np.int64).reshape(len(self.response_versions))
 
     @property
     def per_token_reward(self) -> bool:

@@ -164,6 +164,8 @@ def test_a_tool_call_conversation_is_bridged_and_merges_into_one_sample(qwen3):
     assert list(sample.response_ids) == [*c0.ids, *p1.ids[n:], *c1.ids]
     assert list(sample.loss_mask) == [1] * len(c0.ids) + [0] * gap + [1] * len(c1.ids)
     assert sample.reward == 1.0 and sample.is_last_step and sample.policy_version == 3
+    # each token keeps the version that sampled it; the gap (call 1's prompt) takes call 1's
+    assert list(sample.token_versions()) == [3] * len(c0.ids) + [4] * (gap + len(c1.ids))
     # routing of the merged sample: call 0's rows, then call 1's rows past them (rljax.data.merge)
     np.testing.assert_array_equal(
         sample.routed_experts, np.concatenate([c0.routed_experts, c1.routed_experts[n - 1 :]])

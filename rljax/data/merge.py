@@ -32,7 +32,10 @@ Decisions (beyond design §2.5):
   presence of logprobs (a packed sample has one temperature, and logprobs cannot be
   invented). Among equally long matching prefixes the earliest-opened sample wins.
 * ``policy_version`` of a merged sample is the OLDEST version among its turns (the
-  conservative choice for staleness checks); other fields come from its first turn, except
+  conservative choice for staleness checks); when its turns carry different versions (or one turn
+  was crossed by an in-flight weight update) ``response_versions`` keeps every token's version
+  (gap tokens take the version of the turn whose prompt they come from; they are never trained).
+  Other fields come from its first turn, except
   ``stop_reason`` (last merged turn) and ``is_last_step`` (holds the trajectory's final turn).
   ``prompt_roles`` is the first turn's, so it stays aligned with the merged sample's prompt;
   the roles of the gap tokens are the tails of the later turns' ``prompt_roles``
@@ -194,6 +197,9 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
     # turn's prefill re-processes the prefix; with prefix caching its KV is the first turn's)
     routed = all(steps[i].routed_experts is not None for i in idx)
     routing = [np.asarray(first.routed_experts)] if routed else None
+    # per-token versions only when the merged turns do not all share one version
+    multi_version = len({v for i in idx for v in _versions_of(steps[i])}) > 1
+    versions = list(first.token_versions()) if multi_version else None
     covered = len(first.prompt_ids) + len(first.response_ids)
     for i, g in zip(idx[1:], gaps[1:], strict=True):
         s = steps[i]
@@ -201,6 +207,9 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
             full = len(s.prompt_ids) + len(s.response_ids)
             routing.append(np.asarray(s.routed_experts)[covered - 1 : full - 1])
             covered = full
+        if versions is not None:
+            versions.extend([int(s.policy_version)] * g)
+            versions.extend(s.token_versions().tolist())
         if g:
             prompt = _as_list(s.prompt_ids)
             response.extend(prompt[len(prompt) - g :])
@@ -224,7 +233,15 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
         stop_reason=last.stop_reason,
         policy_version=min(steps[i].policy_version for i in idx),
         routed_experts=None if routing is None else np.concatenate(routing, axis=0),
+        response_versions=versions,
     )
+
+
+def _versions_of(step: Step) -> set[int]:
+    """The distinct weight versions of a step's response tokens (its policy version when none)."""
+    if step.response_versions is None:
+        return {int(step.policy_version)}
+    return {int(v) for v in step.response_versions}
 
 
 def merge_steps(batch: StepBatch, plan: MergePlan | None = None) -> StepBatch:

@@ -333,6 +333,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             raise ValueError(f"{w}: temperature must be a finite number > 0, got {t!r}")
         if not _is_int(s.policy_version) or s.policy_version < 0:
             raise ValueError(f"{w}: policy_version must be an int >= 0, got {s.policy_version!r}")
+        if s.response_versions is not None:
+            _check_response_versions(s, w)
 
     owners = list(range(len(tids)))
     _check_token_values(_Flat(prompts, owners, np.int64), "prompt_ids", tids, vocab_size)
@@ -374,6 +376,22 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             "(metric all_masked=True)",
             AllMaskedWarning,
             stacklevel=2,
+        )
+
+
+def _check_response_versions(s: Step, where: str) -> None:
+    """Per-token versions: one int >= 0 per response token, the oldest equal to policy_version."""
+    versions = list(s.response_versions)
+    if len(versions) != len(s.response_ids):
+        raise ValueError(
+            f"{where}: response_versions has {len(versions)} entries, response_ids {len(s.response_ids)}"
+        )
+    if not all(_is_int(v) and v >= 0 for v in versions):
+        raise ValueError(f"{where}: response_versions must be ints >= 0")
+    if versions and min(versions) != s.policy_version:
+        raise ValueError(
+            f"{where}: policy_version ({s.policy_version}) must be the oldest of response_versions "
+            f"({min(versions)})"
         )
 
 

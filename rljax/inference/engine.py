@@ -30,6 +30,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from rljax.types import VersionSpan, check_version_spans, token_versions
+
 #: Reasons a completion ends. "abort": the engine gave up on the request (server died, request
 #: cancelled); the tokens returned so far are exact but the turn is incomplete.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -80,7 +82,11 @@ class Completion:
       logprobs: ``logprobs[i] = log p(ids[i] | prompt, ids[:i])`` under the temperature-scaled
         distribution; one per id, each finite and <= 0.
       finish_reason: one of :data:`FINISH_REASONS`.
-      weight_version: the policy version that produced every token of this completion.
+      weight_version: the policy version that produced the FIRST token (the oldest version; every
+        token's, unless an in-flight weight update crossed the completion).
+      weight_versions: the version of every token as spans ``[start, end)`` over ``ids``
+        (contiguous, strictly increasing in version, covering every token; the first span's
+        version is ``weight_version``). Defaults to one span at ``weight_version``.
       routed_experts: MoE engines that record routing: int ``[len(prompt) + len(ids) - 1,
         layers, top_k]``, the experts every processed token was routed to (router replay); else None.
     """
@@ -90,6 +96,7 @@ class Completion:
     finish_reason: str
     weight_version: int
     routed_experts: Any = dataclasses.field(default=None, repr=False, compare=False)
+    weight_versions: tuple[VersionSpan, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         ids = tuple(int(t) for t in self.ids)
@@ -111,6 +118,27 @@ class Completion:
         object.__setattr__(self, "ids", ids)
         object.__setattr__(self, "logprobs", logprobs)
         object.__setattr__(self, "weight_version", int(self.weight_version))
+        spans = tuple(_as_span(s) for s in self.weight_versions)
+        if not spans and ids:
+            spans = (VersionSpan(self.weight_version, 0, len(ids)),)
+        check_version_spans(spans, len(ids))
+        if spans and spans[0].version != self.weight_version:
+            raise ValueError(
+                f"Completion.weight_version ({self.weight_version}) must be the first span's version "
+                f"({spans[0].version})"
+            )
+        object.__setattr__(self, "weight_versions", spans)
+
+    def token_versions(self) -> list[int]:
+        """The weight version that sampled each token of ``ids``."""
+        return token_versions(self.weight_versions)
+
+
+def _as_span(span: VersionSpan | dict) -> VersionSpan:
+    """A VersionSpan from itself or its JSON form ``{"version", "start", "end"}``."""
+    if isinstance(span, VersionSpan):
+        return span
+    return VersionSpan(int(span["version"]), int(span["start"]), int(span["end"]))
 
 
 @runtime_checkable

@@ -185,6 +185,7 @@ def rollout_records(trajectories: Iterable[TrajectoryRecord], trace: Preparation
                     "reward": _reward(step.reward if step is not None else call.reward),
                     "stop_reason": step.stop_reason if step is not None else call.stop_reason,
                     "weight_version": call.completion.weight_version,
+                    "weight_versions": [span.as_dict() for span in call.completion.weight_versions],
                     "sample": None if tr is None else tr.sample,
                     "advantages": advantages,
                     "advantage": _json_float(np.mean(tr.advantages)) if tr is not None and len(ids) else None,
