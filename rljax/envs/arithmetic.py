@@ -7,6 +7,10 @@ assistant turn with reward::
     r = format_credit           elif content.strip() is an integer (well formed, wrong)
     r = 0                       otherwise
 
+With ``answer_format="last_number"`` the answer is the LAST integer in the reply instead (GSM8K-style
+extraction: ``"3 + 4 = 7"`` and ``"The answer is 7."`` both score 1), for instruct models that
+restate the problem; ``format_credit`` then goes to a reply with a wrong last integer.
+
 The answer vocabulary is small (operands ``0..max_operand``), so a tiny model can move its reward
 on CPU. Tasks are generated in code: every problem ``a op b`` has a fixed split
 (:func:`rljax.envs.base.split_of`), and :func:`make_arithmetic_tasks` samples from one split with a
@@ -97,20 +101,31 @@ class ArithmeticEnv:
     Args:
       format_credit: reward for a well-formed (integer) but wrong answer, in ``[0, 1)``.
       system_prompt: optional system message.
+      answer_format: ``"exact"`` (the reply is the bare number) or ``"last_number"`` (the reply's
+        last integer is the answer).
 
     >>> env = ArithmeticEnv()
     >>> env.reset(Task("t", {"a": 3, "op": "+", "b": 4, "answer": "7"}))[-1]["content"]
     'What is 3 + 4? Answer with the number only.'
     >>> env.step(" 7 ")[1:3], env.done
     ((1.0, True), True)
+    >>> lenient = ArithmeticEnv(answer_format="last_number")
+    >>> _ = lenient.reset(Task("t", {"a": 3, "op": "+", "b": 4, "answer": "7"}))
+    >>> lenient.score("3 + 4 = 7."), lenient.score("7 or 8"), lenient.score("seven")
+    (1.0, 0.0, 0.0)
     """
 
     name = "arithmetic"
     tools = None
 
-    def __init__(self, *, format_credit: float = 0.0, system_prompt: str | None = None) -> None:
+    def __init__(
+        self, *, format_credit: float = 0.0, system_prompt: str | None = None, answer_format: str = "exact"
+    ) -> None:
         if not 0.0 <= format_credit < 1.0:
             raise ValueError(f"format_credit must be in [0, 1), got {format_credit}")
+        if answer_format not in ("exact", "last_number"):
+            raise ValueError(f"answer_format must be 'exact' or 'last_number', got {answer_format!r}")
+        self.answer_format = answer_format
         self.format_credit = float(format_credit)
         self.system_prompt = system_prompt
         self.task: Task | None = None
@@ -132,6 +147,11 @@ class ArithmeticEnv:
         if self.task is None:
             raise ValueError("call reset(task) before step/score")
         text = content.strip()
+        if self.answer_format == "last_number":
+            numbers = _INT.findall(text)
+            if not numbers:
+                return 0.0
+            return 1.0 if int(numbers[-1]) == int(self.task.data["answer"]) else self.format_credit
         if text == str(self.task.data["answer"]):
             return 1.0
         return self.format_credit if _INT.fullmatch(text) else 0.0

@@ -44,6 +44,24 @@ def test_rewards():
     assert env.step(Action("<think>\nhmm\n</think>\n\n7", content="7", reasoning="hmm")).reward == 1.0
 
 
+def test_last_number_rewards():
+    env = ArithmeticEnv(format_credit=0.1, answer_format="last_number")
+    cases = [
+        ("7", 1.0),
+        ("3 + 4 = 7", 1.0),
+        ("The answer is 7.", 1.0),
+        ("7, no wait, 8", 0.1),  # the last integer counts
+        ("3 + 4 = -7", 0.1),
+        ("seven", 0.0),
+        ("", 0.0),
+    ]
+    for text, reward in cases:
+        env.reset(task(3, "+", 4, "7"))
+        assert env.step(text).reward == reward, text
+    with pytest.raises(ValueError, match="answer_format"):
+        ArithmeticEnv(answer_format="first_number")
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     a=st.integers(0, 9), b=st.integers(0, 9), op=st.sampled_from(["+", "-", "*"]), guess=st.integers(-20, 90)
