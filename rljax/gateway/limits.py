@@ -7,8 +7,8 @@ of the body:
    non-negative integer is 400, one over ``max_body_bytes`` is 413 at once;
 2. the credentials (each server's own check: 401), so a client without a key never gets its body
    read;
-3. admission: at most ``max_requests`` requests in flight in all (503) and ``max_requests_per_key``
-   per key (429), both answered with ``Retry-After: retry_after_s``;
+3. admission: at most ``max_requests_per_key`` requests in flight per key (429) and ``max_requests``
+   in all (503), both answered with ``Retry-After: retry_after_s``;
 4. the body, read in the chunks the server delivers and counted as they come: a chunked body is cut
    at ``max_body_bytes`` (413), all bodies being read or handled at once hold at most
    ``max_body_bytes_in_flight`` (503 with ``Retry-After``), and a body that does not arrive within
@@ -19,9 +19,10 @@ A refused body is never buffered: the answer is sent while the client is still s
 unread would reset it, and the client could lose the answer). So a 300 MB upload costs the server
 the few chunks it reads before the limit, whatever the size.
 
-Header blocks are bounded twice: uvicorn's h11 parser is given ``max_header_bytes`` (a longer block
-is refused by the parser with a 400 before the app sees it; :func:`uvicorn_options`), and the app
-checks the parsed headers again for servers that parse without a bound.
+Header blocks are bounded twice: uvicorn's h11 parser is given ``max_header_bytes`` as the most it
+buffers of a head still arriving (a client that trickles an endless header block is cut off with a
+400; :func:`uvicorn_options`), and the app refuses a parsed block over the limit with 431 (what a
+parser that holds any size, such as httptools, hands it).
 
 >>> limits = HttpLimits(max_body_bytes=10)
 >>> check_head([(b"content-length", b"11")], limits)
@@ -186,8 +187,6 @@ class Admission:
         """Holds one request of ``key`` for the ``with`` block (raises :class:`Refusal` 503 / 429 when
         full); the ticket reserves the body bytes it reads, released at the end."""
         lim = self.limits
-        if self.requests >= lim.max_requests:
-            raise self._retry(503, f"the server has {self.requests} requests in flight; retry shortly")
         held = self.per_key.get(key, 0)
         if held >= lim.max_requests_per_key:
             raise self._retry(
@@ -195,6 +194,8 @@ class Admission:
                 f"this key has {held} requests in flight; at most {lim.max_requests_per_key} are served "
                 "at once",
             )
+        if self.requests >= lim.max_requests:
+            raise self._retry(503, f"the server has {self.requests} requests in flight; retry shortly")
         self.requests += 1
         self.per_key[key] = held + 1
         ticket = _Ticket(self)

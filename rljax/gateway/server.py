@@ -591,7 +591,7 @@ class Gateway:
     def _json(request: _Request) -> Any:
         try:
             return json.loads(request.body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
 
     async def _chat(self, request: _Request) -> _Reply:
