@@ -54,9 +54,13 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "api_error",
+    503: "overloaded_error",
 }
 
 

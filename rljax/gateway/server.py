@@ -6,6 +6,7 @@ A :class:`Gateway` serves, on ``http://127.0.0.1:<port>/v1`` by default (loopbac
     POST /v1/messages           Anthropic Messages (stream or not), served as a chat completion
                                 (:mod:`rljax.gateway.anthropic_api`); /v1/messages/count_tokens
     GET  /v1/models             the served model name
+    GET  /health                200 {"status": "ok"} to any probe (no key; nothing else revealed)
     POST /v1/rewards            {"reward": r} (the rollout's final reward) or
                                 {"reward": r, "completion_id": "chatcmpl-..."} (that call's reward)
                                 (also at /rl/set_reward, AReaL's name)
@@ -13,7 +14,11 @@ A :class:`Gateway` serves, on ``http://127.0.0.1:<port>/v1`` by default (loopbac
 Every request must carry a rollout's secret key (``Authorization: Bearer <key>``, or
 ``x-api-key``), or use the rollout's own base URL ``/rollouts/<key>/v1`` (:meth:`Gateway.rollout_base_url`):
 :meth:`Gateway.open_session` makes one key per rollout; an unknown or ended key gets 401 and
-nothing is recorded. For each call the gateway
+nothing is recorded. Before a byte of a body is read the key is checked (401), then the limits of
+:class:`~rljax.gateway.limits.HttpLimits` (``limits``): the header block (431), the body's size
+(413, ``Content-Length`` at once, a chunked body as it streams), the requests in flight per key (429)
+and in all (503, both with ``Retry-After``), a JSON content type (415). Every refusal and malformed
+request is a 4xx with OpenAI's error body (Anthropic's on ``/v1/messages``). For each call the gateway
 
 1. validates the request (:mod:`rljax.gateway.protocol`; 400 with OpenAI's error body otherwise);
 2. builds the prompt with the session's :class:`~rljax.recording.StepRecorder`: when the messages
@@ -70,6 +75,16 @@ from rljax.gateway.anthropic_api import (
     stream_events,
     to_chat_body,
 )
+from rljax.gateway.limits import (
+    Admission,
+    HttpLimits,
+    Refusal,
+    check_head,
+    is_json_content_type,
+    read_body,
+    send_reply,
+    uvicorn_options,
+)
 from rljax.gateway.protocol import (
     Answer,
     ChatRequest,
@@ -113,11 +128,12 @@ class _Request:
 
 @dataclasses.dataclass(frozen=True)
 class _Reply:
-    """A response: status, body bytes, content type."""
+    """A response: status, body bytes, content type, extra headers."""
 
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -132,16 +148,18 @@ def _unauthorized(message: str = "invalid or ended API key: every rollout has it
     return _json_reply(error_body(message, code="invalid_api_key"), 401)
 
 
-async def _read_body(receive: Callable[[], Awaitable[dict[str, Any]]]) -> bytes | None:
-    """The request body (None when the client disconnected first)."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+#: OpenAI's error ``type`` of each refusal status (the rest are "invalid_request_error").
+_OPENAI_TYPES = {429: "rate_limit_error", 503: "server_error"}
+_HEALTH = _json_bytes({"status": "ok"})
+
+
+def _refusal_reply(e: Refusal, anthropic: bool) -> _Reply:
+    """A refusal as OpenAI's error body (Anthropic's on its routes), with its extra headers."""
+    if anthropic:
+        body = anthropic_error_body(e.status, e.message)
+    else:
+        body = error_body(e.message, type=_OPENAI_TYPES.get(e.status, "invalid_request_error"), code=e.code)
+    return _Reply(e.status, _json_bytes(body), headers=tuple(e.headers()))
 
 
 class _InProcess(httpx.AsyncBaseTransport):
@@ -211,6 +229,8 @@ class Gateway:
       host: the address it binds (default loopback only; "0.0.0.0" exposes it).
       port: the port (0: a free one, see :attr:`port` after :meth:`start`).
       model_name: what ``GET /v1/models`` lists (requests may name any model).
+      limits: what one request may cost (:class:`~rljax.gateway.limits.HttpLimits`: 8 MiB bodies,
+        64 requests in flight per key by default).
     """
 
     def __init__(
@@ -220,8 +240,11 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 0,
         model_name: str = DEFAULT_MODEL_NAME,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.renderer = renderer
+        self.limits = HttpLimits() if limits is None else limits
+        self._admission = Admission(self.limits)
         self.host = host
         self.port = int(port)
         self.model_name = model_name
@@ -274,7 +297,7 @@ class Gateway:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app, interface="asgi3", lifespan="off", log_level="warning", access_log=False, backlog=4096,
-            timeout_keep_alive=60,
+            timeout_keep_alive=60, **uvicorn_options(self.limits),
         )  # fmt: skip
         self._server = _QuietServer(config)
         self._loop = loop
@@ -482,9 +505,10 @@ class Gateway:
         receive: Callable[[], Awaitable[dict[str, Any]]],
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
-        """The ASGI app: a dict lookup of the path, the body read whole, one handler call, the
-        response written as one start and one body message (no framework: routing, request and
-        response objects and middleware layers cost more than the handlers on the call path)."""
+        """The ASGI app: a dict lookup of the path, the key and the limits checked, the body read
+        (bounded), one handler call, the response written as one start and one body message (no
+        framework: routing, request and response objects and middleware layers cost more than the
+        handlers on the call path)."""
         if scope["type"] != "http":  # lifespan is off; no websockets
             return
         path = scope["path"]
@@ -492,44 +516,82 @@ class Gateway:
         if path.startswith("/rollouts/"):  # a per-rollout base URL: /rollouts/<key>/v1/...
             key, _, rest = path[len("/rollouts/") :].partition("/")
             path = "/" + rest
-        route = self._routes.get(path.rstrip("/") or "/")
+        path = path.rstrip("/") or "/"
+        try:
+            reply = await self._serve(scope, receive, path, key)
+        except Refusal as e:
+            reply = _refusal_reply(e, anthropic=path.startswith("/v1/messages"))
+        if reply is not None:  # None: the client left before its body arrived
+            await send_reply(send, reply.status, reply.body, reply.content_type, list(reply.headers))
+
+    async def _serve(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        path: str,
+        key: str | None,
+    ) -> _Reply | None:
+        """One request through the front door (see the module docstring for the order of the checks);
+        raises :class:`Refusal` for what the limits refuse."""
+        method = scope["method"]
+        if path == "/health" and key is None:  # a probe: no key, nothing revealed
+            if method not in ("GET", "HEAD"):
+                raise Refusal(405, f"/health takes GET, not {method}")
+            return _Reply(200, _HEALTH)
+        route = self._routes.get(path)
         if route is None:
-            reply = _json_reply(error_body(f"no such endpoint: {scope['path']}", code="not_found"), 404)
-        elif scope["method"] != route[0]:
-            reply = _json_reply(error_body(f"{scope['path']} takes {route[0]}, not {scope['method']}",
-                                           code="method_not_allowed"), 405)  # fmt: skip
-        else:
-            body = await _read_body(receive)
-            if body is None:
-                return
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            raise Refusal(404, f"no such endpoint: {scope['path']}")
+        if method != route[0]:
+            raise Refusal(405, f"{scope['path']} takes {route[0]}, not {method}")
+        raw = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        request = _Request(headers, key, b"")
+        client_key = key if key is not None else self._key_of(headers)
+        if self.sessions.get(client_key) is None:  # before any of the body is read
+            if path.startswith("/v1/messages"):
+                message = "invalid or ended API key: every rollout has its own key"
+                return _json_reply(anthropic_error_body(401, message), 401)
+            return _unauthorized()
+        declared = check_head(raw, self.limits)
+        if route[0] == "POST":
+            if not is_json_content_type(raw):
+                ctype = headers["content-type"]
+                raise Refusal(415, f"the body must be JSON (Content-Type: application/json), not {ctype!r}")
+            if headers.get("content-encoding", "identity").strip().lower() != "identity":
+                raise Refusal(
+                    415,
+                    f"Content-Encoding {headers['content-encoding']!r} is not accepted; send the body as is",
+                )
+        with self._admission.admit(client_key) as ticket:
+            if route[0] == "POST":
+                body = await read_body(receive, self.limits, ticket, declared)
+                if body is None:
+                    return None
+                request = _Request(headers, key, body)
             try:
-                reply = await route[1](_Request(headers, key, body))
+                return await route[1](request)
             except Exception as e:  # a bug: the client gets a 500 with OpenAI's error body
-                _log.exception("gateway: %s %s failed", scope["method"], scope["path"])
-                reply = _json_reply(
+                _log.exception("gateway: %s %s failed", method, scope["path"])
+                return _json_reply(
                     error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), 500
                 )
-        await send({
-            "type": "http.response.start",
-            "status": reply.status,
-            "headers": [(b"content-type", reply.content_type.encode()),
-                        (b"content-length", str(len(reply.body)).encode())],
-        })  # fmt: skip
-        await send({"type": "http.response.body", "body": reply.body})
+
+    @staticmethod
+    def _key_of(headers: dict[str, str]) -> str | None:
+        """The API key a request carries (``Authorization: Bearer <key>`` or ``x-api-key``)."""
+        auth = headers.get("authorization", "")
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key")
 
     def _session_of(self, request: _Request) -> Session | None:
         if request.path_key is not None:
             return self.sessions.get(request.path_key)
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
-        return self.sessions.get(key)
+        return self.sessions.get(self._key_of(request.headers))
 
     @staticmethod
     def _json(request: _Request) -> Any:
         try:
             return json.loads(request.body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             raise GatewayError(400, f"the request body is not valid JSON: {e}") from None
 
     async def _chat(self, request: _Request) -> _Reply:

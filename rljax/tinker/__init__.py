@@ -52,16 +52,26 @@ def default_base_model_name(cfg: Any) -> str:
 
 
 class TinkerServer:
-    """A running server (uvicorn in a daemon thread): ``base_url``, ``service``, :meth:`stop`."""
+    """A running server (uvicorn in a daemon thread): ``base_url``, ``service``, :meth:`stop`;
+    ``limits``: the :class:`~rljax.gateway.limits.HttpLimits` of its front door (default
+    :data:`rljax.tinker.server.DEFAULT_LIMITS`)."""
 
-    def __init__(self, service: Any, host: str, port: int) -> None:
+    def __init__(self, service: Any, host: str, port: int, limits: Any = None) -> None:
         import uvicorn
 
-        from rljax.tinker.server import make_app
+        from rljax.gateway.limits import uvicorn_options
+        from rljax.tinker.server import DEFAULT_LIMITS, make_app
 
         self.service = service
         self.base_url = f"http://{host}:{port}"
-        config = uvicorn.Config(make_app(service), host=host, port=port, log_level="warning")
+        limits = DEFAULT_LIMITS if limits is None else limits
+        config = uvicorn.Config(
+            make_app(service, limits=limits),
+            host=host,
+            port=port,
+            log_level="warning",
+            **uvicorn_options(limits),
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tinker-http", daemon=True)
         self._thread.start()
@@ -85,7 +95,14 @@ def free_port() -> int:
 
 
 def serve_in_thread(
-    config: Any, workdir: str | pathlib.Path, *, host: str = "127.0.0.1", port: int = 0, **options: Any
+    config: Any,
+    workdir: str | pathlib.Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: Any = None,
+    **options: Any,
 ) -> TinkerServer:
-    """Builds the service for ``config`` and serves it on ``host:port`` (0: a free port)."""
-    return TinkerServer(build_service(config, workdir, **options), host, port or free_port())
+    """Builds the service for ``config`` and serves it on ``host:port`` (0: a free port) with the
+    front door's ``limits`` (:class:`~rljax.gateway.limits.HttpLimits`)."""
+    return TinkerServer(build_service(config, workdir, **options), host, port or free_port(), limits)
