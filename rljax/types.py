@@ -232,6 +232,11 @@ class PackedBatch:
     int32 ``[rows, seq_len, num_moe_layers, top_k]``, the experts the sampler routed each token to,
     -1 where none was recorded (padding, the last token of a sample). ``token_rewards`` (PPO, or
     None): float32 rewards per token (a step's reward on its last response token), 0 elsewhere.
+    ``token_versions``: int32 policy (weight) version that sampled each response token
+    (:meth:`Step.token_versions`), 0 on prompt tokens and padding; None for batches built by hand.
+    ``token_staleness`` (or None): int32 ``trained_version - token_versions`` on response tokens, 0
+    elsewhere, set by the trainer for the version it trains
+    (:func:`rljax.data.pack.with_token_staleness`); the off-policy correction's staleness mask reads it.
     """
 
     tokens: Any
@@ -250,6 +255,8 @@ class PackedBatch:
     ref_kl_weights: Any
     routed_experts: Any = None
     token_rewards: Any = None
+    token_versions: Any = None
+    token_staleness: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -221,8 +221,9 @@ def _rl_correction(
     old, inference = _logprob_streams(batch)
     keys, num = _sample_keys(batch.segment_ids)
     return off_policy.correct(
-        loss, old, inference, candidates, keys, num, config.off_policy, normalizer=normalizer
-    )
+        loss, old, inference, candidates, keys, num, config.off_policy, normalizer=normalizer,
+        staleness=getattr(batch, "token_staleness", None),
+    )  # fmt: skip
 
 
 def _check_group_index(group_index: jax.Array, weighted: jax.Array, num_groups: int) -> None:

@@ -4,6 +4,10 @@ With ``rho_t = exp(clip(old_logp_t - rollout_logp_t, -20, 20))`` (per token) and
 sequences given by ``segment_ids`` (the sample each token belongs to), :func:`correct`
 applies, in this order, each stage only if configured:
 
+0. stale token mask: keep a token only if ``staleness <= max_token_staleness``, where
+   ``staleness = trained_version - token_version`` is how many weight updates separate the weights
+   that sampled the token from the weights being trained (per token: one turn that an in-flight
+   weight update crossed has tokens of several versions; ``PackedBatch.token_staleness``);
 1. outlier sequence reject: a sequence with ANY trainable token ``rho > hi`` or
    ``rho < lo`` is masked entirely (``outlier_token_is_threshold_low/high``);
 2. token mask: keep a token only if ``lo <= rho <= hi`` (``token_mask_is_threshold_low/high``);
@@ -16,8 +20,12 @@ applies, in this order, each stage only if configured:
    ``exp(sum_masked(old - rollout))`` is in ``[product_mask_low, product_mask_high]``
    (``"product"``).
 
-Stages 3-4 use the mask left by the earlier stages. Field names and defaults follow SkyRL's
-``off_policy_correction`` config; a threshold set to ``None`` disables that side.
+Stages 1-4 use the mask left by the earlier stages. Every ratio is per token against the logprob
+the engine reported for that token, i.e. under the weights of that token's own version, so TIS, the
+masks and the dppo trust region (:func:`rljax.core.losses.dppo`) compare each token with the policy
+that actually sampled it, also inside a turn that spans several versions. Field names and defaults
+follow SkyRL's ``off_policy_correction`` config (``max_token_staleness`` is rljax's); a threshold set
+to ``None`` disables that side.
 
 References: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training" (TIS); Liu, Li et al. 2025, "When Speed Kills Stability" (masked / geometric IS).
@@ -50,12 +58,14 @@ DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(
         "outlier_token_is_threshold_high": None,
         "token_mask_is_threshold_low": None,
         "token_mask_is_threshold_high": None,
+        "max_token_staleness": None,
     }
 )
 """Every accepted key with its default (SkyRL's names and defaults)."""
 
 METRIC_NAMES: tuple[str, ...] = (
     "is_ratio_mean",
+    "stale_masked_frac",
     "outlier_masked_frac",
     "token_masked_frac",
     "tis_clipped_frac",
@@ -102,8 +112,15 @@ def resolve_config(config: Any) -> dict[str, Any]:
         raise ValueError(
             f"sequence_mask_metric must be one of {_SEQUENCE_METRICS}; got {cfg['sequence_mask_metric']!r}"
         )
+    staleness = cfg["max_token_staleness"]
+    if staleness is not None and (
+        isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
+    ):
+        raise ValueError(
+            f"off-policy correction max_token_staleness must be an int >= 0 or None; got {staleness!r}"
+        )
     for key, value in cfg.items():
-        if key in ("tis_ratio_type", "sequence_mask_metric"):
+        if key in ("tis_ratio_type", "sequence_mask_metric", "max_token_staleness"):
             continue
         if value is None and key in _OPTIONAL_THRESHOLDS:
             continue
@@ -133,6 +150,7 @@ def is_enabled(config: Any) -> bool:
     return (
         cfg["tis_ratio_type"] is not None
         or cfg["sequence_mask_metric"] is not None
+        or cfg["max_token_staleness"] is not None
         or any(cfg[k] is not None for k in _OPTIONAL_THRESHOLDS)
     )
 
@@ -157,6 +175,7 @@ def correct(
     config: Any,
     *,
     normalizer: chex.Numeric | None = None,
+    staleness: chex.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Applies the configured off-policy correction (module docstring) to a per-token loss.
 
@@ -170,6 +189,8 @@ def correct(
       config: static off-policy config (see :func:`resolve_config`).
       normalizer: denominator of the metrics; default the number of tokens in ``mask``.
         Passing a global token count makes the metrics additive over micro-batches.
+      staleness: int ``trained_version - token_version`` per token (same shape); needed by the
+        stale token mask (``max_token_staleness``), ignored otherwise.
 
     Returns:
       ``(loss * tis_weight, new_mask, metrics)``: the new mask is float32 0/1 and a subset
@@ -194,13 +215,25 @@ def correct(
     rho = jnp.exp(log_rho)
     zero = jnp.zeros((), jnp.float32)
 
+    # (0) stale token mask.
+    ms, removed_stale = m0, zero
+    if cfg["max_token_staleness"] is not None:
+        if staleness is None:
+            raise ValueError(
+                "off-policy correction max_token_staleness needs the per-token staleness "
+                "(PackedBatch.token_staleness: rljax.data.pack.with_token_staleness(batch, trained_version))"
+            )
+        chex.assert_equal_shape([staleness, mask])
+        ms = m0 * (jnp.asarray(staleness) <= cfg["max_token_staleness"]).astype(jnp.float32)
+        removed_stale = jnp.sum(m0 - ms)
+
     # (1) outlier sequence reject.
-    m1, removed_outlier = m0, zero
+    m1, removed_outlier = ms, zero
     low, high = cfg["outlier_token_is_threshold_low"], cfg["outlier_token_is_threshold_high"]
     if low is not None or high is not None:
-        bad = segments.segment_sum(m0 * _outside(rho, low, high), ids, num_segments) > 0
-        m1 = m0 * (1.0 - segments.segment_gather(bad, ids).astype(jnp.float32))
-        removed_outlier = jnp.sum(m0 - m1)
+        bad = segments.segment_sum(ms * _outside(rho, low, high), ids, num_segments) > 0
+        m1 = ms * (1.0 - segments.segment_gather(bad, ids).astype(jnp.float32))
+        removed_outlier = jnp.sum(ms - m1)
 
     # (2) token mask.
     m2, removed_token = m1, zero
@@ -239,6 +272,7 @@ def correct(
     denom = jnp.sum(m0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
     counts = {
         "is_ratio_mean": jnp.sum(rho * m0),
+        "stale_masked_frac": removed_stale,
         "outlier_masked_frac": removed_outlier,
         "token_masked_frac": removed_token,
         "tis_clipped_frac": clipped,

@@ -15,6 +15,8 @@ zero_advantage             all its advantages are 0
 overlong                   ``stop_reason`` is not an allowed one (default: anything but "stop")
 overlong_unrewarded        ``len(response_ids) > max_length`` and its trajectory reward is 0
 zero_variance              every trajectory reward of its prompt group is equal
+staleness                  a trainable token was sampled ``> max_staleness`` versions before the
+                           trained version (per token: :meth:`~rljax.types.Step.token_versions`)
 =========================  =====================================================================
 
 "Sampled tokens" are response tokens with ``loss_mask == 1`` in the batch given to
@@ -48,6 +50,7 @@ __all__ = [
     "OverlongFilter",
     "OverlongUnrewardedFilter",
     "RepetitionFilter",
+    "StalenessFilter",
     "ZeroAdvantageFilter",
     "ZeroVarianceGroupFilter",
     "apply_filters",
@@ -369,6 +372,53 @@ class ZeroVarianceGroupFilter(Filter):
         return group_reward_spread(batch) <= self.atol
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StalenessFilter(Filter):
+    """Flags a step with a trainable token sampled more than ``max_staleness`` versions before the
+    trained version.
+
+    Staleness is per token, ``trained_version - version``, from the version of every response
+    token (:meth:`rljax.types.Step.token_versions`): a turn that an in-flight weight update crossed
+    is judged by its trainable tokens, not by its oldest version alone (in a merged sample the
+    observation tokens, loss mask 0, do not count). ``trained_version`` None: the newest version
+    among the batch's trainable tokens. To mask only the stale tokens of a turn instead of the whole
+    turn, use the off-policy correction's ``max_token_staleness`` (:mod:`rljax.core.off_policy`).
+
+    >>> from rljax.data.batch import StepBatch
+    >>> from rljax.types import Step, TrajectoryID as T
+    >>> b = StepBatch([Step([1], [2, 3], T("q", 0), policy_version=3, response_versions=[3, 5]),
+    ...                Step([1], [2, 3], T("q", 1), policy_version=5)])
+    >>> StalenessFilter(max_staleness=1).flags(b), StalenessFilter(max_staleness=2).flags(b)
+    (array([ True, False]), array([False, False]))
+    """
+
+    name: ClassVar[str] = "staleness"
+    max_staleness: int
+    trained_version: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.max_staleness
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"staleness filter: max_staleness must be an int >= 0, got {v!r}")
+        t = self.trained_version
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"staleness filter: trained_version must be None or an int >= 0, got {t!r}")
+
+    def token_staleness(self, batch: Sequence[Step]) -> list[np.ndarray]:
+        """Per step, int64 ``trained_version - version`` of each response token (0 where untrainable)."""
+        versions = [s.token_versions() for s in batch]
+        trainable = [np.asarray(s.loss_mask) != 0 for s in batch]
+        trained = self.trained_version
+        if trained is None:
+            newest = [int(v[m].max()) for v, m in zip(versions, trainable, strict=True) if m.any()]
+            trained = max(newest, default=0)
+        return [np.where(m, trained - v, 0) for v, m in zip(versions, trainable, strict=True)]
+
+    def flags(self, batch: Sequence[Step], advantages: Advantages = None) -> np.ndarray:
+        return np.array([bool(np.any(x > self.max_staleness)) for x in self.token_staleness(batch)], bool)
+
+
 #: The sample filters by name (``config.trainer.filters``; :func:`make_filter`).
 FILTERS: Mapping[str, type[Filter]] = {
     cls.name: cls
@@ -379,6 +429,7 @@ FILTERS: Mapping[str, type[Filter]] = {
         OverlongFilter,
         OverlongUnrewardedFilter,
         ZeroVarianceGroupFilter,
+        StalenessFilter,
     )
 }
 

@@ -68,6 +68,7 @@ __all__ = [
     "pack",
     "unpack",
     "unpack_responses",
+    "with_token_staleness",
 ]
 
 # A per-step stream: None (default), one scalar for all steps, or one entry per step that is
@@ -419,10 +420,15 @@ def _pack_steps(
     token_parts: list[Any] = []
     mask_parts: list[Any] = []
     logprob_parts: list[Any] = []
+    version_parts: list[Any] = []
     without_logprobs = 0
     for k, s in enumerate(steps):
         keep = int(keep_lens[k])
         cut = keep < resp_lens[k]
+        if s.response_versions is None:
+            version_parts.append(itertools.repeat(int(s.policy_version), keep))
+        else:
+            version_parts.append(s.response_versions[:keep] if cut else s.response_versions)
         token_parts.append(s.prompt_ids)
         token_parts.append(s.response_ids[:keep] if cut else s.response_ids)
         mask_parts.append(s.loss_mask[:keep] if cut else s.loss_mask)
@@ -436,6 +442,7 @@ def _pack_steps(
     flat_tokens = np.fromiter(itertools.chain.from_iterable(token_parts), dtype=np.int32, count=total)
     loss_mask = np.fromiter(itertools.chain.from_iterable(mask_parts), dtype=np.float32, count=n_resp)
     inference_lp = np.fromiter(itertools.chain.from_iterable(logprob_parts), dtype=np.float32, count=n_resp)
+    versions = np.fromiter(itertools.chain.from_iterable(version_parts), dtype=np.int32, count=n_resp)
 
     group_keys: dict[str, int] = {}
     group = np.fromiter(
@@ -470,6 +477,7 @@ def _pack_steps(
         temperatures=scatter(np.repeat(temps, lengths), dest, np.float32, fill=1.0),
         **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
         routed_experts=_routed_experts(steps, lengths, dest, size, num_rows, seq_len),
+        token_versions=scatter(versions, resp_dest, np.int32),
     )
     metrics = {
         "num_samples": n,
@@ -537,6 +545,29 @@ def pack(
     )
 
 
+def with_token_staleness(batch: PackedBatch, trained_version: int) -> PackedBatch:
+    """``batch`` with ``token_staleness = trained_version - token_versions`` on trainable tokens (loss
+    mask 1; 0 elsewhere): how many versions the weights that sampled each token are behind the weights
+    being trained. Raises when a trainable token is newer than ``trained_version``.
+
+    >>> from rljax.types import Step
+    >>> b = pack([Step([1], [2, 3], ("q", 0), policy_version=4, response_versions=[4, 5])], seq_len=4).batch
+    >>> b.token_versions.tolist(), with_token_staleness(b, 6).token_staleness.tolist()
+    ([[0, 4, 5, 0]], [[0, 2, 1, 0]])
+    """
+    if batch.token_versions is None:
+        raise ValueError("the batch has no token_versions; build it with rljax.data.pack.pack")
+    versions = np.asarray(batch.token_versions, np.int64)
+    on = np.asarray(batch.loss_mask) != 0
+    staleness = np.where(on, int(trained_version) - versions, 0)
+    if np.any(staleness < 0):
+        raise ValueError(
+            f"a trainable token was sampled with version {int(versions[on].max())}, newer than the "
+            f"trained version {trained_version}; pass the version of the weights being trained"
+        )
+    return batch.replace(token_staleness=staleness.astype(np.int32))
+
+
 def unpack_responses(array: Any, layout: PackLayout) -> list[np.ndarray]:
     """Cuts a ``[rows, seq_len]`` per-token array back into per-sample response arrays.
 
@@ -563,9 +594,9 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
 
     Each dict has ``prompt_ids``, ``response_ids``, ``positions`` (whole sample), the response
     part of every response stream (``loss_mask``, ``advantages``, ``inference_logprobs``,
-    ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``),
-    and the per-sample scalars ``temperature``, ``segment_id``, ``sample_index``,
-    ``group_index``, ``row`` and ``source_index``.
+    ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, and
+    ``token_versions`` / ``token_rewards`` when the batch has them), and the per-sample scalars
+    ``temperature``, ``segment_id``, ``sample_index``, ``group_index``, ``row`` and ``source_index``.
 
     >>> from rljax.types import Step
     >>> r = pack([Step([1, 2], [3, 4], ("q", 0), loss_mask=[1, 0])], seq_len=4)
@@ -574,7 +605,7 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     ([1, 2], [3, 4], [1.0, 0.0])
     """
     dest, _, _ = layout.flat_index()
-    optional = tuple(n for n in OPTIONAL_STREAMS if getattr(packed, n) is not None)
+    optional = tuple(n for n in (*OPTIONAL_STREAMS, "token_versions") if getattr(packed, n) is not None)
     response_streams = _RESPONSE_STREAMS + optional
     gathered = {
         name: np.asarray(getattr(packed, name)).reshape(-1)[dest]

@@ -147,8 +147,25 @@ class Engine(Protocol):
 
     ``weight_version`` is the version new requests are served with; ``update_weights`` makes the
     engine serve ``model``'s current parameters (a Flax decoder from :mod:`rljax.models`) and returns
-    the new version (``version`` if given, else the old one plus one). Completions already in flight
-    when an update starts finish with the old weights and report the old version.
+    the new version (``version`` if given, else the old one plus one; versions only grow).
+
+    In-flight updates. ``await engine.update_weights(model, version=v)`` may be called while
+    ``generate`` calls are in flight. What happens to them depends on the optional attribute
+    ``supports_in_flight_updates`` (absent means False):
+
+    * False: completions already in flight finish with the old weights and report the old
+      version (one span).
+    * True: the engine applies the new weights to running sequences at its next decode segment
+      or token boundary, without dropping them, and ``update_weights`` returns once they decode
+      with version ``v`` (or have finished). Their completions then carry several
+      :attr:`Completion.weight_versions` spans: tokens ``[start, end)`` of a span were sampled by
+      that span's version. How a span's distribution relates to its weights is the engine's to
+      document: the embedded sampler recomputes the running rows' KV cache, so a span's tokens are
+      drawn exactly from its version's weights given the sequence so far; a vLLM server paused in
+      keep mode keeps its KV cache, so the first positions' keys and values stay those of the older
+      weights (PipelineRL's behaviour).
+
+    Use :func:`supports_in_flight_updates` to read the attribute of any engine.
     """
 
     weight_version: int
@@ -162,3 +179,14 @@ class Engine(Protocol):
     async def update_weights(self, model: Any, *, version: int | None = None) -> int:
         """Serves ``model``'s parameters from now on; returns the new weight version."""
         ...
+
+
+def supports_in_flight_updates(engine: Any) -> bool:
+    """Whether ``engine`` applies weight updates to running sequences (:class:`Engine`).
+
+    >>> class Old:
+    ...     weight_version = 0
+    >>> supports_in_flight_updates(Old())
+    False
+    """
+    return bool(getattr(engine, "supports_in_flight_updates", False))

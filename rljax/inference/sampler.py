@@ -38,7 +38,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import math
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,9 +54,10 @@ from flax import nnx
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.decode import decode_step, prefill
 from rljax.models.decode_layout import decode_layout
-from rljax.models.kv_cache import grow_cache
+from rljax.models.kv_cache import EMPTY_SLOT, grow_cache
 from rljax.models.panel_matmul import available as panel_matmul_available
 from rljax.models.panel_matmul import use_panels
+from rljax.types import VersionSpan
 
 __all__ = [
     "FINISH_LENGTH",
@@ -282,6 +286,45 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _decode_body(
+    model: Any,
+    c: _Carry,
+    *,
+    temp: jax.Array,
+    greedy: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    uniforms: jax.Array,
+    stop_ids: jax.Array,
+    max_new: jax.Array,
+    pad_id: int,
+    record: bool,
+) -> _Carry:
+    """One decode step of every row: sample from ``c.logits``, record, feed the token back."""
+    logp = processed_logprobs(c.logits, temp, top_k, top_p)
+    u = jax.lax.dynamic_index_in_dim(uniforms, c.step, axis=1, keepdims=False)
+    token, token_logp = sample_by_inversion(logp, u, greedy)
+    active = c.finish == FINISH_RUNNING
+    token = jnp.where(active, token, pad_id)
+    ids = jax.lax.dynamic_update_slice_in_dim(c.ids, token[:, None], c.step, axis=1)
+    logprobs = jax.lax.dynamic_update_slice_in_dim(
+        c.logprobs, jnp.where(active, token_logp, 0.0)[:, None], c.step, axis=1
+    )
+    num_tokens = c.num_tokens + active.astype(jnp.int32)
+    hit_stop = jnp.any(token[:, None] == stop_ids, axis=1)
+    finish = jnp.where(
+        active & hit_stop,
+        FINISH_STOP,
+        jnp.where(active & (num_tokens >= max_new), FINISH_LENGTH, c.finish),
+    )
+    next_logits, cache, fed = decode_step(model, token, c.cache, with_routing=record)
+    routing = c.routing
+    if record:
+        routing = jax.lax.dynamic_update_slice_in_dim(routing, fed.experts.astype(jnp.int32), c.step, axis=1)
+    finish = finish.astype(jnp.int32)
+    return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish, routing)
+
+
 def generate_tokens(
     model: Any,
     prompt: chex.Array,
@@ -365,31 +408,10 @@ def generate_tokens(
     def cond(c: _Carry, end: int) -> jax.Array:
         return (c.step < end) & jnp.any(c.finish == FINISH_RUNNING)
 
-    def body(c: _Carry) -> _Carry:
-        logp = processed_logprobs(c.logits, temp, top_k, top_p)
-        u = jax.lax.dynamic_index_in_dim(uniforms, c.step, axis=1, keepdims=False)
-        token, token_logp = sample_by_inversion(logp, u, greedy)
-        active = c.finish == FINISH_RUNNING
-        token = jnp.where(active, token, pad_id)
-        ids = jax.lax.dynamic_update_slice_in_dim(c.ids, token[:, None], c.step, axis=1)
-        logprobs = jax.lax.dynamic_update_slice_in_dim(
-            c.logprobs, jnp.where(active, token_logp, 0.0)[:, None], c.step, axis=1
-        )
-        num_tokens = c.num_tokens + active.astype(jnp.int32)
-        hit_stop = jnp.any(token[:, None] == stop_ids, axis=1)
-        finish = jnp.where(
-            active & hit_stop,
-            FINISH_STOP,
-            jnp.where(active & (num_tokens >= max_new), FINISH_LENGTH, c.finish),
-        )
-        next_logits, cache, fed = decode_step(model, token, c.cache, with_routing=record)
-        routing = c.routing
-        if record:
-            routing = jax.lax.dynamic_update_slice_in_dim(
-                routing, fed.experts.astype(jnp.int32), c.step, axis=1
-            )
-        return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish.astype(jnp.int32),
-                      routing)  # fmt: skip
+    body = functools.partial(
+        _decode_body, model, temp=temp, greedy=greedy, top_k=top_k, top_p=top_p, uniforms=uniforms,
+        stop_ids=stop_ids, max_new=max_new, pad_id=pad_id, record=record,
+    )  # fmt: skip
 
     out = init
     for i, end in enumerate(ends):
@@ -463,12 +485,126 @@ def _generate_program(
     )
 
 
+def _row_spans(switches: Sequence[tuple[int, int]], num_tokens: int) -> tuple[VersionSpan, ...]:
+    """Version spans of a row's ``num_tokens`` tokens from the batch's ``(first step, version)`` switches
+    (token ``t`` was sampled at step ``t``).
+
+    >>> _row_spans([(0, 3), (16, 4), (32, 6)], 20)
+    (VersionSpan(version=3, start=0, end=16), VersionSpan(version=4, start=16, end=20))
+    """
+    spans = []
+    for (start, version), (end, _) in zip(switches, [*switches[1:], (num_tokens, None)], strict=True):
+        start, end = min(start, num_tokens), min(end, num_tokens)
+        if end > start:
+            spans.append(VersionSpan(int(version), start, end))
+    return tuple(spans)
+
+
 def _snapshot(state: Any) -> Any:
     """New Variable wrappers around the same arrays: later in-place updates of the model stay invisible."""
     return jax.tree.map(lambda x: x, state)
 
 
 _JITTED_GENERATE = jax.jit(_generate_program, static_argnums=(0, 10, 11, 12))
+
+
+# -- in-flight weight updates: the same decode loop, driven segment by segment from the host --------
+def _start_program(
+    graphdef: Any,
+    state: Any,
+    prompt: jax.Array,
+    prompt_segment_ids: jax.Array,
+    max_new: jax.Array,
+    max_new_tokens: int,
+    pad_id: int,
+) -> tuple[_Carry, Any]:
+    """Prefills the prompts into a cache of ``P + max_new_tokens`` slots; returns the loop carry at
+    step 0 and the prompt routing (MoE) or None."""
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = prompt.shape
+    record = bool(getattr(model.config, "moe_layers", ()))
+    logits, cache, prompt_routing = prefill(
+        model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids,
+        with_routing=record,
+    )  # fmt: skip
+    gen_routing = None
+    if record:
+        gen_routing = jnp.full((batch, max_new_tokens, *prompt_routing.experts.shape[2:]), -1, jnp.int32)
+    carry = _Carry(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        ids=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
+        num_tokens=jnp.zeros((batch,), jnp.int32),
+        finish=jnp.where(max_new <= 0, FINISH_LENGTH, FINISH_RUNNING).astype(jnp.int32),
+        routing=gen_routing,
+    )
+    return carry, (prompt_routing.experts.astype(jnp.int32) if record else None)
+
+
+def _segment_program(
+    graphdef: Any,
+    state: Any,
+    carry: _Carry,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    max_new: jax.Array,
+    stop_ids: jax.Array,
+    seeds: jax.Array,
+    end: jax.Array,
+    max_new_tokens: int,
+    pad_id: int,
+) -> _Carry:
+    """Runs the decode loop of :func:`generate_tokens` from ``carry.step`` to step ``end`` (or until
+    every row is done) with the given weights; ``end`` is traced, so every segment shares one program."""
+    model = nnx.merge(graphdef, state)
+    greedy = temperature < GREEDY_EPS
+    temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    body = functools.partial(
+        _decode_body, model, temp=temp, greedy=greedy, top_k=top_k, top_p=top_p,
+        uniforms=step_uniforms(seeds, max_new_tokens), stop_ids=stop_ids, max_new=max_new, pad_id=pad_id,
+        record=carry.routing is not None,
+    )  # fmt: skip
+    return jax.lax.while_loop(lambda c: (c.step < end) & jnp.any(c.finish == FINISH_RUNNING), body, carry)
+
+
+def _recompute_program(
+    graphdef: Any,
+    state: Any,
+    carry: _Carry,
+    prompt: jax.Array,
+    prompt_segment_ids: jax.Array,
+    width: int,
+    pad_id: int,
+) -> _Carry:
+    """The carry with its KV cache and next-token logits recomputed by the given (new) weights.
+
+    Prefills each row's prompt and its ``carry.num_tokens`` generated tokens (the first ``width``
+    columns of prompt + generated ids; ``width >= P + step``) into a cache of the carry's size, then
+    marks the slots from ``P + step`` on as unwritten and sets the write index there: the same cache
+    that prefill plus ``step`` decode steps with the new weights would have built (slot ``P + t``
+    holds generated token ``t``), so later steps sample exactly from the new weights' distribution
+    given the sequence so far. Recorded routing (MoE) is left as first computed.
+    """
+    model = nnx.merge(graphdef, state)
+    prompt_len = prompt.shape[1]
+    max_length = carry.cache.max_length
+    gen = carry.ids[:, : width - prompt_len]
+    valid = jnp.arange(width - prompt_len, dtype=jnp.int32)[None, :] < carry.num_tokens[:, None]
+    tokens = jnp.concatenate([prompt, jnp.where(valid, gen, pad_id)], axis=1)
+    segments = jnp.concatenate([prompt_segment_ids, valid.astype(jnp.int32)], axis=1)
+    logits, cache, _ = prefill(model, tokens, max_length=max_length, segment_ids=segments)
+    index = prompt_len + carry.step
+    written = jnp.arange(max_length, dtype=jnp.int32)[None, :] < index
+    cache = cache.replace(segment_ids=jnp.where(written, cache.segment_ids, EMPTY_SLOT), index=index)
+    return dataclasses.replace(carry, logits=logits, cache=cache)
+
+
+_JITTED_START = jax.jit(_start_program, static_argnums=(0, 5, 6))
+_JITTED_SEGMENT = jax.jit(_segment_program, static_argnums=(0, 10, 11), donate_argnums=(2,))
+_JITTED_RECOMPUTE = jax.jit(_recompute_program, static_argnums=(0, 5, 6), donate_argnums=(2,))
 
 #: ``EmbeddedSampler(kernel_layout=...)`` values.
 KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
@@ -544,6 +680,16 @@ class EmbeddedSampler:
         and so do generations shorter than their (padded) prompt (:func:`decode_segment_ends`).
         Default 4 (29M Qwen3, 32 x (64 + 128) tokens on CPU: 1.07x the tokens/s of one loop, the
         program 4-6 s slower to compile); 1 turns it off.
+      in_flight_updates: apply new weights to running sequences (:attr:`supports_in_flight_updates`):
+        each batch decodes in host-driven segments of ``in_flight_segment_steps`` steps and, at the
+        first segment boundary after :meth:`set_weights`, switches to the new weights and
+        RECOMPUTES its running rows' KV cache with them (one prefill of prompt + tokens so far;
+        PipelineRL instead keeps the stale cache), so every token after the switch is sampled
+        exactly from the new weights given the sequence so far and every token's version names
+        the weights whose distribution it was drawn from (:attr:`Completion.weight_versions`).
+        Off (default): one compiled loop per batch, and a batch finishes on the weights it
+        started with.
+      in_flight_segment_steps: decode steps between two weight checks with ``in_flight_updates``.
 
     >>> import asyncio
     >>> from flax import nnx
@@ -571,6 +717,8 @@ class EmbeddedSampler:
         pad_id: int = 0,
         kernel_layout: str = "auto",
         decode_segments: int = 4,
+        in_flight_updates: bool = False,
+        in_flight_segment_steps: int = 16,
     ) -> None:
         if kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(
@@ -592,6 +740,7 @@ class EmbeddedSampler:
             min_prompt_bucket=min_prompt_bucket,
             min_new_tokens_bucket=min_new_tokens_bucket,
             decode_segments=decode_segments,
+            in_flight_segment_steps=in_flight_segment_steps,
         )
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -621,6 +770,16 @@ class EmbeddedSampler:
         self._worker: asyncio.Task | None = None
         self.num_batches = 0
         self.num_requests = 0
+        self.in_flight_updates = bool(in_flight_updates)
+        self.in_flight_segment_steps = int(in_flight_segment_steps)
+        #: in-flight mode: decode segments run, weight switches applied to running batches, and the
+        #: seconds spent recomputing their KV caches (the cost of a switch).
+        self.num_segments_run = 0
+        self.num_in_flight_switches = 0
+        self.cache_recompute_s = 0.0
+        self._running_versions: dict[int, int] = {}  # running batch id -> version it decodes with
+        self._batch_ids = itertools.count()
+        self._switched = threading.Condition()
 
     # -- weights --------------------------------------------------------------------------
     def _served(self, graphdef: Any, state: Any) -> tuple[Any, Any]:
@@ -636,6 +795,11 @@ class EmbeddedSampler:
     def weight_version(self) -> int:
         """The version new requests are served with."""
         return self._weights[2]
+
+    @property
+    def supports_in_flight_updates(self) -> bool:
+        """:class:`Engine` attribute: True when built with ``in_flight_updates=True``."""
+        return self.in_flight_updates
 
     def set_weights(self, model_or_state: Any, *, version: int | None = None) -> int:
         """Serves new parameters (a Decoder or its ``nnx.State``); returns the new version.
@@ -666,8 +830,27 @@ class EmbeddedSampler:
         return new_version
 
     async def update_weights(self, model: Any, *, version: int | None = None) -> int:
-        """:class:`Engine` method: same as :meth:`set_weights`."""
-        return self.set_weights(model, version=version)
+        """:class:`Engine` method: :meth:`set_weights`; with ``in_flight_updates`` it then waits until
+        every running batch decodes with the new weights (at its next segment boundary) or is done."""
+        new_version = self.set_weights(model, version=version)
+        if self.in_flight_updates:
+            await asyncio.to_thread(self._wait_switched, new_version)
+        return new_version
+
+    def _wait_switched(self, version: int) -> None:
+        with self._switched:
+            running = self._running_versions
+            self._switched.wait_for(
+                lambda: self._weights[2] != version or all(v == version for v in running.values())
+            )
+
+    def _set_running(self, batch_id: int, version: int | None) -> None:
+        with self._switched:
+            if version is None:
+                self._running_versions.pop(batch_id, None)
+            else:
+                self._running_versions[batch_id] = version
+            self._switched.notify_all()
 
     # -- requests ---------------------------------------------------------------------------
     def _check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
@@ -764,21 +947,30 @@ class EmbeddedSampler:
             max_new[i] = budgets[i]
             stop_ids[i, : len(s.stop_token_ids)] = s.stop_token_ids
             seeds[i] = self._seed(s)
-        ids, logprobs, num_tokens, finish, routing = _JITTED_GENERATE(
-            graphdef,
-            state,
-            tokens,
-            segments,
-            temperature,
-            top_k,
-            top_p,
-            max_new,
-            stop_ids,
-            seeds,
-            new_len,
-            self.pad_id,
-            decode_segment_ends(new_len, self.decode_segments, prompt_len=prompt_len),
-        )
+        switches = [(0, version)]  # (first step, version) of each weight switch
+        if self.in_flight_updates:
+            ids, logprobs, num_tokens, finish, routing = self._generate_in_flight(
+                (graphdef, state, version),
+                switches,
+                (tokens, segments, temperature, top_k, top_p, max_new, stop_ids, seeds),
+                new_len,
+            )
+        else:
+            ids, logprobs, num_tokens, finish, routing = _JITTED_GENERATE(
+                graphdef,
+                state,
+                tokens,
+                segments,
+                temperature,
+                top_k,
+                top_p,
+                max_new,
+                stop_ids,
+                seeds,
+                new_len,
+                self.pad_id,
+                decode_segment_ends(new_len, self.decode_segments, prompt_len=prompt_len),
+            )
         ids, logprobs, num_tokens, finish, routing = jax.device_get(
             (ids, logprobs, num_tokens, finish, routing)
         )
@@ -797,16 +989,64 @@ class EmbeddedSampler:
             if routing is not None:  # rows of prompt + generated tokens but the last (vLLM's layout)
                 prompt_rows = routing[0][i, prompt_len - len(prompts[i]) :]
                 routed = np.concatenate([prompt_rows, routing[1][i, : max(k - 1, 0)]], axis=0)
+            spans = _row_spans(switches, k)
             out.append(
                 Completion(
                     ids=tuple(int(t) for t in ids[i, :k]),
                     logprobs=tuple(float(x) for x in lp),
                     finish_reason=_FINISH_NAMES[int(finish[i])],
-                    weight_version=version,
+                    weight_version=spans[0].version if spans else version,
                     routed_experts=routed,
+                    weight_versions=spans,
                 )
             )
         return out
+
+    def _generate_in_flight(
+        self,
+        weights: tuple[Any, Any, int],
+        switches: list[tuple[int, int]],
+        arrays: tuple[np.ndarray, ...],
+        new_len: int,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """:func:`generate_tokens`'s loop run segment by segment, switching to newer weights between
+        segments (cache recomputed, :func:`_recompute_program`); appends each switch to ``switches``."""
+        graphdef, state, version = weights
+        tokens, segments, temperature, top_k, top_p, max_new, stop_ids, seeds = arrays
+        prompt_len = tokens.shape[1]
+        batch_id = next(self._batch_ids)
+        self._set_running(batch_id, version)
+        try:
+            start_args = (tokens, segments, max_new, new_len, self.pad_id)
+            carry, prompt_routing = _JITTED_START(graphdef, state, *start_args)
+            step = 0
+            while step < new_len:
+                served = self._weights
+                if served[2] != version:
+                    graphdef, state, version = served
+                    start = time.perf_counter()
+                    width = min(bucket_size(prompt_len + step), prompt_len + new_len)
+                    carry = _JITTED_RECOMPUTE(graphdef, state, carry, tokens, segments, width, self.pad_id)
+                    jax.block_until_ready(carry.logits)
+                    self.cache_recompute_s += time.perf_counter() - start
+                    self.num_in_flight_switches += 1
+                    if switches[-1][0] == step:
+                        switches.pop()  # a switch before any token of the last span
+                    switches.append((step, version))
+                    self._set_running(batch_id, version)
+                end = min(step + self.in_flight_segment_steps, new_len)
+                carry = _JITTED_SEGMENT(
+                    graphdef, state, carry, temperature, top_k, top_p, max_new, stop_ids, seeds,
+                    np.int32(end), new_len, self.pad_id,
+                )  # fmt: skip
+                self.num_segments_run += 1
+                step = end
+                if not np.any(np.asarray(carry.finish) == FINISH_RUNNING):
+                    break
+        finally:
+            self._set_running(batch_id, None)
+        routing = None if prompt_routing is None else (prompt_routing, carry.routing)
+        return carry.ids, carry.logprobs, carry.num_tokens, carry.finish, routing
 
     @staticmethod
     def num_compilations() -> int:

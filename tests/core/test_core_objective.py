@@ -656,3 +656,27 @@ def test_components_left_out_are_skipped_entirely():
 def test_components_must_be_known(components):
     with pytest.raises(ValueError, match="components"):
         ObjectiveConfig(components=components)
+
+
+def test_stale_tokens_leave_the_rl_loss_through_batch_token_staleness():
+    """The objective hands ``batch.token_staleness`` to the off-policy correction: with
+    ``max_token_staleness=1`` the 2-versions-stale token drops out of the rl loss and of its token
+    count (global_counts runs the correction too), so the loss is the mean of the 3 others' dppo."""
+    lp = np.log(np.array([[0.5, 0.5, 0.9, 0.1]], np.float32))
+    one = np.ones((1, 4), np.float32)
+    batch = SimpleNamespace(
+        loss_mask=one, segment_ids=one.astype(int), group_index=0 * one,
+        advantages=np.array([[1.0, 1, -1, -1]]),
+        rl_weights=one, ce_weights=None, ref_kl_weights=None, ref_logprobs=None, old_logprobs=None,
+        inference_logprobs=np.log(np.array([[0.5, 0.2, 0.6, 0.4]], np.float32)),
+        token_staleness=np.array([[0, 2, 1, 0]], np.int32),
+    )  # fmt: skip
+    cfg = ObjectiveConfig(off_policy={"max_token_staleness": 1})
+    loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)
+    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one))
+    np.testing.assert_allclose(float(loss), per_token[0, [0, 2, 3]].sum() / 3, rtol=1e-6)
+    assert float(metrics["off_policy/stale_masked_frac"]) == 0.25
+    with pytest.raises(ValueError, match="per-token staleness"):
+        objective(
+            lp, SimpleNamespace(**{**vars(batch), "token_staleness": None}), global_counts(batch, cfg), cfg
+        )

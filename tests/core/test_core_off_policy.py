@@ -69,6 +69,32 @@ class StageTest(chex.TestCase):
         _, m, _ = run(rho, ONES, {"token_mask_is_threshold_high": 1.25})
         np.testing.assert_array_equal(m, [[1, 0, 1, 1], [1, 1, 1, 0]])
 
+    def test_stale_token_mask_uses_each_token_version(self):
+        # one turn per sequence; an in-flight update crossed the turns of sequences 0 and 2, so their
+        # tokens have different versions. Trained version 5; token versions by hand:
+        versions = np.array([[5, 4, 3, 2], [3, 3, 5, 4]])
+        staleness = 5 - versions  # [[0, 1, 2, 3], [2, 2, 0, 1]]
+        rho = [[1.0, 1.5, 9.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+        cfg = {"max_token_staleness": 1, "outlier_token_is_threshold_high": 2.0, "tis_ratio_type": "token"}
+        loss, m, met = run(rho, ONES, cfg, staleness=jnp.asarray(staleness))
+        # tokens more than 1 version stale are masked; the wild rho = 9 token is one of them, so it
+        # rejects nothing; TIS weights are min(rho, 2) per token
+        np.testing.assert_array_equal(m, [[1, 1, 0, 0], [0, 0, 1, 1]])
+        np.testing.assert_allclose(loss, [[1.0, 1.5, 2.0, 1.0], ONES[1]], rtol=1e-6)
+        np.testing.assert_allclose(met["stale_masked_frac"], 4 / 8, rtol=1e-6)
+        np.testing.assert_allclose(met["outlier_masked_frac"], 0.0)
+        np.testing.assert_allclose(met["masked_frac"], 4 / 8, rtol=1e-6)
+        np.testing.assert_allclose(met["tis_clipped_frac"], 0.0)  # the clipped token was masked first
+        # max_token_staleness=0 keeps only tokens of the trained version
+        _, m, _ = run(ONES, ONES, {"max_token_staleness": 0}, staleness=jnp.asarray(staleness))
+        np.testing.assert_array_equal(m, [[1, 0, 0, 0], [0, 0, 1, 0]])
+        # without the stage, staleness changes nothing
+        _, m, met = run(rho, ONES, {"tis_ratio_type": "token"}, staleness=jnp.asarray(staleness))
+        np.testing.assert_array_equal(m, ONES)
+        np.testing.assert_allclose(met["stale_masked_frac"], 0.0)
+        with self.assertRaisesRegex(ValueError, "per-token staleness"):
+            run(ONES, ONES, {"max_token_staleness": 1})
+
     def test_token_tis(self):
         rho = np.array([[1.0, 3.0, 0.5, 2.5], [1.5, 1.0, 9.0, 1.0]])
         mask = np.array([[1, 1, 1, 1], [1, 1, 0, 1]])
@@ -190,6 +216,9 @@ class ConfigTest(chex.TestCase):
         ({"product_mask_high": -1.0}, "positive number"),
         ({"outlier_token_is_threshold_low": 3.0, "outlier_token_is_threshold_high": 2.0}, "<="),
         ({"token_mask_is_threshold_high": "1.0"}, "positive number or None"),
+        ({"max_token_staleness": -1}, "max_token_staleness"),
+        ({"max_token_staleness": 1.5}, "max_token_staleness"),
+        ({"max_token_staleness": True}, "max_token_staleness"),
     )
     def test_invalid(self, cfg, message):
         with self.assertRaisesRegex(ValueError, message):
@@ -203,7 +232,7 @@ class ConfigTest(chex.TestCase):
 # ------------------------------------------------------------------------------------------------
 
 
-def np_correct(loss, old, roll, mask, seg, cfg):
+def np_correct(loss, old, roll, mask, seg, cfg, staleness=None):
     """Straightforward per-sequence loops (float64)."""
     full = {**off_policy.DEFAULT_CONFIG, **cfg}
     log_rho = np.clip(old - roll, -20, 20)
@@ -216,11 +245,16 @@ def np_correct(loss, old, roll, mask, seg, cfg):
     def outside(x, lo, hi):
         return (lo is not None and x < lo) or (hi is not None and x > hi)
 
+    if full["max_token_staleness"] is not None:
+        m[staleness > full["max_token_staleness"]] = 0.0
+    removed["stale_masked_frac"] = m0.sum() - m.sum()
+    fresh = m.copy()
+
     lo, hi = full["outlier_token_is_threshold_low"], full["outlier_token_is_threshold_high"]
     before = m.sum()
     if lo is not None or hi is not None:
         for s in seqs:
-            if any(outside(r, lo, hi) for r in rho[s & (m0 > 0)]):
+            if any(outside(r, lo, hi) for r in rho[s & (fresh > 0)]):
                 m[s] = 0.0
     removed["outlier_masked_frac"] = before - m.sum()
 
@@ -293,6 +327,7 @@ RANDOM_CONFIGS = {
         "geo_mask_high": 1.05,
     },
     "outlier_only": {"outlier_token_is_threshold_high": 1.4},
+    "stale": {"max_token_staleness": 1, "outlier_token_is_threshold_high": 1.4, "tis_ratio_type": "token"},
 }
 
 
@@ -309,12 +344,14 @@ class RandomReferenceTest(chex.TestCase):
             mask = (rng.uniform(size=shape) < 0.8).astype(np.float64)
             seg = np.sort(rng.integers(0, 10, shape).reshape(-1)).reshape(shape)
             loss = rng.normal(0, 1, shape)
-            want_loss, want_mask, want_metrics = np_correct(loss, old, roll, mask, seg, cfg)
+            staleness = rng.integers(0, 3, shape)
+            want_loss, want_mask, want_metrics = np_correct(loss, old, roll, mask, seg, cfg, staleness)
             fn = self.variant(functools.partial(correct, num_segments=10, config=cfg))
             got_loss, got_mask, got_metrics = fn(
                 *[jnp.asarray(x, jnp.float32) for x in (loss, old, roll)],
                 mask=jnp.asarray(mask),
                 segment_ids=jnp.asarray(seg),
+                staleness=jnp.asarray(staleness),
             )
             np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(got_mask, want_mask)

@@ -310,6 +310,8 @@ def test_apply_filters_errors():
         ("repetition", {"window": 3, "prob_threshold": 1.0}, "prob_threshold"),
         ("overlong_unrewarded", {"max_length": 2.5}, "max_length must be an int"),
         ("zero_variance", {"atol": -1.0}, "atol"),
+        ("staleness", {"max_staleness": -1}, "max_staleness"),
+        ("staleness", {"max_staleness": 1, "trained_version": 2.0}, "trained_version"),
     ],
 )
 def test_make_filter_errors(name, kwargs, match):
@@ -320,10 +322,34 @@ def test_make_filter_errors(name, kwargs, match):
 def test_make_filter_and_registry():
     assert set(flt.FILTERS) == {
         "gibberish", "repetition", "zero_advantage", "overlong", "overlong_unrewarded", "zero_variance",
+        "staleness",
     }  # fmt: skip
     f = flt.make_filter("repetition", window=4, mode="monitor")
     assert isinstance(f, flt.RepetitionFilter) and f.window == 4 and f.mode == "monitor"
     assert flt.make_filter("overlong").mode == "enforce"
+
+
+def test_staleness_filter_reads_the_version_of_every_trainable_token():
+    # trained version 7; versions by hand. Step 0: an in-flight update crossed the turn (5 -> 7);
+    # step 1: a merged sample whose observation tokens (mask 0) carry an old version; step 2: on policy.
+    batch = StepBatch(
+        [
+            Step([1], [2, 3, 4], T("q", 0), policy_version=5, response_versions=[5, 7, 7]),
+            Step(
+                [1], [2, 3, 4], T("q", 1), policy_version=2, response_versions=[6, 2, 6], loss_mask=[1, 0, 1]
+            ),
+            Step([1], [2, 3], T("q", 2), policy_version=7),
+        ]
+    )
+    f = flt.StalenessFilter(max_staleness=1, trained_version=7)
+    assert [x.tolist() for x in f.token_staleness(batch)] == [[2, 0, 0], [1, 0, 1], [0, 0]]
+    assert f.flags(batch).tolist() == [True, False, False]
+    assert flt.StalenessFilter(max_staleness=2, trained_version=7).flags(batch).tolist() == [False] * 3
+    # trained_version None: the newest trainable version in the batch (7 here)
+    assert flt.StalenessFilter(max_staleness=1).flags(batch).tolist() == [True, False, False]
+    out, metrics = flt.apply_filters(batch, [f])
+    assert [list(s.loss_mask) for s in out] == [[0, 0, 0], [1, 0, 1], [1, 1]]
+    assert metrics["filters/staleness/flagged"] == 1 and metrics["filters/masked_tokens"] == 3
 
 
 # --------------------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rljax.chat.chatml import ChatMLRenderer
 from rljax.chat.toy import toy_tokenizer
 from rljax.data.batch import StepBatch
 from rljax.data.merge import merge_steps
+from rljax.data.micro_batch import split_by_token_budget
+from rljax.data.pack import pack, unpack, with_token_staleness
 from rljax.data.validate import validate_steps
 from rljax.inference.engine import Completion
 from rljax.recording import StepRecorder
@@ -108,3 +111,68 @@ def test_validation_of_response_versions(versions, message):
     s = Step([1], [2, 3, 4], ("q", 0), policy_version=1, response_versions=versions)
     with pytest.raises(ValueError, match=message):
         validate_steps([s])
+
+
+def test_pack_carries_every_trained_tokens_version():
+    steps = [
+        Step([1, 2], [3, 4, 5], ("a", 0), policy_version=4, response_versions=[4, 4, 6]),
+        Step([1], [7, 8], ("b", 0), policy_version=5, loss_mask=[1, 0]),
+        # truncated to seq_len: its last response token (version 9) is dropped
+        Step([1], [2, 3, 4, 5, 6, 7], ("c", 0), policy_version=8, response_versions=[8, 8, 8, 8, 9, 9]),
+    ]
+    result = pack(steps, seq_len=6, truncate=True)
+    batch = result.batch
+    assert batch.token_versions.dtype.name == "int32"
+    samples = unpack(batch, result.layout)
+    assert [s["token_versions"].tolist() for s in samples] == [[4, 4, 6], [5, 5], [8, 8, 8, 8, 9]]
+    # prompt tokens and padding hold 0
+    prompt = np.zeros(batch.shape, bool)
+    for s in result.layout.flat_index()[0][~result.layout.flat_index()[2]]:
+        prompt.flat[s] = True
+    assert not batch.token_versions[prompt].any()
+    assert not batch.token_versions[np.asarray(batch.segment_ids) == 0].any()
+
+    stale = with_token_staleness(batch, 9).token_staleness
+    assert [stale.reshape(-1)[d].tolist() for d in _response_slots(result)] == [
+        [5, 5, 3],
+        [4, 0],  # the mask-0 token gets 0
+        [1, 1, 1, 1, 0],
+    ]
+    with pytest.raises(ValueError, match="newer than the trained version 8"):
+        with_token_staleness(batch, 8)
+    # micro-batching keeps the streams and pads them with 0
+    micro = split_by_token_budget(with_token_staleness(batch, 9), micro_batch_tokens=12)
+    assert micro.token_versions.shape[:1] == micro.token_staleness.shape[:1]
+    assert int(np.asarray(micro.token_versions).sum()) == int(np.asarray(batch.token_versions).sum())
+
+
+def _response_slots(result):
+    dest, _, is_response = result.layout.flat_index()
+    lengths = result.layout.response_lens
+    slots = dest[is_response]
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(slots[start : start + n])
+        start += n
+    return out
+
+
+def test_in_flight_completion_to_packed_versions():
+    """A completion an update crossed -> recorded step -> packed token_versions, span by span."""
+    completion = Completion(
+        ids=[5, 6, 7, 8],
+        logprobs=[-0.1, -0.2, -0.3, -0.4],
+        finish_reason="stop",
+        weight_version=2,
+        weight_versions=[VersionSpan(2, 0, 1), VersionSpan(3, 1, 4)],
+    )
+    step = Step(
+        [1, 2],
+        completion.ids,
+        ("q", 0),
+        response_logprobs=completion.logprobs,
+        policy_version=completion.weight_version,
+        response_versions=completion.token_versions(),
+    )
+    result = pack([step], seq_len=8)
+    assert unpack(result.batch, result.layout)[0]["token_versions"].tolist() == [2, 3, 3, 3]
