@@ -699,11 +699,12 @@ class TemplateRenderer(Renderer):
 
         Renders ``context + [reply] + new_messages`` and takes the reply's turn ``T`` (from its
         opening special token to its end-of-turn token, exclusive: both ends are special tokens, so
-        ``T`` tokenizes as in any full render). The bridge holds when ``T = opener + completion``
-        with ``opener`` the ids ``prev_prompt_ids`` ends with (the generation prompt): then the
-        full render of the history is ``prev_prompt + completion + suffix`` where ``suffix`` is
-        everything from the reply's end-of-turn token on (closing tokens, new messages, generation
-        prompt), token for token.
+        ``T`` tokenizes as in any full render). The bridge holds when ``T = opener + completion +
+        rest`` with ``opener`` the generation prompt ``prev_prompt_ids`` ends with (from its last
+        occurrence of ``T``'s first token): then the full render of the history is
+        ``prev_prompt + completion + suffix`` token for token, where ``suffix`` is ``rest`` (text
+        the template writes after what was sampled, e.g. ``\n</think>\n\n`` closing reasoning cut
+        short), the end-of-turn token and everything after it (new messages, generation prompt).
         """
         completion = [int(i) for i in completion]
         if reply is None:
@@ -719,18 +720,13 @@ class TemplateRenderer(Renderer):
         end = _last_index(pieces, lambda p: p.special and p.text == self.END_OF_TURN and p.message_index == k)
         if start is None or end is None or not pieces[start].special:
             return None
-        turn = encode_pieces(self.tokenizer, pieces[start:end], self._special_ids, cache=self._encoded).ids
-        n_open = len(turn) - len(completion)
-        if (
-            n_open <= 0
-            or n_open > len(prev_prompt_ids)
-            or turn[n_open:] != completion
-            or [int(i) for i in prev_prompt_ids[len(prev_prompt_ids) - n_open :]] != turn[:n_open]
-        ):
+        turn = encode_pieces(self.tokenizer, pieces[start:end], self._special_ids, cache=self._encoded)
+        opener = _generation_prompt_of(prev_prompt_ids, turn.ids[0])
+        n = len(opener) + len(completion)
+        if not opener or turn.ids[:n] != [*opener, *completion]:
             return None
-        return encode_pieces(self.tokenizer, pieces[end:], self._special_ids, cache=self._encoded).shifted(
-            k + 1
-        )
+        rest = encode_pieces(self.tokenizer, pieces[end:], self._special_ids, cache=self._encoded)
+        return unsampled_closing(concat_rendered(turn[n:], rest).shifted(k + 1))
 
     def demonstration_hint(
         self, demonstration: str | None, *, template: str | None = None
@@ -787,6 +783,36 @@ class TemplateRenderer(Renderer):
         ids = encode_pieces(self.tokenizer, [pieces[k] for k in span], self._special_ids).ids
         prefix = encode_pieces(self.tokenizer, plain[:lead], self._special_ids).ids
         return DemonstrationHint(len(prefix), tuple(ids), prefix=tuple(prefix))
+
+
+def _generation_prompt_of(prompt_ids: Sequence[int], opening_id: int) -> list[int]:
+    """The tail of ``prompt_ids`` from its last ``opening_id`` (the turn opener the generation prompt
+    starts with), or ``[]`` when it has none."""
+    for i in range(len(prompt_ids) - 1, -1, -1):
+        if int(prompt_ids[i]) == opening_id:
+            return [int(t) for t in prompt_ids[i:]]
+    return []
+
+
+def concat_rendered(*parts: Rendered) -> Rendered:
+    """The ids of ``parts`` one after the other, with their attribution.
+
+    >>> concat_rendered(Rendered([1], ["user"], [0], [True]), Rendered([2], [None], [None], [False])).ids
+    [1, 2]
+    """
+    return Rendered(
+        [i for p in parts for i in p.ids],
+        [r for p in parts for r in p.roles],
+        [k for p in parts for k in p.message_indices],
+        [b for p in parts for b in p.is_body],
+    )
+
+
+def unsampled_closing(suffix: Rendered) -> Rendered:
+    """``suffix`` with its tokens of no new message marked as scaffolding: after an open turn they
+    are the template's closing of the cut reply (not sampled: never message body, never trained)."""
+    body = [b and k is not None for b, k in zip(suffix.is_body, suffix.message_indices, strict=True)]
+    return dataclasses.replace(suffix, is_body=body)
 
 
 def _last_index(items: Sequence[Any], pred: Callable[[Any], bool]) -> int | None:

@@ -53,6 +53,7 @@ from rljax.chat.base import (
     Renderer,
     check_messages,
     normalize_tools,
+    unsampled_closing,
 )
 from rljax.chat.tool_calls import parse_hermes_tool_calls, parse_llama3_json_tool_calls, split_reasoning
 
@@ -310,5 +311,5 @@ class GenericRenderer(Renderer):
             cut = len(opened) + len(completion)
             if not opener_matches or full.ids[:cut] != [*opened, *completion]:
                 return None
-            return full[cut:].shifted(len(base) + 1)
+            return unsampled_closing(full[cut:].shifted(len(base) + 1))
         return None
