@@ -6,10 +6,9 @@ end on a single-token stop string the agent asked for, end on the format's other
 by byte (a tokenization the tokenizer would not produce, as models sometimes sample), so a full
 render of any later history re-tokenizes it and no longer continues the sampled ids. Each
 follow-up is the whole history the SDK sends back (the assistant message as it was returned, then a
-user turn). Independent
-references: the toy tokenizer is byte-level, so the cut texts and their ids are known by hand, and
-the ChatML template's render of the history the client sent (``render_ids`` equals
-``apply_chat_template``, tested in tests/chat) must equal each bridged prompt; the merge is
+user turn). Independent references: the toy tokenizer is byte-level, so the cut texts and their
+ids are known by hand, and each prompt must spell the ChatML template's render of the history the
+client sent (``render_ids`` equals ``apply_chat_template``, tested in tests/chat); the merge is
 :func:`rljax.data.merge.plan_merge` on the recorded steps.
 """
 
