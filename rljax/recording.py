@@ -26,16 +26,20 @@ so it starts with the earlier call's prompt and completion token for token, and
 :func:`rljax.data.merge.merge_steps` folds both calls into one training sample. When no earlier
 call is extended (the first call, a context reset, a summary replacing the history, an edited
 reply, a sub-agent's own conversation, other tools) or the renderer cannot prove the bridge
-(the completion did not end with the end-of-turn token, the template would rewrite history), the
-prompt is a full render of the messages given; merging then starts a new sample. Among several
-extended calls (sub-agents interleaved with the main agent, a conversation forked twice) the one
-with the longest history wins, the latest among equals -- the same rule the merge uses for
-token prefixes (prime-rl's longest-prefix extension).
+(the template would rewrite history), the prompt is a full render of the messages given; merging
+then starts a new sample. A call whose completion did not end with the end-of-turn token (cut by
+``max_tokens``, ended by another stop token) is extended too: the bridge then starts with the
+template's closing tokens of that turn (prompt tokens: loss mask 0 after merging), and holds only
+where the full render of the messages, with the reply as the client sent it back, is the same ids.
+Among several extended calls (sub-agents interleaved with the main agent, a conversation forked
+twice) the one with the longest history wins, the latest among equals -- the same rule the merge
+uses for token prefixes (prime-rl's longest-prefix extension).
 
 **Roles.** ``Prompt.roles`` has one entry per prompt id: the role of the message whose body the
 token is, None for template scaffolding (``Step.prompt_roles``, read by the echo algorithm). A
 bridged prompt takes its parent's roles, ``"assistant"`` for every sampled id (the end-of-turn
-token included) and the bridge suffix's roles (exactly as :class:`rljax.chat.ChatSession`).
+token included) and the bridge suffix's roles (exactly as :class:`rljax.chat.ChatSession`): None
+for closing tokens the template added to a cut turn, which were not sampled.
 
 **Steps** (what :meth:`StepRecorder.steps` returns, in recording order; the rules of
 :mod:`rljax.rollout`):
@@ -348,8 +352,10 @@ class StepRecorder:
         if parent is not None:
             c = self._calls[parent]
             completion = list(c.completion.ids)
-            new = messages[len(c.prompt.messages or ()) + 1 :]
-            suffix = self.renderer.bridge_with_roles(c.prompt.ids, completion, new, tools=tools)
+            held = len(c.prompt.messages or ())
+            suffix = self.renderer.bridge_with_roles(
+                c.prompt.ids, completion, messages[held + 1 :], tools=tools, reply=messages[held]
+            )
             if suffix is not None and c.prompt.roles is not None:
                 ids = [*c.prompt.ids, *completion, *suffix.ids]
                 roles = [*c.prompt.roles, *["assistant"] * len(completion), *body_roles(suffix)]

@@ -286,15 +286,16 @@ def test_bridge_off_renders_every_prompt_in_full(qwen3):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_truncated_completion_keeps_length_and_is_never_bridged(qwen3):
+def test_a_truncated_completion_keeps_length_and_is_rendered_where_the_template_rewrites_it(qwen3):
     tok, renderer = qwen3
     rec = StepRecorder(renderer, ("t", 0))
     p0 = rec.prompt_for([SYSTEM, QUESTION], tools=TOOLS)
     c0 = sampled(tok, [SYSTEM, QUESTION], CALL, tools=TOOLS, finish="length")
     call0 = rec.record(p0, c0)
     assert call0.stop_reason == "length" and not call0.parsed.stopped
-    # the conversation extends the call at the message level, but the completion has no end-of-turn
-    # token, so the template's text cannot be proven to follow it: a full render
+    # the conversation extends the call at the message level, but the completion was cut inside its
+    # tool call and a user query follows (Qwen3 drops the reasoning): the template's render differs
+    # from the sampled ids, so a full render
     messages = [SYSTEM, QUESTION, call0.reply, {"role": "user", "content": "go on"}]
     p1 = rec.prompt_for(messages, tools=TOOLS)
     assert p1.parent is None
@@ -522,3 +523,81 @@ def test_same_reply_compares_what_a_reply_says_not_its_spelling():
         {"role": "assistant", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}, text
     )
     assert same_reply({"role": "assistant", "content": "hi", "tool_calls": None}, text)
+
+
+# ------------------------------------------------------------------------------------------------
+# open turns: cut by max_tokens, ended by another stop token, aborted
+# ------------------------------------------------------------------------------------------------
+
+
+def _open_then_closed(tok, renderer, cut_ids, finish):
+    """Records a call whose completion is ``cut_ids`` (no end-of-turn token) and a follow-up user turn
+    sent back as an OpenAI client would (the reply as it was returned); returns the recorder."""
+    rec = StepRecorder(renderer, ("t", 0))
+    history = [SYSTEM, QUESTION]
+    p0 = rec.prompt_for(history)
+    call0 = rec.record(p0, Completion(cut_ids, [-0.5] * len(cut_ids), finish, 0))
+    echo = {"role": "assistant", "content": call0.reply["content"]}
+    messages = [*history, echo, {"role": "user", "content": "go on"}]
+    p1 = rec.prompt_for(messages)
+    rec.record(p1, sampled(tok, messages, ANSWER))
+    return rec, messages
+
+
+def test_a_cut_turn_is_bridged_with_the_closing_tokens_as_prompt_and_merges(chatml):
+    tok, renderer = chatml
+    whole = cf.canonical_completion(tok, [SYSTEM, QUESTION], ANSWER, end_of_turn="<|im_end|>")
+    cut = whole[:8]  # max_tokens=8
+    rec, messages = _open_then_closed(tok, renderer, cut, "length")
+    call0, call1 = rec.calls
+    p0, p1 = call0.prompt, call1.prompt
+    assert p1.parent == 0 and call0.stop_reason == "length"
+    # token for token the template's render of the history the client sent
+    assert p1.ids == cf.hf_ids(tok, messages, add_generation_prompt=True)
+    n = len(p0.ids) + len(cut)
+    assert p1.ids[:n] == [*p0.ids, *cut]
+    assert decode(tok, p1.ids[n : n + 2]) == "<|im_end|>\n"  # the closing tokens, not sampled
+    assert p1.roles[n - len(cut) : n] == ["assistant"] * len(cut) and p1.roles[n : n + 2] == [None, None]
+    (sample,) = merged(rec.steps())
+    gap = len(p1.ids) - n
+    assert decode(tok, sample.response_ids[len(cut) : len(cut) + gap]) == (
+        "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    )
+    c1 = list(call1.completion.ids)
+    assert list(sample.loss_mask) == [1] * len(cut) + [0] * gap + [1] * len(c1)
+    assert list(sample.response_ids) == [*cut, *p1.ids[n:], *c1]
+    assert list(sample.response_logprobs) == [-0.5] * len(cut) + [0.0] * gap + list(call1.completion.logprobs)
+
+
+def test_a_single_token_stop_string_ends_an_open_turn_that_is_bridged(chatml):
+    tok, renderer = chatml
+    whole = cf.canonical_completion(tok, [SYSTEM, QUESTION], ANSWER, end_of_turn="<|im_end|>")[:-1]
+    stop = tok.encode(".", add_special_tokens=False)
+    assert len(stop) == 1 and whole[-1] == stop[0]  # "... Paris." ends on the stop string "."
+    rec, messages = _open_then_closed(tok, renderer, whole, "stop")
+    assert rec.calls[0].reply["content"].endswith(".")
+    assert rec.calls[1].prompt.parent == 0
+    assert rec.calls[1].prompt.ids == cf.hf_ids(tok, messages, add_generation_prompt=True)
+    assert len(merged(rec.steps())) == 1
+
+
+def test_another_stop_token_is_not_bridged_the_template_never_writes_it(chatml):
+    tok, renderer = chatml
+    whole = cf.canonical_completion(tok, [SYSTEM, QUESTION], ANSWER, end_of_turn="<|im_end|>")[:-1]
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    rec, messages = _open_then_closed(tok, renderer, [*whole, endoftext], "stop")
+    assert rec.calls[0].parsed.stopped  # a stop token of the format, not content
+    assert rec.calls[1].prompt.parent is None
+    assert rec.calls[1].prompt.ids == cf.hf_ids(tok, messages, add_generation_prompt=True)
+    assert len(merged(rec.steps())) == 2
+
+
+@pytest.mark.filterwarnings("ignore::rljax.data.validate.AllMaskedWarning")  # an errored trajectory
+def test_an_aborted_turn_resumed_by_a_follow_up_merges_with_loss_mask_zero(chatml):
+    tok, renderer = chatml
+    whole = cf.canonical_completion(tok, [SYSTEM, QUESTION], ANSWER, end_of_turn="<|im_end|>")
+    rec, messages = _open_then_closed(tok, renderer, whole[:5], "abort")
+    assert rec.error == "abort" and rec.calls[1].prompt.parent == 0
+    assert rec.calls[1].prompt.ids == cf.hf_ids(tok, messages, add_generation_prompt=True)
+    (sample,) = merged(rec.finish(reward=1.0))
+    assert set(sample.loss_mask) == {0} and sample.reward == 0.0 and sample.stop_reason == "abort"

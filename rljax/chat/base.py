@@ -20,13 +20,20 @@ Interface (every renderer):
   (unpacks as ``content, reasoning, tool_calls = ...``); malformed tool calls are listed in
   ``.errors``, never raised.
 * ``stop_token_ids() -> list[int]`` -- ids that end an assistant turn (pass to the sampler).
-* ``bridge(prev_prompt_ids, prev_completion_ids, new_messages, *, tools=None)`` -- ids that
-  start with ``prev_prompt_ids + prev_completion_ids`` exactly, then the new messages and the
-  next assistant opener; ``None`` when the renderer cannot show that this is what the
-  format's template appends (e.g. the completion did not end with the end-of-turn token, or
-  the template would rewrite earlier turns). The caller then falls back to ``render_ids``.
-  ``bridge_with_roles`` returns only the appended part, with roles (message indices refer to
-  ``new_messages``).
+* ``bridge(prev_prompt_ids, prev_completion_ids, new_messages, *, tools=None, reply=None)`` --
+  ids that start with ``prev_prompt_ids + prev_completion_ids`` exactly, then the new messages
+  and the next assistant opener; ``None`` when the renderer cannot show that this is what the
+  format's template appends (e.g. the template would rewrite earlier turns). The caller then
+  falls back to ``render_ids``. ``bridge_with_roles`` returns only the appended part, with roles
+  (message indices refer to ``new_messages``).
+  A completion that did not end with the end-of-turn token (cut by ``max_tokens``, ended by
+  another stop token, aborted) is an *open* turn: the appended part then starts with the
+  template's closing tokens of the turn (e.g. ``<|im_end|>\n``), which were not sampled and are
+  prompt tokens like the rest of the suffix. It is bridged only where the full render of the
+  history holding ``reply`` (the assistant message the conversation has for that completion;
+  default: parsed from its ids) has, token for token, the generation prompt and then exactly the
+  sampled ids before those closing tokens; otherwise (the template strips or rewrites the cut text,
+  the completion ends with a stop token the template never writes) ``None``.
 * ``demonstration_hint(demonstration) -> DemonstrationHint`` -- the ids of a system turn that
   carries a task's demonstration and where to insert them into any prompt of this format
   (after the template's fixed preamble, e.g. ``<|begin_of_text|>``), for scoring samples on a
@@ -450,8 +457,13 @@ class Renderer(abc.ABC):
         new_messages: Sequence[Message],
         *,
         tools: Sequence[Any] | None = None,
+        reply: Message | None = None,
     ) -> Rendered | None:
-        """The ids :meth:`bridge` appends after prompt + completion (with roles), or None."""
+        """The ids :meth:`bridge` appends after prompt + completion (with roles), or None.
+
+        ``reply``: the assistant message the conversation holds for the completion (what a client
+        sends back), checked against the sampled ids when the turn is open; None parses it from
+        the ids."""
 
     def bridge(
         self,
@@ -460,9 +472,13 @@ class Renderer(abc.ABC):
         new_messages: Sequence[Message],
         *,
         tools: Sequence[Any] | None = None,
+        reply: Message | None = None,
     ) -> list[int] | None:
-        """``prev_prompt + prev_completion + new messages + assistant opener``, or None."""
-        suffix = self.bridge_with_roles(prev_prompt_ids, prev_completion_ids, new_messages, tools=tools)
+        """``prev_prompt + prev_completion + [closing tokens] + new messages + assistant opener``,
+        or None (see the module docstring)."""
+        suffix = self.bridge_with_roles(
+            prev_prompt_ids, prev_completion_ids, new_messages, tools=tools, reply=reply
+        )
         if suffix is None:
             return None
         return [*map(int, prev_prompt_ids), *map(int, prev_completion_ids), *suffix.ids]
@@ -643,12 +659,15 @@ class TemplateRenderer(Renderer):
         new_messages: Sequence[Message],
         *,
         tools: Sequence[Any] | None = None,
+        reply: Message | None = None,
     ) -> Rendered | None:
         new_messages = check_messages(new_messages, allow_empty=True)
-        if not prev_completion_ids or int(prev_completion_ids[-1]) != self._end_of_turn_id:
+        if not prev_completion_ids:
             return None
         if not self._bridge_allowed(prev_prompt_ids, prev_completion_ids, new_messages):
             return None
+        if int(prev_completion_ids[-1]) != self._end_of_turn_id:
+            return self._bridge_open_turn(prev_prompt_ids, prev_completion_ids, new_messages, tools, reply)
         base = len(_BRIDGE_BASE)
         pieces = self._pieces(
             [*_BRIDGE_BASE, *new_messages], add_generation_prompt=True, tools=normalize_tools(tools)
@@ -661,6 +680,53 @@ class TemplateRenderer(Renderer):
         return encode_pieces(
             self.tokenizer, pieces[cut + 1 :], self._special_ids, cache=self._encoded
         ).shifted(base)
+
+    def _reply_context(self, prev_prompt_ids: Sequence[int]) -> list[Message]:
+        """Messages that stand for the history before an open turn's reply when it is rendered
+        for the check of :meth:`_bridge_open_turn` (a user message; formats whose rendering of an
+        assistant turn depends on the history override this)."""
+        return [dict(_BRIDGE_BASE[0])]
+
+    def _bridge_open_turn(
+        self,
+        prev_prompt_ids: Sequence[int],
+        completion: Sequence[int],
+        new_messages: list[Message],
+        tools: Sequence[Any] | None,
+        reply: Message | None,
+    ) -> Rendered | None:
+        """The suffix after a completion that did not end with the end-of-turn token, or None.
+
+        Renders ``context + [reply] + new_messages`` and takes the reply's turn ``T`` (from its
+        opening special token to its end-of-turn token, exclusive: both ends are special tokens, so
+        ``T`` tokenizes as in any full render). The bridge holds when ``T = opener + completion +
+        rest`` with ``opener`` the generation prompt ``prev_prompt_ids`` ends with (from its last
+        occurrence of ``T``'s first token): then the full render of the history is
+        ``prev_prompt + completion + suffix`` token for token, where ``suffix`` is ``rest`` (text
+        the template writes after what was sampled, e.g. ``\n</think>\n\n`` closing reasoning cut
+        short), the end-of-turn token and everything after it (new messages, generation prompt).
+        """
+        completion = [int(i) for i in completion]
+        if reply is None:
+            reply = self.parse_response(completion).to_message()
+        context = self._reply_context(prev_prompt_ids)
+        k = len(context)
+        try:
+            messages = check_messages([*context, dict(reply), *new_messages])
+            pieces = self._pieces(messages, add_generation_prompt=True, tools=normalize_tools(tools))
+        except (ValueError, TypeError, KeyError):  # the full render raises the same to the caller
+            return None
+        start = next((j for j, p in enumerate(pieces) if p.message_index == k), None)
+        end = _last_index(pieces, lambda p: p.special and p.text == self.END_OF_TURN and p.message_index == k)
+        if start is None or end is None or not pieces[start].special:
+            return None
+        turn = encode_pieces(self.tokenizer, pieces[start:end], self._special_ids, cache=self._encoded)
+        opener = _generation_prompt_of(prev_prompt_ids, turn.ids[0])
+        n = len(opener) + len(completion)
+        if not opener or turn.ids[:n] != [*opener, *completion]:
+            return None
+        rest = encode_pieces(self.tokenizer, pieces[end:], self._special_ids, cache=self._encoded)
+        return unsampled_closing(concat_rendered(turn[n:], rest).shifted(k + 1))
 
     def demonstration_hint(
         self, demonstration: str | None, *, template: str | None = None
@@ -717,6 +783,36 @@ class TemplateRenderer(Renderer):
         ids = encode_pieces(self.tokenizer, [pieces[k] for k in span], self._special_ids).ids
         prefix = encode_pieces(self.tokenizer, plain[:lead], self._special_ids).ids
         return DemonstrationHint(len(prefix), tuple(ids), prefix=tuple(prefix))
+
+
+def _generation_prompt_of(prompt_ids: Sequence[int], opening_id: int) -> list[int]:
+    """The tail of ``prompt_ids`` from its last ``opening_id`` (the turn opener the generation prompt
+    starts with), or ``[]`` when it has none."""
+    for i in range(len(prompt_ids) - 1, -1, -1):
+        if int(prompt_ids[i]) == opening_id:
+            return [int(t) for t in prompt_ids[i:]]
+    return []
+
+
+def concat_rendered(*parts: Rendered) -> Rendered:
+    """The ids of ``parts`` one after the other, with their attribution.
+
+    >>> concat_rendered(Rendered([1], ["user"], [0], [True]), Rendered([2], [None], [None], [False])).ids
+    [1, 2]
+    """
+    return Rendered(
+        [i for p in parts for i in p.ids],
+        [r for p in parts for r in p.roles],
+        [k for p in parts for k in p.message_indices],
+        [b for p in parts for b in p.is_body],
+    )
+
+
+def unsampled_closing(suffix: Rendered) -> Rendered:
+    """``suffix`` with its tokens of no new message marked as scaffolding: after an open turn they
+    are the template's closing of the cut reply (not sampled: never message body, never trained)."""
+    body = [b and k is not None for b, k in zip(suffix.is_body, suffix.message_indices, strict=True)]
+    return dataclasses.replace(suffix, is_body=body)
 
 
 def _last_index(items: Sequence[Any], pred: Callable[[Any], bool]) -> int | None:

@@ -14,9 +14,15 @@ construction). Bridging uses the *fixed-base* method, which works for any templa
 
 The end-of-turn token is found once: the first special token after the assistant content
 when one assistant message is rendered (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``,
-``</s>``, ...); a completion must end with it to be bridged. Template behaviour that depends on
-the completion's own text (e.g. Qwen3 dropping an *empty* ``<think>`` block) is not
-detected; use the dedicated renderer for that format when it matters.
+``</s>``, ...). Template behaviour that depends on the completion's own text (e.g. Qwen3
+dropping an *empty* ``<think>`` block) is not detected for a completion that ends with it; use
+the dedicated renderer for that format when it matters.
+
+A completion that does not end with the end-of-turn token (cut by ``max_tokens``, ended by another
+stop token) is bridged when the template, given the assistant message the conversation holds for
+it, renders exactly the sampled ids after the generation prompt: ``base + [reply] + new_messages``
+(``base``: a base above followed by a tool result) must render as ``base`` with the generation
+prompt, the completion's ids, then the rest, which is the suffix (the turn's closing tokens first).
 
 Role attribution renders each message prefix and matches message text in the full render
 (best effort for templates that rewrite earlier turns; body spans are found by searching the
@@ -47,6 +53,7 @@ from rljax.chat.base import (
     Renderer,
     check_messages,
     normalize_tools,
+    unsampled_closing,
 )
 from rljax.chat.tool_calls import parse_hermes_tool_calls, parse_llama3_json_tool_calls, split_reasoning
 
@@ -233,6 +240,14 @@ class GenericRenderer(Renderer):
         user = {"role": "user", "content": "x"}
         return [[{"role": "system", "content": "s"}, user, assistant], [user, assistant]]
 
+    def _open_turn_bases(self) -> list[list[dict[str, str]]]:
+        """Bases for an open turn's reply: the closed-turn bases then a tool result (a template that
+        rewrites an earlier assistant turn when new messages come, e.g. drops its reasoning, shows
+        it), or then a user message for templates without tool messages."""
+        bases = self._bridge_bases()
+        tool, user = {"role": "tool", "content": "t"}, {"role": "user", "content": "z"}
+        return [*([*b, tool] for b in bases), [*bases[-1], user]]
+
     def bridge_with_roles(
         self,
         prev_prompt_ids: Sequence[int],
@@ -240,10 +255,13 @@ class GenericRenderer(Renderer):
         new_messages: Sequence[Message],
         *,
         tools: Sequence[Any] | None = None,
+        reply: Message | None = None,
     ) -> Rendered | None:
         new_messages = check_messages(new_messages, allow_empty=True)
-        if not prev_completion_ids or int(prev_completion_ids[-1]) != self._end_of_turn_id:
+        if not prev_completion_ids:
             return None
+        if int(prev_completion_ids[-1]) != self._end_of_turn_id:
+            return self._bridge_open_turn(prev_prompt_ids, prev_completion_ids, new_messages, tools, reply)
         for base in self._bridge_bases():
             try:
                 base_ids = self._encode(self.render_text(base, add_generation_prompt=False, tools=tools))[0]
@@ -256,4 +274,42 @@ class GenericRenderer(Renderer):
             if full.ids[:cut] != base_ids[:cut]:
                 return None
             return full[cut:].shifted(len(base))
+        return None
+
+    def _bridge_open_turn(
+        self,
+        prev_prompt_ids: Sequence[int],
+        completion: Sequence[int],
+        new_messages: list[Message],
+        tools: Sequence[Any] | None,
+        reply: Message | None,
+    ) -> Rendered | None:
+        """The suffix after a completion that did not end with the end-of-turn token, or None.
+
+        Fixed-base method for an open turn: with ``G`` the ids of ``base`` rendered with the
+        generation prompt (``base`` rendered without it, then the opener ``O``), the render ``F``
+        of ``base + [reply] + new_messages`` must start with ``G`` and then the completion's ids,
+        and ``prev_prompt_ids`` must end with ``O``; the suffix is the rest of ``F`` (the template's
+        closing tokens of the turn, the new messages, the generation prompt).
+        """
+        completion = [int(i) for i in completion]
+        if reply is None:
+            reply = self.parse_response(completion).to_message()
+        prompt = [int(i) for i in prev_prompt_ids]
+        for base in self._open_turn_bases():
+            try:
+                plain = self._encode(self.render_text(base, add_generation_prompt=False, tools=tools))[0]
+                opened = self._encode(self.render_text(base, add_generation_prompt=True, tools=tools))[0]
+                conversation = [*base, dict(reply), *new_messages]
+                full = self.render_with_roles(conversation, add_generation_prompt=True, tools=tools)
+            except _RENDER_ERRORS:
+                continue
+            n_open = len(opened) - len(plain)
+            if n_open <= 0 or opened[: len(plain)] != plain or len(prompt) < n_open:
+                return None
+            opener_matches = prompt[len(prompt) - n_open :] == opened[len(plain) :]
+            cut = len(opened) + len(completion)
+            if not opener_matches or full.ids[:cut] != [*opened, *completion]:
+                return None
+            return unsampled_closing(full[cut:].shifted(len(base) + 1))
         return None

@@ -168,6 +168,16 @@ class Qwen3Renderer(ChatMLRenderer):
             return "</think>" not in text
         return self._template_keeps_history(text)
 
+    def _reply_context(self, prev_prompt_ids: Sequence[int]) -> list[Message]:
+        """A user query before an open turn's reply when the history has one (the template keeps
+        that reply's reasoning only after the last query), else nothing."""
+        if self.retention == "all":
+            return super()._reply_context(prev_prompt_ids)
+        turns = _turns(self.decode(prev_prompt_ids))
+        if any(role == "user" and is_user_query({"role": "user", "content": body}) for role, body in turns):
+            return super()._reply_context(prev_prompt_ids)
+        return []
+
     def _template_keeps_history(self, text: str) -> bool:
         """Strict check for ``retention="template"`` when no new user query arrives."""
         turns = _turns(text)

@@ -20,7 +20,8 @@ attributes the ids that are new in this prompt (the bridge suffix, or the whole 
 message whose body the token is, None for template scaffolding (what ``Step.prompt_roles``
 records and the echo algorithm, :mod:`rljax.data.echo`, reads). For a bridged prompt it is
 the previous prompt's entries, ``"assistant"`` for every sampled completion id (the end-of-turn
-token included: they are the policy's own tokens), then the bridge suffix's entries.
+token included: they are the policy's own tokens), then the bridge suffix's entries (None for the
+closing tokens the template adds after a cut turn, e.g. ``<|im_end|>`` after a ``max_tokens`` stop).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class ChatSession:
             raise ValueError("add_messages needs the previous turn's completion: call add_completion first")
         new_messages = [dict(m) for m in check_messages(new_messages, allow_empty=True)]
         suffix = self.renderer.bridge_with_roles(
-            self.prompt_ids, self._completion, new_messages, tools=self.tools
+            self.prompt_ids, self._completion, new_messages, tools=self.tools, reply=self.messages[-1]
         )
         self.messages.extend(new_messages)
         if suffix is None:

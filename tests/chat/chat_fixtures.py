@@ -521,6 +521,16 @@ COUNTING_TEMPLATE = (
 )
 
 
+# SmolLM2-Instruct's chat template (the ``tokenizer.chat_template`` of its GGUF file and HF repo).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
 # -- tokenizers -------------------------------------------------------------------------------
 def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
@@ -602,6 +612,7 @@ def build_tokenizers() -> dict[str, PreTrainedTokenizerFast]:
         "qwen2.5": wrap(qwen, chat_template=QWEN25_TEMPLATE, **q),
         "qwen3": wrap(qwen, chat_template=QWEN3_TEMPLATE, **q),
         "counting": wrap(qwen, chat_template=COUNTING_TEMPLATE, **q),
+        "smollm2": wrap(qwen, chat_template=SMOLLM2_TEMPLATE, **q),
         "llama3.1": wrap(llama, chat_template=LLAMA31_TEMPLATE, **l3),
         "llama3": wrap(llama, chat_template=LLAMA3_TEMPLATE, **l3),
         "gemma": wrap(

@@ -146,7 +146,13 @@ def test_agent_loop_zero_drift(toks, name):
     other_stops = [s for s in renderer.stop_token_ids() if s != eot_id]
     plain = cf.plain_ids(tok)
     rng = random.Random(sum(map(ord, name)) + 1)
-    n_bridged = n_turns = 0
+    n_bridged = n_turns = n_open = n_open_bridged = 0
+
+    def reference_ids(messages):
+        if reference == "self":
+            return renderer.render_ids(messages, add_generation_prompt=True, tools=tools)
+        return cf.hf_ids(tok, messages, add_generation_prompt=True, tools=tools, **kwargs)
+
     for _ in range(20):
         messages, tools = initial_messages(rng, name, conv)
         session = ChatSession(renderer, messages, tools=tools)
@@ -160,6 +166,7 @@ def test_agent_loop_zero_drift(toks, name):
                 rng, tok, session, name, eot, conv, kwargs, plain, other_stops
             )
             canonical_so_far &= canonical
+            in_sync = prompt == reference_ids(session.messages)  # the prompt is the full render
             parsed = session.add_completion(completion)
             steps.append((prompt, list(completion)))
             new = cf.env_messages(rng, parsed, dict_tool_content=conv.get("dict_tool_content", False))
@@ -167,7 +174,23 @@ def test_agent_loop_zero_drift(toks, name):
             assert len(session.full_prompt_roles) == len(session.prompt_ids)  # one role per prompt id
             n_turns += 1
             bridged_flags.append(session.bridged)
-            assert session.bridged == expected_bridge(policy, tok, eot_id, prompt, completion, new)
+            if completion and completion[-1] == eot_id:
+                assert session.bridged == expected_bridge(policy, tok, eot_id, prompt, completion, new)
+            else:  # an open turn: bridged exactly where the full render continues the sampled ids
+                n_open += 1
+                full = reference_ids(session.messages)
+                if in_sync:
+                    n = len(prompt) + len(completion)
+                    agrees = policy != "never" and bool(completion) and full[:n] == prompt + completion
+                    if policy == "no_query":  # the fixed-base method refuses where a query may rewrite
+                        agrees &= not any(cf.is_query(m) for m in new)
+                    assert session.bridged == agrees
+                if session.bridged:
+                    n_open_bridged += 1
+                    closing = session.prompt_ids[len(prompt) + len(completion) :][:1]
+                    assert closing == [eot_id]  # the template's closing token, not sampled
+                    if in_sync:
+                        assert session.prompt_ids == full
             if session.bridged:
                 n_bridged += 1
                 assert session.prompt_ids[: len(prompt) + len(completion)] == prompt + completion
@@ -205,3 +228,4 @@ def test_agent_loop_zero_drift(toks, name):
         assert n_bridged >= n_turns // (4 if policy == "always" else 6), (n_bridged, n_turns)
     else:
         assert n_bridged == 0
+    print(f"{name}: {n_open_bridged} of {n_open} open turns bridged")

@@ -1,12 +1,20 @@
 """bridge(): exact prefix, equality with a full template render, and every None case."""
 
+import collections
 import json
 import random
 
 import chat_fixtures as cf
 import pytest
 
-from rljax.chat import ChatMLRenderer, GenericRenderer, Llama3Renderer, Qwen3Renderer, Qwen25Renderer
+from rljax.chat import (
+    ChatMLRenderer,
+    GenericRenderer,
+    Llama3Renderer,
+    Qwen3Renderer,
+    Qwen25Renderer,
+    SmolLM2Renderer,
+)
 
 # name -> (tokenizer key, factory, template kwargs, end-of-turn token, conversation kwargs, policy)
 # policy: "always" = bridged whenever the completion ends with end-of-turn; "no_query" = and no new
@@ -86,22 +94,73 @@ def test_bridge_extends_exactly_and_equals_full_render(toks, name):
     assert n_bridged >= 4
 
 
-@pytest.mark.parametrize("name", sorted(BRIDGE_CONFIGS))
-def test_bridge_needs_the_end_of_turn_token(toks, name):
-    tok, renderer, _, eot, _, _ = make(toks, name)
-    prompt = renderer.render_ids([{"role": "user", "content": "q"}], add_generation_prompt=True)
-    text = tok.encode("an answer", add_special_tokens=False)
-    new = [{"role": "user", "content": "next"}]
-    assert renderer.bridge(prompt, text, new) is None  # truncated (length stop)
-    assert renderer.bridge(prompt, [], new) is None
+# Open turns: every format above, plus SmolLM2's ChatML with its own default system prompt.
+OPEN_CONFIGS = {
+    **BRIDGE_CONFIGS,
+    "smollm2": ("smollm2", SmolLM2Renderer, {}, "<|im_end|>", P, "always"),
+}
+
+
+def open_turns(rng, ids, other_stops):
+    """Ways a turn ends without the end-of-turn token, from the ids of its whole text: cut by
+    ``max_tokens`` at a random length, cut right before the end-of-turn token, ended by a
+    single-token stop string the client asked for (it stays in the content), ended by another stop
+    token of the format."""
+    out = [("cut", ids[: rng.randint(1, len(ids) - 1)]), ("whole", ids)] if len(ids) > 1 else []
+    out.append(("stop string", [*ids, rng.choice(ids)]))
+    out += [("other stop", [*ids, stop]) for stop in other_stops]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(OPEN_CONFIGS))
+def test_open_turns_are_bridged_exactly_where_the_full_render_agrees(toks, name):
+    key, factory, kwargs, eot, conv, _ = OPEN_CONFIGS[name]
+    tok, renderer = toks[key], factory(toks[key])
     eot_id = tok.convert_tokens_to_ids(eot)
-    others = [s for s in renderer.stop_token_ids() if s != eot_id]
-    for other in others:  # e.g. <|endoftext|>, <|eom_id|>, <eos>: the template closes turns differently
-        assert renderer.bridge(prompt, [*text, other], new) is None
-    assert renderer.stop_token_ids()[0] == eot_id
-    if name.startswith("qwen3") or name == "generic-qwen3":
-        new = [{"role": "tool", "content": "r"}]
-    assert renderer.bridge(prompt, [*text, eot_id], new) is not None
+    other_stops = [s for s in renderer.stop_token_ids() if s != eot_id]
+    rng = random.Random(sum(map(ord, name)) + 3)
+    counts, closings = {}, collections.Counter()
+    for _ in range(12):
+        history, tools = history_for(rng, name, conv)
+        calls = rng.randint(1, conv.get("max_calls", 1)) if tools and rng.random() < 0.5 else 0
+        qwen3 = "qwen3" in name  # a thinking model: reasoning first, kept while tool results come
+        assistant = cf.random_assistant(rng, calls=calls, reasoning="always" if qwen3 else "random")
+        whole = cf.canonical_completion(tok, history, assistant, end_of_turn=eot, tools=tools, **kwargs)[:-1]
+        if not whole:
+            continue
+        prompt = renderer.render_ids(history, add_generation_prompt=True, tools=tools)
+        for kind, completion in open_turns(rng, whole, other_stops):
+            reply = renderer.parse_response(completion).to_message()  # what the client holds
+            new = cf.env_messages(rng, renderer.parse_response(completion))
+            if name == "llama3.1":  # the reference template renders one tool call per turn
+                new = [m for m in new if m["role"] != "tool"] or [{"role": "user", "content": "go on"}]
+            if qwen3:  # (a user query drops the reasoning: tested in the agent loop)
+                new = [m for m in new if m["role"] == "tool"] or [{"role": "tool", "content": "done"}]
+            reference = cf.hf_ids(
+                tok, [*history, reply, *new], add_generation_prompt=True, tools=tools, **kwargs
+            )
+            n = len(prompt) + len(completion)
+            agrees = reference[:n] == prompt + completion
+            if name == "generic-qwen3":  # the fixed-base method refuses where a user query may rewrite
+                agrees &= not any(cf.is_query(m) for m in new)
+            bridged = renderer.bridge(prompt, completion, new, tools=tools)
+            assert (bridged is not None) == agrees, (kind, completion, new)
+            done, total = counts.get(kind, (0, 0))
+            counts[kind] = (done + (bridged is not None), total + 1)
+            if bridged is None:
+                continue
+            assert bridged == reference  # token for token the template's render of the history
+            suffix = renderer.bridge_with_roles(prompt, completion, new, tools=tools, reply=reply)
+            assert bridged == prompt + completion + suffix.ids
+            # the template's closing of the turn (not sampled) comes first: the end-of-turn token
+            # and what the template writes around it; it belongs to no new message and is no body
+            first = suffix.message_indices.index(0)
+            assert eot_id in suffix.ids[:first]
+            assert set(suffix.message_indices[:first]) == {None} and not any(suffix.is_body[:first])
+            closings[renderer.decode(suffix.ids[: suffix.ids.index(eot_id) + 1])] += 1
+    print(name, {k: f"{d} of {t}" for k, (d, t) in counts.items()}, dict(closings))
+    assert counts.get("other stop", (0, 0))[0] == 0  # the template never writes another stop token
+    assert counts["whole"][0] >= 4 and counts["cut"][0] >= 2, counts
 
 
 def qwen3_prompt_and_completion(tok, renderer, completion_text):

@@ -135,9 +135,12 @@ def test_session_errors_and_flow(toks):
     session.add_completion(tok.encode("a", add_special_tokens=False))  # truncated: no stop token
     with pytest.raises(ValueError, match="already called"):
         session.add_completion([])
+    first = list(session.prompt_ids)
     session.add_messages([{"role": "user", "content": "x"}])
-    assert not session.bridged
+    # the cut turn is closed by the template's <|im_end|>\n (not sampled) and the history goes on
+    assert session.bridged and session.prompt_ids[: len(first) + 1] == [*first, *tok.encode("a")]
     assert session.prompt_ids == cf.hf_ids(tok, session.messages, add_generation_prompt=True)
+    assert session.full_prompt_roles[len(first) : len(first) + 3] == ["assistant", None, None]
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user"]
 
 

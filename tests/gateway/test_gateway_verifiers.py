@@ -279,10 +279,9 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
         assert second.prompt.messages[n]["content"] == returned[0]["content"]
         assert second.prompt.messages[n + 1 :] == [{"role": "user", "content": h.FOLLOW_UP}]
         # its prompt ids: the first call's exact ids + the bridge, or (only where the renderer cannot
-        # bridge: a first turn cut by max_tokens or ended by another stop token) a full render of
-        # what was sent
-        follow_up = second.prompt.messages[n + 1 :]
-        if renderer.bridge(first.prompt.ids, first.completion.ids, follow_up) is not None:
+        # bridge: e.g. a first turn ended by another stop token) a full render of what was sent
+        follow_up, reply = second.prompt.messages[n + 1 :], second.prompt.messages[n]
+        if renderer.bridge(first.prompt.ids, first.completion.ids, follow_up, reply=reply) is not None:
             head = first.prompt.ids + first.completion.ids
             assert rec.bridged == [True] and second.prompt.parent == 0
             assert second.prompt.ids[: len(head)] == head
