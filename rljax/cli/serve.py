@@ -71,8 +71,9 @@ def main(argv: list[str]) -> None:
     require("tinker", "rljax serve")  # before any import of the extra's modules
     import uvicorn
 
+    from rljax.gateway.limits import uvicorn_options
     from rljax.tinker import build_service
-    from rljax.tinker.server import make_app
+    from rljax.tinker.server import DEFAULT_LIMITS, make_app
 
     options = dict(
         max_lora_rank=_FLAGS.max_rank.value,
@@ -94,6 +95,12 @@ def main(argv: list[str]) -> None:
         flush=True,
     )
     try:
-        uvicorn.run(make_app(service), host=_FLAGS.host.value, port=_FLAGS.port.value, log_level="warning")
+        uvicorn.run(
+            make_app(service, limits=DEFAULT_LIMITS),
+            host=_FLAGS.host.value,
+            port=_FLAGS.port.value,
+            log_level="warning",
+            **uvicorn_options(DEFAULT_LIMITS),  # uvicorn's own header and connection bounds
+        )
     finally:
         service.close()

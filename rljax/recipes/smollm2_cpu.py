@@ -38,5 +38,8 @@ def get_config() -> config_dict.ConfigDict:
     c.eval.update(group_size=4, temperature=0.7)
     c.engine.update(max_batch_size=64, min_prompt_bucket=64, min_new_tokens_bucket=16)
     c.optimizer.learning_rate = 1e-5
-    c.trainer.update(num_steps=30, prompts_per_step=8, seq_len=128, eval_every=5, checkpoint_every=10)
+    # keep_checkpoints=0 keeps every checkpoint: step_0 is the base model (rljax eval of it is the baseline)
+    c.trainer.update(
+        num_steps=16, prompts_per_step=8, seq_len=128, eval_every=4, checkpoint_every=8, keep_checkpoints=0
+    )
     return c
