@@ -183,6 +183,40 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
     return {"tokens_per_s": tokens / wall, "idle": 1.0 - busy / wall, "staleness_max": stale}
 
 
+def _trailing(rows: list[dict], i: int, window: int = 3) -> float:
+    return float(np.mean([r["reward/mean"] for r in rows[max(0, i - window + 1) : i + 1]]))
+
+
+def run_real(args: argparse.Namespace) -> None:
+    """The default recipe on the embedded sampler, sync vs fully_async, per seed: the wall time
+    fully_async takes to reach sync's reward at step N (trailing mean of 3 rows), and both rewards at
+    step N (equal trained samples: every step trains prompts_per_step groups)."""
+    for seed in args.seeds:
+        out = {}
+        for mode in ("sync", "fully_async"):
+            c = load_recipe("default")
+            c.seed = seed
+            c.trainer.update(
+                mode=mode,
+                num_steps=args.steps,
+                max_off_policy_steps=args.max_off_policy_steps,
+                eval_every=0,
+                checkpoint_every=0,
+            )
+            with tempfile.TemporaryDirectory() as wd:
+                out[mode] = Trainer(c, wd).run()
+        sync, fa = out["sync"], out["fully_async"]
+        target = _trailing(sync, len(sync) - 1)
+        reach = next((r["time/elapsed_s"] for i, r in enumerate(fa) if _trailing(fa, i) >= target), None)
+        print(
+            f"seed {seed}: sync reward@{args.steps} {target:.3f} in {sync[-1]['time/elapsed_s']:.0f}s; "
+            f"fully_async reward@{args.steps} {_trailing(fa, len(fa) - 1):.3f} "
+            f"in {fa[-1]['time/elapsed_s']:.0f}s, "
+            f"reached sync's in {'never' if reach is None else f'{reach:.0f}s'}",
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
@@ -197,7 +231,12 @@ def main() -> None:
     p.add_argument("--train_ms", type=float, default=150.0)
     p.add_argument("--engine_slots", type=int, default=256)
     p.add_argument("--filler_id", type=int, default=100)
+    p.add_argument("--real", action="store_true", help="the default recipe on the embedded sampler")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = p.parse_args()
+    if args.real:
+        run_real(args)
+        return
     from scipy.stats import norm
 
     tail = float(np.exp(args.sigma * norm.ppf(0.99)))
