@@ -92,7 +92,7 @@ ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
 MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
 #: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
-MODES: tuple[str, ...] = ("sync", "async")
+MODES: tuple[str, ...] = ("sync", "async", "fully_async")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
@@ -397,8 +397,11 @@ class TrainerSection:
 
     Attributes:
       num_steps: RL steps to run (0: the warm start only, and a step-0 checkpoint).
-      mode: ``"sync"``, or ``"async"``: the rollout of step n+1 overlaps training of step n.
-      max_off_policy_steps: async mode: how many policy versions a sample may be stale.
+      mode: ``"sync"``; ``"async"``: the rollout of step n+1 overlaps training of step n; or
+        ``"fully_async"``: rollouts stream continuously and each step trains the next
+        ``prompts_per_step`` complete prompt groups (:mod:`rljax.run.streaming`).
+      max_off_policy_steps: async modes: how many policy versions a sample may be stale (fully_async:
+        between the weights a group started on and the weights it trains against).
       prompts_per_step: prompt groups per RL step.
       mini_batch_prompts: prompt groups per mini-batch, a divisor of ``prompts_per_step`` (0 = one
         mini-batch).

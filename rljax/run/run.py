@@ -66,6 +66,7 @@ from rljax.run.config import (
 from rljax.run.engines import EngineSet, resolve_frozen_models
 from rljax.run.references import ReferenceScorers
 from rljax.run.scheduler import RolloutScheduler, derive_seed
+from rljax.run.streaming import StreamingScheduler
 from rljax.run.tasks import build_env_tasks
 from rljax.run.worker import Worker
 from rljax.training import checkpoint as ckpt
@@ -223,7 +224,8 @@ class Run:
         self.references = ReferenceScorers(
             self.engines, self.scoring_worker, self.renderer, self.env_tasks.by_id(), self.score
         )
-        self.scheduler = RolloutScheduler(
+        scheduler = StreamingScheduler if cfg.trainer.mode == "fully_async" else RolloutScheduler
+        self.scheduler = scheduler(
             cfg,
             self.env_tasks,
             self.renderer,

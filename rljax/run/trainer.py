@@ -82,6 +82,7 @@ from rljax.run.builders import build_model, build_tokenizer
 from rljax.run.config import config_record
 from rljax.run.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.run.run import Run, mini_batch_groups
+from rljax.run.streaming import trained_tokens
 from rljax.run.tasks import TaskIterator
 from rljax.training.distributed import is_main_process
 from rljax.training.step import TrainState
@@ -264,6 +265,8 @@ class Trainer:
         )
 
     def _run(self, resumed: int | None) -> list[dict[str, Any]]:
+        if self.cfg.trainer.mode == "fully_async":
+            return self._run_stream(resumed)
         run_start = time.perf_counter()
         t = self.cfg.trainer
         parts, sched = self.parts, self.parts.scheduler
@@ -331,6 +334,65 @@ class Trainer:
             self.sinks.log(step_no, metrics)
             if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
                 self.sinks.flush()  # the step's row and records are durable before `latest` moves
+                checkpoint_s = self._timed_save(step_no)
+        if checkpoint_s is not None:
+            logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
+        return self.history
+
+    def _run_stream(self, resumed: int | None) -> list[dict[str, Any]]:
+        """The step loop of ``trainer.mode = "fully_async"`` (:mod:`rljax.run.streaming`): rollouts
+        stream continuously; step ``n`` takes the next complete groups the staleness bound allows,
+        trains ``theta_n`` and publishes ``theta_{n+1}`` without draining the engine. Evals, rows and
+        checkpoints as in the other modes (an eval runs beside the stream and is reported in its
+        step's row; the next version is published after it)."""
+        run_start = time.perf_counter()
+        t = self.cfg.trainer
+        parts, sched = self.parts, self.parts.scheduler
+        parts.engines.check_frozen_models(self.parts.algorithms, parts.rollout_worker)
+        checkpoint_s: float | None = None
+        if resumed is None:
+            self._warm_start()
+            start = 0
+            parts.sync_weights(0)
+            if t.checkpoint_every:
+                self.sinks.flush()
+                checkpoint_s = self._timed_save(0)
+        else:
+            start = resumed
+            print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
+        parts.sync_weights(start)
+        parts.start_engines(start)
+        sched.start(start)
+        for n in range(start, t.num_steps):
+            step_start = time.perf_counter()
+            result, stream_metrics = sched.take(n)
+            rollout_wait = time.perf_counter() - step_start
+            train_start = time.perf_counter()
+            self.rl_step = n
+            metrics = self._train_on(result.batch)
+            jax.block_until_ready(self.state.params)
+            train_time = time.perf_counter() - train_start
+            step_no = n + 1
+            parts.sync_weights(step_no)  # published: the stream serves it next, nothing drained
+            if sched.evaluates(step_no, t.eval_every):  # on theta_{n+1}, before the next version
+                metrics.update(self._eval_result(step_no, sched.submit_eval(step_no)))
+            metrics.update(rollout_step_metrics(result))
+            metrics.update(stream_metrics)
+            metrics.update({"time/rollout_wait_s": rollout_wait, "time/train_s": train_time})
+            if checkpoint_s is not None:
+                metrics["time/checkpoint_s"] = checkpoint_s
+                checkpoint_s = None
+            metrics["time/step_s"] = time.perf_counter() - step_start
+            metrics["time/elapsed_s"] = time.perf_counter() - run_start
+            metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
+            metrics["async/train_tokens_per_s"] = trained_tokens(result.batch) / metrics["time/step_s"]
+            self.history.append({"step": step_no, **metrics})
+            every = t.save_rollouts_every
+            save = bool(every) and step_no % every == 0
+            self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
+            self.sinks.log(step_no, metrics)
+            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
+                self.sinks.flush()
                 checkpoint_s = self._timed_save(step_no)
         if checkpoint_s is not None:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)

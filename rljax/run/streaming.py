@@ -1,0 +1,538 @@
+"""Fully asynchronous (streaming) rollouts: ``config.trainer.mode = "fully_async"``.
+
+Rollouts run continuously, one prompt group (a task x ``group_size`` trajectories) at a time per
+slot, on whatever weights the policy engine serves when the group starts. RL step ``m`` takes
+``prompts_per_step`` (``B``) COMPLETE groups, whichever prompts they are, trains ``theta_m`` on
+them and publishes ``theta_{m+1}``; the engine is switched to it without draining (groups in
+flight finish on the old weights, or move to the new ones at the next segment boundary on
+engines that update in flight; every token records its version).
+
+Staleness. A group that started on version ``s`` and trains in step ``m`` is ``m - s`` versions
+stale (per token: ``m - token version``, never more). The bound ``m - s <= k``
+(``k = max_off_policy_steps``) gives every group a deadline ``d = s + k``: the last step that may
+train it. Two rules keep every deadline, so nothing is ever dropped for staleness:
+
+* **Admission** (AReaL's capacity rule, Fu et al. 2025, §5: at most ``(k + v + 1) * B`` groups
+  admitted while the engine serves version ``v``): with ``m`` steps consumed, a new group may
+  start only while ``live < (v + k + 1 - m) * B`` (``live`` = groups running or finished and not
+  yet trained). Every live group's deadline is at most ``v + k``, so this says: the groups due by
+  ``v + k`` fit in the ``v + k + 1 - m`` steps left until then.
+* **Consumption** (earliest deadline first): step ``m`` takes complete groups in deadline order,
+  and only a choice that leaves, for every later step ``n``, at most ``(n - m) * B`` live groups
+  due by ``n``; when the complete groups allow no such choice it waits for more to finish.
+  This is exactly where AReaL's rule alone falls short: a slow group can be overtaken by newer
+  ones and miss its deadline. With both rules a feasible choice always exists among the live
+  groups (induction over steps; ``StreamState.choose`` documents it), so the bound is a
+  guarantee, not an expectation.
+
+A group found stale anyway (a safety net: it never happens under the two rules) is dropped,
+counted in ``async/groups_dropped_stale`` and its prompt drawn again first; it is never trained.
+With dynamic sampling, a group without reward variance is dropped as it finishes
+(``async/groups_dropped_no_variance``; DAPO's rule, the prompt is consumed).
+
+Resume: groups in flight are re-drawn, not checkpointed. A checkpoint at step ``n`` holds the task
+iterator's position and the draws not yet trained (running or finished but not taken, with their
+draw numbers); ``--resume`` starts those again first, on ``theta_n``, then continues the iterator.
+No prompt is lost and none is trained twice; which groups finish first depends on timing, so a
+resumed run is not bit-for-bit the uninterrupted one (sync and async modes are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rljax.data.filters import group_reward_spread
+from rljax.envs.base import Task
+from rljax.rollout import RolloutResult, _raise_all_errored, merge_rollout_results
+from rljax.run.scheduler import RolloutScheduler, derive_seed
+
+__all__ = ["Draw", "Group", "StreamState", "StreamingScheduler", "staleness_metrics"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One drawn prompt: the task, its draw number (unique in the run) and its attempt (> 0: drawn
+    again after a staleness drop)."""
+
+    task: Task
+    number: int
+    attempt: int = 0
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt group of the stream: its draw, the version it started on, and, when it finished,
+    the version served then and its rollout."""
+
+    draw: Draw
+    start_version: int
+    started: float
+    finish_version: int | None = None
+    finished: float | None = None
+    result: RolloutResult | None = None
+
+    @property
+    def task_id(self) -> str:
+        return self.draw.task.id
+
+
+class StreamState:
+    """The bookkeeping and the admission / consumption rules of the stream (no I/O, no clock of its
+    own: every method takes the time or version it needs, so a simulated clock can drive it).
+
+    Args:
+      batch: ``B``, groups per RL step (``prompts_per_step``).
+      max_staleness: ``k``, versions a group may be stale when it trains (``max_off_policy_steps``).
+      num_steps: RL steps of the run (no group is started that no step would train).
+      next_step: the next step to consume (a resumed run: the checkpoint's step).
+
+    >>> s = StreamState(batch=2, max_staleness=1, num_steps=10)
+    >>> s.admission_room(version=0)   # (0 + 1 + 1 - 0) * 2 groups may start on version 0
+    4
+    """
+
+    def __init__(self, *, batch: int, max_staleness: int, num_steps: int, next_step: int = 0) -> None:
+        self.batch = int(batch)
+        self.k = int(max_staleness)
+        self.num_steps = int(num_steps)
+        self.next_step = int(next_step)
+        self.running: dict[int, Group] = {}
+        self.ready: list[Group] = []
+        self.requeue: collections.deque[Draw] = collections.deque()
+        self.dropped_stale = 0
+        self.dropped_no_variance = 0
+
+    # -- counts -----------------------------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Groups started and not yet trained or dropped."""
+        return len(self.running) + len(self.ready)
+
+    def deadline(self, group: Group) -> int:
+        """The last step that may train ``group``."""
+        return group.start_version + self.k
+
+    def admission_room(self, *, version: int) -> int:
+        """How many more groups may start on ``version`` now (AReaL's capacity rule, and no more
+        than the remaining steps train): ``min((v + k + 1 - m) * B, (num_steps - m) * B) - live``."""
+        m = self.next_step
+        cap = min((version + self.k + 1 - m) * self.batch, (self.num_steps - m) * self.batch)
+        return max(cap - self.live, 0)
+
+    # -- the stream's events ----------------------------------------------------------------------------
+    def admit(self, draw: Draw, *, version: int, now: float) -> Group:
+        """Records that ``draw`` starts on ``version`` (call only with :meth:`admission_room` > 0)."""
+        if self.admission_room(version=version) <= 0:
+            raise RuntimeError("admit() without admission room: the capacity rule would break")
+        group = Group(draw, start_version=int(version), started=float(now))
+        self.running[draw.number] = group
+        return group
+
+    def finish(
+        self, number: int, result: RolloutResult, *, version: int, now: float, keep: bool = True
+    ) -> Group:
+        """Records that group ``number`` finished while ``version`` was served; ``keep=False``
+        (dynamic sampling: no reward variance) drops it. A group already past its deadline is dropped
+        as stale and its prompt queued to be drawn again."""
+        group = self.running.pop(number)
+        group.finish_version, group.finished, group.result = int(version), float(now), result
+        if self.deadline(group) < self.next_step:
+            self._drop_stale(group)
+        elif not keep:
+            self.dropped_no_variance += 1
+        else:
+            self.ready.append(group)
+        return group
+
+    def _drop_stale(self, group: Group) -> None:
+        self.dropped_stale += 1
+        d = group.draw
+        self.requeue.append(Draw(d.task, d.number, d.attempt + 1))
+
+    def choose(self, step: int) -> list[Group] | None:
+        """The groups step ``step`` trains, or None while the finished ones allow no safe choice.
+
+        ``B`` finished groups in earliest-deadline order (then finishing order), one per task id,
+        such that afterwards every later step ``n`` has at most ``(n - step) * B`` live groups due by
+        ``n``: for each ``n >= step``, at least ``need_n = c_n - (n - step) * B`` of the chosen ones
+        are due by ``n`` (``c_n``: live groups due by ``n``). Earliest-deadline order maximizes the
+        chosen ones due by every ``n`` at once, so if it fails no choice of finished groups succeeds.
+        Why a choice always exists once enough groups finish: before step ``m``, ``c_n <= (n - m +
+        1) * B`` for every ``n`` (admission keeps it for the newest deadline, consumption for the
+        others), so ``need_n <= min(B, c_n)``, which the first ``B`` live groups in deadline order meet.
+
+        Finished groups already past their deadline are dropped first (see :meth:`finish`).
+        """
+        if step != self.next_step:
+            raise RuntimeError(f"the stream consumes step {self.next_step} next, not step {step}")
+        for g in [g for g in self.ready if self.deadline(g) < step]:
+            self.ready.remove(g)
+            self._drop_stale(g)
+        order = sorted(self.ready, key=lambda g: (self.deadline(g), g.finished, g.draw.number))
+        chosen: list[Group] = []
+        ids: set[str] = set()
+        for g in order:
+            if len(chosen) == self.batch:
+                break
+            if g.task_id not in ids:
+                chosen.append(g)
+                ids.add(g.task_id)
+        if len(chosen) < self.batch:
+            return None
+        deadlines = [self.deadline(g) for g in [*self.ready, *self.running.values()]]
+        chosen_d = [self.deadline(g) for g in chosen]
+        for n in range(step, step + self.k + 1):
+            need = sum(d <= n for d in deadlines) - (n - step) * self.batch
+            if sum(d <= n for d in chosen_d) < need:
+                return None
+        return chosen
+
+    def consume(self, chosen: Sequence[Group]) -> None:
+        """Removes the groups a step took; the next step is the following one."""
+        for g in chosen:
+            self.ready.remove(g)
+        self.next_step += 1
+
+    def outstanding(self) -> list[Draw]:
+        """Draws not yet trained (queued again, running, finished), in draw order: what a resumed run
+        draws first."""
+        draws = [*self.requeue, *(g.draw for g in self.running.values()), *(g.draw for g in self.ready)]
+        return sorted(draws, key=lambda d: d.number)
+
+
+def staleness_metrics(
+    groups: Sequence[Group], step: int, *, frozen: frozenset[str] = frozenset()
+) -> dict[str, float]:
+    """``async/staleness_{mean,min,max}`` over the trained tokens (loss mask 1) of ``groups``,
+    staleness = ``step - token version``, and its split: ``async/staleness_inflight_mean`` (versions
+    published while the token's group was still generating: ``finish version - token version``) and
+    ``async/staleness_queue_mean`` (versions published while it waited to train: ``step - finish
+    version``); the two add up to the mean. Steps of frozen samplers (their version means nothing) are
+    left out."""
+    stale: list[np.ndarray] = []
+    inflight: list[np.ndarray] = []
+    for g in groups:
+        assert g.result is not None and g.finish_version is not None
+        for s in g.result.batch:
+            if s.algorithm in frozen:
+                continue
+            versions = s.token_versions()[np.asarray(s.loss_mask, bool)]
+            stale.append(step - versions)
+            inflight.append(g.finish_version - versions)
+    every = np.concatenate(stale) if stale else np.zeros(0, np.int64)
+    if every.size == 0:
+        nan = math.nan
+        return {f"async/staleness_{k}": nan for k in ("mean", "min", "max", "inflight_mean", "queue_mean")}
+    fly = np.concatenate(inflight)
+    return {
+        "async/staleness_mean": float(every.mean()),
+        "async/staleness_min": float(every.min()),
+        "async/staleness_max": float(every.max()),
+        "async/staleness_inflight_mean": float(fly.mean()),
+        "async/staleness_queue_mean": float((every - fly).mean()),
+    }
+
+
+def trained_tokens(batch: Sequence[Any]) -> int:
+    """Response tokens with loss mask 1 in ``batch``."""
+    return int(sum(int(np.sum(s.loss_mask)) for s in batch))
+
+
+class StreamingScheduler(RolloutScheduler):
+    """The rollout scheduler of ``trainer.mode = "fully_async"`` (see the module docstring).
+
+    Same constructor as :class:`~rljax.run.scheduler.RolloutScheduler`. The stream runs on the
+    rollout worker's event loop beside its FIFO jobs (evals still run as jobs); the trainer calls
+    :meth:`start`, then per step :meth:`take` and :meth:`add_version`, and :meth:`close`.
+    ``clock``: the time source of the stream's metrics (tests may replace it).
+    """
+
+    def __init__(
+        self, cfg: Any, *args: Any, clock: Callable[[], float] = time.perf_counter, **kwargs: Any
+    ) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        if self.process_count > 1:
+            raise ValueError(
+                "config.trainer.mode='fully_async' runs in one process; use mode='async' for a "
+                "multi-process run"
+            )
+        self.lag = 0  # one behaviour version at a time: the newest (add_version keeps no older ones)
+        self.max_staleness = cfg_k = int(cfg.trainer.max_off_policy_steps)
+        self.clock = clock
+        self.state = StreamState(batch=self.prompts_per_step, max_staleness=cfg_k, num_steps=self.num_steps)
+        self.next_draw = 0
+        self.published = -1  # the newest version add_version recorded
+        self.served_version = -1  # the version the stream made the engine serve
+        self._pump_future: Any = None
+        self._engines: Mapping[str, Any] = {}
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+        self._frozen = frozenset(a.name for a in self.algorithms.algorithms if a.sampling == "frozen")
+        self._window = _Window()
+        self._dropped_seen = (0, 0)  # stale / no-variance drops reported in earlier rows
+
+    # -- versions ---------------------------------------------------------------------------------------
+    def needed_versions(self, step: int) -> list[int]:
+        """None: a resumed stream restarts every group on the checkpoint's weights."""
+        return []
+
+    def add_version(self, version: int, params: Any) -> None:
+        """Records weight ``version``; the stream serves it next (no drain: groups in flight go on)."""
+        super().add_version(version, params)
+        self.published = max(self.published, int(version))
+        self._call_soon(self._wakeup)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        if self._pump_future is not None:
+            self.worker.loop.call_soon_threadsafe(fn)
+
+    def _wakeup(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+        if self._changed is not None:
+            self._changed.set()
+
+    def _run_on_loop(self, make_coro: Callable[[], Any]) -> Any:
+        """Runs ``make_coro()`` on the rollout loop (beside, not behind, the worker's FIFO jobs)."""
+        return asyncio.run_coroutine_threadsafe(make_coro(), self.worker.loop)
+
+    def start(self, step: int) -> None:
+        """Starts the stream at RL step ``step`` (a fresh or resumed run; the engine started on
+        version ``step``)."""
+        self.next_step = step
+        self.state.next_step = step
+        self.state.num_steps = self.num_steps
+        self._engines = {
+            env: self.engines.sampler_for(self.algorithms.for_env(env), self.worker)
+            for env in self.env_tasks.factories
+        }
+
+        async def nothing() -> None:
+            return None
+
+        self.worker.submit(nothing).result()  # the worker's loop is running
+        self._pump_future = self._run_on_loop(self._pump)
+
+    async def _pump(self) -> None:
+        self._wake, self._changed = asyncio.Event(), asyncio.Event()
+        self._window.reset(self.clock(), busy=False)
+        try:
+            while not self._closing:
+                if self.published > self.served_version:
+                    version = self.published
+                    await self.serve(version)
+                    if self.state.running:
+                        self._window.inflight_updates += 1
+                    self.served_version = version
+                    self._changed.set()
+                while (
+                    not self._closing
+                    and self.served_version >= 0
+                    and self.state.admission_room(version=self.served_version) > 0
+                ):
+                    self._admit()
+                self._wake.clear()
+                if self.published <= self.served_version and not self._closing:
+                    await self._wake.wait()
+        except Exception as e:  # surfaced to the trainer by take()
+            self._error = e
+            self._changed.set()
+
+    def _admit(self) -> None:
+        state = self.state
+        if state.requeue:
+            draw = state.requeue.popleft()
+        else:
+            draw = Draw(self.tasks.take(1)[0], self.next_draw)
+            self.next_draw += 1
+        was_busy = bool(state.running)
+        group = state.admit(draw, version=self.served_version, now=self.clock())
+        if not was_busy:
+            self._window.mark(self.clock(), busy=True)
+        task = asyncio.get_running_loop().create_task(self._run_group(group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, group: Group) -> None:
+        d = group.draw
+        config = dataclasses.replace(
+            self.rollout_config,
+            seed=derive_seed(self.rollout_seed, d.number, d.attempt, 3),
+            raise_on_all_errored=False,  # one bad group is masked; a step of only errors raises
+        )
+        try:
+            result = await self.run_rollout(self.share([d.task]), self._engines, config)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._error = e
+            self._wakeup()
+            return
+        keep = True
+        if self.dynamic_sampling is not None:
+            spread = group_reward_spread(result.batch)
+            keep = bool(spread.size) and bool(spread.max() > self.dynamic_sampling.atol)
+        now = self.clock()
+        self.state.finish(d.number, result, version=self.served_version, now=now, keep=keep)
+        self._window.tokens += int(result.metrics["response_tokens"])
+        if not self.state.running:
+            self._window.mark(now, busy=False)
+        self._wakeup()
+
+    # -- the trainer's side ---------------------------------------------------------------------------------
+    def take(self, step: int) -> tuple[RolloutResult, dict[str, float]]:
+        """Blocks until step ``step`` may train; returns its groups' rollout (in draw order) and the
+        stream's metrics of the step."""
+        if self._pump_future is None:
+            raise RuntimeError("StreamingScheduler.take before start()")
+        groups, metrics = self._run_on_loop(lambda: self._take(step)).result()
+        result = merge_rollout_results([g.result for g in groups])
+        records = result.trajectories
+        if self.rollout_config.raise_on_all_errored and records and all(r.errored for r in records):
+            _raise_all_errored(records)
+        versions = [s.policy_version for s in result.batch if s.algorithm not in self._frozen]
+        lag = step - min(versions) if versions else 0
+        metrics.update(staleness_metrics(groups, step, frozen=self._frozen))
+        metrics.update(
+            {
+                "policy_version/min": float(min(versions)) if versions else math.nan,
+                "policy_version/max": float(max(versions)) if versions else math.nan,
+                "policy_version/lag": float(lag),
+            }
+        )
+        if lag > self.max_staleness:  # the rules above make this impossible; never train on it silently
+            raise RuntimeError(f"step {step}: a sample is {lag} versions stale (> max_off_policy_steps)")
+        self.next_step = step + 1
+        return result, metrics
+
+    async def _take(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        assert self._changed is not None and self._wake is not None
+        while True:
+            if self._error is not None:
+                raise self._error
+            chosen = self.state.choose(step)
+            if chosen is not None:
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        self.state.consume(chosen)
+        chosen.sort(key=lambda g: g.draw.number)
+        self._wake.set()  # capacity freed: the stream admits more on the weights it serves
+        now = self.clock()
+        window = self._window.close(now, busy=bool(self.state.running))
+        state = self.state
+        seen_stale, seen_nv = self._dropped_seen
+        self._dropped_seen = (state.dropped_stale, state.dropped_no_variance)
+        metrics = {
+            "async/groups_inflight": float(len(state.running)),
+            "async/groups_queued": float(len(state.ready)),
+            "async/groups_dropped_stale": float(state.dropped_stale - seen_stale),
+            "async/groups_dropped_no_variance": float(state.dropped_no_variance - seen_nv),
+            "async/engine_idle_fraction": window["idle_fraction"],
+            "async/rollout_tokens_per_s": window["tokens_per_s"],
+            "async/inflight_updates": window["inflight_updates"],
+            "async/group_wait_s": float(np.mean([now - g.finished for g in chosen])),
+        }
+        return chosen, metrics
+
+    def submit_eval(self, version: int) -> Any:
+        """Evaluates weight ``version`` once the stream serves it (evals share the engine with the
+        stream; the trainer waits for the result before it publishes the next version)."""
+        config = dataclasses.replace(self.eval_config, seed=derive_seed(self.seed, 0xE7A1))
+
+        async def job() -> RolloutResult:
+            assert self._changed is not None
+            while self.served_version < version and self._error is None:
+                self._changed.clear()
+                await self._changed.wait()
+            return await self.run_rollout(self.share(self.env_tasks.eval), self.engines.policy, config)
+
+        return self.worker.submit(job)
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def data_state(self, step: int) -> dict[str, Any]:
+        """The task iterator's position plus the draws not yet trained (taken on the loop, so the
+        two agree): a resumed run draws those again first."""
+
+        async def snapshot() -> dict[str, Any]:
+            outstanding = [[d.task.id, d.number, d.attempt] for d in self.state.outstanding()]
+            return {**self.tasks.state(), "next_draw": self.next_draw, "outstanding": outstanding}
+
+        if self._pump_future is None:
+            return {**self.tasks.state(), "next_draw": self.next_draw, "outstanding": []}
+        return self._run_on_loop(snapshot).result()
+
+    def restore(self, data_state: Mapping[str, Any]) -> None:
+        """Restores the task order and queues the checkpoint's untrained draws to start first."""
+        state = data_state["tasks"]
+        self.tasks.restore(state)
+        self.next_draw = int(state.get("next_draw", 0))
+        by_id = self.env_tasks.by_id()
+        for task_id, number, attempt in state.get("outstanding", ()):
+            if task_id not in by_id:
+                raise ValueError(
+                    f"the checkpoint's stream holds task {task_id!r}, which the run no longer has "
+                    "(the task list changed since the checkpoint was written)"
+                )
+            self.state.requeue.append(Draw(by_id[task_id], int(number), int(attempt)))
+
+    def close(self) -> None:
+        """Stops the stream (groups in flight are cancelled), then the gateway."""
+        if self._pump_future is not None:
+            self._closing = True
+
+            async def stop() -> None:
+                for task in list(self._tasks):
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+                self._wakeup()
+
+            try:
+                self._run_on_loop(stop).result(timeout=60)
+                self._pump_future.result(timeout=60)
+            except Exception:  # closing must not mask the run's own error
+                pass
+            self._pump_future = None
+        super().close()
+
+
+class _Window:
+    """Engine busy time, generated tokens and in-flight updates between two steps' takes."""
+
+    def __init__(self) -> None:
+        self.reset(0.0, busy=False)
+
+    def reset(self, now: float, *, busy: bool) -> None:
+        self.start = self.last = now
+        self.busy = busy
+        self.idle_s = 0.0
+        self.tokens = 0
+        self.inflight_updates = 0
+
+    def mark(self, now: float, *, busy: bool) -> None:
+        if not self.busy:
+            self.idle_s += now - self.last
+        self.last, self.busy = now, busy
+
+    def close(self, now: float, *, busy: bool) -> dict[str, float]:
+        self.mark(now, busy=busy)
+        span = now - self.start
+        out = {
+            "idle_fraction": self.idle_s / span if span > 0 else 0.0,
+            "tokens_per_s": self.tokens / span if span > 0 else 0.0,
+            "inflight_updates": float(self.inflight_updates),
+        }
+        self.reset(now, busy=busy)
+        return out

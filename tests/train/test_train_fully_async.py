@@ -1,0 +1,167 @@
+"""The fully asynchronous mode's rules (rljax.run.streaming): admission, earliest-deadline
+consumption and the staleness bound, by hand-computed cases and against a simulated clock."""
+
+from __future__ import annotations
+
+import heapq
+import types
+
+import numpy as np
+import pytest
+
+from rljax.envs.base import Task
+from rljax.run.streaming import Draw, Group, StreamState, staleness_metrics
+from rljax.types import Step
+
+
+def _draw(n: int, task: str | None = None) -> Draw:
+    return Draw(Task(task or f"t{n}"), n)
+
+
+def _result(steps=()) -> types.SimpleNamespace:
+    return types.SimpleNamespace(batch=list(steps))
+
+
+def test_admission_room_is_arreal_capacity_rule():
+    s = StreamState(batch=2, max_staleness=1, num_steps=10)
+    # (v + k + 1 - m) * B - live: on version 0 with no step consumed, 4 groups
+    assert s.admission_room(version=0) == 4
+    for n in range(4):
+        s.admit(_draw(n), version=0, now=0.0)
+    assert s.admission_room(version=0) == 0
+    with pytest.raises(RuntimeError, match="capacity rule"):
+        s.admit(_draw(9), version=0, now=0.0)
+    for n in range(4):
+        s.finish(n, _result(), version=0, now=1.0 + n)
+    chosen = s.choose(0)
+    assert [g.draw.number for g in chosen] == [0, 1]
+    s.consume(chosen)
+    # step 0 taken, still on version 0: (0 + 1 + 1 - 1) * 2 - 2 live = 0; on version 1: 2
+    assert s.admission_room(version=0) == 0 and s.admission_room(version=1) == 2
+    # the end of the run: no more than the remaining steps train
+    end = StreamState(batch=2, max_staleness=3, num_steps=1)
+    assert end.admission_room(version=0) == 2
+
+
+def test_choose_waits_for_a_group_due_now_and_prefers_earliest_deadlines():
+    s = StreamState(batch=2, max_staleness=1, num_steps=10)
+    for n in range(4):  # a, b, c, d on version 0: deadline 1
+        s.admit(_draw(n), version=0, now=0.0)
+    s.finish(2, _result(), version=0, now=1.0)
+    s.finish(3, _result(), version=0, now=2.0)
+    step0 = s.choose(0)
+    assert [g.draw.number for g in step0] == [2, 3]  # nothing is due at step 0: the first finished
+    s.consume(step0)
+    for n in (4, 5):  # on version 1: deadline 2
+        s.admit(_draw(n), version=1, now=3.0)
+    s.finish(4, _result(), version=1, now=4.0)
+    s.finish(5, _result(), version=1, now=5.0)
+    # groups 0 and 1 are due at step 1 and still running: the newer finished ones must wait
+    assert s.choose(1) is None
+    s.finish(0, _result(), version=1, now=6.0)
+    assert s.choose(1) is None  # one of the two due groups is still running
+    s.finish(1, _result(), version=1, now=7.0)
+    assert [g.draw.number for g in s.choose(1)] == [0, 1]
+    assert s.dropped_stale == 0
+
+
+def test_choose_takes_one_group_per_task_id():
+    s = StreamState(batch=2, max_staleness=2, num_steps=10)
+    for n, task in enumerate(["a", "a", "b"]):
+        s.admit(_draw(n, task), version=0, now=0.0)
+        s.finish(n, _result(), version=0, now=float(n))
+    assert [g.task_id for g in s.choose(0)] == ["a", "b"]
+
+
+def test_a_group_past_its_deadline_is_dropped_and_drawn_again():
+    s = StreamState(batch=1, max_staleness=0, num_steps=10)
+    s.admit(_draw(0), version=0, now=0.0)
+    s.next_step = 1  # the step it was due at passed (a broken schedule: the safety net)
+    s.finish(0, _result(), version=1, now=1.0)
+    assert s.dropped_stale == 1 and not s.ready
+    assert s.outstanding() == [Draw(Task("t0"), 0, 1)]
+
+
+def _simulate(*, k: int, batch: int, steps: int, train_s: float, sigma: float, seed: int, edf: bool):
+    """A discrete-event run of the stream: group durations lognormal(0, sigma), a train step of
+    ``train_s``, weights served the moment they are published. ``edf=False`` consumes the first
+    finished groups instead (AReaL's capacity rule alone). Returns (staleness per trained group,
+    draws trained, stale drops, the most groups live at once)."""
+    rng = np.random.default_rng(seed)
+    s = StreamState(batch=batch, max_staleness=k, num_steps=steps)
+    now, version, next_draw, most_live = 0.0, 0, 0, 0
+    events: list[tuple[float, int, int]] = []  # (time, kind 0 = finish / 1 = trained, group number)
+    staleness, trained = [], []
+    training = False
+    while s.next_step < steps or training:
+        while s.admission_room(version=version) > 0:
+            s.admit(_draw(next_draw), version=version, now=now)
+            heapq.heappush(events, (now + float(rng.lognormal(0.0, sigma)), 0, next_draw))
+            next_draw += 1
+        most_live = max(most_live, s.live)
+        if not training and s.next_step < steps:
+            if edf:
+                chosen = s.choose(s.next_step)
+            else:
+                ready = sorted(s.ready, key=lambda g: g.finished)
+                chosen = ready[:batch] if len(ready) >= batch else None
+            if chosen is not None:
+                staleness += [s.next_step - g.start_version for g in chosen]
+                trained += [g.draw.number for g in chosen]
+                if edf:
+                    s.consume(chosen)
+                else:
+                    for g in chosen:
+                        s.ready.remove(g)
+                    s.next_step += 1
+                training = True
+                heapq.heappush(events, (now + train_s, 1, -1))
+                continue
+        now, kind, number = heapq.heappop(events)
+        if kind == 0:
+            s.finish(number, _result(), version=version, now=now)
+        else:
+            training, version = False, version + 1
+    return np.array(staleness), trained, s.dropped_stale, most_live
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_simulated_stream_keeps_the_bound_and_trains_every_draw_once(k):
+    batch, steps = 4, 60
+    staleness, trained, dropped, most_live = _simulate(
+        k=k, batch=batch, steps=steps, train_s=0.5, sigma=1.5, seed=k, edf=True
+    )
+    assert dropped == 0
+    assert staleness.max() <= k and staleness.min() >= 0
+    assert len(trained) == batch * steps and len(set(trained)) == len(trained)
+    assert most_live <= (k + 1) * batch
+    # the stream does use its room: some groups train stale, out of draw order
+    assert staleness.max() >= 1 and trained != sorted(trained)
+
+
+def test_capacity_rule_alone_lets_slow_groups_go_stale():
+    """The same clock and durations, consuming the first finished groups: groups overtaken by newer
+    ones miss their deadline and are dropped (which is why consumption follows deadlines)."""
+    staleness, trained, dropped, _ = _simulate(
+        k=1, batch=4, steps=60, train_s=0.5, sigma=1.5, seed=1, edf=False
+    )
+    assert dropped > 0 and staleness.max() <= 1
+
+
+def test_staleness_metrics_over_trained_tokens():
+    steps = [
+        # tokens of versions 3, 3, 4 (an in-flight update); the middle one is not trained
+        Step([1], [5, 6, 7], ("a", 0), loss_mask=[1, 0, 1], response_versions=[3, 3, 4], policy_version=3),
+        Step([1], [5, 6], ("a", 1), policy_version=4),
+        Step([1], [5], ("s", 0), policy_version=0, algorithm="sft"),  # a frozen sampler: left out
+    ]
+    group = Group(
+        _draw(0), start_version=3, started=0.0, finish_version=4, finished=1.0, result=_result(steps)
+    )
+    m = staleness_metrics([group], 5, frozen=frozenset({"sft"}))
+    # trained tokens: versions 3, 4, 4, 4 at step 5 -> staleness 2, 1, 1, 1
+    assert m["async/staleness_mean"] == pytest.approx(5 / 4)
+    assert (m["async/staleness_min"], m["async/staleness_max"]) == (1.0, 2.0)
+    # finished on version 4: in flight 1, 0, 0, 0; in the queue 1 each
+    assert m["async/staleness_inflight_mean"] == pytest.approx(1 / 4)
+    assert m["async/staleness_queue_mean"] == pytest.approx(1.0)
