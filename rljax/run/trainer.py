@@ -72,7 +72,7 @@ import numpy as np
 from rljax import algorithms as algos
 from rljax.data.batch import StepBatch
 from rljax.data.filters import make_filter
-from rljax.data.pack import make_mini_batches
+from rljax.data.pack import make_mini_batches, with_token_staleness
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
 from rljax.envs.base import Task
 from rljax.report import metrics as metrics_lib
@@ -198,7 +198,11 @@ class Trainer:
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
             adv_sums = np.zeros(3)
             for mb in mini_batches:
-                row = parts.train(mb.batch, algorithm=name)
+                packed = mb.batch
+                if self.cfg.objective.off_policy.get("max_token_staleness") is not None:
+                    # the stale-token mask needs each token's distance from the weights trained here
+                    packed = with_token_staleness(packed, self.rl_step)
+                row = parts.train(packed, algorithm=name)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
                 train_rows.append(_suffixed(row, name if multi else None))

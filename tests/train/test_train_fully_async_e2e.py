@@ -50,6 +50,8 @@ def _rows(workdir: pathlib.Path) -> dict[int, dict]:
 def test_fully_async_trains_within_the_bound_and_logs_the_stream(tmp_path):
     c = load_recipe("smoke")
     c.trainer.update(num_steps=4, mode="fully_async", max_off_policy_steps=2, checkpoint_every=0)
+    # tokens 2 versions behind the trained weights are masked by the per-token stale mask
+    c.objective.off_policy = {"max_token_staleness": 1}
     history = Trainer(c, tmp_path).run()
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     rows, shown = _rows(tmp_path), tb_scalars(tmp_path / "tb")
@@ -63,6 +65,9 @@ def test_fully_async_trains_within_the_bound_and_logs_the_stream(tmp_path):
         assert 0.0 <= r["async/engine_idle_fraction"] <= 1.0
         total = r["async/staleness_inflight_mean"] + r["async/staleness_queue_mean"]
         assert total == pytest.approx(r["async/staleness_mean"])
+        # the packed batch's per-token staleness agrees with the scheduler's: some tokens are masked
+        # exactly when some trained token is 2 versions stale
+        assert (r["off_policy/stale_masked_frac"] > 0) == (r["async/staleness_max"] == 2)
     assert rows[1]["async/staleness_max"] == 0  # nothing was published before step 1
     assert [s for s, _ in shown["async/staleness_mean"]] == [1, 2, 3, 4]  # every sink has them
     assert 0.0 <= rows[2]["eval/reward_mean"] <= 1.0  # eval_every=2 runs beside the stream
