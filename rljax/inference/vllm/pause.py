@@ -289,22 +289,20 @@ class InFlightVLLMClient(VLLMClient):
         finally:
             self._release(model)
 
-    async def update_weights(
-        self,
-        model: Any,
-        *,
-        version: int | None = None,
-        reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> int:
-        """Writes ``model``, switches every server to it with requests in flight, verifies the probe
-        on every server, and returns the new version. Requests keep being sent while the checkpoint
-        is written; only the switch itself (pause -> resumed) and the verification hold new ones back.
-        Errors as :meth:`VLLMClient.update_weights`."""
-        self._ensure_loop_state()
-        config = self.sync_config
-        directory = config.directory or self._sync_dir
+    def _directory(self) -> str:
+        directory = self.sync_config.directory or self._sync_dir
         if directory is None:
             directory = self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+        return directory
+
+    async def prepare_weights(
+        self, model: Any, *, reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> weight_sync.WrittenWeights:
+        """Writes ``model`` for the servers and computes the probe logprobs its switch verifies
+        with, while requests keep running; :meth:`update_weights_from` then switches to it (the
+        slow part of an update without holding anything back)."""
+        config = self.sync_config
+        directory = self._directory()
         start = time.perf_counter()
         await asyncio.to_thread(
             weight_sync.write_checkpoint, model, directory, explicit_lm_head=config.explicit_lm_head
@@ -314,20 +312,51 @@ class InFlightVLLMClient(VLLMClient):
         if config.verify:
             probe = weight_sync.config_probe(config, model.config.vocab_size)
             reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
-            expected = await asyncio.to_thread(reference, probe)
-        atol = config.tolerance(getattr(model, "param_dtype", np.float32))
+            expected = np.asarray(await asyncio.to_thread(reference, probe), np.float64)
+        dtype = np.dtype(getattr(model, "param_dtype", np.float32)).name
+        return weight_sync.WrittenWeights(directory, probe, expected, dtype, model.config, write_s)
+
+    async def update_weights_from(
+        self, written: weight_sync.WrittenWeights, *, version: int | None = None
+    ) -> int:
+        """Switches every server to ``written`` with requests in flight (pause in keep mode, reload,
+        relabel, resume), then verifies the probe on every server; returns the new version. New
+        requests wait only for the switch and the verification. Errors as
+        :meth:`VLLMClient.update_weights`."""
+        self._ensure_loop_state()
+        config = self.sync_config
+        atol = config.tolerance(written.dtype)
 
         async def switch() -> weight_sync.SyncReport:
             new = self.weight_version + 1 if version is None else int(version)
             pause_s, switch_s = await pause_reload_resume(
-                self, directory, version=new, kv_cache=self.kv_cache, rpc=config.reload_rpc
+                self, written.directory, version=new, kv_cache=self.kv_cache, rpc=config.reload_rpc
             )
             diffs, verify_s = (), 0.0
             if config.verify:
+                if written.probe is None or written.expected is None:
+                    raise ValueError(
+                        "verifying a switch needs the probe ids and the trainer's logprobs of them"
+                    )
                 t = time.perf_counter()
-                diffs = await weight_sync.verify_weights(self, probe, expected, atol=atol)
+                diffs = await weight_sync.verify_weights(self, written.probe, written.expected, atol=atol)
                 verify_s = time.perf_counter() - t
-            self.last_switch = SwitchReport(directory, new, write_s, pause_s, switch_s, verify_s, diffs)
-            return weight_sync.SyncReport(directory, write_s, switch_s, verify_s, diffs)
+            self.last_switch = SwitchReport(
+                written.directory, new, written.write_s, pause_s, switch_s, verify_s, diffs
+            )
+            return weight_sync.SyncReport(written.directory, written.write_s, switch_s, verify_s, diffs)
 
         return await self._synced(switch, version)
+
+    async def update_weights(
+        self,
+        model: Any,
+        *,
+        version: int | None = None,
+        reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> int:
+        """:meth:`prepare_weights` then :meth:`update_weights_from`: writes ``model``, switches every
+        server to it with requests in flight, verifies, and returns the new version."""
+        self._ensure_loop_state()
+        written = await self.prepare_weights(model, reference_logprobs=reference_logprobs)
+        return await self.update_weights_from(written, version=version)
