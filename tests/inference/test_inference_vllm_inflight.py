@@ -10,8 +10,8 @@ weights' exact forward caused by the old-weights KV cache is measured and printe
 """
 
 import asyncio
+import json
 import os
-import time
 
 import httpx
 import jax
@@ -21,7 +21,12 @@ from flax import nnx
 
 from rljax.inference.engine import SamplingParams, supports_in_flight_updates
 from rljax.inference.vllm import ServerConfig, VLLMServer, write_checkpoint
-from rljax.inference.vllm.pause import InFlightVLLMClient, in_flight_server_config
+from rljax.inference.vllm.pause import (
+    GENERATE_PATH,
+    InFlightVLLMClient,
+    generate_payload,
+    in_flight_server_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -62,28 +67,24 @@ def nudged(model, scale: float, seed: int):
     return copy
 
 
-async def generated_tokens(client: InFlightVLLMClient) -> float:
-    """The server's count of sampled tokens so far (``vllm:generation_tokens_total``)."""
-    text = (await client._http.get(client.urls[0] + "/metrics")).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("vllm:generation_tokens_total")
-    )
-
-
 async def switch_mid_decode(client: InFlightVLLMClient, new_model, version: int):
-    """Writes ``new_model`` first, then starts the greedy generation, waits until it has sampled a
-    few tokens and switches (tens of ms of requests against the ~500 decode steps left), and
-    returns the completion. The hang guard is generous: a slow machine only waits longer."""
+    """Writes ``new_model`` first, then starts the greedy generation together with a streamed twin
+    (same request, decoded in the same batch) and switches once the twin has streamed a few tokens
+    (a few ms of requests against the ~490 decode steps left); returns the completion. The twin
+    only tells when the generation is decoding; the hang guard is generous."""
     written = await client.prepare_weights(new_model)
-    before = await generated_tokens(client)
     task = asyncio.create_task(client.generate(PROMPT, GREEDY))
-    deadline = time.monotonic() + 300
-    while await generated_tokens(client) < before + MIN_TOKENS_BEFORE:
-        assert not task.done() and time.monotonic() < deadline, "the generation never started decoding"
-        await asyncio.sleep(0.02)
-    assert await client.update_weights_from(written, version=version) == version
+    body = {**generate_payload(PROMPT, GREEDY, model=client.served_model), "stream": True}
+    async with httpx.AsyncClient(timeout=300) as http:
+        async with http.stream("POST", client.urls[0] + GENERATE_PATH, json=body) as stream:
+            seen = 0
+            async for line in stream.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += len(json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or ())
+                if seen >= MIN_TOKENS_BEFORE:
+                    break
+            assert seen >= MIN_TOKENS_BEFORE, "the generation never started decoding"
+            assert await client.update_weights_from(written, version=version) == version
     return await task
 
 
