@@ -87,7 +87,10 @@ def test_every_recipe_parses(name):
         ({"trainer": {"prompts_per_step": 6, "mini_batch_prompts": 4}}, r"config.trainer.mini_batch_prompts"),
         ({"frozen_models": {"t": {"url": "x"}}}, r"config.frozen_models"),
         ({"env_algorithms": {"web": "rloo"}}, r"config.env_algorithms: names envs \['web'\]"),
-        ({"trainer": {"mode": "later"}}, r"config.trainer.mode: expected one of \['sync', 'async', 'fully_async'\]"),
+        (
+            {"trainer": {"mode": "later"}},
+            r"config.trainer.mode: expected one of \['sync', 'async', 'fully_async'\]",
+        ),
         ({"trainer": {"max_off_policy_steps": 0}}, r"config.trainer.max_off_policy_steps: expected an int"),
         ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
         (
