@@ -305,6 +305,13 @@ class EngineSection:
         "warn").
       lora_sync: LoRA runs on vLLM: ``"adapter"`` loads each version's adapter at run time
         (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
+      in_flight_updates: whether a weight update reaches sequences already decoding (their
+        completions then carry several version spans): ``"off"`` (they finish on the weights they
+        started with), ``"recompute"`` (they switch at the next decode segment, their KV cache
+        recomputed with the new weights: every token exactly from its version; embedded sampler and
+        vLLM) or ``"keep"`` (vLLM only: pause in keep mode with the old KV cache kept, PipelineRL's
+        behaviour; tokens after the switch attend to old-weights keys and values). Meant for
+        ``trainer.mode="fully_async"``.
     """
 
     kind: str = "embedded"
@@ -322,6 +329,7 @@ class EngineSection:
     client: dict = _field({})
     sync: SyncConfig = _field(SyncConfig())
     lora_sync: str = "adapter"
+    in_flight_updates: str = "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -695,6 +703,9 @@ def _validate(cfg: RunConfig) -> RunConfig:
             raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
     _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
     _one_of("config.engine.lora_sync", cfg.engine.lora_sync, ("adapter", "merged"))
+    _one_of("config.engine.in_flight_updates", cfg.engine.in_flight_updates, ("off", "recompute", "keep"))
+    if cfg.engine.in_flight_updates == "keep" and cfg.engine.kind != "vllm":
+        raise _fail("config.engine.in_flight_updates", "'keep' needs vLLM servers (engine.kind='vllm')")
     if "sync" in cfg.engine.client:
         raise _fail(
             "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"

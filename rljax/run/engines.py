@@ -158,6 +158,7 @@ class EngineSet:
                 min_new_tokens_bucket=e.min_new_tokens_bucket,
                 max_model_len=e.max_model_len,
                 seed=self.seed,
+                in_flight_updates=e.in_flight_updates != "off",
             )
         else:
             self.policy = self._start_vllm(model, lora_rank)
@@ -181,11 +182,19 @@ class EngineSet:
             elif lora_rank:
                 server = lora_server_args(server, lora_rank)
             configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
+            if e.in_flight_updates != "off":  # the version-labelled generate route
+                from rljax.inference.vllm.pause import in_flight_server_config
+
+                configs = [in_flight_server_config(cfg) for cfg in configs]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls
         client = dict(e.client)
         if model.config.moe_layers:  # MoE: routed experts (if the servers return them) in rljax's layout
             client.setdefault("routed_layers", tuple(model.config.moe_layers))
+        if e.in_flight_updates != "off":
+            from rljax.inference.vllm.pause import InFlightVLLMClient
+
+            return InFlightVLLMClient(urls, sync=e.sync, kv_cache=e.in_flight_updates, **client)
         return VLLMClient(urls, sync=e.sync, **client)
 
     def served(self, model: Any) -> Any:

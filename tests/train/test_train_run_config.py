@@ -92,6 +92,8 @@ def test_every_recipe_parses(name):
             r"config.trainer.mode: expected one of \['sync', 'async', 'fully_async'\]",
         ),
         ({"trainer": {"max_off_policy_steps": 0}}, r"config.trainer.max_off_policy_steps: expected an int"),
+        ({"engine": {"in_flight_updates": "on"}}, r"config.engine.in_flight_updates: expected one of"),
+        ({"engine": {"in_flight_updates": "keep"}}, r"config.engine.in_flight_updates: 'keep' needs vLLM"),
         ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
         (
             {"lora": {"rank": 4, "targets": ("q_proj", "lm_head")}, "engine": {"kind": "vllm"}},
