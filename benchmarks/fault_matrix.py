@@ -264,7 +264,8 @@ ATOL = 1e-4
 
 
 def launch_pair(model: Any, workdir: str, *, python: str | None = None) -> ServerGroup:
-    """Two vLLM servers (tiny model, token ids only, eager mode) started together on ``model``."""
+    """Two vLLM servers (tiny model, token ids only, eager mode) on ``model``, to start together
+    (``with launch_pair(...) as group``)."""
     from rljax.inference.vllm import write_checkpoint
 
     directory = os.path.join(workdir, "initial")
@@ -280,7 +281,7 @@ def launch_pair(model: Any, workdir: str, *, python: str | None = None) -> Serve
         )
         for k in range(2)
     ]
-    return ServerGroup(configs, python=python).start()
+    return ServerGroup(configs, python=python)
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -296,7 +297,7 @@ def server_fault_row(
     victim: int,
     sig: int,
     requests: int = 8,
-    max_tokens: int = 48,
+    max_tokens: int = 160,
 ) -> Row:
     """Syncs ``model`` to both servers, starts ``requests`` generations, sends ``sig`` to server
     ``victim``'s process group while they run, and waits for every completion and for the server
@@ -367,7 +368,7 @@ def wrong_weights_row(group: ServerGroup, model: Any, restore: Any) -> Row:
     ``restore`` is synced afterwards (the correct way) so the servers are left right."""
     reloads: list[str] = []
 
-    async def main() -> tuple[WeightSyncError | None, float]:
+    async def main() -> tuple[WeightSyncError | None, float, int]:
         naive = SyncConfig(explicit_lm_head=False, on_mismatch="retry")
         async with VLLMClient(group.urls, sync=naive) as client:
             post_each = client.post_each
@@ -385,25 +386,26 @@ def wrong_weights_row(group: ServerGroup, model: Any, restore: Any) -> Row:
             except WeightSyncError as e:
                 error = e
             took = time.monotonic() - t0
+            count = len(reloads)
+            client.post_each = post_each
             client.sync_config = SyncConfig()
             await client.update_weights(restore)
-            return error, took
+            return error, took, count
 
-    error, took = asyncio.run(main())
+    error, took, count = asyncio.run(main())
     if error is None:
         return Row("wrong weights after a reload", None, "NOT caught: the sync passed", ok=False)
     figure = max(error.diffs)
-    ok = figure > ATOL and len(reloads) == 2
+    ok = figure > ATOL and count == 2
     outcome = (
-        f"probe caught it; {len(reloads)} reloads (1 retry); stopped with WeightSyncError, "
-        f"max abs diff {figure:.1f}"
+        f"probe caught it; {count} reloads (1 retry); stopped with WeightSyncError, max abs diff {figure:.1f}"
     )
     return Row(
         "wrong weights after a reload (tied head)",
         took,
         outcome,
         ok,
-        {"diffs": error.diffs, "reloads": len(reloads)},
+        {"diffs": error.diffs, "reloads": count},
     )
 
 
