@@ -268,3 +268,25 @@ def test_supervisor_rejects_a_launched_server_that_is_not_the_clients():
         ServerSupervisor(client, [other])
     with pytest.raises(ValueError, match="launched entries"):
         ServerSupervisor(client, [None, None])
+
+
+@pytest.mark.slow
+def test_engine_set_supervises_its_vllm_client_from_the_initial_weights(tmp_path, tiny_models):
+    from rljax.run.config import EngineSection
+    from rljax.run.engines import EngineSet
+
+    section = EngineSection(
+        kind="vllm", urls=("http://127.0.0.1:1",), stall_timeout_s=7.0, health_interval_s=0.5
+    )
+    engines = EngineSet(section, {}, workdir=tmp_path, seed=0)
+    client = engines.start_policy(tiny_models.a)
+    supervisor = client.supervisor
+    assert isinstance(supervisor, ServerSupervisor) and supervisor.launched == [None]
+    assert supervisor.config.health_interval_s == 0.5 and client.stall_timeout_s == 7.0
+    # A server back in service is verified against the initial weights until the first sync.
+    current = client.current
+    assert current.directory is None and len(current.probe) == section.sync.probe_length
+    reference = tiny_models.logprobs(tiny_models.a, current.probe.tolist())
+    np.testing.assert_allclose(current.expected, reference, rtol=0, atol=1e-6)
+    engines.close()
+    assert supervisor.closing  # no restart may race the shutdown

@@ -202,7 +202,11 @@ class ServerSupervisor:
         """Starts the health loop on the running event loop (the client calls it)."""
         if self._task is None or self._task.done():
             self._poke = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._loop())
+            for i, state in enumerate(self.client.servers):  # e.g. after the client was closed
+                if state.down and i not in self._recovering and not self.closing:
+                    self._recovering[i] = loop.create_task(self._recover(i))
 
     async def stop(self) -> None:
         """Stops the health loop and any recovery in progress (servers are left as they are)."""
@@ -252,6 +256,8 @@ class ServerSupervisor:
 
     async def _check(self, i: int) -> None:
         reason, fatal = await self.health(i)
+        if self.closing:  # the servers are being stopped on purpose
+            return
         if reason is None:
             self._fails[i] = 0
             return
