@@ -249,7 +249,41 @@ def row_silent() -> Row:
     return request_fault_row("server accepts, never answers (stall_timeout_s=3)", SilentListener())
 
 
-FAKE_ROWS: list[Callable[[], Row | list[Row]]] = [row_http500, row_stream_cut, row_stall, row_silent]
+def row_all_down(all_down_timeout_s: float = 2.0) -> Row:
+    """Two servers given by URL where nothing listens: after ``all_down_timeout_s`` every request
+    fails with the same :class:`AllServersDownError`, naming both."""
+    from rljax.inference.vllm import AllServersDownError, free_port
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    config = SupervisorConfig(health_interval_s=0.2, health_timeout_s=1.0)
+
+    async def main() -> tuple[list[BaseException], float]:
+        client = VLLMClient(urls, all_down_timeout_s=all_down_timeout_s, backoff_s=0.01, cooldown_s=0.1)
+        ServerSupervisor(client, [None, None], config)
+        async with client:
+            start = time.monotonic()
+            calls = [client.generate([1, 2], SamplingParams(max_tokens=2)) for _ in range(4)]
+            errors = await asyncio.gather(*calls, return_exceptions=True)
+            return errors, time.monotonic() - start
+
+    errors, took = asyncio.run(main())
+    one = all(e is errors[0] for e in errors) and isinstance(errors[0], AllServersDownError)
+    named = one and all(u in str(errors[0]) for u in urls)
+    outcome = (
+        f"{len(errors)} requests failed with one AllServersDownError naming both servers"
+        if named
+        else str(errors)
+    )
+    return Row(f"no server left (all_down_timeout_s={all_down_timeout_s:g})", took, outcome, named)
+
+
+FAKE_ROWS: list[Callable[[], Row | list[Row]]] = [
+    row_http500,
+    row_stream_cut,
+    row_stall,
+    row_silent,
+    row_all_down,
+]
 
 
 # ------------------------------------------------------------------------------------------------
