@@ -290,3 +290,27 @@ def test_engine_set_supervises_its_vllm_client_from_the_initial_weights(tmp_path
     np.testing.assert_allclose(current.expected, reference, rtol=0, atol=1e-6)
     engines.close()
     assert supervisor.closing  # no restart may race the shutdown
+
+
+@pytest.mark.slow
+def test_server_lost_during_a_sync_is_dropped_from_it(tmp_path):
+    # Server 0 hangs in /pause (30 s) and stops answering /health: the supervisor takes it out,
+    # which aborts the sync's posts to it, and the sync is redone on server 1 alone.
+    with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
+
+        async def main():
+            client = VLLMClient([a.url, b.url], backoff_s=0.01)
+            supervisor = ServerSupervisor(client, [None, None], FAST)
+            async with client:
+                a.admin_delay_s = 30.0
+                sync = asyncio.create_task(client.update_weights_from(written(tmp_path / "v1"), version=1))
+                await wait_for(lambda: a.count("/pause?mode=wait") == 1, what="pause sent to server 0")
+                a.mode = "unhealthy"
+                version = await asyncio.wait_for(sync, timeout=25.0)  # long before server 0's 30 s
+                return version, client.current.directory, [e.kind for e in supervisor.events if e.server == 0]
+
+        version, current, kinds = asyncio.run(main())
+        a.admin_delay_s = 0.0
+    assert version == 1 and current == os.fspath(tmp_path / "v1")
+    assert rpc_dirs(b) == [os.fspath(tmp_path / "v1")] and rpc_dirs(a) == []
+    assert kinds[0] == "down"
