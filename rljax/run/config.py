@@ -305,6 +305,18 @@ class EngineSection:
         "warn").
       lora_sync: LoRA runs on vLLM: ``"adapter"`` loads each version's adapter at run time
         (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
+      supervise: vllm: watch the servers (:mod:`rljax.inference.vllm.supervisor`): a launched server
+        that exits or stops answering is restarted with the current weights (verified), one given by
+        URL is re-checked on a backoff; weight syncs skip servers out of service.
+      health_interval_s: vllm: seconds between ``GET /health`` checks of each server.
+      health_timeout_s: vllm: a health check not answered within this fails; ``health_failures``
+        failures in a row take the server out of service (an exited process at once).
+      health_failures: vllm: see ``health_timeout_s``.
+      stall_timeout_s: vllm: per-token progress deadline of a request (no token for this long: it
+        goes to another server); keep it above the longest prefill plus queueing.
+      all_down_timeout_s: vllm: with no server in service for this long the run stops with one
+        error naming the servers and the end of their logs.
+      max_restarts: vllm: restarts of one launched server over the run.
       in_flight_updates: whether a weight update reaches sequences already decoding (their
         completions then carry several version spans): ``"off"`` (they finish on the weights they
         started with), ``"recompute"`` (they switch at the next decode segment, their KV cache
@@ -329,6 +341,13 @@ class EngineSection:
     client: dict = _field({})
     sync: SyncConfig = _field(SyncConfig())
     lora_sync: str = "adapter"
+    supervise: bool = True
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 10.0
+    health_failures: int = 2
+    stall_timeout_s: float = 120.0
+    all_down_timeout_s: float = 600.0
+    max_restarts: int = 5
     in_flight_updates: str = "off"
 
 
@@ -912,6 +931,13 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
     "engine.python",
     "engine.num_servers",
     "engine.client",
+    "engine.supervise",
+    "engine.health_interval_s",
+    "engine.health_timeout_s",
+    "engine.health_failures",
+    "engine.stall_timeout_s",
+    "engine.all_down_timeout_s",
+    "engine.max_restarts",
     "engine.server.log_path",
     "engine.server.startup_timeout_s",
     "engine.server.port",

@@ -133,6 +133,7 @@ class EngineSet:
         self.policy: Any = engine_override
         self._servers: Any = None
         self._served_version: int | None = None
+        self._supervisor: Any = None
         self._frozen: dict[tuple[str, int], tuple[Worker, FrozenModel]] = {}
 
     # -- the policy engine -------------------------------------------------------------------------
@@ -191,11 +192,41 @@ class EngineSet:
         client = dict(e.client)
         if model.config.moe_layers:  # MoE: routed experts (if the servers return them) in rljax's layout
             client.setdefault("routed_layers", tuple(model.config.moe_layers))
+        client.setdefault("stall_timeout_s", e.stall_timeout_s)
+        client.setdefault("all_down_timeout_s", e.all_down_timeout_s)
         if e.in_flight_updates != "off":
             from rljax.inference.vllm.pause import InFlightVLLMClient
 
-            return InFlightVLLMClient(urls, sync=e.sync, kv_cache=e.in_flight_updates, **client)
-        return VLLMClient(urls, sync=e.sync, **client)
+            policy = InFlightVLLMClient(urls, sync=e.sync, kv_cache=e.in_flight_updates, **client)
+        else:
+            policy = VLLMClient(urls, sync=e.sync, **client)
+        if e.supervise:
+            self._supervise(policy, model)
+        return policy
+
+    def _supervise(self, client: Any, model: Any) -> None:
+        """Attaches a :class:`~rljax.inference.vllm.ServerSupervisor` to ``client``: launched servers
+        are restarted, servers given by URL re-checked; both restored to the initial weights
+        (verified by the sync's probe) until the first sync records newer ones."""
+        from rljax.inference.vllm import CurrentWeights, ServerSupervisor, SupervisorConfig, weight_sync
+
+        e = self.config
+        launched = self._servers.servers if self._servers is not None else [None] * len(client.urls)
+        config = SupervisorConfig(
+            health_interval_s=e.health_interval_s,
+            health_timeout_s=e.health_timeout_s,
+            health_failures=e.health_failures,
+            max_restarts=e.max_restarts,
+        )
+        self._supervisor = ServerSupervisor(client, launched, config)
+        probe = expected = None
+        if e.sync.verify:
+            probe = weight_sync.config_probe(e.sync, model.config.vocab_size)
+            expected = model.expected if _written(model) else weight_sync.trainer_logprobs(model, probe)
+            probe = model.probe if _written(model) else probe
+        dtype = model.dtype if _written(model) else getattr(model, "param_dtype", "float32")
+        # A launched server restarts on the initial weights: nothing to reload until the first sync.
+        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype))
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its
@@ -271,6 +302,8 @@ class EngineSet:
             except Exception as e:  # closing must not mask the run's own error
                 logger.warning("closing frozen model %s failed: %s", model.name, e)
         self._frozen.clear()
+        if self._supervisor is not None:
+            self._supervisor.closing = True  # no restart may race the shutdown below
         if self._servers is not None:
             self._servers.stop()
             self._servers = None

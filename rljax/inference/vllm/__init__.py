@@ -6,8 +6,10 @@ True
 """
 
 from rljax.inference.vllm.client import (
+    AllServersDownError,
     MalformedResponseError,
     RequestRejectedError,
+    ServerFaultError,
     ServerUnavailableError,
     VLLMClient,
     VLLMClientError,
@@ -23,6 +25,12 @@ from rljax.inference.vllm.launcher import (
     VLLMServer,
     find_vllm_python,
     free_port,
+)
+from rljax.inference.vllm.supervisor import (
+    CurrentWeights,
+    LiveServers,
+    ServerSupervisor,
+    SupervisorConfig,
 )
 from rljax.inference.vllm.weight_sync import (
     SYNC_ATOL,
@@ -40,13 +48,19 @@ from rljax.inference.vllm.weight_sync import (
 
 __all__ = [
     "SYNC_ATOL",
+    "AllServersDownError",
+    "CurrentWeights",
+    "LiveServers",
     "MalformedResponseError",
     "RequestRejectedError",
     "ServerConfig",
     "ServerGroup",
+    "ServerFaultError",
     "ServerStartError",
+    "ServerSupervisor",
     "ServerUnavailableError",
     "SyncConfig",
+    "SupervisorConfig",
     "SyncReport",
     "VLLMClient",
     "VLLMClientError",

@@ -43,13 +43,14 @@ import asyncio
 import base64
 import binascii
 import collections
+import contextlib
 import dataclasses
 import io
 import json
 import math
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -73,6 +74,17 @@ class RequestRejectedError(VLLMClientError):
 
 class ServerUnavailableError(VLLMClientError):
     """Every attempt failed with a transport error, timeout or 5xx; the message lists them."""
+
+
+class ServerFaultError(VLLMClientError):
+    """One server failed one request in a way another server (or a retry) may not: it stalled (no
+    token for ``stall_timeout_s``), its stream ended without a finish reason or reported an error,
+    or its supervisor took it out of service. Retried like a transport failure."""
+
+
+class AllServersDownError(ServerUnavailableError):
+    """No server has been in service for ``all_down_timeout_s``; the message names each server, why
+    it is out, and the last lines of its log."""
 
 
 # vLLM's finish reasons -> ours. Anything else is a malformed response.
@@ -261,6 +273,57 @@ def parse_prompt_logprobs(body: Any, *, ids: Sequence[int]) -> np.ndarray:
     return out
 
 
+async def assemble_stream(
+    lines: AsyncIterator[str], progress: list[float] | None = None, *, where: str = "stream"
+) -> dict[str, Any]:
+    """The server-sent events of a streamed one-choice ``/v1/completions`` -> the body of the same
+    request unstreamed: ``token_ids``, ``logprobs.token_logprobs`` and ``logprobs.tokens``
+    concatenated chunk by chunk, ``prompt_token_ids`` (first chunk) and ``finish_reason`` (last).
+
+    ``progress[0]`` is set to ``time.monotonic()`` at every chunk (the progress deadline's clock). A
+    stream that ends without a finish reason (cut mid-response) or sends an ``error`` event raises
+    :class:`ServerFaultError`; a chunk that is not JSON raises :class:`MalformedResponseError`.
+    """
+    ids: list[int] = []
+    token_logprobs: list[Any] = []
+    tokens: list[Any] = []
+    choice: dict[str, Any] = {"finish_reason": None}
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise MalformedResponseError(f"{where}: stream chunk is not JSON: {data[:200]!r}") from e
+        if progress is not None:
+            progress[0] = time.monotonic()
+        if not isinstance(chunk, Mapping):
+            raise MalformedResponseError(f"{where}: stream chunk is not an object: {data[:200]!r}")
+        if "error" in chunk:
+            raise ServerFaultError(f"{where}: the stream reported an error: {str(chunk['error'])[:300]}")
+        for part in chunk.get("choices") or ():
+            if not isinstance(part, Mapping) or part.get("index", 0) != 0:
+                raise MalformedResponseError(f"{where}: stream chunk for a second choice: {data[:200]!r}")
+            if part.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = part["prompt_token_ids"]
+            ids += part.get("token_ids") or []
+            logprobs = part.get("logprobs")
+            if isinstance(logprobs, Mapping):
+                token_logprobs += logprobs.get("token_logprobs") or []
+                tokens += logprobs.get("tokens") or []
+            if part.get("finish_reason") is not None:
+                choice["finish_reason"] = part["finish_reason"]
+    if choice["finish_reason"] is None:
+        raise ServerFaultError(
+            f"{where}: the stream ended after {len(ids)} tokens without a finish reason (cut mid-response)"
+        )
+    choice.update(token_ids=ids, logprobs={"token_logprobs": token_logprobs, "tokens": tokens})
+    return {"choices": [choice]}
+
+
 @dataclasses.dataclass
 class ServerState:
     """Book-keeping for one server: outstanding requests and health."""
@@ -270,6 +333,12 @@ class ServerState:
     unhealthy_until: float = 0.0
     failures: int = 0
     requests: int = 0
+    # Supervision (rljax.inference.vllm.supervisor): a server that is down gets no requests until
+    # it is back with the current weights; ``lost`` is set when it goes down, which aborts the
+    # requests and admin posts it holds.
+    down: bool = False
+    down_reason: str = ""
+    lost: asyncio.Event | None = None
 
     def healthy(self, now: float) -> bool:
         """True unless a recent failure put it in its cool-down."""
@@ -279,7 +348,7 @@ class ServerState:
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, httpx.HTTPStatusError):
         return exc.response.status_code >= 500 or exc.response.status_code in (408, 429)
-    return isinstance(exc, (httpx.TransportError, asyncio.TimeoutError))
+    return isinstance(exc, (httpx.TransportError, asyncio.TimeoutError, ServerFaultError))
 
 
 class VLLMClient:
@@ -291,6 +360,13 @@ class VLLMClient:
     layout ``[tokens - 1, len(routed_layers), top_k]`` (router replay); None keeps vLLM's layers.
     ``keepalive_s``: how long an idle connection stays pooled; keep it below the servers' keep-alive
     timeout (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) so no request races a server-side close.
+    ``stall_timeout_s``: the per-token progress deadline: a generation is streamed (``stream``) and
+    a server that sends no token (no stream chunk; for a score or an unstreamed answer, no answer)
+    for that long fails the request, which goes to another server (None: only the read timeout
+    ``timeout_s``). Time while a weight sync holds requests back does not count. Keep it above the
+    longest prefill plus queueing of one request. ``all_down_timeout_s``: with a supervisor
+    (:meth:`supervise`), how long requests wait for a server to come back when none is in service
+    before they fail with :class:`AllServersDownError`.
 
     >>> client = VLLMClient(["http://127.0.0.1:8000", "http://127.0.0.1:8001/"], max_concurrency=4)
     >>> client.urls, client.weight_version
@@ -317,6 +393,9 @@ class VLLMClient:
         clock: Callable[[], float] = time.monotonic,
         lora_name: str | None = None,
         keepalive_s: float = 2.0,
+        stall_timeout_s: float | None = 120.0,
+        all_down_timeout_s: float = 600.0,
+        stream: bool = True,
     ) -> None:
         if isinstance(urls, str):
             raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
@@ -334,6 +413,11 @@ class VLLMClient:
             or min(backoff_s, backoff_max_s, cooldown_s, keepalive_s) < 0
         ):
             raise ValueError("VLLMClient timeouts must be > 0 and backoff/cooldown/keepalive times >= 0")
+        if (stall_timeout_s is not None and not stall_timeout_s > 0) or not all_down_timeout_s > 0:
+            raise ValueError(
+                f"VLLMClient stall_timeout_s (None or > 0) and all_down_timeout_s (> 0) got "
+                f"{stall_timeout_s}, {all_down_timeout_s}"
+            )
         self.model = model
         self.servers = [ServerState(u) for u in urls]
         self.max_retries = int(max_retries)
@@ -368,6 +452,14 @@ class VLLMClient:
         self._sync_error: weight_sync.WeightSyncError | None = None
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._picks = 0
+        self.stall_timeout_s = None if stall_timeout_s is None else float(stall_timeout_s)
+        self.all_down_timeout_s = float(all_down_timeout_s)
+        self.stream = bool(stream)
+        self.supervisor: Any = None  # a supervisor.ServerSupervisor, see supervise()
+        self.current: Any = None  # supervisor.CurrentWeights: what a server back in service must serve
+        self._all_down: AllServersDownError | None = None  # sticky once raised
+        self._all_down_since = time.monotonic()
+        self._up: asyncio.Event | None = None  # set while some server is in service
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
@@ -386,9 +478,12 @@ class VLLMClient:
             self._open = asyncio.Event()
             self._open.set()
             self._sync_lock = asyncio.Lock()
+            self._supervision_started()
 
     async def aclose(self) -> None:
         """Closes the HTTP connections (the client can be used again afterwards)."""
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -466,10 +561,180 @@ class VLLMClient:
         s = self.servers[i]
         s.failures += 1
         s.unhealthy_until = self._clock() + self.cooldown_s
+        if self.supervisor is not None:
+            self.supervisor.poke(i)  # check it now rather than at the next health interval
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (0-based): ``min(b * 2**attempt, max)``."""
         return min(self.backoff_s * 2.0**attempt, self.backoff_max_s)
+
+    # ----------------------------------------------------------------------------------------------
+    # supervision and the per-token progress deadline
+
+    def supervise(self, supervisor: Any) -> None:
+        """Attaches a :class:`~rljax.inference.vllm.supervisor.ServerSupervisor`: it takes servers
+        out of service (:meth:`mark_down`) and back (:meth:`mark_up`); its health loop runs on the
+        event loop of this client's requests, from their first one on."""
+        self.supervisor = supervisor
+        if self._http is not None:
+            self._supervision_started()
+
+    def _supervision_started(self) -> None:
+        for state in self.servers:
+            if state.lost is None:
+                state.lost = asyncio.Event()
+                if state.down:
+                    state.lost.set()
+        self._up = asyncio.Event()
+        if any(not s.down for s in self.servers):
+            self._up.set()
+        else:
+            self._all_down_since = time.monotonic()
+        if self.supervisor is not None:
+            self.supervisor.start()
+
+    def mark_down(self, i: int, reason: str) -> None:
+        """Takes server ``i`` out of service: no new requests, and the requests and admin posts it
+        holds fail at once (and are retried elsewhere)."""
+        state = self.servers[i]
+        state.down, state.down_reason = True, reason
+        if state.lost is not None:
+            state.lost.set()
+        if all(s.down for s in self.servers) and self._http is not None:
+            self._up.clear()
+            self._all_down_since = time.monotonic()
+
+    def mark_up(self, i: int) -> None:
+        """Puts server ``i`` back in service (it serves :attr:`current`)."""
+        state = self.servers[i]
+        state.down, state.down_reason = False, ""
+        state.unhealthy_until = 0.0
+        state.lost = asyncio.Event() if self._http is not None else None
+        if self._http is not None:
+            self._up.set()
+
+    @property
+    def live(self) -> list[int]:
+        """Indices of the servers in service (all of them without a supervisor)."""
+        return [i for i, s in enumerate(self.servers) if not s.down]
+
+    async def _routing_exclude(self, tried: set[int]) -> frozenset[int]:
+        """Servers the next attempt must avoid: those out of service, and those this request tried
+        already (unless every server in service was tried). Waits for a server when none is in
+        service, up to ``all_down_timeout_s`` after the last one went down."""
+        live = await self._wait_for_live_server()
+        untried = [i for i in live if i not in tried]
+        return frozenset(range(len(self.servers))) - frozenset(untried or live)
+
+    async def _wait_for_live_server(self) -> list[int]:
+        while True:
+            if self._all_down is not None:
+                raise self._all_down
+            live = self.live
+            if live:
+                return live
+            left = self._all_down_since + self.all_down_timeout_s - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._up.wait(), timeout=left)
+                continue
+            if not self.live:
+                self._all_down = AllServersDownError(self._all_down_message())
+                raise self._all_down
+
+    def _all_down_message(self) -> str:
+        describe = getattr(self.supervisor, "describe", None)
+        lines = [
+            f"no vLLM server in service for {self.all_down_timeout_s:g} s "
+            f"(engine.all_down_timeout_s); the run stops. Servers:"
+        ]
+        for i, state in enumerate(self.servers):
+            lines.append(f"- {state.url}: {state.down_reason or 'out of service'}")
+            detail = describe(i) if describe is not None else ""
+            if detail:
+                lines.append("    " + detail.replace("\n", "\n    "))
+        return "\n".join(lines)
+
+    def _stall_exempt(self) -> bool:
+        """True while a weight sync holds requests back (servers may be paused: no tokens then)."""
+        return self._open is not None and not self._open.is_set()
+
+    async def _send(self, i: int, path: str, body: Mapping[str, Any]) -> Any:
+        """POSTs ``body`` to server ``i`` under the progress deadline: it fails with
+        :class:`ServerFaultError` when the server sends nothing for ``stall_timeout_s`` (sync
+        holds excepted) or is taken out of service meanwhile."""
+        state = self.servers[i]
+        progress = [time.monotonic()]
+        work = asyncio.ensure_future(self._post_body(state.url, path, body, progress))
+        guards = []
+        if self.stall_timeout_s is not None:
+            guards.append(asyncio.ensure_future(self._watch_stall(progress, state.url)))
+        if state.lost is not None:
+            guards.append(asyncio.ensure_future(self._watch_lost(state)))
+        if not guards:
+            return await work
+        try:
+            await asyncio.wait([work, *guards], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = [t for t in (work, *guards) if not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if work.done() and not work.cancelled():
+            return work.result()
+        for guard in guards:
+            if guard.done() and not guard.cancelled() and guard.exception() is not None:
+                raise guard.exception()
+        raise ServerFaultError(f"{state.url}{path}: request ended without an answer")
+
+    async def _watch_stall(self, progress: list[float], url: str) -> None:
+        stall = self.stall_timeout_s
+        while True:
+            now = time.monotonic()
+            if self._stall_exempt():
+                progress[0] = now
+            left = progress[0] + stall - now
+            if left <= 0:
+                raise ServerFaultError(f"{url}: stalled, no token for {stall:g} s (stall_timeout_s)")
+            await asyncio.sleep(min(left, 1.0))
+
+    @staticmethod
+    async def _watch_lost(state: ServerState) -> None:
+        await state.lost.wait()
+        raise ServerFaultError(f"{state.url}: taken out of service ({state.down_reason})")
+
+    async def _post_body(self, url: str, path: str, body: Mapping[str, Any], progress: list[float]) -> Any:
+        if body.get("stream"):
+            return await self._post_stream(url, path, body, progress)
+        return await self._post_json(url, path, body)
+
+    async def _post_stream(
+        self, url: str, path: str, body: Mapping[str, Any], progress: list[float]
+    ) -> dict[str, Any]:
+        """A streamed ``/v1/completions`` (server-sent events), assembled into the body the
+        unstreamed request returns. Each chunk is progress; a stream that ends without a finish
+        reason, or carries an error, raises :class:`ServerFaultError` (the request is retried
+        whole, so no token is kept twice or lost). A server that answers plain JSON is parsed
+        as such."""
+        self._ensure_loop_state()
+        async with self._http.stream("POST", url + path, json=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                if response.status_code < 500 and response.status_code not in (408, 429):
+                    raise RequestRejectedError(
+                        f"{url}{path} rejected the request with HTTP {response.status_code}: "
+                        f"{response.text[:500]}"
+                    )
+                response.raise_for_status()
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                raw = await response.aread()
+                try:
+                    return json.loads(raw) if raw else None
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise MalformedResponseError(
+                        f"{url}{path} answered a body that is not JSON (truncated?): {raw[:200]!r}"
+                    ) from e
+            return await assemble_stream(response.aiter_lines(), progress, where=url + path)
 
     # ----------------------------------------------------------------------------------------------
     # requests
@@ -523,16 +788,14 @@ class VLLMClient:
                 if server is not None:
                     i = server
                 else:
-                    # Prefer a server not tried yet for this request; all tried -> any.
-                    exclude = frozenset(tried) if len(tried) < len(self.servers) else frozenset()
-                    i = self.pick_server(session_id, exclude=exclude)
+                    i = self.pick_server(session_id, exclude=await self._routing_exclude(tried))
                 tried.add(i)
                 state = self.servers[i]
                 version = self.weight_version
                 state.outstanding += 1
                 state.requests += 1
                 try:
-                    answer = await self._post_json(state.url, path, body)
+                    answer = await self._send(i, path, body)
                 except Exception as e:
                     if not _retryable(e):
                         raise
@@ -569,11 +832,14 @@ class VLLMClient:
         # adapter named in the request (even if a newer one is synced while it waits to be sent).
         adapter = self.lora_name is not None or model is not None
         model, built_version = (self.served_model if model is None else model), self.weight_version
+        body = completion_payload(prompt, sampling, model=model)
+        # Streamed, each token is progress (the stall deadline); MoE routing comes unstreamed only.
+        body["stream"] = self.stream and self.routed_layers is None
         self._model_requests[model] += 1
         try:
             return await self.request(
                 "/v1/completions",
-                completion_payload(prompt, sampling, model=model),
+                body,
                 session_id=session_id,
                 parse=lambda body, version: parse_completion(
                     body,
@@ -666,6 +932,12 @@ class VLLMClient:
             self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
 
         async def sync() -> weight_sync.SyncReport:
+            if self.supervisor is not None:  # the servers in service only; records the weights
+                return await self.supervisor.sync_model(
+                    model,
+                    directory=self.sync_config.directory or self._sync_dir,
+                    reference_logprobs=reference_logprobs,
+                )
             return await weight_sync.sync_weights(
                 self,
                 model,
@@ -686,6 +958,8 @@ class VLLMClient:
         self._ensure_loop_state()
 
         async def sync() -> weight_sync.SyncReport:
+            if self.supervisor is not None:  # the servers in service only; records the weights
+                return await self.supervisor.sync_written(written)
             reload_s, diffs, verify_s = await weight_sync.reload_and_verify(
                 self,
                 written.directory,
