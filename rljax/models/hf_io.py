@@ -6,14 +6,16 @@ so those entries are transposed on the way in and out. MoE expert weights are st
 in HF checkpoints (:data:`HF_EXPERT_NAME_MAP`, ``mlp.experts.{e}.gate_proj.weight``) and stacked
 ``[E, in, out]`` in rljax. What :func:`save_pretrained` writes loads
 in transformers and vLLM: tied embeddings are saved once (no ``lm_head.weight``) with
-``tie_word_embeddings: true`` in ``config.json``.
+``tie_word_embeddings: true`` in ``config.json``. :func:`save_tokenizer_files` and
+:func:`save_generation_config` complete such a directory into one a server can chat with (the
+tokenizer with its chat template, and the token ids that end a generation).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,8 @@ from rljax.models.decoder import DEFAULT_ATTENTION_CHUNK_SIZE, Decoder
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 #: (HF checkpoint name, rljax parameter path, transpose). Rows whose parameter the model does not
 #: have (biases, q/k norms, untied lm_head) are skipped for that model.
@@ -480,3 +484,74 @@ def _split_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -
         shards[-1][name] = arr
         size += arr.nbytes
     return shards
+
+
+def generation_token_ids(
+    config: ModelConfig, tokenizer: object | None = None, stop_token_ids: Sequence[int] = ()
+) -> dict[str, int | list[int]]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for ``generation_config.json``.
+
+    Each id comes from the model's config (``config.json`` / GGUF metadata keep them), else from the
+    tokenizer. ``stop_token_ids`` (a chat renderer's end-of-turn tokens) are appended to the EOS ids,
+    so a server that reads the file (vLLM, ``transformers.generate``) stops where the renderer does;
+    ``eos_token_id`` is a list only when there is more than one.
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2,
+    ...                   extra_json='{"bos_token_id": 1, "eos_token_id": 2}')
+    >>> generation_token_ids(cfg), generation_token_ids(cfg, stop_token_ids=[2, 5])["eos_token_id"]
+    ({'bos_token_id': 1, 'eos_token_id': 2}, [2, 5])
+    """
+    extra = json.loads(config.extra_json)
+    out: dict[str, int | list[int]] = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = extra.get(key, getattr(tokenizer, key, None))
+        if value is not None:
+            out[key] = value if isinstance(value, int) else [int(v) for v in value]
+    eos = out.get("eos_token_id", [])
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    eos += [int(t) for t in stop_token_ids if int(t) not in eos]
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return out
+
+
+def save_generation_config(path: str | os.PathLike, token_ids: Mapping[str, int | list[int]]) -> None:
+    """Writes ``generation_config.json``: the special token ids only (:func:`generation_token_ids`).
+
+    No sampling defaults (temperature, top-p, ...): vLLM and ``transformers.generate`` apply those of
+    this file to every request that does not set its own, and the trainer's sampling must not change
+    with the server.
+    """
+    os.makedirs(os.fspath(path), exist_ok=True)
+    with open(os.path.join(os.fspath(path), GENERATION_CONFIG_FILE), "w") as f:
+        json.dump(dict(token_ids), f, indent=2, sort_keys=True)
+
+
+def save_tokenizer_files(
+    tokenizer: object, path: str | os.PathLike, *, model_max_length: int | None = None
+) -> list[str]:
+    """Writes a fast HF tokenizer (``tokenizer.json``, ``tokenizer_config.json``, the chat template)
+    that transformers 4.x / 5.x, vLLM and other readers load; returns the files written.
+
+    ``tokenizer.save_pretrained`` of transformers 5 writes the chat template to
+    ``chat_template.jinja`` only and names the class ``TokenizersBackend``, which older readers do not
+    know. ``tokenizer_config.json`` here also carries the template (``chat_template``), the class
+    ``PreTrainedTokenizerFast`` (a name every release loads), and ``model_max_length`` (the model's
+    context instead of transformers' "unbounded" 1e30).
+    """
+    path = os.fspath(path)
+    files = [os.fspath(f) for f in tokenizer.save_pretrained(path)]
+    config_path = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    with open(config_path) as f:
+        config = json.load(f)
+    if getattr(tokenizer, "is_fast", False):
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        config["chat_template"] = template
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return files

@@ -113,3 +113,19 @@ def test_export_imports_beside_the_other_launchers(other, tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.subprocess
+def test_export_gguf_usage_errors(tmp_path):
+    """``--gguf`` exports a file, not a checkpoint: checkpoint flags beside it and a missing file are
+    one-line usage errors that write nothing."""
+
+    def export(*flags):
+        return subprocess.run([sys.executable, "-m", "rljax", "export", *flags],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    clash = export(f"--gguf={tmp_path / 'm.gguf'}", f"--checkpoint={tmp_path}", "--step=3", "--out=o")
+    assert clash.returncode != 0 and "drop --checkpoint, --step" in clash.stderr, clash.stderr[-2000:]
+    missing = export(f"--gguf={tmp_path / 'm.gguf'}", f"--out={tmp_path / 'o'}")
+    assert missing.returncode != 0 and "no GGUF file at" in missing.stderr, missing.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

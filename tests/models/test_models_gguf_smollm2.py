@@ -10,17 +10,16 @@ measured and reported (``-s`` prints them; they are also recorded as test proper
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from smollm2 import CONVERSATIONS, require_smollm2
 
 from rljax import models
 from rljax.chat import GenericRenderer, make_renderer
-from rljax.models import gguf_fetch
 
 pytestmark = pytest.mark.integration
 
@@ -28,44 +27,10 @@ pytestmark = pytest.mark.integration
 # transformers float64 3.5e-5 (transformers float32 vs float64 2.3e-5): 30 layers of float32 rounding.
 ATOL = 1e-4
 
-CONVERSATIONS = [
-    [
-        {"role": "user", "content": "What is the capital of France?"},
-        {"role": "assistant", "content": "The capital of France is Paris."},
-        {"role": "user", "content": "And of Germany? Answer in one word."},
-        {"role": "assistant", "content": "Berlin."},
-    ],
-    [
-        {"role": "system", "content": "You are a concise math tutor."},
-        {"role": "user", "content": "What is 12 + 30?"},
-        {"role": "assistant", "content": "12 + 30 = 42."},
-        {"role": "user", "content": "Now multiply that by 2."},
-        {"role": "assistant", "content": "42 * 2 = 84."},
-    ],
-    [
-        {"role": "user", "content": "Write a haiku about autumn leaves."},
-        {
-            "role": "assistant",
-            "content": "Crimson leaves descend,\nwhispering to the cold ground:\nsummer's last goodbye.",
-        },
-        {"role": "user", "content": "Thanks! Can you explain what a haiku is, briefly?"},
-        {
-            "role": "assistant",
-            "content": "A haiku is a short Japanese poem of three lines with 5, 7 and 5 syllables.",
-        },
-    ],
-]
-
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    path = gguf_fetch.model_cache_dir() / gguf_fetch.SMOLLM2.filename
-    if not path.is_file():
-        reason = f"SmolLM2 GGUF file not cached at {path}: run .ci/install_smollm2.sh to fetch it (98 MB)"
-        if os.environ.get("RLJAX_REQUIRE_SMOLLM2") == "1":
-            pytest.fail(reason + " (RLJAX_REQUIRE_SMOLLM2=1 requires it)")
-        pytest.skip(reason)
-    return path
+    return require_smollm2()
 
 
 @pytest.fixture(scope="module")
