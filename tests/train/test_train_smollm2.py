@@ -9,33 +9,21 @@ optimizer step moves the weights.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 import pytest
 from recipes import load_recipe
+from smollm2 import require_smollm2
 
-from rljax.models import gguf_fetch
 from rljax.run.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def smollm2_path():
-    path = gguf_fetch.model_cache_dir() / gguf_fetch.SMOLLM2.filename
-    if not path.is_file():
-        reason = f"SmolLM2 GGUF file not cached at {path}: run .ci/install_smollm2.sh to fetch it (98 MB)"
-        if os.environ.get("RLJAX_REQUIRE_SMOLLM2") == "1":
-            pytest.fail(reason + " (RLJAX_REQUIRE_SMOLLM2=1 requires it)")
-        pytest.skip(reason)
-    return path
-
-
-def test_one_grpo_step_of_the_recipe_on_the_real_model(smollm2_path, tmp_path):
+def test_one_grpo_step_of_the_recipe_on_the_real_model(tmp_path):
+    path = require_smollm2()
     c = load_recipe("smollm2_cpu")
-    assert c.model.hf_path == str(smollm2_path)  # the recipe reads the cached file
+    assert c.model.hf_path == str(path)  # the recipe reads the cached file
     c.rollout.group_size = 2
     c.envs.arithmetic.update(num_train_tasks=2, num_eval_tasks=0)
     c.engine.update(max_batch_size=4, min_batch_bucket=4)
