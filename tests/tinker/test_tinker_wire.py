@@ -128,9 +128,10 @@ def test_api_keys_are_checked_when_configured():
 
     app = make_app(SimpleNamespace(options=ServiceOptions(api_keys=("tml-right",))))
     with TestClient(app) as c:
-        assert c.get("/api/v1/healthz").status_code == 401
-        assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-wrong"}).status_code == 401
-        assert c.get("/api/v1/healthz", headers={"X-API-Key": "tml-right"}).json() == {"status": "ok"}
+        # the health probe answers without a key (as vLLM's /health) and says nothing else
+        assert c.get("/api/v1/healthz").json() == {"status": "ok"}
+        assert c.post("/api/v1/telemetry", json={}).status_code == 401
+        assert c.post("/api/v1/telemetry", json={}, headers={"X-API-Key": "tml-wrong"}).status_code == 401
         # the step's routes, answered in front of FastAPI, check the key alike
         for route in ("forward_backward", "optim_step", "retrieve_future"):
             r = c.post(f"/api/v1/{route}", json={"request_id": "req-1"})
