@@ -311,6 +311,7 @@ class Trainer:
         for n in range(start, t.num_steps):
             step_start = time.perf_counter()
             sched.fill(n + 1)  # sync: rollout n starts now, on theta_n (async: already running)
+            self._beat(f"step {n + 1}: waiting for its rollout")
             result, version_metrics = sched.result(n)
             self._beat(f"step {n + 1}: rollout received")
             rollout_wait = time.perf_counter() - step_start

@@ -80,13 +80,24 @@ def format_stacks(loops: Mapping[str, asyncio.AbstractEventLoop] | None = None) 
             continue
         out.write(f"\n--- {len(tasks)} asyncio task(s) of {name} ---\n")
         for task in tasks:
-            stack = io.StringIO()
             try:
-                task.print_stack(limit=8, file=stack)
+                chain = _await_chain(task.get_coro())
             except Exception as e:  # noqa: BLE001 - a diagnostic must not fail the report
-                stack.write(f"(stack unreadable: {e})\n")
-            out.write(f"{task.get_name()}: {stack.getvalue()}")
+                chain = f"  (stack unreadable: {e})\n"
+            out.write(f"task {task.get_name()!r}, awaiting (outermost first):\n{chain}")
     return out.getvalue()
+
+
+def _await_chain(coro: Any, limit: int = 32) -> str:
+    """Where a suspended coroutine waits: its frame, then that of the coroutine it awaits, and so on
+    (``Task.print_stack`` shows only the outermost frame of a suspended task)."""
+    frames = []
+    while coro is not None and len(frames) < limit:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append((frame, frame.f_lineno))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "".join(traceback.format_list(traceback.StackSummary.extract(frames)))
 
 
 class Watchdog:
@@ -315,7 +326,7 @@ def _rollouts_state(parts: Any) -> dict[str, str]:
             f"version {job.version}, {state}, submitted {now - job.submitted:.1f}s ago"
         )
     if not sched.pending:
-        out["pending rollouts"] = "none"
+        out["pending rollouts"] = "none queued (the trainer may be waiting on one: see the last progress)"
     from rljax.rollout import abandoned_env_calls
 
     out["abandoned env calls (threads past env_timeout_s)"] = str(abandoned_env_calls())
@@ -327,9 +338,13 @@ def _envs_state(parts: Any) -> dict[str, str]:
     if env_tasks is None:
         return {"envs": "not built"}
     rollout = getattr(getattr(parts, "cfg", None), "rollout", None)
-    out = {name: f"{getattr(f, '__name__', type(f).__name__)}" for name, f in env_tasks.factories.items()}
-    for name in getattr(env_tasks, "agents", {}):
-        out[name] = f"agent {out.get(name, '')}".strip()
+    sections = getattr(getattr(parts, "cfg", None), "envs", {}) or {}
+    out = {}
+    for name in env_tasks.factories:
+        section = sections.get(name)
+        kind = getattr(section, "env", "") or getattr(env_tasks.factories[name], "__name__", "?")
+        agent = getattr(section, "agent", "") or getattr(section, "agent_command", "")
+        out[name] = f"env {kind}" + (f", agent {agent}" if agent else "")
     if rollout is not None:
         out["env_timeout_s (per call / per agent run)"] = str(rollout.env_timeout_s)
     return out

@@ -152,7 +152,7 @@ def _run_stalling(tmp_path, hang: str, *, timeout=1.0, grace=30.0):
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess  # a real process ends
 def test_a_stalled_process_exits_75_with_its_stacks(tmp_path):
     proc = _run_stalling(tmp_path, "time.sleep(3600)")
     assert proc.returncode == EXIT_STALLED, proc.stderr[-3000:]
@@ -161,7 +161,7 @@ def test_a_stalled_process_exits_75_with_its_stacks(tmp_path):
     assert 'thread "MainThread"' in proc.stderr and "time.sleep(3600)" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess  # a real process ends
 def test_the_backstop_ends_a_process_whose_gil_is_held(tmp_path):
     # ctypes.PyDLL calls keep the GIL: the watchdog thread cannot run, faulthandler's C thread can
     proc = _run_stalling(tmp_path, "import ctypes; ctypes.PyDLL(None).sleep(3600)", timeout=1.0, grace=1.0)
