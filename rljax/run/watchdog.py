@@ -24,9 +24,11 @@ dumps every thread's stack and exits the process (status 1) without the GIL.
 
 Multi-process runs: a peer that dies leaves the survivors in a collective or barrier, which is
 no progress, so each survivor's watchdog ends it within ``stall_timeout_s`` (JAX's own heartbeat
-check, ``--heartbeat_timeout_s``, may end it sooner). When the coordination service can say which
-peers are dead (:func:`rljax.training.distributed.dead_peers`), the watchdog checks that too
-every poll and fires at once with their process ids, instead of waiting out the stall timeout.
+check, ``--heartbeat_timeout_s``, may end it sooner). The watchdog does not ask the coordination
+service which peers live: its ``get_live_nodes`` is itself a blocking collective (it returns once
+every live process asked, i.e. not before the heartbeat timeout declared the dead one dead), so
+it would hang the very thread meant to notice hangs. ``dead_peers`` takes a non-blocking check
+where a runtime has one.
 
 Reference: the watchdogs of large training stacks (e.g. torch elastic's timer server, Megatron's
 "straggler" and hang detectors) follow the same pattern: heartbeat, dump stacks, exit non-zero,
@@ -111,7 +113,8 @@ class Watchdog:
         raises is reported as such.
       loops: ``{name: event loop}`` whose asyncio tasks are listed with their stacks.
       dead_peers: zero-argument callable returning the process ids of dead peers (multi-process
-        runs); a non-empty answer fires the watchdog at once.
+        runs); a non-empty answer fires the watchdog at once. It must not block (it runs on the
+        watchdog's thread); one that raises counts as "unknown".
       on_exit: callables run (each under a few seconds) before the process ends.
       poll_s: seconds between checks (default: ``min(timeout_s / 4, 5)``).
       backstop_grace_s: seconds past ``timeout_s`` after which the C-level backstop ends a process
@@ -202,7 +205,7 @@ class Watchdog:
             self._arm_backstop(self.timeout_s - idle + self.backstop_grace_s)
             dead = self._dead_peers()
             if dead:
-                self._fire(f"peer process(es) {sorted(dead)} died (the coordination service lost them)")
+                self._fire(f"peer process(es) {sorted(dead)} died (the dead-peer check reported them)")
                 return
             if idle > self.timeout_s:
                 self._fire(f"no progress for {idle:.1f}s > trainer.stall_timeout_s={self.timeout_s:g}")
@@ -352,11 +355,9 @@ def _envs_state(parts: Any) -> dict[str, str]:
 
 def trainer_watchdog(trainer: Any, timeout_s: float) -> Watchdog:
     """The watchdog of a :class:`rljax.run.trainer.Trainer` (not started): it describes the run's
-    engines, rollouts and envs, lists the rollout loop's tasks, checks peers in a multi-process run,
+    engines, rollouts and envs, lists the rollout loop's tasks,
     and writes its report to ``<workdir>/logs/stall_<pid>.txt``."""
     import jax
-
-    from rljax.training.distributed import dead_peers
 
     parts = trainer.parts
     loops = {}
@@ -378,5 +379,4 @@ def trainer_watchdog(trainer: Any, timeout_s: float) -> Watchdog:
             "envs": lambda: _envs_state(parts),
         },
         loops=loops,
-        dead_peers=dead_peers if jax.process_count() > 1 else None,
     )

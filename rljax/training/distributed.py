@@ -16,8 +16,6 @@ Host-side coordination helpers (all are cheap no-ops in a single process):
 * :func:`reduce_metrics`: weighted means of host metrics, bit-identical on every process;
 * :func:`barrier`: a named host barrier with a timeout; a dead or stuck peer fails it with a
   clear error instead of hanging;
-* :func:`dead_peers`: the processes the coordination service no longer counts as alive (the run
-  watchdog, :mod:`rljax.run.watchdog`, ends a survivor at once when there are any);
 * :func:`is_main_process`: process 0 owns the sinks (logs, metrics files, reports);
 * :func:`allgather_objects`: every process's picklable host object (e.g. its rollout's Steps), in
   process order, on every process;
@@ -63,7 +61,6 @@ __all__ = [
     "agree_max",
     "allgather_objects",
     "barrier",
-    "dead_peers",
     "host_local_copy",
     "initialize",
     "is_main_process",
@@ -378,30 +375,6 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
             f"barrier {name!r} failed on process {jax.process_index()} of {jax.process_count()}: {why}. "
             f"Check the other processes' logs. Cause: {text}"
         ) from e
-
-
-def dead_peers() -> list[int]:
-    """Process ids the coordination service does not list as alive (``[]`` in a single process).
-
-    Asks the coordination service for its live processes (``get_live_nodes``), so a peer counts as
-    dead once the service noticed: its connection closed, or no heartbeat came for
-    ``heartbeat_timeout_s``. Raises ``RuntimeError`` when the service cannot be asked (e.g. process
-    0, which runs it, is gone): callers that poll treat that as "unknown".
-
-    >>> dead_peers()
-    []
-    """
-    count = jax.process_count()
-    if count == 1:
-        return []
-    client = _client()
-    if client is None or not hasattr(client, "get_live_nodes"):
-        return []
-    try:
-        live = client.get_live_nodes(list(range(count)))
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise RuntimeError(f"the coordination service did not answer which processes are alive: {e}") from e
-    return sorted(set(range(count)) - {int(p) for p in live})
 
 
 def allgather_objects(obj: Any) -> list[Any]:

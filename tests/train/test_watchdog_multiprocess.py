@@ -2,9 +2,8 @@
 ``stall_timeout_s`` (its watchdog), long before JAX's heartbeat timeout would end it.
 
 Two real processes join with ``jax.distributed`` (heartbeat timeout 300 s, far beyond the test),
-each starts a watchdog like the trainer's (stall timeout 10 s, the dead-peer check of the
-coordination service), pass a barrier, then process 1 SIGKILLs itself and process 0 waits for it
-at the next barrier."""
+each starts a watchdog like the trainer's (stall timeout 10 s), pass a barrier, then process 1
+SIGKILLs itself and process 0 waits for it at the next barrier."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from rljax.run.watchdog import Watchdog
 pid, port = int(sys.argv[1]), sys.argv[2]
 distributed.initialize(distributed.DistributedConfig(
     coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, heartbeat_timeout_s=300))
-dog = Watchdog(%(stall)s, dead_peers=distributed.dead_peers, poll_s=0.5).start()
+dog = Watchdog(%(stall)s, poll_s=0.5).start()
 distributed.barrier("both_up", timeout_s=300)
 dog.beat("both up")
 if pid == 1:
@@ -69,10 +68,7 @@ def test_the_survivor_of_a_dead_peer_ends_within_the_stall_timeout(tmp_path):
     assert procs[1].returncode == -9
     assert procs[0].returncode == EXIT_STALLED, out0[-3000:]
     waited_from = float(re.search(r"waiting for the peer at ([0-9.]+)", out0).group(1))
-    fired = re.search(r"rljax watchdog: (.*?);", out0).group(1)
-    assert "not reached" not in out0
-    # either the coordination service reported the peer dead, or the stall timeout passed
-    assert fired == "peer process(es) [1] died (the coordination service lost them)" or fired.startswith(
-        "no progress for"
-    ), fired
-    print(f"\nsurvivor ended {ended - waited_from:.1f}s after it began waiting for the dead peer ({fired})")
+    idle = float(re.search(r"rljax watchdog: no progress for ([0-9.]+)s", out0).group(1))
+    assert "not reached" not in out0 and idle > STALL_S
+    assert "in barrier" in out0  # the report shows where the survivor waited
+    print(f"\nsurvivor ended {ended - waited_from:.1f}s after it began waiting for the dead peer")
