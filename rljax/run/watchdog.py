@@ -161,6 +161,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop = False
+        self._backstop_failed = False
         self.fired: str | None = None  # the reason, once it fired
 
     # -- progress ------------------------------------------------------------------------------------
@@ -223,7 +224,14 @@ class Watchdog:
     def _arm_backstop(self, seconds: float) -> None:
         if self._exit is not os._exit:  # a test's recorder: no process-wide timers
             return
-        faulthandler.dump_traceback_later(max(seconds, 1.0), exit=True)
+        stream = sys.__stderr__  # the process's own stderr (a test's capture may have no file descriptor)
+        try:
+            faulthandler.dump_traceback_later(max(seconds, 1.0), exit=True, file=stream)
+        except (AttributeError, ValueError, OSError) as e:  # no usable stderr: no backstop, say so once
+            if not self._backstop_failed:
+                logger.warning("rljax watchdog: no faulthandler backstop (%s)", e)
+                self._backstop_failed = True
+            return
         self._backstop = True
 
     def _disarm_backstop(self) -> None:

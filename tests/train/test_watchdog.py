@@ -168,3 +168,11 @@ def test_the_backstop_ends_a_process_whose_gil_is_held(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Timeout" in proc.stderr and "rljax watchdog" not in proc.stderr
     assert "not reached" not in proc.stdout
+
+
+def test_no_usable_stderr_means_no_backstop_not_an_error(monkeypatch, caplog):
+    monkeypatch.setattr(sys, "__stderr__", io.StringIO())  # no file descriptor (as under some captures)
+    dog = Watchdog(3600.0)  # the real exit: the backstop would be armed if it could
+    dog.start()
+    dog.stop()
+    assert dog.fired is None and "no faulthandler backstop" in caplog.text
