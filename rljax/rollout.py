@@ -43,10 +43,13 @@ Decisions (design §4 leaves them open):
   train on (``RolloutConfig.raise_on_all_errored=False`` returns it anyway).
 * **Environment execution**: every env call (``reset``, ``step``, ``get_metrics``, ``close``) has
   a time limit (``env_timeout_s``; a call past it errors its trajectory with kind
-  "env_timeout"). Synchronous envs run in a thread pool of ``env_workers`` threads (default
-  ``max_concurrency``), so a slow env never blocks the event loop or the engine's batching;
-  ``async def`` methods run on the loop. A timed-out synchronous call cannot be killed: its
-  thread is abandoned (the trajectory moves on). ``close()`` is called at the end of every
+  "env_timeout"). Synchronous env calls run on daemon threads, at most ``env_workers`` at once
+  (default ``max_concurrency``), so a slow env never blocks the event loop or the engine's
+  batching; ``async def`` methods run on the loop. A timed-out synchronous call cannot be killed:
+  its thread is abandoned (the trajectory moves on, the call's slot is freed for the next one, and
+  :func:`abandoned_env_calls` counts the threads still running). The threads are daemons, so an
+  env call that never returns never keeps the process from exiting (a thread pool's workers would:
+  Python joins them at exit). ``close()`` is called at the end of every
   trajectory that built an env, errored ones included; ``get_metrics()`` (skyrl-gym) just before
   it, and the per-env aggregates land in the metrics as ``env/<env name>/<key>`` (the env's
   ``aggregate_metrics(list)`` when it has one, else the mean of numeric values).
@@ -62,13 +65,13 @@ Decisions (design §4 leaves them open):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import inspect
 import logging
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -89,6 +92,7 @@ __all__ = [
     "RolloutError",
     "RolloutResult",
     "TrajectoryRecord",
+    "abandoned_env_calls",
     "merge_rollout_results",
     "rollout",
     "run_rollout",
@@ -285,21 +289,44 @@ def _engine_for(engine: Engine | Mapping[str, Engine], task: Task) -> Engine:
     return _for_task(engine, task, "the engine mapping")
 
 
-class _EnvRunner:
-    """Runs environment calls: ``async def`` methods on the loop, sync ones in the thread pool,
-    each under ``timeout`` seconds."""
+_abandoned_lock = threading.Lock()
+_abandoned = 0  # synchronous env calls past their deadline whose threads still run
 
-    def __init__(self, executor: concurrent.futures.Executor, timeout: float | None) -> None:
-        self.executor = executor
+
+def abandoned_env_calls() -> int:
+    """Synchronous env calls abandoned at their deadline whose threads have not returned yet.
+
+    >>> abandoned_env_calls()
+    0
+    """
+    with _abandoned_lock:
+        return _abandoned
+
+
+def _count_abandoned(delta: int) -> None:
+    global _abandoned
+    with _abandoned_lock:
+        _abandoned += delta
+
+
+class _EnvRunner:
+    """Runs environment calls: ``async def`` methods on the loop, sync ones each on a daemon thread
+    (at most ``workers`` at once), each under ``timeout`` seconds."""
+
+    def __init__(self, workers: int, timeout: float | None) -> None:
+        self.slots = asyncio.Semaphore(workers)
         self.timeout = timeout
 
     async def call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         loop = asyncio.get_running_loop()
-        start = loop.time()
         if inspect.iscoroutinefunction(fn):
-            pending = fn(*args)
-        else:
-            pending = loop.run_in_executor(self.executor, functools.partial(fn, *args))
+            return await self._timed(fn(*args), what, loop.time())
+        async with self.slots:  # a call abandoned at its deadline frees its slot when it is left
+            start = loop.time()
+            return await self._timed(_on_daemon_thread(loop, fn, args, what), what, start)
+
+    async def _timed(self, pending: Any, what: str, start: float) -> Any:
+        loop = asyncio.get_running_loop()
         try:
             result = await asyncio.wait_for(pending, self.timeout)
             if inspect.isawaitable(result):  # a sync function that returned an awaitable
@@ -309,6 +336,49 @@ class _EnvRunner:
                 raise  # the env's own TimeoutError
             raise EnvTimeoutError(f"env.{what} took longer than env_timeout_s={self.timeout}") from None
         return result
+
+
+def _on_daemon_thread(
+    loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], args: tuple, what: str
+) -> asyncio.Future:
+    """A future of ``fn(*args)`` run on a new daemon thread; a call still running when its future
+    is cancelled (its deadline passed) is counted by :func:`abandoned_env_calls` until it returns."""
+    future = loop.create_future()
+    state = {"abandoned": False, "returned": False}
+    lock = threading.Lock()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting trajectory
+            deliver = functools.partial(future.set_exception, e)
+        else:
+            deliver = functools.partial(future.set_result, value)
+        with lock:
+            state["returned"] = True
+            if state["abandoned"]:
+                _count_abandoned(-1)
+                return
+        try:
+            loop.call_soon_threadsafe(settle, deliver)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for this call
+            pass
+
+    def on_done(f: asyncio.Future) -> None:
+        if f.cancelled():
+            with lock:
+                if not state["returned"]:
+                    state["abandoned"] = True
+                    _count_abandoned(1)
+
+    thread = threading.Thread(target=run, name=f"rljax-env-{what}", daemon=True)
+    future.add_done_callback(on_done)
+    thread.start()
+    return future
 
 
 def _fail_env(rec: TrajectoryRecord, e: BaseException) -> None:
@@ -605,10 +675,7 @@ async def rollout(
         _engine_for(engine, t)
     stop_ids = tuple(int(i) for i in renderer.stop_token_ids())
     semaphore = asyncio.Semaphore(config.max_concurrency)
-    executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=config.env_workers or config.max_concurrency, thread_name_prefix="rljax-env"
-    )
-    runner = _EnvRunner(executor, config.env_timeout_s)
+    runner = _EnvRunner(config.env_workers or config.max_concurrency, config.env_timeout_s)
 
     async def bounded(task: Task, rep: int) -> TrajectoryRecord:
         async with semaphore:
@@ -625,11 +692,7 @@ async def rollout(
             )
 
     start = time.perf_counter()
-    try:
-        records = await asyncio.gather(*(bounded(t, r) for t in tasks for r in range(config.group_size)))
-    finally:
-        # abandoned (timed-out) sync calls keep their threads; nothing waits for them
-        executor.shutdown(wait=False, cancel_futures=True)
+    records = await asyncio.gather(*(bounded(t, r) for t in tasks for r in range(config.group_size)))
     wall = time.perf_counter() - start
     for rec in records:
         if rec.errored:

@@ -28,13 +28,14 @@ Every call through the gateway is one Step of the trajectory (``calls`` holds th
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import functools
 import inspect
 import json
 import math
 import os
 import pickle
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,6 +51,7 @@ from rljax.rollout import (
     RolloutConfig,
     RolloutResult,
     TrajectoryRecord,
+    _on_daemon_thread,
     _raise_all_errored,
     rollout_metrics,
 )
@@ -137,12 +139,13 @@ class CommandAgent:
             stderr=asyncio.subprocess.PIPE,
             env=env,
             cwd=self.cwd,
+            start_new_session=True,  # its own process group: the kill below reaches its children too
         )
         try:
             out, err = await proc.communicate()
         finally:
+            _kill_group(proc.pid)  # the shell, and whatever it started that still runs
             if proc.returncode is None:
-                proc.kill()
                 await proc.wait()
         if proc.returncode:
             tail = err.decode(errors="replace").strip()[-2000:]
@@ -154,6 +157,12 @@ class CommandAgent:
             return json.loads(lines[-1])
         except ValueError:
             return None
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILLs process group ``pgid`` (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _task_json(task: Task) -> dict[str, Any]:
@@ -188,17 +197,16 @@ async def _call_agent(
             await client.close()
     sync_client = gateway.client(session, timeout=timeout, sync=True)
     try:
-        result = await asyncio.get_running_loop().run_in_executor(
-            _SYNC_AGENTS, functools.partial(fn, task, sync_client, **kwargs)
+        # a daemon thread: an agent that never returns is abandoned at its deadline and never keeps
+        # the process from exiting (a thread pool's workers are joined at exit)
+        result = await _on_daemon_thread(
+            asyncio.get_running_loop(), functools.partial(fn, task, sync_client, **kwargs), (), "agent"
         )
     finally:
         sync_client.close()
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-_SYNC_AGENTS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rljax-agent")
 
 
 async def _run_agent_trajectory(

@@ -407,6 +407,9 @@ class DynamicSamplingSection:
     strict: bool = False
 
 
+#: Values of ``config.trainer.on_save_error``.
+ON_SAVE_ERROR = ("stop", "continue")
+
 DEFAULT_TABLE_KEYS = (
     "reward/mean",
     "loss",
@@ -449,6 +452,15 @@ class TrainerSection:
       keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
       table_keys: metrics of the printed table.
       save_rollouts_every: N: ``rollouts/step_<S>.jsonl`` and a sample table every N steps (0 = never).
+      stall_timeout_s: the run watchdog (:mod:`rljax.run.watchdog`): when the run makes no progress
+        (no rollout received, no step trained, no weight sync or checkpoint done) for this many
+        seconds, it prints every thread's stack and the state of the engines, rollouts and envs, and
+        exits with status 75 so a scheduler restarts it with ``--resume`` (0 = no watchdog). Cover
+        the slowest legitimate phase: the first step's compilation, a whole rollout, a checkpoint.
+      on_save_error: when writing a checkpoint fails (a full disk, an I/O error): ``"stop"`` ends
+        the run with the error (``latest`` still names an intact older checkpoint), ``"continue"``
+        logs it, counts it (``checkpoint/save_errors``) and trains on, saving again at the next
+        checkpoint step.
     """
 
     num_steps: int = 120
@@ -468,6 +480,8 @@ class TrainerSection:
     keep_checkpoints: int = 3
     table_keys: tuple = DEFAULT_TABLE_KEYS
     save_rollouts_every: int = 0  # N: rollouts/step_<S>.jsonl + a sample table every N steps (0 = never)
+    stall_timeout_s: float = 1800.0  # the watchdog: no progress this long ends the run, status 75 (0 = off)
+    on_save_error: str = "stop"  # a checkpoint write failed: "stop" the run, or "continue" without it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -759,6 +773,11 @@ def _validate(cfg: RunConfig) -> RunConfig:
     ):
         _at_least(f"config.trainer.{key}", getattr(t, key), 0)
     _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
+    if not t.stall_timeout_s >= 0:
+        raise _fail(
+            "config.trainer.stall_timeout_s", f"expected seconds >= 0 (0 = off), got {t.stall_timeout_s!r}"
+        )
+    _one_of("config.trainer.on_save_error", t.on_save_error, ON_SAVE_ERROR)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
         raise _fail(
             "config.trainer.mini_batch_prompts",
@@ -926,6 +945,8 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
     "trainer.keep_checkpoints",
     "trainer.table_keys",
     "trainer.save_rollouts_every",
+    "trainer.stall_timeout_s",
+    "trainer.on_save_error",
     "report",
     "engine.urls",
     "engine.python",

@@ -26,6 +26,7 @@ from rljax.inference.frozen import FrozenModel, FrozenModelConfig, frozen_models
 from rljax.run.builders import DTYPE_OF
 from rljax.run.config import EngineSection
 from rljax.run.worker import Worker
+from rljax.training.checkpoint import fault_point
 from rljax.training.distributed import process_share
 
 __all__ = ["EngineSet", "lora_server_args", "process_urls", "resolve_frozen_models"]
@@ -252,10 +253,12 @@ class EngineSet:
         """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does).
         ``model`` may be weights already written by every process (:class:`WrittenWeights`)."""
         if self._served_version != version and _written(model):
+            fault_point("kill_during_weight_sync", version)  # RLJAX_FAULT: weights written, not loaded
             await self.policy.update_weights_from(model, version=version)
             self._served_version = version
         elif self._served_version != version:
             served = self.served(model)
+            fault_point("kill_during_weight_sync", version)  # RLJAX_FAULT: weights cast, not taken
             if self.config.kind == "vllm" and self._adapter_sync(served):
                 await self.policy.update_adapter(served, version=version)  # adapter only, verified
             else:

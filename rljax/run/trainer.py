@@ -84,6 +84,8 @@ from rljax.run.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.run.run import Run, mini_batch_groups
 from rljax.run.streaming import trained_tokens
 from rljax.run.tasks import TaskIterator
+from rljax.run.watchdog import Watchdog, trainer_watchdog
+from rljax.training import checkpoint as ckpt
 from rljax.training.distributed import is_main_process
 from rljax.training.step import TrainState
 
@@ -141,6 +143,8 @@ class Trainer:
         self.rl_step = 0
         self.trace: PreparationTrace | None = None
         self.history: list[dict[str, Any]] = []
+        self.watchdog: Watchdog | None = None  # while run() runs (trainer.stall_timeout_s > 0)
+        self.save_errors = 0  # checkpoints that failed to save (trainer.on_save_error="continue")
 
     # -- the run's parts are read as ``trainer.parts.<name>`` (scheduler, engines, env_tasks, ...) ----
     @property
@@ -227,6 +231,8 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         """Runs (or resumes) the job; returns this process's per-step metrics."""
+        if self.cfg.trainer.stall_timeout_s > 0:
+            self.watchdog = trainer_watchdog(self, self.cfg.trainer.stall_timeout_s).start()
         try:
             resumed = self._restore() if self.resume else None
             self.sinks = RunSinks(
@@ -243,7 +249,14 @@ class Trainer:
             finally:
                 self.sinks.close()
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.parts.close()
+
+    def _beat(self, phase: str) -> None:
+        """Tells the watchdog the run made progress (``phase`` names it in a stall report)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(phase)
 
     def _restore(self) -> int:
         return self.parts.restore(allow_config_change=self.allow_config_change)
@@ -259,7 +272,7 @@ class Trainer:
         show = None if is_main_process() else False
         with metrics_lib.Progress(total=ws.num_steps, desc="warm start", unit="step", enabled=show) as bar:
             hist = self.parts.warm_start(
-                on_step=lambda row: bar.update(1),
+                on_step=lambda row: (bar.update(1), self._beat("warm start step")),
                 log=lambda row: self.sinks.log(int(row["warmstart/step"]), row, phase="warmstart"),
             )
         print(
@@ -290,6 +303,7 @@ class Trainer:
             print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
         parts.sync_weights(start)
         parts.start_engines(start)
+        self._beat(f"engines started on version {start}")
         sched.start(start)
         eval_future: tuple[int, concurrent.futures.Future] | None = None
         if (
@@ -304,13 +318,16 @@ class Trainer:
         for n in range(start, t.num_steps):
             step_start = time.perf_counter()
             sched.fill(n + 1)  # sync: rollout n starts now, on theta_n (async: already running)
+            self._beat(f"step {n + 1}: waiting for its rollout")
             result, version_metrics = sched.result(n)
+            self._beat(f"step {n + 1}: rollout received")
             rollout_wait = time.perf_counter() - step_start
             sched.fill(n + 1 + sched.lag)  # async: rollouts n+1..n+lag start now, sampling theta_{<= n}
             train_start = time.perf_counter()
             self.rl_step = n
             metrics = self._train_on(result.batch)
             jax.block_until_ready(self.state.params)
+            self._beat(f"step {n + 1}: trained")
             train_time = time.perf_counter() - train_start
             parts.sync_weights(n + 1)
             metrics.update(rollout_step_metrics(result))
@@ -328,6 +345,8 @@ class Trainer:
             if checkpoint_s is not None:
                 metrics["time/checkpoint_s"] = checkpoint_s  # of the checkpoint before this step
                 checkpoint_s = None
+            if self.save_errors:
+                metrics["checkpoint/save_errors"] = float(self.save_errors)
             metrics["time/step_s"] = time.perf_counter() - step_start
             metrics["time/elapsed_s"] = time.perf_counter() - run_start
             metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
@@ -403,9 +422,19 @@ class Trainer:
         return self.history
 
     def _timed_save(self, step: int) -> float:
-        """Checkpoints ``step``; returns the seconds it took."""
+        """Checkpoints ``step``; returns the seconds it took. A failed write stops the run or, with
+        ``trainer.on_save_error="continue"``, is logged and counted (``latest`` still names an intact
+        older checkpoint either way)."""
         start = time.perf_counter()
-        self._save(step)
+        try:
+            self._save(step)
+        except ckpt.CheckpointSaveError as e:
+            if self.cfg.trainer.on_save_error == "stop":
+                raise
+            self.save_errors += 1
+            logger.error("%s; training goes on (trainer.on_save_error='continue')", e)
+            print(f"checkpoint step_{step} NOT saved: {e}", flush=True)
+        self._beat(f"checkpoint step_{step}")
         return time.perf_counter() - start
 
 

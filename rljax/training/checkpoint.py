@@ -63,9 +63,23 @@ own process (``os.kill(os.getpid(), SIGKILL)``: no handler, no ``finally``, no f
   all-process barrier); on the other processes after that barrier, the first place where they know
   the step committed.
 
+* ``kill_during_checkpoint_write``: orbax committed ``step_N/`` but the manifest does not seal it
+  yet (the step is incomplete: never restored, removed by a later save);
+* ``enospc_during_checkpoint_write``: not a kill: writing the manifest of ``step_N`` fails with
+  ``OSError(ENOSPC)``, as a full disk makes a write fail (see "Save errors" below);
+* ``kill_during_weight_sync``: used by the run (:meth:`rljax.run.engines.EngineSet.serve`): the
+  sync of weight version ``N`` to the policy engine has started (the weights are prepared), the
+  engine has not taken them yet. :func:`fault_point` is the hook.
+
 Only the process whose environment names a point dies, so a multi-host test can kill one chosen
 process. An unknown point or a malformed value is a ``ValueError`` at the first save, never
 ignored. The run is left exactly as a ``kill -9`` at that instant would leave it.
+
+Save errors: an ``OSError`` while writing a step (a full disk, a quota, an I/O error) is raised as
+:class:`CheckpointSaveError` naming the step, the cause and the step ``latest`` still names. The
+marker is written last, so it still names an intact older step (or none); the failed step's
+directory and orbax's temporary one are removed (best effort: they are incomplete, and space is
+what is short). Whether the run stops or goes on is the caller's choice (``trainer.on_save_error``).
 
 Reference: orbax-checkpoint ``Checkpointer`` / ``CompositeCheckpointHandler`` (atomic tmp-dir
 rename); the marker follows the write-temp / fsync / rename idiom of durable file updates; the
@@ -80,6 +94,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -101,9 +116,11 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "CheckpointCorruptedError",
+    "CheckpointSaveError",
     "Restored",
     "UnverifiedCheckpointWarning",
     "checkpoint_steps",
+    "fault_point",
     "latest_intact_step",
     "latest_step",
     "read_extra",
@@ -133,8 +150,15 @@ PathLike = str | os.PathLike
 
 #: The environment variable of the fault-injection points (see the module docstring).
 FAULT_ENV = "RLJAX_FAULT"
-#: The points :func:`save` can kill its process at.
-FAULT_POINTS = ("kill_before_checkpoint_commit", "kill_after_checkpoint_commit")
+#: The fault points (see the module docstring): where :func:`save` (and the weight sync) can kill
+#: its process, or make a write fail.
+FAULT_POINTS = (
+    "kill_before_checkpoint_commit",
+    "kill_after_checkpoint_commit",
+    "kill_during_checkpoint_write",
+    "enospc_during_checkpoint_write",
+    "kill_during_weight_sync",
+)
 
 
 class Restored(NamedTuple):
@@ -177,6 +201,22 @@ class CheckpointCorruptedError(ValueError):
         self.path = None if path is None else pathlib.Path(path)
         self.problems = list(problems)
         self.reason = "; ".join(f"{name}: {why}" for name, why in self.problems) or message
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint step failed (e.g. the disk is full); ``latest`` was not moved to it.
+
+    Attributes:
+      step: the step that failed to save.
+      latest: the step ``latest`` still names (``None``: no checkpoint committed yet).
+      cause: the ``OSError`` that failed the write (also ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, step: int, latest: int | None, cause: BaseException) -> None:
+        super().__init__(message)
+        self.step = step
+        self.latest = latest
+        self.cause = cause
 
 
 class UnverifiedCheckpointWarning(UserWarning):
@@ -306,13 +346,25 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(target: pathlib.Path, text: str) -> None:
-    """Atomically replaces ``target`` with ``text`` (``.<name>.tmp-<pid>`` + fsync + rename + fsync dir)."""
+def _write_atomic(target: pathlib.Path, text: str, *, fault: tuple[str, int] | None = None) -> None:
+    """Atomically replaces ``target`` with ``text`` (``.<name>.tmp-<pid>`` + fsync + rename + fsync dir).
+
+    A failed write (``fault``: the fault point that fails it after half the text) leaves ``target``
+    as it was and removes the temporary file."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    half = len(text) // 2 if fault is not None else 0
+    try:
+        with open(tmp, "w") as f:
+            if fault is not None:
+                f.write(text[:half])
+                f.flush()
+                _fault_point(*fault)
+            f.write(text[half:])
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, target)
     _fsync_dir(target.parent)
 
@@ -375,10 +427,19 @@ def _faults(value: str) -> set[tuple[str, int]]:
     return out
 
 
-def _fault_point(point: str, step: int) -> None:
-    """SIGKILLs this process when ``RLJAX_FAULT`` names ``point`` at ``step`` (module docstring)."""
-    if (point, step) in _faults(os.environ.get(FAULT_ENV, "")):
-        os.kill(os.getpid(), signal.SIGKILL)
+def fault_point(point: str, step: int) -> None:
+    """Acts when ``RLJAX_FAULT`` names ``point`` at ``step`` (module docstring): SIGKILLs this
+    process (``kill_*`` points), or raises ``OSError(ENOSPC)`` (``enospc_*``); else does nothing."""
+    if point not in FAULT_POINTS:
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(FAULT_POINTS)}")
+    if (point, step) not in _faults(os.environ.get(FAULT_ENV, "")):
+        return
+    if point.startswith("enospc_"):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({FAULT_ENV}={point}:{step})")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fault_point = fault_point
 
 
 # ------------------------------------------------------------------------------------------------
@@ -432,6 +493,7 @@ def _saved_files(path: pathlib.Path) -> list[str]:
 
 def _seal(path: pathlib.Path, step: int) -> None:
     """Writes ``path/manifest.json``: size and SHA-256 of every file orbax committed under ``path``."""
+    _fault_point("kill_during_checkpoint_write", step)
     files = _saved_files(path)
     digests = _in_threads(lambda rel: _digest(path / rel), files)
     entries = {}
@@ -440,7 +502,11 @@ def _seal(path: pathlib.Path, step: int) -> None:
             raise digest
         entries[rel] = {"size": digest[0], _HASH: digest[1]}
     manifest = {"format": _MANIFEST_FORMAT, "step": step, "algorithm": _HASH, "files": entries}
-    _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _write_atomic(
+        path / MANIFEST,
+        json.dumps(manifest, indent=1, sort_keys=True) + "\n",
+        fault=("enospc_during_checkpoint_write", step),
+    )
 
 
 def _read_manifest(path: pathlib.Path) -> dict[str, dict[str, Any]]:
@@ -879,20 +945,24 @@ def save(
             f"{target} already exists and is the latest checkpoint; pass overwrite=True to replace it "
             "or save under a new step"
         )
-    _checkpointer().save(
-        target,
-        args=ocp.args.Composite(
-            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
-            **{name: ocp.args.JsonSave(value) for name, value in items.items()},
-        ),
-        force=force,
-    )
+    try:
+        _checkpointer().save(
+            target,
+            args=ocp.args.Composite(
+                **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+                **{name: ocp.args.JsonSave(value) for name, value in items.items()},
+            ),
+            force=force,
+        )
+        if primary:
+            if not _is_committed(target):  # orbax returned without committing: never mark it
+                raise RuntimeError(f"orbax finished saving {target} but its completion file is missing")
+            _seal(target, step)  # before the marker: a marked step always has its manifest
+            _fault_point("kill_before_checkpoint_commit", step)
+            _write_marker(root, step)
+    except OSError as e:
+        raise _save_failed(root, step, e) from e
     if primary:
-        if not _is_committed(target):  # orbax returned without committing: never mark it
-            raise RuntimeError(f"orbax finished saving {target} but its completion file is missing")
-        _seal(target, step)  # before the marker: a marked step always has its manifest
-        _fault_point("kill_before_checkpoint_commit", step)
-        _write_marker(root, step)
         _fault_point("kill_after_checkpoint_commit", step)
         _garbage_collect(root, step, keep)
     else:
@@ -904,6 +974,31 @@ def save(
     if not primary:
         _fault_point("kill_after_checkpoint_commit", step)
     return target
+
+
+def _save_failed(root: pathlib.Path, step: int, error: OSError) -> CheckpointSaveError:
+    """The error of a failed save of ``step``, after removing what it left (unless ``latest`` names it)."""
+    try:
+        marked = _read_marker(root)
+    except (OSError, ValueError):
+        marked = None
+    if marked != step:
+        for path in root.glob(f"step_{step}*"):
+            name = path.name
+            if name == f"step_{step}" or name.startswith(f"step_{step}{_TMP_MARK}"):
+                shutil.rmtree(path, ignore_errors=True)
+    latest = latest_step(root)
+    why = f"{type(error).__name__}: {error}"
+    if error.errno == errno.ENOSPC:
+        why += " (the disk is full: free space or point the run at a larger file system)"
+    kept = f"`latest` still names step_{latest}" if latest is not None else "no checkpoint was committed yet"
+    return CheckpointSaveError(
+        f"saving checkpoint step_{step} in {root} failed: {why}; {kept}"
+        + (f", and the partial step_{step} was removed" if marked != step else ""),
+        step=step,
+        latest=latest,
+        cause=error,
+    )
 
 
 def _abstract(tree: Any) -> Any:
