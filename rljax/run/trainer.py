@@ -385,15 +385,19 @@ class Trainer:
             print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
         parts.sync_weights(start)
         parts.start_engines(start)
+        self._beat(f"engines started on version {start}")
         sched.start(start)
         for n in range(start, t.num_steps):
             step_start = time.perf_counter()
+            self._beat(f"step {n + 1}: waiting for complete groups")
             result, stream_metrics = sched.take(n)
+            self._beat(f"step {n + 1}: groups taken")
             rollout_wait = time.perf_counter() - step_start
             train_start = time.perf_counter()
             self.rl_step = n
             metrics = self._train_on(result.batch)
             jax.block_until_ready(self.state.params)
+            self._beat(f"step {n + 1}: trained")
             train_time = time.perf_counter() - train_start
             step_no = n + 1
             parts.sync_weights(step_no)  # published: the stream serves it next, nothing drained
@@ -405,6 +409,8 @@ class Trainer:
             if checkpoint_s is not None:
                 metrics["time/checkpoint_s"] = checkpoint_s
                 checkpoint_s = None
+            if self.save_errors:
+                metrics["checkpoint/save_errors"] = float(self.save_errors)
             metrics["time/step_s"] = time.perf_counter() - step_start
             metrics["time/elapsed_s"] = time.perf_counter() - run_start
             metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
