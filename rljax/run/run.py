@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import pathlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +87,8 @@ from rljax.training.step import (
 )
 
 __all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "Run", "mini_batch_groups"]
+
+logger = logging.getLogger(__name__)
 
 
 #: Checkpoint items of the state tree (``params/<item>``): the trained policy parameters (a LoRA
@@ -612,6 +615,12 @@ class Run:
         """Stops the engines (launched servers, frozen-model clients) and the workers."""
         if self.engines is not None:
             self.scheduler.close()
+            supervisor = getattr(self.engines.policy, "supervisor", None)
+            if supervisor is not None:  # its health loop runs on the rollout loop: stop it there
+                try:
+                    self.rollout_worker.submit(supervisor.stop).result(timeout=30)
+                except Exception as e:  # closing must not mask the run's own error
+                    logger.warning("stopping the vLLM server supervisor failed: %s", e)
             self.engines.close()
             self.rollout_worker.close()
             self.scoring_worker.close()
