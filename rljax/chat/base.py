@@ -28,7 +28,7 @@ Interface (every renderer):
   (message indices refer to ``new_messages``).
   A completion that did not end with the end-of-turn token (cut by ``max_tokens``, ended by
   another stop token, aborted) is an *open* turn: the appended part then starts with the
-  template's closing tokens of the turn (e.g. ``<|im_end|>\n``), which were not sampled and are
+  template's closing tokens of the turn (e.g. ``<|im_end|>`` and a newline), which were not sampled and are
   prompt tokens like the rest of the suffix. It is bridged only where the full render of the
   history holding ``reply`` (the assistant message the conversation has for that completion;
   default: parsed from its ids) has, token for token, the generation prompt and then exactly the

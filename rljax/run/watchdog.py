@@ -124,7 +124,7 @@ class Watchdog:
 
     >>> fired = []
     >>> dog = Watchdog(0.2, exit=fired.append, stream=io.StringIO(), poll_s=0.02)
-    >>> dog.start(); time.sleep(0.5); dog.stop()
+    >>> _ = dog.start(); time.sleep(0.5); dog.stop()
     >>> fired
     [75]
     """

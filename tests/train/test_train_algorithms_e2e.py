@@ -161,7 +161,7 @@ def _first_last(history, key, k=3):
 
 
 def test_opd_reverse_kl_to_the_teacher_falls(teacher, tmp_path):
-    c = _config(algorithm={"name": "opd", "teacher": "teacher"}, teacher_url=teacher.url, steps=20, lr=1e-2)
+    c = _config(algorithm={"name": "opd", "teacher": "teacher"}, teacher_url=teacher.url, steps=30, lr=1e-2)
     t = Trainer(c, tmp_path)
     tasks = _held_out()
 

@@ -16,13 +16,14 @@ from the client's own event loop:
   sync's probe, and only then is it back in service. A probe mismatch reloads once more, then the
   client stops every request with a :class:`~rljax.inference.vllm.WeightSyncError` carrying the
   mismatch figures (as a failed sync does);
-- weight syncs (:meth:`sync_model`, :meth:`sync_written`) go to the servers in service only, and
-  a server lost during a sync is dropped from it (the sync is redone on the others): it gets the
-  current weights when it comes back. With no server in service, a sync only writes the weights.
+- weight syncs (:meth:`ServerSupervisor.sync_model`, :meth:`ServerSupervisor.sync_written`) go to
+  the servers in service only, and a server lost during a sync is dropped from it (the sync is
+  redone on the others): it gets the current weights when it comes back. With no server in
+  service, a sync only writes the weights.
 
 When no server is in service for the client's ``all_down_timeout_s``, requests fail with one
 :class:`~rljax.inference.vllm.AllServersDownError` naming every server, why it is out and the end of
-its log (:meth:`describe`).
+its log (:meth:`ServerSupervisor.describe`).
 
 >>> SupervisorConfig(health_interval_s=1.0).health_failures
 2
