@@ -206,6 +206,7 @@ def test_a_300_mb_body_with_a_valid_key_is_413_at_flat_rss(real):
                    headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
     after = _rss_mb()
     print(f"\nTinker 300 MB body: {r.status_code}, RSS {before:.0f} MB before, {after:.0f} MB after")
-    # the server shares this process (its other threads move RSS by tens of MB: 31 MB measured once);
-    # buffering the body would add its 300 MB, so a third of it separates the two
-    assert r.status_code == 413 and after - before < 100
+    # the server shares this process: the 1 MB chunks it reads and drops, and the other threads, move
+    # RSS by 4-122 MB (measured under the parallel suite); buffering the body would add its 300 MB,
+    # so half of it separates the two
+    assert r.status_code == 413 and after - before < 150
