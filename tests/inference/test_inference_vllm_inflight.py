@@ -141,9 +141,10 @@ def test_recompute_switch_mid_decode_gives_each_span_its_weights(server, tiny_mo
     old_run, out, v, after, report = asyncio.run(main())
     assert old_run.token_versions() == [v] * len(old_run.ids)
     if len(out.weight_versions) == 1 and out.weight_versions[0].version == v:
-        # Measured: on a loaded 2-core machine a clear_cache=true switch can miss all attempts
-        # (every token on the old weights, correctly labelled) while keep mode lands at token ~11;
-        # not explained yet. Reported, not passed: nothing here checked the recomputed span.
+        # Measured: on a loaded 2-core machine the switch can miss all attempts (every token on the
+        # old weights, correctly labelled): the client sees the streamed twin late. The recompute
+        # switch missed more often than keep (which landed at token ~11). Reported, not passed:
+        # nothing here checked the recomputed span.
         pytest.xfail(f"the recompute switch never landed mid-decode in {ATTEMPTS} attempts")
     assert [s.version for s in out.weight_versions] == [v, v + 1] and out.weight_version == v
     k, ref_old = check_old_span(out, old_run, a, tiny_models)
@@ -173,6 +174,10 @@ def test_keep_switch_reuses_old_kv_and_the_deviation_is_measured(server, tiny_mo
             return old_run, out, v, client.last_switch
 
     old_run, out, v, report = asyncio.run(main())
+    if len(out.weight_versions) == 1 and out.weight_versions[0].version == v:
+        # as in the recompute test: a loaded client can see the twin's tokens only after the
+        # generation ended; reported, not passed
+        pytest.xfail(f"the keep switch never landed mid-decode in {ATTEMPTS} attempts")
     assert [s.version for s in out.weight_versions] == [v, v + 1]
     k, ref_old = check_old_span(out, old_run, b, tiny_models)
     ref_new = tiny_models.logprobs(b2, PROMPT + list(out.ids))[len(PROMPT) :]
