@@ -89,6 +89,9 @@ class Completion:
         version is ``weight_version``). Defaults to one span at ``weight_version``.
       routed_experts: MoE engines that record routing: int ``[len(prompt) + len(ids) - 1,
         layers, top_k]``, the experts every processed token was routed to (router replay); else None.
+        After an in-flight update the embedded sampler recomputes the routing of every processed
+        token with the new weights, so the routing is that of the LAST span's version throughout:
+        the routing the newest tokens were sampled with.
     """
 
     ids: tuple[int, ...]

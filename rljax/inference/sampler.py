@@ -578,7 +578,8 @@ def _recompute_program(
     prompt_segment_ids: jax.Array,
     width: int,
     pad_id: int,
-) -> _Carry:
+    prompt_routing: Any = None,
+) -> tuple[_Carry, Any]:
     """The carry with its KV cache and next-token logits recomputed by the given (new) weights.
 
     Prefills each row's prompt and its ``carry.num_tokens`` generated tokens (the first ``width``
@@ -586,7 +587,14 @@ def _recompute_program(
     marks the slots from ``P + step`` on as unwritten and sets the write index there: the same cache
     that prefill plus ``step`` decode steps with the new weights would have built (slot ``P + t``
     holds generated token ``t``), so later steps sample exactly from the new weights' distribution
-    given the sequence so far. Recorded routing (MoE) is left as first computed.
+    given the sequence so far.
+
+    MoE (``carry.routing`` recorded): the running rows' recorded routing, of the prompt
+    (``prompt_routing``, returned updated) and of the generated tokens fed so far, is replaced by
+    the new weights' routing of the same positions: the routing every later token is computed
+    with. A completion's recorded routing is thus that of its last weight version throughout, and
+    replaying it reproduces exactly the forward of its last span's tokens (design §7.3). Finished
+    rows keep theirs (all their tokens are of the old version).
     """
     model = nnx.merge(graphdef, state)
     prompt_len = prompt.shape[1]
@@ -595,11 +603,22 @@ def _recompute_program(
     valid = jnp.arange(width - prompt_len, dtype=jnp.int32)[None, :] < carry.num_tokens[:, None]
     tokens = jnp.concatenate([prompt, jnp.where(valid, gen, pad_id)], axis=1)
     segments = jnp.concatenate([prompt_segment_ids, valid.astype(jnp.int32)], axis=1)
-    logits, cache, _ = prefill(model, tokens, max_length=max_length, segment_ids=segments)
+    record = carry.routing is not None
+    logits, cache, routing = prefill(
+        model, tokens, max_length=max_length, segment_ids=segments, with_routing=record
+    )
     index = prompt_len + carry.step
     written = jnp.arange(max_length, dtype=jnp.int32)[None, :] < index
     cache = cache.replace(segment_ids=jnp.where(written, cache.segment_ids, EMPTY_SLOT), index=index)
-    return dataclasses.replace(carry, logits=logits, cache=cache)
+    gen_routing = carry.routing
+    if record:
+        experts = routing.experts.astype(jnp.int32)
+        running = carry.finish == FINISH_RUNNING
+        prompt_routing = jnp.where(running[:, None, None, None], experts[:, :prompt_len], prompt_routing)
+        fed = (running[:, None] & valid)[:, :, None, None]
+        refreshed = jnp.where(fed, experts[:, prompt_len:], carry.routing[:, : width - prompt_len])
+        gen_routing = jax.lax.dynamic_update_slice_in_dim(carry.routing, refreshed, 0, axis=1)
+    return dataclasses.replace(carry, logits=logits, cache=cache, routing=gen_routing), prompt_routing
 
 
 _JITTED_START = jax.jit(_start_program, static_argnums=(0, 5, 6))
@@ -1026,7 +1045,9 @@ class EmbeddedSampler:
                     graphdef, state, version = served
                     start = time.perf_counter()
                     width = min(bucket_size(prompt_len + step), prompt_len + new_len)
-                    carry = _JITTED_RECOMPUTE(graphdef, state, carry, tokens, segments, width, self.pad_id)
+                    carry, prompt_routing = _JITTED_RECOMPUTE(
+                        graphdef, state, carry, tokens, segments, width, self.pad_id, prompt_routing
+                    )
                     jax.block_until_ready(carry.logits)
                     self.cache_recompute_s += time.perf_counter() - start
                     self.num_in_flight_switches += 1

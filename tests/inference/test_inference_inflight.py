@@ -173,3 +173,34 @@ def test_without_in_flight_updates_a_batch_finishes_on_its_weights(models, monke
     logits = full_logits(old, PROMPTS[0] + list(got.ids))
     assert list(got.ids) == [int(np.argmax(logits[3 + t])) for t in range(len(got.ids))]
     assert s.weight_version == 1 and nnx.state(new) is not None
+
+
+def test_moe_routing_after_an_update_is_the_new_weights_routing(monkeypatch):
+    """MoE router replay: a switch recomputes the running rows' routing with the new weights, so a
+    completion's recorded routing is its last version's throughout (the routing its last span was
+    sampled with): equal to the new weights' full forward, and replaying it reproduces the last
+    span's logprobs exactly."""
+    import jax.numpy as jnp
+
+    from rljax import models
+    from rljax.models.tiny import tiny_model as tiny_decoder
+
+    old, new = tiny_decoder("qwen3_moe", seed=0), tiny_decoder("qwen3_moe", seed=1)
+    s = _sampler(old)
+    _switch_after_segments(monkeypatch, s, new, segments=2, version=1)
+    switch = 2 * SEGMENT
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=3 + i) for i in range(2)]
+    out = s._run_batch(PROMPTS[:2], params)
+    assert s.num_in_flight_switches == 1
+    for prompt, got in zip(PROMPTS[:2], out, strict=True):
+        ids = list(got.ids)
+        assert len(ids) > switch and [(v.version, v.start) for v in got.weight_versions] == [(0, 0), (1, switch)]
+        seq = jnp.asarray([prompt + ids])
+        n = seq.shape[1]
+        routed_new = np.asarray(new.hidden_states(seq, with_routing=True).routing.experts)[0, : n - 1]
+        routed_old = np.asarray(old.hidden_states(seq, with_routing=True).routing.experts)[0, : n - 1]
+        assert np.any(routed_new != routed_old)  # the versions route differently: the check can fail
+        np.testing.assert_array_equal(got.routed_experts, routed_new)
+        replay = np.concatenate([got.routed_experts, -np.ones_like(got.routed_experts[:1])])[None]
+        lp = np.asarray(models.sequence_logprobs(new, seq, routed_experts=jnp.asarray(replay)))[0, len(prompt) :]
+        np.testing.assert_allclose(lp[switch:], np.asarray(got.logprobs)[switch:], **LOGPROB_TOL)
