@@ -288,6 +288,9 @@ class Gateway:
             if loop is not self._loop:
                 raise RuntimeError("the gateway serves on another event loop; stop() it there first")
             return
+        if self._task is not None and not self._task.done() and loop is self._loop:
+            await self._until_started()  # another first use on this loop is starting it
+            return
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # accepted connections inherit it (Linux): without it, a response written as headers + body
@@ -302,6 +305,10 @@ class Gateway:
         self._server = _QuietServer(config)
         self._loop = loop
         self._task = loop.create_task(self._server.serve(sockets=[sock]), name="rljax-gateway")
+        await self._until_started()
+
+    async def _until_started(self) -> None:
+        assert self._server is not None and self._task is not None
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the startup error

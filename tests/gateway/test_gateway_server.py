@@ -442,3 +442,21 @@ def test_weight_version_and_routed_experts_are_recorded_per_call(gateway):
     assert [int(st.routed_experts[0, 0, 0]) for st in steps] == [3, 4]
     assert steps[0].routed_experts.shape == (len(steps[0].prompt_ids) + len(steps[0].response_ids) - 1, 1, 2)
     gateway.close_session(s)
+
+
+def test_concurrent_first_uses_start_one_server():
+    """Rollouts that start together (the streaming mode runs each prompt group on its own) all call
+    ``start``: one server binds, the others wait for it and use it."""
+    from gateway_helpers import CHATML as renderer
+
+    async def body() -> None:
+        gw = Gateway(renderer)
+        await asyncio.gather(*(gw.start() for _ in range(4)))
+        try:
+            assert gw.started
+            async with httpx.AsyncClient() as c:
+                assert (await c.get(gw.base_url.removesuffix("/v1") + "/health")).status_code == 200
+        finally:
+            await gw.stop()
+
+    asyncio.run(body())
