@@ -593,7 +593,7 @@ def _recompute_program(
     (``prompt_routing``, returned updated) and of the generated tokens fed so far, is replaced by
     the new weights' routing of the same positions: the routing every later token is computed
     with. A completion's recorded routing is thus that of its last weight version throughout, and
-    replaying it reproduces exactly the forward of its last span's tokens (design §7.3). Finished
+    replaying it reproduces exactly the forward of its last span's tokens (design §5). Finished
     rows keep theirs (all their tokens are of the old version).
     """
     model = nnx.merge(graphdef, state)
