@@ -19,6 +19,15 @@ the goals (>= 2x and >= 1.5x). ``async`` and ``fully_async`` use the same
 ``--max_off_policy_steps``. Wall-clock sleeps on a shared machine: expect a few percent of noise.
 
     PYTHONPATH=. python benchmarks/async_bench.py --steps 20 --max_off_policy_steps 2
+
+``--real`` runs the default recipe (tiny model, embedded sampler, the lookup task) instead, per seed:
+sync for N steps, then fully_async up to 2N steps from the same warm-started weights (the recipe's
+warm start runs once per seed; both runs' times count from their first RL step). It prints both
+reward curves, the reward at step N (equal trained samples: every step trains prompts_per_step
+groups; the trailing mean of 3 rows and a held-out eval, 32 tasks x 8), both wall times to step N,
+and the wall time fully_async takes to reach sync's step-N reward.
+
+    PYTHONPATH=. python benchmarks/async_bench.py --real --steps 40 --max_off_policy_steps 1 --seeds 0 1
 """
 
 from __future__ import annotations
@@ -237,7 +246,7 @@ def run_real(args: argparse.Namespace) -> None:
 
 
 def _train(
-    args: argparse.Namespace, mode: str, seed: int, steps: int, warm_start_s: list[float]
+    args: argparse.Namespace, mode: str, seed: int, steps: int, warm_start_s: list[float], *, eval_every: int
 ) -> list[dict]:
     c = load_recipe("default")
     c.seed = seed
@@ -245,7 +254,7 @@ def _train(
         mode=mode,
         num_steps=steps,
         max_off_policy_steps=args.max_off_policy_steps,
-        eval_every=steps,  # the final weights on the held-out tasks
+        eval_every=eval_every,  # the weights after N steps on the held-out tasks
         checkpoint_every=0,
     )
     c.eval.group_size = 8
@@ -257,32 +266,36 @@ def _train(
 
 
 def _run_real(args: argparse.Namespace, warm_start_s: list[float]) -> None:
+    n = args.steps
     for mode in ("sync", "fully_async"):  # compiles the programs both modes use, uncounted
-        _train(args, mode, args.seeds[0], 2, warm_start_s)
+        _train(args, mode, args.seeds[0], 2, warm_start_s, eval_every=2)
     finals: dict[str, list[tuple[float, float]]] = {"sync": [], "fully_async": []}
     for seed in args.seeds:
-        out = {mode: _train(args, mode, seed, args.steps, warm_start_s) for mode in ("sync", "fully_async")}
-        sync, fa = out["sync"], out["fully_async"]
-        target = _trailing(sync, len(sync) - 1)
+        sync = _train(args, "sync", seed, n, warm_start_s, eval_every=n)
+        # fully_async goes on past step N (up to 2N) to find when it reaches sync's reward at N
+        fa = _train(args, "fully_async", seed, 2 * n, warm_start_s, eval_every=n)
+        target = _trailing(sync, n - 1)
         reach = next((r["time/elapsed_s"] for i, r in enumerate(fa) if _trailing(fa, i) >= target), None)
-        for mode, rows in out.items():
-            finals[mode].append((_trailing(rows, len(rows) - 1), rows[-1]["eval/reward_mean"]))
+        reach_step = next((r["step"] for i, r in enumerate(fa) if _trailing(fa, i) >= target), None)
+        for mode, rows in (("sync", sync), ("fully_async", fa)):
+            finals[mode].append((_trailing(rows, n - 1), rows[n - 1]["eval/reward_mean"]))
             curve = " ".join(f"{r['reward/mean']:.2f}" for r in rows)
             print(f"seed {seed} {mode:>11} reward by step: {curve}", flush=True)
+        sync_s, fa_s = sync[n - 1]["time/elapsed_s"], fa[n - 1]["time/elapsed_s"]
+        reached = (
+            "never" if reach is None else f"{reach:.0f}s (step {reach_step}, {sync_s / reach:.2f}x faster)"
+        )
         print(
-            f"seed {seed}: sync reward@{args.steps} {target:.3f} "
-            f"(held-out {sync[-1]['eval/reward_mean']:.3f}) in {sync[-1]['time/elapsed_s']:.0f}s; "
-            f"fully_async reward@{args.steps} "
-            f"{_trailing(fa, len(fa) - 1):.3f} (held-out {fa[-1]['eval/reward_mean']:.3f}) "
-            f"in {fa[-1]['time/elapsed_s']:.0f}s, reached sync's in "
-            f"{'never' if reach is None else f'{reach:.0f}s'}; "
-            f"fully_async / sync wall {fa[-1]['time/elapsed_s'] / sync[-1]['time/elapsed_s']:.2f}",
+            f"seed {seed}: at step {n} (equal trained samples): sync reward {target:.3f} "
+            f"(held-out {sync[n - 1]['eval/reward_mean']:.3f}) in {sync_s:.0f}s; fully_async reward "
+            f"{_trailing(fa, n - 1):.3f} (held-out {fa[n - 1]['eval/reward_mean']:.3f}) in {fa_s:.0f}s "
+            f"({sync_s / fa_s:.2f}x faster); fully_async reached sync's step-{n} reward in {reached}",
             flush=True,
         )
     for mode, rows in finals.items():
         train_r, held_out = np.mean(rows, axis=0)
         print(
-            f"mean over seeds {args.seeds}: {mode} reward@{args.steps} {train_r:.3f}, held-out {held_out:.3f}"
+            f"mean over seeds {args.seeds}: {mode} reward at step {n} {train_r:.3f}, held-out {held_out:.3f}"
         )
 
 
