@@ -759,6 +759,21 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "to vLLM (as an adapter or merged into a tied model's output projection) is untested; drop "
             "'lm_head' or use engine.kind='embedded'",
         )
+    if (
+        cfg.lora is not None
+        and cfg.engine.kind == "vllm"
+        and cfg.engine.lora_sync == "adapter"
+        and cfg.engine.in_flight_updates != "off"
+    ):
+        # A vLLM request names its adapter (a versioned name per sync) for its whole life, so no
+        # adapter sync reaches a request in flight; only the base weights could switch under it.
+        raise _fail(
+            "config.engine.in_flight_updates",
+            f"{cfg.engine.in_flight_updates!r} cannot switch a running vLLM request to a new LoRA adapter "
+            "(a request keeps the adapter it names): use in_flight_updates='off' with "
+            "lora_sync='adapter' (each turn is sampled by one adapter version, the next turn names the "
+            "newest), or lora_sync='merged' to switch full merged weights in flight",
+        )
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)
