@@ -162,17 +162,19 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(tmp_path, vllm_
     _check_rows(history)
     records = _records(tmp_path)
     assert sorted(records) == list(range(1, NUM_STEPS + 1))
-    assert sorted(served_weights) == list(range(NUM_STEPS + 1))  # every version reached the server
+    # every version a step trained reached the server (the last one may be cut short by the close)
+    assert set(range(NUM_STEPS)) <= set(served_weights)
     checked = _check_labels(records, served_weights, c.rollout.temperature)
     crossed = sum(len(r["weight_versions"]) > 1 for rows in records.values() for r in rows)
+    # Each version whose switch fell inside a completion was switched to while its group ran, so it
+    # is counted in async/inflight_updates (not the converse: a switch can fall between two turns).
+    crossing = {s["version"] for rows in records.values() for r in rows for s in r["weight_versions"][1:]}
     updates = sum(h["async/inflight_updates"] for h in history)
-    # A completion crossed by a switch implies a switch while groups ran (not the converse: a switch
-    # can fall between the turns of a running group).
-    assert updates > 0 or crossed == 0
-    assert updates <= NUM_STEPS
+    assert len(crossing) <= updates <= NUM_STEPS - 1, (crossing, updates)  # rows see v1..v(N-1)
+    per_row = [h["async/inflight_updates"] for h in history]
     print(
         f"\nrecompute: tokens checked per version {dict(checked)}; completions crossed by a switch: "
-        f"{crossed}; async/inflight_updates per row {[h['async/inflight_updates'] for h in history]}; "
+        f"{crossed} (switches to {sorted(crossing)}); async/inflight_updates per row {per_row}; "
         f"rl/mismatch_kl per row {[round(h['rl/mismatch_kl'], 8) for h in history]}"
     )
 
@@ -187,8 +189,9 @@ def test_fully_async_vllm_lora_adapter_sync_one_adapter_per_turn(tmp_path, vllm_
     t = Trainer(c, tmp_path)
     history = t.run()
     _check_rows(history)
-    policy = t.parts.engines.policy
-    assert policy.lora_name.endswith(f"-lora-v{NUM_STEPS}")  # adapters were swapped, base untouched
+    assert set(range(NUM_STEPS)) <= set(served_weights)
+    names = {f"rljax-lora-v{v}" for v in (NUM_STEPS - 1, NUM_STEPS)}
+    assert t.parts.engines.policy.lora_name in names  # adapters were swapped while the stream ran
     records = _records(tmp_path)
     for rows in records.values():
         for r in rows:  # a request keeps the adapter it names: one version per turn
