@@ -48,7 +48,6 @@ import numpy as np
 
 from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import weight_sync
-from rljax.inference.vllm.client import completion_payload, parse_completion
 from rljax.inference.vllm.weight_sync import SyncConfig, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -159,23 +158,14 @@ async def decode_probe(
 
     Generation, not prompt scoring: vLLM computes prompt logprobs with one LoRA index per request
     while it has one logit row per prompt token, so a scoring request batched with other requests
-    under LoRA fails (vLLM 0.32 CPU: an einsum size mismatch that kills the engine; vLLM issues
-    16668, 29955). An adapter synced while requests run (``trainer.mode="fully_async"``, the Tinker
-    API's sampling sessions) would take the server down; a decode batches like any request.
+    under LoRA fails (a known vLLM bug; on vLLM 0.32 CPU an einsum size mismatch that kills the
+    engine). An adapter synced while requests run (``trainer.mode="fully_async"``, the Tinker API's
+    sampling sessions) would take the server down; a decode batches like any request.
     """
     half = max(len(probe) // 2, 1)
     prompt = [int(t) for t in probe[:half]]
-    body = completion_payload(
-        prompt, SamplingParams(temperature=0.0, max_tokens=max(len(probe) - half, 1)), model=name
-    )
-    body["ignore_eos"] = True
-    completion = await client.request(
-        "/v1/completions",
-        body,
-        server=server,
-        gated=False,
-        parse=lambda answer, version: parse_completion(answer, prompt_ids=prompt, weight_version=version),
-    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=max(len(probe) - half, 1))
+    completion = await client.probe_completion(prompt, greedy, model=name, server=server)
     return prompt + list(completion.ids), np.asarray(completion.logprobs, np.float64)
 
 
