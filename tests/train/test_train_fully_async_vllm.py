@@ -118,14 +118,16 @@ def _check_spans(record: dict, step: int) -> list[int]:
     return versions
 
 
-def _check_labels(records: dict[int, list[dict]], served: dict, temperature: float) -> collections.Counter:
+def _check_labels(
+    records: dict[int, list[dict]], served: dict, temperature: float
+) -> tuple[collections.Counter, float]:
     """Every token's logprob is its labelled version's (within ``LOGPROB_ATOL``); some tokens are
     more than 100x that away from another version's (the check can fail). Returns the tokens checked
-    per version."""
+    per version and the largest difference seen."""
     rows = [(step, r) for step, rs in sorted(records.items()) for r in rs if r["completion_ids"]]
     refs = {v: _batched_logprobs(m, [r for _, r in rows], temperature) for v, m in served.items()}
     checked: collections.Counter = collections.Counter()
-    separated = 0
+    separated, worst = 0, 0.0
     for i, (step, r) in enumerate(rows):
         versions = np.asarray(_check_spans(r, step))
         got = np.asarray(r["logprobs"], np.float64)
@@ -133,12 +135,13 @@ def _check_labels(records: dict[int, list[dict]], served: dict, temperature: flo
             at = versions == v
             err = float(np.max(np.abs(got[at] - refs[int(v)][i][at])))
             assert err <= LOGPROB_ATOL, f"step {step}: tokens labelled v{v} are off by {err:.3g}"
+            worst = max(worst, err)
             checked[int(v)] += int(at.sum())
             for other, ref in refs.items():
                 if other != v:
                     separated += int(np.sum(np.abs(ref[i][at] - got[at]) > 100 * LOGPROB_ATOL))
     assert separated > 0, "no version's weights differ from another's on the sampled tokens: no teeth"
-    return checked
+    return checked, worst
 
 
 def _check_rows(history: list[dict]) -> None:
@@ -164,7 +167,7 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(tmp_path, vllm_
     assert sorted(records) == list(range(1, NUM_STEPS + 1))
     # every version a step trained reached the server (the last one may be cut short by the close)
     assert set(range(NUM_STEPS)) <= set(served_weights)
-    checked = _check_labels(records, served_weights, c.rollout.temperature)
+    checked, worst = _check_labels(records, served_weights, c.rollout.temperature)
     crossed = sum(len(r["weight_versions"]) > 1 for rows in records.values() for r in rows)
     # Each version whose switch fell inside a completion was switched to while its group ran, so it
     # is counted in async/inflight_updates (not the converse: a switch can fall between two turns).
@@ -173,7 +176,8 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(tmp_path, vllm_
     assert len(crossing) <= updates <= NUM_STEPS - 1, (crossing, updates)  # rows see v1..v(N-1)
     per_row = [h["async/inflight_updates"] for h in history]
     print(
-        f"\nrecompute: tokens checked per version {dict(checked)}; completions crossed by a switch: "
+        f"\nrecompute: tokens checked per version {dict(checked)} (max |vLLM - trainer| {worst:.2g}); "
+        "completions crossed by a switch: "
         f"{crossed} (switches to {sorted(crossing)}); async/inflight_updates per row {per_row}; "
         f"rl/mismatch_kl per row {[round(h['rl/mismatch_kl'], 8) for h in history]}"
     )
@@ -196,9 +200,12 @@ def test_fully_async_vllm_lora_adapter_sync_one_adapter_per_turn(tmp_path, vllm_
     for rows in records.values():
         for r in rows:  # a request keeps the adapter it names: one version per turn
             assert len(r["weight_versions"]) <= 1, r["weight_versions"]
-    checked = _check_labels(records, served_weights, c.rollout.temperature)
+    checked, worst = _check_labels(records, served_weights, c.rollout.temperature)
     assert len(checked) > 1, f"every token was sampled by one adapter version: {dict(checked)}"
-    print(f"\nadapter sync: tokens checked per adapter version {dict(checked)}")
+    print(
+        f"\nadapter sync: tokens checked per adapter version {dict(checked)}, "
+        f"max |vLLM - trainer| {worst:.2g}"
+    )
 
 
 # -- quick checks (no server) ---------------------------------------------------------------------------
