@@ -323,7 +323,8 @@ class EngineSection:
         recomputed with the new weights: every token exactly from its version; embedded sampler and
         vLLM) or ``"keep"`` (vLLM only: pause in keep mode with the old KV cache kept, PipelineRL's
         behaviour; tokens after the switch attend to old-weights keys and values). Meant for
-        ``trainer.mode="fully_async"``.
+        ``trainer.mode="fully_async"``. LoRA with ``lora_sync="adapter"`` on vLLM takes ``"off"``
+        only: a request keeps the adapter it names, so each turn is sampled by one adapter version.
     """
 
     kind: str = "embedded"
