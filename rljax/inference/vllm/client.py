@@ -887,6 +887,22 @@ class VLLMClient:
         finally:
             self._release(model)
 
+    async def probe_completion(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, *, model: str, server: int
+    ) -> Completion:
+        """One unstreamed completion of ``prompt_ids`` by ``model`` on server index ``server``, EOS
+        ignored (exactly ``sampling.max_tokens`` tokens), not waiting for a sync in progress: the
+        decode probe that verifies a sync (:func:`.adapter_sync.decode_probe`)."""
+        prompt = [int(t) for t in prompt_ids]
+        body = {**completion_payload(prompt, sampling, model=model), "ignore_eos": True}
+        return await self.request(
+            "/v1/completions",
+            body,
+            server=server,
+            gated=False,
+            parse=lambda answer, version: parse_completion(answer, prompt_ids=prompt, weight_version=version),
+        )
+
     async def post_all(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
         """POSTs to every server at once (admin routes: ``/pause``, ``/collective_rpc``, ...); no retries."""
         return list(await asyncio.gather(*(self._post_json(s.url, path, body) for s in self.servers)))

@@ -269,14 +269,20 @@ class InFlightVLLMClient(VLLMClient):
         model: str | None = None,
     ) -> Completion:
         """Samples one completion through ``/inference/v1/generate``; its spans say which version
-        sampled which token (several when a switch fell inside it)."""
+        sampled which token (several when a switch fell inside it).
+
+        A request that names a LoRA adapter (:attr:`lora_name` set, or ``model`` given) keeps that
+        adapter for its whole life: an adapter sync loads a new name that only later requests name,
+        and vLLM's version label follows the base weights only. Its completion is therefore one span
+        of :attr:`weight_version` as the request was built (as :meth:`VLLMClient.generate` records)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("generate() needs a non-empty prompt_ids")
-        model = self.served_model if model is None else model
+        adapter = self.lora_name is not None or model is not None
+        model, built_version = (self.served_model if model is None else model), self.weight_version
         self._model_requests[model] += 1
         try:
-            return await self.request(
+            completion = await self.request(
                 GENERATE_PATH,
                 generate_payload(prompt, sampling, model=model),
                 session_id=session_id,
@@ -289,6 +295,9 @@ class InFlightVLLMClient(VLLMClient):
             )
         finally:
             self._release(model)
+        if adapter:  # the adapter named fixes the weights of every token (see above)
+            return dataclasses.replace(completion, weight_version=built_version, weight_versions=())
+        return completion
 
     def _directory(self) -> str:
         directory = self.sync_config.directory or self._sync_dir
