@@ -138,8 +138,9 @@ def check_run(
     (MoE router replay), the envs and their tasks (echo needs merging; opsd needs demonstrations and
     a renderer that can place them; a step's prompts must be distinct tasks), the algorithms
     (dynamic sampling needs group-relative ones) and the processes (a multi-process run needs a
-    mesh over all of them; dynamic sampling runs in one process). ``env_tasks`` None: a run built
-    without rollouts (export), whose env rules do not apply.
+    mesh over all of them; dynamic sampling runs in one process; a fully_async step takes equal
+    shares from every process's stream). ``env_tasks`` None: a run built without rollouts (export),
+    whose env rules do not apply.
     """
     if cfg.model.router_replay != "off" and not model_config.moe_layers:
         raise ValueError(
@@ -155,6 +156,10 @@ def check_run(
     if env_tasks is None:
         return
     t = cfg.trainer
+    if t.mode == "fully_async" and process_count > 1:
+        from rljax.run.streaming import process_batch  # the stream's own rule (it imports this module)
+
+        process_batch(t.prompts_per_step, process_count)
     if t.dynamic_sampling.max_rounds > 0:
         if process_count > 1:
             raise ValueError(

@@ -9,12 +9,16 @@ gloo collectives) and compares with this pytest process (1 process x 8 devices, 
   mesh, and those saved by 1 process restore bit-equal in 2;
 * ``kill -9`` of one process: the survivor exits non-zero, with a clear message, within seconds
   (heartbeat timeout), whether it waits in a barrier or in a collective; a missing coordinator
-  fails ``initialize`` with a clear error.
+  fails ``initialize`` with a clear error;
+* the trainer in ``trainer.mode="fully_async"``: each process streams its own tasks, every step
+  trains the same gathered batch on both, within the staleness bound, no task twice, and the
+  checkpoint holds both processes' streams.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pathlib
 import signal
@@ -30,6 +34,7 @@ import train_fixtures as tf
 from xla_flags import xla_flags
 
 from rljax.models import load_hf_tensors
+from rljax.run.run import stored_abstract
 from rljax.training import checkpoint
 from rljax.training.distributed import (
     DistributedConfig,
@@ -317,3 +322,58 @@ def test_single_process_helpers_and_config_validation():
     assert jax.device_count() == 8
     with pytest.raises(RuntimeError, match="must run before any JAX computation"):
         initialize(DistributedConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0))
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+def test_fully_async_streams_per_process_and_trains_one_gathered_batch(tmp_path):
+    """2 processes, smoke recipe, embedded samplers, ``max_off_policy_steps=1``, 4 prompts per step (2
+    from each process's stream), 3 steps, an eval at step 2, checkpoints at steps 0 and 3."""
+    run = Run("stream", tmp_path)
+    run.check()
+    k, steps, group_size = 1, 3, 2
+    got = [json.loads((tmp_path / f"stream_p{i}.json").read_text()) for i in (0, 1)]
+    assert got[0]["steps"] == got[1]["steps"] == [1, 2, 3]
+    # one batch per step, equal on both processes: the same samples, tokens and staleness
+    assert got[0]["taken"] == got[1]["taken"]
+    taken = got[0]["taken"]
+    index = {task: i for i, task in enumerate(got[0]["train"])}  # process p owns train[p::2]
+    assert [t["step"] for t in taken] == list(range(steps))
+    trained: list[str] = []
+    for t in taken:
+        # process order: the first 2 groups are process 0's, drawn from its own tasks (even indices)
+        groups = list(dict.fromkeys(task for task, _, _, _ in t["samples"]))
+        trajectories = {(task, rep) for task, rep, _, _ in t["samples"]}
+        assert len(groups) == 4 and len(trajectories) == 4 * group_size
+        owners = [index[g] % 2 for g in groups]
+        assert owners == [0, 0, 1, 1], groups
+        trained += groups
+        assert all(0 <= stale <= k for _, _, _, stale in t["samples"]), t["samples"]
+    assert len(trained) == len(set(trained))  # no task twice, across steps and processes
+    # the rows' stream metrics are the gathered batch's, equal on both processes
+    for r0, r1 in zip(got[0]["rows"], got[1]["rows"], strict=True):
+        same = {key for key in r0 if key != "async/train_tokens_per_s"}
+        assert {key: r0[key] for key in same} == {key: r1[key] for key in same}
+        assert r0["policy_version/lag"] <= k and r0["async/staleness_max"] <= k
+        assert r0["rollout/num_trajectories"] == 4 * group_size
+    assert got[0]["rows"][-1]["async/staleness_max"] >= 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["optimizer_steps"] >= 1 for r in rows)
+    assert 0.0 <= rows[1]["eval/reward_mean"] <= 1.0  # the eval beside both streams, gathered
+    # the checkpoint holds both streams: each process's untrained draws, numbered i * 2 + p
+    directory = tmp_path / "run" / "checkpoints"
+    restored = checkpoint.restore(
+        directory,
+        params=stored_abstract(directory, steps, "params"),
+        opt_state=stored_abstract(directory, steps, "opt_state"),
+        step=steps,
+    )
+    stream = restored.data_state["tasks"]
+    assert stream["process_count"] == 2 and len(stream["processes"]) == 2
+    outstanding = []
+    for p, state in enumerate(stream["processes"]):
+        assert state["next_draw"] >= steps * 2  # every process drew at least its trained share
+        for task, number, _ in state["outstanding"]:
+            assert number % 2 == p and index[task] % 2 == p
+            outstanding.append(task)
+    assert not set(outstanding) & set(trained) and len(outstanding) == len(set(outstanding))
