@@ -362,12 +362,15 @@ def test_fully_async_streams_per_process_and_trains_one_gathered_batch(tmp_path)
     assert 0.0 <= rows[1]["eval/reward_mean"] <= 1.0  # the eval beside both streams, gathered
     # the checkpoint holds both streams: each process's untrained draws, numbered i * 2 + p
     directory = tmp_path / "run" / "checkpoints"
-    restored = checkpoint.restore(
-        directory,
-        params=stored_abstract(directory, steps, "params"),
-        opt_state=stored_abstract(directory, steps, "opt_state"),
-        step=steps,
-    )
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # saved over 2 processes' devices
+    abstract = {
+        item: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+            stored_abstract(directory, steps, item),
+        )
+        for item in ("params", "opt_state")
+    }
+    restored = checkpoint.restore(directory, **abstract, step=steps)
     stream = restored.data_state["tasks"]
     assert stream["process_count"] == 2 and len(stream["processes"]) == 2
     outstanding = []
