@@ -38,7 +38,8 @@ resumed run is not bit-for-bit the uninterrupted one (sync and async modes are).
 
 Several processes (a multi-host run; design §5, as the async mode in :mod:`rljax.run.scheduler`).
 Every process runs its own stream on its own engine with ``B_p = B / P`` groups per step
-(``prompts_per_step`` must divide by the process count ``P``: :func:`process_batch`) and the same
+(``prompts_per_step`` must divide by the process count ``P``:
+:func:`~rljax.run.builders.process_batch`) and the same
 ``k``; the admission and consumption rules then hold per process, so every process's groups keep
 their deadlines and the bound holds for the whole batch.
 
@@ -80,6 +81,7 @@ import numpy as np
 from rljax.data.filters import group_reward_spread
 from rljax.envs.base import Task
 from rljax.rollout import RolloutResult, _raise_all_errored, merge_rollout_results
+from rljax.run.builders import process_batch
 from rljax.run.scheduler import RolloutScheduler, _release, derive_seed
 from rljax.run.tasks import TaskIterator
 from rljax.training.distributed import allgather_objects
@@ -92,7 +94,6 @@ __all__ = [
     "combine_stream_metrics",
     "draw_number",
     "owned_tasks",
-    "process_batch",
     "staleness_metrics",
 ]
 
@@ -284,29 +285,6 @@ def staleness_metrics(
 def trained_tokens(batch: Sequence[Any]) -> int:
     """Response tokens with loss mask 1 in ``batch``."""
     return int(sum(int(np.sum(s.loss_mask)) for s in batch))
-
-
-def process_batch(prompts_per_step: int, process_count: int) -> int:
-    """``B_p``: the groups each process's stream gives a step (``prompts_per_step / process_count``).
-
-    Every process trains the same batch, gathered from equal shares, so the count must divide.
-
-    >>> process_batch(8, 2)
-    4
-    >>> process_batch(6, 4)
-    Traceback (most recent call last):
-    ...
-    ValueError: config.trainer.mode='fully_async' with 4 processes ... prompts_per_step=6 does not ...
-    """
-    if prompts_per_step % process_count:
-        multiple = -(-prompts_per_step // process_count) * process_count
-        raise ValueError(
-            f"config.trainer.mode='fully_async' with {process_count} processes takes prompts_per_step / "
-            f"{process_count} groups from each process's stream per step; prompts_per_step="
-            f"{prompts_per_step} does not divide by {process_count}: use a multiple of {process_count} "
-            f"(e.g. {multiple})"
-        )
-    return prompts_per_step // process_count
 
 
 def owned_tasks(tasks: Sequence[Task], process_index: int, process_count: int) -> list[Task]:

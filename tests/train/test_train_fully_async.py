@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rljax.envs.base import Task
+from rljax.run.builders import process_batch
 from rljax.run.streaming import (
     Draw,
     Group,
@@ -18,7 +19,6 @@ from rljax.run.streaming import (
     combine_stream_metrics,
     draw_number,
     owned_tasks,
-    process_batch,
     staleness_metrics,
 )
 from rljax.types import Step
