@@ -17,8 +17,9 @@ Modes:
   context  2 train steps on a (data=2, context=2, tensor=2) mesh (context parallelism, each process
            feeding its rows whole; ``--collective ring`` passes keys/values in a ring instead of
            all-gathering them); writes the gathered params and metrics (``context.npz``).
-  stream   the smoke recipe's trainer in ``trainer.mode="fully_async"`` (``--out/run``); every process
-           writes the batches its steps trained and its rows (``stream_p<i>.json``).
+  stream   the smoke recipe's trainer in ``trainer.mode="fully_async"`` for ``--steps`` steps
+           (``--out/run``, checkpoints every 2 steps; ``--resume`` continues it); every process
+           writes the batches its steps trained and its rows (``stream[_resumed]_p<i>.json``).
 
 The environment must give each process its own devices (``XLA_FLAGS`` with
 ``--xla_force_host_platform_device_count``) and ``JAX_PLATFORMS=cpu``.
@@ -58,6 +59,8 @@ def main() -> int:
     parser.add_argument("--initialization_timeout_s", type=int, default=120)
     parser.add_argument("--shutdown_timeout_s", type=int, default=60)
     parser.add_argument("--collective", choices=["all_gather", "ring"], default="all_gather")
+    parser.add_argument("--steps", type=int, default=3, help="stream: RL steps of the run")
+    parser.add_argument("--resume", action="store_true", help="stream: resume the run in --out/run")
     args = parser.parse_args()
 
     config = distributed.DistributedConfig(
@@ -148,7 +151,6 @@ def context(args) -> int:
 
 
 CONTEXT_STEPS = 2
-STREAM_STEPS = 3
 STREAM_K = 1
 
 
@@ -168,14 +170,14 @@ def stream(args) -> int:
     c.envs.lookup.num_train_tasks = 32  # one epoch of each process's 16 holds all its draws
     c.mesh.update(data=4, fsdp=2)
     c.trainer.update(
-        num_steps=STREAM_STEPS,
+        num_steps=args.steps,
         mode="fully_async",
         max_off_policy_steps=STREAM_K,
         prompts_per_step=4,
         eval_every=2,
-        checkpoint_every=STREAM_STEPS,
+        checkpoint_every=2,
     )
-    trainer = Trainer(c, args.out / "run")
+    trainer = Trainer(c, args.out / "run", resume=args.resume)
     sched = trainer.parts.scheduler
     taken = []
     take = sched.take
@@ -196,10 +198,11 @@ def stream(args) -> int:
     history = trainer.run()
     rows = [{k: v for k, v in r.items() if k.startswith(("async/", "policy_version/", "rollout/"))}
             for r in history]  # fmt: skip
-    path = args.out / f"stream_p{jax.process_index()}.json"
+    path = args.out / f"stream{'_resumed' if args.resume else ''}_p{jax.process_index()}.json"
     train = [t.id for t in trainer.parts.env_tasks.train]
     steps = [r["step"] for r in history]
-    path.write_text(json.dumps({"taken": taken, "rows": rows, "steps": steps, "train": train}))
+    record = {"taken": taken, "rows": rows, "steps": steps, "train": train, "seed": c.seed}
+    path.write_text(json.dumps(record))
     log("DONE")
     return 0
 
