@@ -375,19 +375,19 @@ class StreamingScheduler(RolloutScheduler):
     ) -> None:
         super().__init__(cfg, *args, **kwargs)
         p, count = self.process_index, self.process_count
-        self.process_batch = process_batch(self.prompts_per_step, count)
+        self.batch_per_process = process_batch(self.prompts_per_step, count)
         if count > 1:  # this process's own tasks (the module docstring: several processes)
             self.tasks = TaskIterator(owned_tasks(self.env_tasks.train, p, count), seed=cfg.seed)
         self.lag = 0  # one behaviour version at a time: the newest (add_version keeps no older ones)
         self.max_staleness = cfg_k = int(cfg.trainer.max_off_policy_steps)
         self.clock = clock
-        self.state = StreamState(batch=self.process_batch, max_staleness=cfg_k, num_steps=self.num_steps)
+        self.state = StreamState(batch=self.batch_per_process, max_staleness=cfg_k, num_steps=self.num_steps)
         self.next_draw = 0  # this process's draws so far (its draw numbers: draw_number)
         self.published = -1  # the newest version add_version recorded
         self.served_version = -1  # the version the stream made the engine serve
         self.loading = -1  # the newest version the stream started loading (>= served_version)
         self._newest: tuple[int, Any] | None = None  # (version, what the engine serves): read at once
-        self._retired: list[tuple[int, Any]] = []  # older written weights, released when unused
+        self._retired: list[tuple[int, Any]] = []  # older written weights: files deleted when unused
         self._pump_future: Any = None
         self._engines: Mapping[str, Any] = {}
         self._wake: asyncio.Event | None = None
@@ -407,13 +407,18 @@ class StreamingScheduler(RolloutScheduler):
     def add_version(self, version: int, params: Any) -> None:
         """Records weight ``version``; the stream serves it next (no drain: groups in flight go on).
 
-        Older versions are forgotten; the files of one written for vLLM servers are deleted only
-        once no process's stream may still load it (:meth:`_release_unused`, after a step's gather)."""
+        Older versions are forgotten (the stream holds its own reference to the one it loads); the
+        files of one written for vLLM servers are deleted only once no process's stream may still
+        load it (:meth:`_release_unused`, after a step's gather)."""
+        from rljax.inference.vllm.weight_sync import WrittenWeights
+
         served = params if self.localize is None else self.localize(version, params)
         self.behavior[version], self.served[version] = params, served
         for v in [v for v in self.behavior if v < version]:
             del self.behavior[v]
-            self._retired.append((v, self.served.pop(v)))
+            old = self.served.pop(v)
+            if isinstance(old, WrittenWeights):
+                self._retired.append((v, old))
         if version >= self.published:
             self._newest = (int(version), served)  # one assignment: the loop reads both or neither
             self.published = int(version)
