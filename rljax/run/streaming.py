@@ -468,10 +468,16 @@ class StreamingScheduler(RolloutScheduler):
             for env in self.env_tasks.factories
         }
 
-        async def nothing() -> None:
-            return None
+        async def ready() -> None:
+            # agent envs' gateway starts once, here: the stream's groups start together, and
+            # concurrent first starts would each bind its port
+            if self.env_tasks.agents and self.gateway is None:
+                from rljax.gateway import Gateway
 
-        self.worker.submit(nothing).result()  # the worker's loop is running
+                self.gateway = Gateway(self.renderer)
+                await self.gateway.start()
+
+        self.worker.submit(ready).result()  # the worker's loop is running
         self._pump_future = self._run_on_loop(self._pump)
 
     async def _pump(self) -> None:
