@@ -27,6 +27,7 @@ __all__ = [
     "check_extras",
     "check_run",
     "objective_config",
+    "process_batch",
     "required_extras",
 ]
 
@@ -120,6 +121,29 @@ def objective_config(
     )
 
 
+def process_batch(prompts_per_step: int, process_count: int) -> int:
+    """``B_p``: the groups each process's ``fully_async`` stream gives a step (:mod:`rljax.run.streaming`).
+
+    Every process trains the same batch, gathered from equal shares, so the count must divide.
+
+    >>> process_batch(8, 2)
+    4
+    >>> process_batch(6, 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: config.trainer.mode='fully_async' with 4 processes ... prompts_per_step=6 does not ...
+    """
+    if prompts_per_step % process_count:
+        multiple = -(-prompts_per_step // process_count) * process_count
+        raise ValueError(
+            f"config.trainer.mode='fully_async' with {process_count} processes takes prompts_per_step / "
+            f"{process_count} groups from each process's stream per step; prompts_per_step="
+            f"{prompts_per_step} does not divide by {process_count}: use a multiple of {process_count} "
+            f"(e.g. {multiple})"
+        )
+    return prompts_per_step // process_count
+
+
 def check_run(
     cfg: RunConfig,
     *,
@@ -138,8 +162,9 @@ def check_run(
     (MoE router replay), the envs and their tasks (echo needs merging; opsd needs demonstrations and
     a renderer that can place them; a step's prompts must be distinct tasks), the algorithms
     (dynamic sampling needs group-relative ones) and the processes (a multi-process run needs a
-    mesh over all of them; dynamic sampling runs in one process). ``env_tasks`` None: a run built
-    without rollouts (export), whose env rules do not apply.
+    mesh over all of them; dynamic sampling runs in one process; a fully_async step takes equal
+    shares from every process's stream). ``env_tasks`` None: a run built without rollouts (export),
+    whose env rules do not apply.
     """
     if cfg.model.router_replay != "off" and not model_config.moe_layers:
         raise ValueError(
@@ -155,6 +180,8 @@ def check_run(
     if env_tasks is None:
         return
     t = cfg.trainer
+    if t.mode == "fully_async" and process_count > 1:
+        process_batch(t.prompts_per_step, process_count)
     if t.dynamic_sampling.max_rounds > 0:
         if process_count > 1:
             raise ValueError(

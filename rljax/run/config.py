@@ -430,7 +430,8 @@ class TrainerSection:
       num_steps: RL steps to run (0: the warm start only, and a step-0 checkpoint).
       mode: ``"sync"``; ``"async"``: the rollout of step n+1 overlaps training of step n; or
         ``"fully_async"``: rollouts stream continuously and each step trains the next
-        ``prompts_per_step`` complete prompt groups (:mod:`rljax.run.streaming`).
+        ``prompts_per_step`` complete prompt groups (:mod:`rljax.run.streaming`; several processes:
+        a stream each, ``prompts_per_step / process count`` groups from each per step).
       max_off_policy_steps: async modes: how many policy versions a sample may be stale (fully_async:
         between the weights a group started on and the weights it trains against).
       prompts_per_step: prompt groups per RL step.

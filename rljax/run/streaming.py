@@ -35,6 +35,35 @@ iterator's position and the draws not yet trained (running or finished but not t
 draw numbers); ``--resume`` starts those again first, on ``theta_n``, then continues the iterator.
 No prompt is lost and none is trained twice; which groups finish first depends on timing, so a
 resumed run is not bit-for-bit the uninterrupted one (sync and async modes are).
+
+Several processes (a multi-host run; design §5, as the async mode in :mod:`rljax.run.scheduler`).
+Every process runs its own stream on its own engine with ``B_p = B / P`` groups per step
+(``prompts_per_step`` must divide by the process count ``P``:
+:func:`~rljax.run.builders.process_batch`) and the same
+``k``; the admission and consumption rules then hold per process, so every process's groups keep
+their deadlines and the bound holds for the whole batch.
+
+* **Draws.** Process ``p`` owns the train tasks ``train[p::P]`` (:func:`owned_tasks`) and draws
+  them epoch by epoch with its own seeded :class:`~rljax.run.tasks.TaskIterator`; its ``i``-th draw
+  is number ``i * P + p`` (:func:`draw_number`), unique in the run, and its request seeds derive
+  from that number. No task is ever drawn by two processes, so a step's gathered groups never share
+  a task id (a task id is a group). The draw order differs from a one-process run's.
+* **Steps.** :meth:`StreamingScheduler.take` (main thread, every process, in step order) chooses this
+  process's ``B_p`` groups on its own loop, then gathers every process's share
+  (:func:`~rljax.training.distributed.allgather_objects`, process order, each in draw order) into one
+  batch, equal on every process; the staleness check and the ``async/*`` metrics are computed over
+  that whole batch, so they are equal on every process too. Collectives run on the main thread
+  only; the stream's loop issues none.
+* **Versions.** A stream serves only the newest published version and may skip some, so processes
+  do not serve versions in step and there is no per-version barrier (the async mode's). Weights
+  written to files for vLLM servers (``workdir/weights/v<N>``, written by every process together on
+  the main thread, before any stream may load them) are deleted only once every process's stream has
+  taken up a newer version: each share carries the newest version its stream has started loading,
+  and a version older than all of them is released after the gather.
+* **Checkpoints.** :meth:`StreamingScheduler.data_state` gathers every process's iterator position and
+  outstanding draws (``{"process_count": P, "processes": [...]}``, the same on every process; orbax
+  writes it once); ``restore`` gives each process its own entry. Resuming with another process count
+  is a clear error, not a redistribution: the task partitions and iterator orders depend on ``P``.
 """
 
 from __future__ import annotations
@@ -52,9 +81,21 @@ import numpy as np
 from rljax.data.filters import group_reward_spread
 from rljax.envs.base import Task
 from rljax.rollout import RolloutResult, _raise_all_errored, merge_rollout_results
-from rljax.run.scheduler import RolloutScheduler, derive_seed
+from rljax.run.builders import process_batch
+from rljax.run.scheduler import RolloutScheduler, _release, derive_seed
+from rljax.run.tasks import TaskIterator
+from rljax.training.distributed import allgather_objects
 
-__all__ = ["Draw", "Group", "StreamState", "StreamingScheduler", "staleness_metrics"]
+__all__ = [
+    "Draw",
+    "Group",
+    "StreamState",
+    "StreamingScheduler",
+    "combine_stream_metrics",
+    "draw_number",
+    "owned_tasks",
+    "staleness_metrics",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +287,80 @@ def trained_tokens(batch: Sequence[Any]) -> int:
     return int(sum(int(np.sum(s.loss_mask)) for s in batch))
 
 
+def owned_tasks(tasks: Sequence[Task], process_index: int, process_count: int) -> list[Task]:
+    """The train tasks process ``process_index`` draws from: every ``process_count``-th, from its index
+    on (disjoint, together all of them; a task list ordered by env still spreads every env).
+
+    >>> [t.id for t in owned_tasks([Task(f"t{i}") for i in range(5)], 1, 2)]
+    ['t1', 't3']
+    """
+    return list(tasks[process_index::process_count])
+
+
+def draw_number(local: int, process_index: int, process_count: int) -> int:
+    """The run-wide number of process ``process_index``'s ``local``-th draw: ``local * P + p`` (unique
+    across processes; one process: ``local``).
+
+    >>> [draw_number(i, 1, 2) for i in range(3)]
+    [1, 3, 5]
+    """
+    return local * process_count + process_index
+
+
+@dataclasses.dataclass
+class _Share:
+    """One process's part of a step, gathered on every process: its chosen groups (in draw order),
+    its stream's metrics, how long each chosen group waited, and the newest version its stream has
+    started loading (older written weights may be released once every process is past them)."""
+
+    groups: list[Group]
+    metrics: dict[str, float]
+    waits: list[float]
+    loading: int
+
+
+_SUMMED = (
+    "async/groups_inflight",
+    "async/groups_queued",
+    "async/groups_dropped_stale",
+    "async/groups_dropped_no_variance",
+    "async/rollout_tokens_per_s",
+)
+_AVERAGED = ("async/engine_idle_fraction", "async/inflight_updates")
+
+
+def combine_stream_metrics(
+    metrics: Sequence[Mapping[str, float]], waits: Sequence[Sequence[float]]
+) -> dict[str, float]:
+    """One row's stream metrics from every process's (process order): counts and token rates add up
+    over the processes' streams, the idle fraction and in-flight updates are averaged over their
+    engines, ``async/group_wait_s`` is the mean over every taken group. One process: its own values.
+
+    >>> row = combine_stream_metrics(
+    ...     [{"async/groups_queued": 1.0, "async/engine_idle_fraction": 0.5},
+    ...      {"async/groups_queued": 2.0, "async/engine_idle_fraction": 0.0}],
+    ...     [[1.0, 3.0], [2.0, 2.0]])
+    >>> row["async/groups_queued"], row["async/engine_idle_fraction"], row["async/group_wait_s"]
+    (3.0, 0.25, 2.0)
+    """
+    out: dict[str, float] = {}
+    for key in _SUMMED:
+        if any(key in m for m in metrics):
+            out[key] = float(sum(m.get(key, 0.0) for m in metrics))
+    for key in _AVERAGED:
+        if any(key in m for m in metrics):
+            out[key] = float(np.mean([m[key] for m in metrics if key in m]))
+    every = [w for ws in waits for w in ws]
+    out["async/group_wait_s"] = float(np.mean(every)) if every else math.nan
+    return out
+
+
+def _portable(group: Group) -> Group:
+    """``group`` as another process needs it (pickled by the gather): its task reduced to id and env."""
+    task = group.draw.task
+    return dataclasses.replace(group, draw=dataclasses.replace(group.draw, task=Task(task.id, env=task.env)))
+
+
 class StreamingScheduler(RolloutScheduler):
     """The rollout scheduler of ``trainer.mode = "fully_async"`` (see the module docstring).
 
@@ -259,18 +374,20 @@ class StreamingScheduler(RolloutScheduler):
         self, cfg: Any, *args: Any, clock: Callable[[], float] = time.perf_counter, **kwargs: Any
     ) -> None:
         super().__init__(cfg, *args, **kwargs)
-        if self.process_count > 1:
-            raise ValueError(
-                "config.trainer.mode='fully_async' runs in one process; use mode='async' for a "
-                "multi-process run"
-            )
+        p, count = self.process_index, self.process_count
+        self.batch_per_process = process_batch(self.prompts_per_step, count)
+        if count > 1:  # this process's own tasks (the module docstring: several processes)
+            self.tasks = TaskIterator(owned_tasks(self.env_tasks.train, p, count), seed=cfg.seed)
         self.lag = 0  # one behaviour version at a time: the newest (add_version keeps no older ones)
         self.max_staleness = cfg_k = int(cfg.trainer.max_off_policy_steps)
         self.clock = clock
-        self.state = StreamState(batch=self.prompts_per_step, max_staleness=cfg_k, num_steps=self.num_steps)
-        self.next_draw = 0
+        self.state = StreamState(batch=self.batch_per_process, max_staleness=cfg_k, num_steps=self.num_steps)
+        self.next_draw = 0  # this process's draws so far (its draw numbers: draw_number)
         self.published = -1  # the newest version add_version recorded
         self.served_version = -1  # the version the stream made the engine serve
+        self.loading = -1  # the newest version the stream started loading (>= served_version)
+        self._newest: tuple[int, Any] | None = None  # (version, what the engine serves): read at once
+        self._retired: list[tuple[int, Any]] = []  # older written weights: files deleted when unused
         self._pump_future: Any = None
         self._engines: Mapping[str, Any] = {}
         self._wake: asyncio.Event | None = None
@@ -288,10 +405,42 @@ class StreamingScheduler(RolloutScheduler):
         return []
 
     def add_version(self, version: int, params: Any) -> None:
-        """Records weight ``version``; the stream serves it next (no drain: groups in flight go on)."""
-        super().add_version(version, params)
-        self.published = max(self.published, int(version))
+        """Records weight ``version``; the stream serves it next (no drain: groups in flight go on).
+
+        Older versions are forgotten (the stream holds its own reference to the one it loads); the
+        files of one written for vLLM servers are deleted only once no process's stream may still
+        load it (:meth:`_release_unused`, after a step's gather)."""
+        from rljax.inference.vllm.weight_sync import WrittenWeights
+
+        served = params if self.localize is None else self.localize(version, params)
+        self.behavior[version], self.served[version] = params, served
+        for v in [v for v in self.behavior if v < version]:
+            del self.behavior[v]
+            old = self.served.pop(v)
+            if isinstance(old, WrittenWeights):
+                self._retired.append((v, old))
+        if version >= self.published:
+            self._newest = (int(version), served)  # one assignment: the loop reads both or neither
+            self.published = int(version)
+        if self.process_count == 1:  # this process's stream alone: it loads only what it read above
+            self._release_unused(self.published)
         self._call_soon(self._wakeup)
+
+    def _release_unused(self, floor: int) -> None:
+        """Forgets the retired versions below ``floor`` (no process's stream loads one any more: each
+        loads only the newest published version), deleting written weights' files (process 0)."""
+        keep = []
+        for v, served in self._retired:
+            if v < floor:
+                _release(served, main=self.process_index == 0)
+            else:
+                keep.append((v, served))
+        self._retired = keep
+
+    async def serve(self, version: int) -> None:
+        """Makes this process's policy engine serve weight ``version``. No barrier: streams do not
+        serve versions in step (the module docstring: several processes)."""
+        await self.engines.serve(version, self.to_model(self.served[version]))
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _call_soon(self, fn: Callable[[], None]) -> None:
@@ -319,10 +468,10 @@ class StreamingScheduler(RolloutScheduler):
             for env in self.env_tasks.factories
         }
 
-        async def nothing() -> None:
+        async def ready() -> None:  # agent groups that start together share one gateway start
             return None
 
-        self.worker.submit(nothing).result()  # the worker's loop is running
+        self.worker.submit(ready).result()  # the worker's loop is running
         self._pump_future = self._run_on_loop(self._pump)
 
     async def _pump(self) -> None:
@@ -330,11 +479,13 @@ class StreamingScheduler(RolloutScheduler):
         self._window.reset(self.clock(), busy=False)
         try:
             while not self._closing:
-                if self.published > self.served_version:
-                    version = self.published
+                newest = self._newest
+                if newest is not None and newest[0] > self.served_version:
+                    version, served = newest
+                    self.loading = version
                     if self.state.running:  # counted as the switch starts, with groups in flight
                         self._window.inflight_updates += 1
-                    await self.serve(version)
+                    await self.engines.serve(version, self.to_model(served))
                     self.served_version = version
                     self._changed.set()
                 while (
@@ -355,7 +506,8 @@ class StreamingScheduler(RolloutScheduler):
         if state.requeue:
             draw = state.requeue.popleft()
         else:
-            draw = Draw(self.tasks.take(1)[0], self.next_draw)
+            number = draw_number(self.next_draw, self.process_index, self.process_count)
+            draw = Draw(self.tasks.take(1)[0], number)
             self.next_draw += 1
         was_busy = bool(state.running)
         group = state.admit(draw, version=self.served_version, now=self.clock())
@@ -373,7 +525,7 @@ class StreamingScheduler(RolloutScheduler):
             raise_on_all_errored=False,  # one bad group is masked; a step of only errors raises
         )
         try:
-            result = await self.run_rollout(self.share([d.task]), self._engines, config)
+            result = await self.run_rollout([d.task], self._engines, config)  # this process's group
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -393,11 +545,17 @@ class StreamingScheduler(RolloutScheduler):
 
     # -- the trainer's side ---------------------------------------------------------------------------------
     def take(self, step: int) -> tuple[RolloutResult, dict[str, float]]:
-        """Blocks until step ``step`` may train; returns its groups' rollout (in draw order) and the
-        stream's metrics of the step."""
+        """Blocks until step ``step`` may train; returns its groups' rollout and the stream's metrics
+        of the step. Several processes: every process's share (process order, each in draw order),
+        the same batch and metrics on every process (call on the main thread, every process)."""
         if self._pump_future is None:
             raise RuntimeError("StreamingScheduler.take before start()")
-        groups, metrics = self._run_on_loop(lambda: self._take(step)).result()
+        chosen, local, waits = self._run_on_loop(lambda: self._take(step)).result()
+        mine = chosen if self.process_count == 1 else [_portable(g) for g in chosen]
+        shares: list[_Share] = allgather_objects(_Share(mine, local, waits, self.loading))
+        self._release_unused(min(s.loading for s in shares))
+        groups = [g for s in shares for g in s.groups]
+        metrics = combine_stream_metrics([s.metrics for s in shares], [s.waits for s in shares])
         result = merge_rollout_results([g.result for g in groups])
         records = result.trajectories
         if self.rollout_config.raise_on_all_errored and records and all(r.errored for r in records):
@@ -417,7 +575,7 @@ class StreamingScheduler(RolloutScheduler):
         self.next_step = step + 1
         return result, metrics
 
-    async def _take(self, step: int) -> tuple[list[Group], dict[str, float]]:
+    async def _take(self, step: int) -> tuple[list[Group], dict[str, float], list[float]]:
         assert self._changed is not None and self._wake is not None
         while True:
             if self._error is not None:
@@ -443,9 +601,8 @@ class StreamingScheduler(RolloutScheduler):
             "async/engine_idle_fraction": window["idle_fraction"],
             "async/rollout_tokens_per_s": window["tokens_per_s"],
             "async/inflight_updates": window["inflight_updates"],
-            "async/group_wait_s": float(np.mean([now - g.finished for g in chosen])),
         }
-        return chosen, metrics
+        return chosen, metrics, [now - g.finished for g in chosen]
 
     def submit_eval(self, version: int) -> Any:
         """Evaluates weight ``version`` once the stream serves it (evals share the engine with the
@@ -464,19 +621,25 @@ class StreamingScheduler(RolloutScheduler):
     # -- checkpoints --------------------------------------------------------------------------------------
     def data_state(self, step: int) -> dict[str, Any]:
         """The task iterator's position plus the draws not yet trained (taken on the loop, so the
-        two agree): a resumed run draws those again first."""
+        two agree): a resumed run draws those again first. Several processes: every process's, as
+        ``{"process_count": P, "processes": [...]}`` on every process (call on the main thread)."""
 
         async def snapshot() -> dict[str, Any]:
             outstanding = [[d.task.id, d.number, d.attempt] for d in self.state.outstanding()]
             return {**self.tasks.state(), "next_draw": self.next_draw, "outstanding": outstanding}
 
         if self._pump_future is None:
-            return {**self.tasks.state(), "next_draw": self.next_draw, "outstanding": []}
-        return self._run_on_loop(snapshot).result()
+            local = {**self.tasks.state(), "next_draw": self.next_draw, "outstanding": []}
+        else:
+            local = self._run_on_loop(snapshot).result()
+        if self.process_count == 1:
+            return local
+        return {"process_count": self.process_count, "processes": allgather_objects(local)}
 
     def restore(self, data_state: Mapping[str, Any]) -> None:
-        """Restores the task order and queues the checkpoint's untrained draws to start first."""
-        state = data_state["tasks"]
+        """Restores the task order and queues the checkpoint's untrained draws to start first
+        (several processes: each its own, from a checkpoint of as many processes)."""
+        state = self._own_state(data_state["tasks"])
         self.tasks.restore(state)
         self.next_draw = int(state.get("next_draw", 0))
         by_id = self.env_tasks.by_id()
@@ -487,6 +650,17 @@ class StreamingScheduler(RolloutScheduler):
                     "(the task list changed since the checkpoint was written)"
                 )
             self.state.requeue.append(Draw(by_id[task_id], int(number), int(attempt)))
+
+    def _own_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This process's entry of a checkpoint's stream state (a one-process checkpoint: all of it)."""
+        saved = int(state.get("process_count", 1))
+        if saved != self.process_count:
+            raise ValueError(
+                f"--resume: the checkpoint's fully_async stream state was written by {saved} "
+                f"process(es), this run has {self.process_count}; each process resumes its own task "
+                f"partition and draws, so resume with {saved} process(es) (or start a new run)"
+            )
+        return state["processes"][self.process_index] if saved > 1 else state
 
     def close(self) -> None:
         """Stops the stream (groups in flight are cancelled), then the gateway."""
@@ -505,6 +679,7 @@ class StreamingScheduler(RolloutScheduler):
             except Exception:  # closing must not mask the run's own error
                 pass
             self._pump_future = None
+        self._release_unused(self.published)  # the run is over: keep only the newest version's files
         super().close()
 
 

@@ -17,6 +17,9 @@ Modes:
   context  2 train steps on a (data=2, context=2, tensor=2) mesh (context parallelism, each process
            feeding its rows whole; ``--collective ring`` passes keys/values in a ring instead of
            all-gathering them); writes the gathered params and metrics (``context.npz``).
+  stream   the smoke recipe's trainer in ``trainer.mode="fully_async"`` for ``--steps`` steps
+           (``--out/run``, checkpoints every 2 steps; ``--resume`` continues it); every process
+           writes the batches its steps trained and its rows (``stream[_resumed]_p<i>.json``).
 
 The environment must give each process its own devices (``XLA_FLAGS`` with
 ``--xla_force_host_platform_device_count``) and ``JAX_PLATFORMS=cpu``.
@@ -44,7 +47,7 @@ def log(*args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "restore", "fault", "connect", "context"])
+    parser.add_argument("mode", choices=["train", "restore", "fault", "connect", "context", "stream"])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--process_id", type=int, required=True)
@@ -56,6 +59,8 @@ def main() -> int:
     parser.add_argument("--initialization_timeout_s", type=int, default=120)
     parser.add_argument("--shutdown_timeout_s", type=int, default=60)
     parser.add_argument("--collective", choices=["all_gather", "ring"], default="all_gather")
+    parser.add_argument("--steps", type=int, default=3, help="stream: RL steps of the run")
+    parser.add_argument("--resume", action="store_true", help="stream: resume the run in --out/run")
     args = parser.parse_args()
 
     config = distributed.DistributedConfig(
@@ -86,6 +91,8 @@ def main() -> int:
         return train(args)
     if args.mode == "context":
         return context(args)
+    if args.mode == "stream":
+        return stream(args)
     return restore(args)
 
 
@@ -144,6 +151,60 @@ def context(args) -> int:
 
 
 CONTEXT_STEPS = 2
+STREAM_K = 1
+
+
+def stream(args) -> int:
+    """The trainer in fully_async mode; records what every step took on this process: per sample its
+    task id, repetition, response tokens and the largest staleness of its trained tokens."""
+    import json
+
+    import jax
+    import numpy as np
+
+    from rljax.recipes import smoke
+    from rljax.run.trainer import Trainer
+
+    c = smoke.get_config()
+    c.warmstart.num_steps = 0
+    c.envs.lookup.num_train_tasks = 32  # one epoch of each process's 16 holds all its draws
+    c.mesh.update(data=4, fsdp=2)
+    c.trainer.update(
+        num_steps=args.steps,
+        mode="fully_async",
+        max_off_policy_steps=STREAM_K,
+        prompts_per_step=4,
+        eval_every=2,
+        checkpoint_every=2,
+    )
+    trainer = Trainer(c, args.out / "run", resume=args.resume)
+    sched = trainer.parts.scheduler
+    taken = []
+    take = sched.take
+
+    def recording_take(step):
+        result, metrics = take(step)
+        samples = []
+        for s in result.batch:
+            mask = np.asarray(s.loss_mask, bool)
+            stale = step - s.token_versions()[mask]
+            tid = s.trajectory_id
+            samples.append([tid.instance_id, tid.repetition_id, list(map(int, s.response_ids)),
+                            int(stale.max()) if stale.size else 0])  # fmt: skip
+        taken.append({"step": step, "samples": samples})
+        return result, metrics
+
+    sched.take = recording_take
+    history = trainer.run()
+    rows = [{k: v for k, v in r.items() if k.startswith(("async/", "policy_version/", "rollout/"))}
+            for r in history]  # fmt: skip
+    path = args.out / f"stream{'_resumed' if args.resume else ''}_p{jax.process_index()}.json"
+    train = [t.id for t in trainer.parts.env_tasks.train]
+    steps = [r["step"] for r in history]
+    record = {"taken": taken, "rows": rows, "steps": steps, "train": train, "seed": c.seed}
+    path.write_text(json.dumps(record))
+    log("DONE")
+    return 0
 
 
 def _setup():

@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 from rljax.envs.base import Task
-from rljax.run.streaming import Draw, Group, StreamState, staleness_metrics
+from rljax.run.builders import process_batch
+from rljax.run.streaming import (
+    Draw,
+    Group,
+    StreamingScheduler,
+    StreamState,
+    combine_stream_metrics,
+    draw_number,
+    owned_tasks,
+    staleness_metrics,
+)
 from rljax.types import Step
 
 
@@ -165,3 +175,77 @@ def test_staleness_metrics_over_trained_tokens():
     # finished on version 4: in flight 1, 0, 0, 0; in the queue 1 each
     assert m["async/staleness_inflight_mean"] == pytest.approx(1 / 4)
     assert m["async/staleness_queue_mean"] == pytest.approx(1.0)
+
+
+def test_process_batch_owned_tasks_and_draw_numbers_split_the_stream():
+    assert process_batch(8, 1) == 8 and process_batch(8, 2) == 4
+    with pytest.raises(
+        ValueError, match="prompts_per_step=6 does not divide by 4: use a multiple of 4 \\(e.g. 8\\)"
+    ):
+        process_batch(6, 4)
+    tasks = [Task(f"t{i}") for i in range(7)]
+    parts = [owned_tasks(tasks, p, 3) for p in range(3)]
+    assert [[t.id for t in part] for part in parts] == [["t0", "t3", "t6"], ["t1", "t4"], ["t2", "t5"]]
+    assert owned_tasks(tasks, 0, 1) == tasks
+    # draw numbers: unique across processes, each process's in its own residue class
+    numbers = [draw_number(i, p, 3) for p in range(3) for i in range(5)]
+    assert sorted(numbers) == list(range(15))
+    assert [draw_number(i, 0, 1) for i in range(3)] == [0, 1, 2]
+
+
+def test_combine_stream_metrics_adds_counts_and_averages_engines():
+    a = {"async/groups_inflight": 2.0, "async/groups_queued": 1.0, "async/groups_dropped_stale": 0.0,
+         "async/groups_dropped_no_variance": 1.0, "async/rollout_tokens_per_s": 100.0,
+         "async/engine_idle_fraction": 0.2, "async/inflight_updates": 1.0}  # fmt: skip
+    b = {**a, "async/groups_inflight": 3.0, "async/rollout_tokens_per_s": 50.0,
+         "async/engine_idle_fraction": 0.6, "async/inflight_updates": 0.0}  # fmt: skip
+    row = combine_stream_metrics([a, b], [[1.0], [2.0, 6.0]])
+    assert row["async/groups_inflight"] == 5.0 and row["async/groups_queued"] == 2.0
+    assert row["async/groups_dropped_no_variance"] == 2.0 and row["async/rollout_tokens_per_s"] == 150.0
+    assert row["async/engine_idle_fraction"] == pytest.approx(0.4) and row["async/inflight_updates"] == 0.5
+    assert row["async/group_wait_s"] == 3.0  # (1 + 2 + 6) / 3 groups, not the mean of the means
+    assert combine_stream_metrics([a], [[1.0, 2.0]]) == {**a, "async/group_wait_s": 1.5}
+
+
+def test_a_stream_resumes_only_with_the_process_count_of_its_checkpoint():
+    one = {"epoch": 0, "position": 3, "next_draw": 3, "outstanding": []}
+    two = {"process_count": 2, "processes": [{**one, "next_draw": 1}, {**one, "next_draw": 2}]}
+
+    def own(state, index, count):
+        me = types.SimpleNamespace(process_index=index, process_count=count)
+        return StreamingScheduler._own_state(me, state)
+
+    assert own(one, 0, 1) is one
+    assert own(two, 1, 2)["next_draw"] == 2
+    with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
+        own(two, 0, 1)
+    with pytest.raises(ValueError, match="written by 1 process\\(es\\), this run has 2"):
+        own(one, 1, 2)
+
+
+@pytest.mark.slow  # builds the smoke model and tasks
+def test_check_run_refuses_a_fully_async_batch_that_does_not_split_over_the_processes():
+    from recipes import load_recipe
+
+    from rljax.algorithms import validate_algorithm_config
+    from rljax.run.builders import build_model, build_tokenizer, check_run
+    from rljax.run.config import parse_run_config
+    from rljax.run.tasks import build_env_tasks
+
+    c = load_recipe("smoke")
+    c.mesh.data = 2
+    c.trainer.update(mode="fully_async", prompts_per_step=3, mini_batch_prompts=0)
+    cfg = parse_run_config(c)
+    model = build_model(cfg.model, vocab_size=len(build_tokenizer(cfg.tokenizer)), seed=0)
+    parts = dict(
+        algorithms=validate_algorithm_config(cfg.algorithm, group_size=cfg.rollout.group_size),
+        model_config=model.config,
+        env_tasks=build_env_tasks(cfg),
+        renderer=None,
+        device_count=2,
+    )
+    check_run(cfg, process_count=1, **parts)  # one process: any batch
+    with pytest.raises(ValueError, match="with 2 processes .* prompts_per_step=3 does not divide by 2"):
+        check_run(cfg, process_count=2, **parts)
+    check_run(parse_run_config({**c.to_dict(), "trainer": {**c.trainer.to_dict(), "prompts_per_step": 4}}),
+              process_count=2, **parts)  # fmt: skip

@@ -9,12 +9,16 @@ gloo collectives) and compares with this pytest process (1 process x 8 devices, 
   mesh, and those saved by 1 process restore bit-equal in 2;
 * ``kill -9`` of one process: the survivor exits non-zero, with a clear message, within seconds
   (heartbeat timeout), whether it waits in a barrier or in a collective; a missing coordinator
-  fails ``initialize`` with a clear error.
+  fails ``initialize`` with a clear error;
+* the trainer in ``trainer.mode="fully_async"``: each process streams its own tasks, every step
+  trains the same gathered batch on both, within the staleness bound, no task twice, and the
+  checkpoint holds both processes' streams.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pathlib
 import signal
@@ -29,7 +33,11 @@ import pytest
 import train_fixtures as tf
 from xla_flags import xla_flags
 
+from rljax.envs.base import Task
 from rljax.models import load_hf_tensors
+from rljax.run.run import stored_abstract
+from rljax.run.streaming import owned_tasks
+from rljax.run.tasks import TaskIterator
 from rljax.training import checkpoint
 from rljax.training.distributed import (
     DistributedConfig,
@@ -317,3 +325,62 @@ def test_single_process_helpers_and_config_validation():
     assert jax.device_count() == 8
     with pytest.raises(RuntimeError, match="must run before any JAX computation"):
         initialize(DistributedConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0))
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+def test_fully_async_streams_per_process_and_trains_one_gathered_batch(tmp_path):
+    """2 processes, smoke recipe, embedded samplers, ``max_off_policy_steps=1``, 4 prompts per step (2
+    from each process's stream), 3 steps, an eval at step 2, checkpoints at steps 0, 2 and 3."""
+    run = Run("stream", tmp_path)
+    run.check()
+    k, steps, group_size = 1, 3, 2
+    got = [json.loads((tmp_path / f"stream_p{i}.json").read_text()) for i in (0, 1)]
+    assert got[0]["steps"] == got[1]["steps"] == [1, 2, 3]
+    # one batch per step, equal on both processes: the same samples, tokens and staleness
+    assert got[0]["taken"] == got[1]["taken"]
+    taken = got[0]["taken"]
+    train = got[0]["train"]
+    index = {task: i for i, task in enumerate(train)}  # process p owns train[p::2]
+    assert [t["step"] for t in taken] == list(range(steps))
+    trained_by: list[list[list[str]]] = [[], []]  # process -> step -> its groups' task ids
+    for t in taken:
+        groups = list(dict.fromkeys(task for task, _, _, _ in t["samples"]))
+        trajectories = {(task, rep) for task, rep, _, _ in t["samples"]}
+        assert len(groups) == 4 and len(trajectories) == 4 * group_size
+        # process order: the first 2 groups are process 0's, drawn from its own tasks (even indices)
+        assert [index[g] % 2 for g in groups] == [0, 0, 1, 1], groups
+        trained_by[0].append(groups[:2])
+        trained_by[1].append(groups[2:])
+        assert all(0 <= stale <= k for _, _, _, stale in t["samples"]), t["samples"]
+    trained = [g for by in trained_by for gs in by for g in gs]
+    assert len(trained) == len(set(trained))  # no task twice, across steps and processes
+    # the rows' stream metrics are the gathered batch's, equal on both processes
+    for r0, r1 in zip(got[0]["rows"], got[1]["rows"], strict=True):
+        same = {key for key in r0 if key != "async/train_tokens_per_s"}  # per process: its step time
+        assert {key: r0[key] for key in same} == {key: r1[key] for key in same}
+        assert r0["policy_version/lag"] <= k and r0["async/staleness_max"] <= k
+        assert r0["rollout/num_trajectories"] == 4 * group_size
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["optimizer_steps"] >= 1 for r in rows)
+    assert 0.0 <= rows[1]["eval/reward_mean"] <= 1.0  # the eval beside both streams, gathered
+    # checkpoint 2 holds both streams: each process's draws are the groups it trained in steps 1-2
+    # plus its untrained ones (numbered i * 2 + p), which step 3 trains
+    directory = tmp_path / "run" / "checkpoints"
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # saved over 2 processes' devices
+    abstract = {
+        item: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+            stored_abstract(directory, 2, item),
+        )
+        for item in ("params", "opt_state")
+    }
+    stream = checkpoint.restore(directory, **abstract, step=2).data_state["tasks"]
+    assert stream["process_count"] == 2 and len(stream["processes"]) == 2
+    for p, state in enumerate(stream["processes"]):
+        outstanding = [task for task, _, _ in state["outstanding"]]
+        assert all(number % 2 == p for _, number, _ in state["outstanding"])
+        order = TaskIterator(owned_tasks([Task(t) for t in train], p, 2), seed=got[0]["seed"])
+        drawn = [order.take(1)[0].id for _ in range(state["next_draw"])]
+        assert sorted(trained_by[p][0] + trained_by[p][1] + outstanding) == sorted(drawn)
+        assert set(outstanding) <= set(trained_by[p][2])
