@@ -194,7 +194,8 @@ def test_moe_routing_after_an_update_is_the_new_weights_routing(monkeypatch):
     assert s.num_in_flight_switches == 1
     for prompt, got in zip(PROMPTS[:2], out, strict=True):
         ids = list(got.ids)
-        assert len(ids) > switch and [(v.version, v.start) for v in got.weight_versions] == [(0, 0), (1, switch)]
+        assert len(ids) > switch
+        assert [(v.version, v.start) for v in got.weight_versions] == [(0, 0), (1, switch)]
         seq = jnp.asarray([prompt + ids])
         n = seq.shape[1]
         routed_new = np.asarray(new.hidden_states(seq, with_routing=True).routing.experts)[0, : n - 1]
@@ -202,5 +203,6 @@ def test_moe_routing_after_an_update_is_the_new_weights_routing(monkeypatch):
         assert np.any(routed_new != routed_old)  # the versions route differently: the check can fail
         np.testing.assert_array_equal(got.routed_experts, routed_new)
         replay = np.concatenate([got.routed_experts, -np.ones_like(got.routed_experts[:1])])[None]
-        lp = np.asarray(models.sequence_logprobs(new, seq, routed_experts=jnp.asarray(replay)))[0, len(prompt) :]
+        lp = models.sequence_logprobs(new, seq, routed_experts=jnp.asarray(replay))
+        lp = np.asarray(lp)[0, len(prompt) :]
         np.testing.assert_allclose(lp[switch:], np.asarray(got.logprobs)[switch:], **LOGPROB_TOL)
