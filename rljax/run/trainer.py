@@ -287,24 +287,7 @@ class Trainer:
         run_start = time.perf_counter()
         t = self.cfg.trainer
         parts, sched = self.parts, self.parts.scheduler
-        parts.engines.check_frozen_models(
-            self.parts.algorithms, parts.rollout_worker
-        )  # fails in seconds, not later
-        checkpoint_s: float | None = None  # the last checkpoint's time, for the next row
-        if resumed is None:
-            self._warm_start()
-            start = 0
-            parts.sync_weights(0)
-            if t.checkpoint_every:
-                self.sinks.flush()  # the warm start's rows
-                checkpoint_s = self._timed_save(0)
-        else:
-            start = resumed
-            print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
-        parts.sync_weights(start)
-        parts.start_engines(start)
-        self._beat(f"engines started on version {start}")
-        sched.start(start)
+        start, checkpoint_s = self._start(resumed)
         eval_future: tuple[int, concurrent.futures.Future] | None = None
         if (
             resumed is not None
@@ -342,22 +325,14 @@ class Trainer:
                 if t.mode == "sync" or step_no == t.num_steps:
                     metrics.update(self._eval_result(*eval_future))
                     eval_future = None
-            if checkpoint_s is not None:
-                metrics["time/checkpoint_s"] = checkpoint_s  # of the checkpoint before this step
-                checkpoint_s = None
-            if self.save_errors:
-                metrics["checkpoint/save_errors"] = float(self.save_errors)
-            metrics["time/step_s"] = time.perf_counter() - step_start
-            metrics["time/elapsed_s"] = time.perf_counter() - run_start
-            metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
-            self.history.append({"step": step_no, **metrics})
-            every = t.save_rollouts_every
-            save = bool(every) and step_no % every == 0
-            self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
-            self.sinks.log(step_no, metrics)
-            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
-                self.sinks.flush()  # the step's row and records are durable before `latest` moves
-                checkpoint_s = self._timed_save(step_no)
+            checkpoint_s = self._finish_step(
+                step_no,
+                result,
+                metrics,
+                step_start=step_start,
+                run_start=run_start,
+                checkpoint_s=checkpoint_s,
+            )
         if checkpoint_s is not None:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
@@ -371,22 +346,7 @@ class Trainer:
         run_start = time.perf_counter()
         t = self.cfg.trainer
         parts, sched = self.parts, self.parts.scheduler
-        parts.engines.check_frozen_models(self.parts.algorithms, parts.rollout_worker)
-        checkpoint_s: float | None = None
-        if resumed is None:
-            self._warm_start()
-            start = 0
-            parts.sync_weights(0)
-            if t.checkpoint_every:
-                self.sinks.flush()
-                checkpoint_s = self._timed_save(0)
-        else:
-            start = resumed
-            print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
-        parts.sync_weights(start)
-        parts.start_engines(start)
-        self._beat(f"engines started on version {start}")
-        sched.start(start)
+        start, checkpoint_s = self._start(resumed)
         for n in range(start, t.num_steps):
             step_start = time.perf_counter()
             self._beat(f"step {n + 1}: waiting for complete groups")
@@ -406,26 +366,73 @@ class Trainer:
             metrics.update(rollout_step_metrics(result))
             metrics.update(stream_metrics)
             metrics.update({"time/rollout_wait_s": rollout_wait, "time/train_s": train_time})
-            if checkpoint_s is not None:
-                metrics["time/checkpoint_s"] = checkpoint_s
-                checkpoint_s = None
-            if self.save_errors:
-                metrics["checkpoint/save_errors"] = float(self.save_errors)
-            metrics["time/step_s"] = time.perf_counter() - step_start
-            metrics["time/elapsed_s"] = time.perf_counter() - run_start
-            metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
-            metrics["async/train_tokens_per_s"] = trained_tokens(result.batch) / metrics["time/step_s"]
-            self.history.append({"step": step_no, **metrics})
-            every = t.save_rollouts_every
-            save = bool(every) and step_no % every == 0
-            self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
-            self.sinks.log(step_no, metrics)
-            if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
-                self.sinks.flush()
-                checkpoint_s = self._timed_save(step_no)
+            checkpoint_s = self._finish_step(
+                step_no,
+                result,
+                metrics,
+                step_start=step_start,
+                run_start=run_start,
+                checkpoint_s=checkpoint_s,
+            )
         if checkpoint_s is not None:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
+
+    def _start(self, resumed: int | None) -> tuple[int, float | None]:
+        """Every mode's start: the warm start and checkpoint 0 (a fresh run) or the resumed step,
+        then the engines on that step's weights and the scheduler. Returns the first step and the
+        seconds checkpoint 0 took (None: none written)."""
+        parts, t = self.parts, self.cfg.trainer
+        parts.engines.check_frozen_models(parts.algorithms, parts.rollout_worker)  # fails in seconds
+        checkpoint_s: float | None = None
+        if resumed is None:
+            self._warm_start()
+            start = 0
+            parts.sync_weights(0)
+            if t.checkpoint_every:
+                self.sinks.flush()  # the warm start's rows
+                checkpoint_s = self._timed_save(0)
+        else:
+            start = resumed
+            print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
+        parts.sync_weights(start)
+        parts.start_engines(start)
+        self._beat(f"engines started on version {start}")
+        parts.scheduler.start(start)
+        return start, checkpoint_s
+
+    def _finish_step(
+        self,
+        step_no: int,
+        result: RolloutResult,
+        metrics: dict[str, Any],
+        *,
+        step_start: float,
+        run_start: float,
+        checkpoint_s: float | None,
+    ) -> float | None:
+        """Every mode's end of a step: its times, the row and rollout records in the sinks, and the
+        checkpoint when one is due. ``checkpoint_s``: the previous checkpoint's seconds, reported in
+        this row; returns this step's checkpoint seconds (None: none written)."""
+        t = self.cfg.trainer
+        if checkpoint_s is not None:
+            metrics["time/checkpoint_s"] = checkpoint_s  # of the checkpoint before this step
+        if self.save_errors:
+            metrics["checkpoint/save_errors"] = float(self.save_errors)
+        metrics["time/step_s"] = time.perf_counter() - step_start
+        metrics["time/elapsed_s"] = time.perf_counter() - run_start
+        metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
+        if t.mode == "fully_async":
+            metrics["async/train_tokens_per_s"] = trained_tokens(result.batch) / metrics["time/step_s"]
+        self.history.append({"step": step_no, **metrics})
+        every = t.save_rollouts_every
+        save = bool(every) and step_no % every == 0
+        self.sinks.log_rollouts(step_no, result.trajectories, self.trace, save=save)
+        self.sinks.log(step_no, metrics)
+        if t.checkpoint_every and (step_no % t.checkpoint_every == 0 or step_no == t.num_steps):
+            self.sinks.flush()  # the step's row and records are durable before `latest` moves
+            return self._timed_save(step_no)
+        return None
 
     def _timed_save(self, step: int) -> float:
         """Checkpoints ``step``; returns the seconds it took. A failed write stops the run or, with
