@@ -336,8 +336,32 @@ def server_fault_row(
     """Syncs ``model`` to both servers, starts ``requests`` generations, sends ``sig`` to server
     ``victim``'s process group while they run, and waits for every completion and for the server
     to be back in service. ``logprobs_fn(model, ids)``: the trainer's logprobs (the reference)."""
-    server = group.servers[victim]
-    rng = np.random.default_rng(victim)
+    (row,) = server_faults_rows(
+        [(fault, victim, sig)], group, model, logprobs_fn, requests=requests, max_tokens=max_tokens
+    )
+    return row
+
+
+def server_faults_rows(
+    faults: Sequence[tuple[str, int, int]],
+    group: ServerGroup,
+    model: Any,
+    logprobs_fn: Callable[[Any, list[int]], np.ndarray],
+    *,
+    requests: int = 8,
+    max_tokens: int = 160,
+) -> list[Row]:
+    """One row per ``(fault, victim, sig)`` of ``faults``, all in ONE rollout: syncs ``model`` to
+    the servers, starts ``requests`` generations, sends each ``sig`` to its victim's process group
+    at the same moment once every server holds requests, and waits for every completion and for
+    every victim to be back in service (victims restart side by side, so two faults cost about
+    one restart). With every server hit, requests wait for the first one back (the client's
+    all-down wait); with one, they fail over to the other. ``logprobs_fn(model, ids)``: the
+    trainer's logprobs (the reference)."""
+    victims = [victim for _, victim, _ in faults]
+    if len(set(victims)) != len(victims):
+        raise ValueError(f"one fault per server, got victims {victims}")
+    rng = np.random.default_rng(victims[0])
     prompts = [rng.integers(0, model.config.vocab_size, 6).tolist() for _ in range(requests)]
 
     async def main() -> tuple[Any, ...]:
@@ -351,49 +375,58 @@ def server_fault_row(
                 )
                 for i, p in enumerate(prompts)
             ]
-            while client.servers[victim].outstanding == 0 or client.servers[1 - victim].outstanding == 0:
+            while any(s.outstanding == 0 for s in client.servers):
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)  # tokens are flowing
-            held = client.servers[victim].outstanding
+            held = {v: client.servers[v].outstanding for v in victims}
             t0 = time.monotonic()
-            os.killpg(server.process.pid, sig)
+            for _, victim, sig in faults:
+                os.killpg(group.servers[victim].process.pid, sig)
             outs = await asyncio.gather(*tasks)
             done_s = time.monotonic() - t0
-            deadline = time.monotonic() + server.config.startup_timeout_s + 120
-            while not any(e.kind == "up" and e.server == victim for e in supervisor.events):
+            deadline = (
+                time.monotonic() + max(group.servers[v].config.startup_timeout_s for v in victims) + 120
+            )
+            while not all(any(e.kind == "up" and e.server == v for e in supervisor.events) for v in victims):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"server {server.url} not back: {supervisor.events}")
+                    raise TimeoutError(f"servers {victims} not all back: {supervisor.events}")
                 await asyncio.sleep(0.5)
             probe = client.current.probe
-            served = await client.score(probe.tolist(), server=victim)
+            served = {v: await client.score(probe.tolist(), server=v) for v in victims}
             return outs, held, t0, done_s, supervisor.events, probe, served, client.weight_version
 
     try:
         outs, held, t0, done_s, events, probe, served, version = asyncio.run(main())
     finally:
-        if server.process is not None:  # a stopped server left behind must not stay stopped
-            try:
-                os.killpg(server.process.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    down = [e for e in events if e.server == victim and e.kind == "down"]
-    up = [e for e in events if e.server == victim and e.kind == "up"]
+        for victim in victims:  # a stopped server left behind must not stay stopped
+            process = group.servers[victim].process
+            if process is not None:
+                try:
+                    os.killpg(process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
     diffs = [
         _max_diff(o.logprobs, logprobs_fn(model, p + list(o.ids))[len(p) :])
         for p, o in zip(prompts, outs, strict=True)
     ]
-    probe_diff = _max_diff(served[1:], logprobs_fn(model, probe.tolist())[1:])
     complete = all(len(o.ids) == max_tokens or o.finish_reason == "stop" for o in outs)
-    ok = complete and max(diffs) <= ATOL and probe_diff <= ATOL and bool(down) and bool(up)
-    detected = down[0].at - t0 if down else None
-    back_s = up[-1].at - t0 if up else None
-    outcome = (
-        f"{len(outs)}/{requests} requests completed ({held} were on it; max |lp - trainer| {max(diffs):.1e}) "
-        f"in {done_s:.1f} s; restarted, back and verified after {back_s:.0f} s (probe diff {probe_diff:.1e})"
-    )
-    details = {"diffs": diffs, "probe_diff": probe_diff, "held": held, "back_s": back_s, "version": version}
-    details["reason"] = down[0].detail if down else ""
-    return Row(fault, detected, outcome, ok, details)
+    rows = []
+    for fault, victim, _ in faults:
+        down = [e for e in events if e.server == victim and e.kind == "down"]
+        up = [e for e in events if e.server == victim and e.kind == "up"]
+        probe_diff = _max_diff(served[victim][1:], logprobs_fn(model, probe.tolist())[1:])
+        ok = complete and max(diffs) <= ATOL and probe_diff <= ATOL and bool(down) and bool(up)
+        detected = down[0].at - t0 if down else None
+        back_s = up[-1].at - t0 if up else None
+        outcome = (
+            f"{len(outs)}/{requests} requests completed ({held[victim]} were on it; max |lp - trainer| "
+            f"{max(diffs):.1e}) in {done_s:.1f} s; restarted, back and verified after {back_s:.0f} s "
+            f"(probe diff {probe_diff:.1e})"
+        )
+        details = {"diffs": diffs, "probe_diff": probe_diff, "held": held[victim], "back_s": back_s}
+        details.update(version=version, reason=down[0].detail if down else "")
+        rows.append(Row(fault, detected, outcome, ok, details))
+    return rows
 
 
 def wrong_weights_row(group: ServerGroup, model: Any, restore: Any) -> Row:

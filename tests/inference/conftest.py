@@ -20,6 +20,7 @@ import inference_fakes  # noqa: E402
 import inference_helpers  # noqa: E402
 
 from rljax.inference.vllm import ServerConfig, VLLMServer, write_checkpoint  # noqa: E402
+from rljax.inference.vllm.pause import in_flight_server_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +50,11 @@ def tiny_models() -> types.SimpleNamespace:
 def vllm_server(vllm_python, tiny_models, tmp_path_factory):
     """ONE real vLLM server for the session, serving ``tiny_models.a`` at start.
 
-    ``server.served`` holds the model the server currently serves (tests that sync update it).
+    ``server.served`` holds the model the server currently serves (tests that sync update it; None:
+    unknown). It also mounts the token-in/token-out route of in-flight updates
+    (``in_flight_server_config``: routes only, the completions and the engine are unchanged), so
+    the in-flight tests share it instead of starting a server of their own. A test that kills or
+    stops a server must launch its own.
     """
     directory = os.fspath(tmp_path_factory.mktemp("vllm_initial"))
     write_checkpoint(tiny_models.a, directory)
@@ -62,6 +67,6 @@ def vllm_server(vllm_python, tiny_models, tmp_path_factory):
         startup_timeout_s=600,
         log_path=log,
     )
-    with VLLMServer(config, python=vllm_python) as server:
+    with VLLMServer(in_flight_server_config(config), python=vllm_python) as server:
         server.served = tiny_models.a
         yield server

@@ -11,7 +11,6 @@ weights' exact forward caused by the old-weights KV cache is measured and printe
 
 import asyncio
 import json
-import os
 
 import httpx
 import jax
@@ -20,12 +19,10 @@ import pytest
 from flax import nnx
 
 from rljax.inference.engine import SamplingParams, supports_in_flight_updates
-from rljax.inference.vllm import ServerConfig, VLLMServer, write_checkpoint
 from rljax.inference.vllm.pause import (
     GENERATE_PATH,
     InFlightVLLMClient,
     generate_payload,
-    in_flight_server_config,
 )
 
 pytestmark = pytest.mark.integration
@@ -37,20 +34,11 @@ MIN_TOKENS_BEFORE = 8  # the switch starts once the server has sampled this many
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tiny_models, tmp_path_factory):
-    """One vLLM server with the token-in/token-out route, serving ``tiny_models.a`` at start."""
-    directory = os.fspath(tmp_path_factory.mktemp("vllm_inflight"))
-    write_checkpoint(tiny_models.a, directory)
-    config = ServerConfig(
-        model=directory,
-        max_model_len=512,
-        skip_tokenizer_init=True,
-        extra_args=("--enforce-eager",),
-        startup_timeout_s=600,
-        log_path=os.fspath(tmp_path_factory.mktemp("vllm_inflight_logs") / "server.log"),
-    )
-    with VLLMServer(in_flight_server_config(config), python=vllm_python) as s:
-        yield s
+def server(vllm_server):
+    """The session's vLLM server (it has the token-in/token-out route); these tests change its
+    weights and version label, so afterwards its model is marked unknown (the next user syncs)."""
+    yield vllm_server
+    vllm_server.served = None
 
 
 def nudged(model, scale: float, seed: int):
@@ -99,16 +87,16 @@ async def switch_mid_decode(client: InFlightVLLMClient, new_model, version: int)
 ATTEMPTS = 3
 
 
-async def crossed_generation(client: InFlightVLLMClient, old_model, new_model, first: int, *, keep: bool):
+async def crossed_generation(client: InFlightVLLMClient, old_model, new_model, first: int):
     """``(old_run, out, v)``: the old weights' plain greedy run and a generation that a switch from
     version ``v`` (``old_model``) to ``v + 1`` (``new_model``) crossed."""
     for i in range(ATTEMPTS):
         v = first + 2 * i
-        if keep or i:
-            await client.update_weights(old_model, version=v)
-        if keep:  # nothing cached from earlier weights (none running)
-            async with httpx.AsyncClient() as http:
-                assert (await http.post(client.urls[0] + "/reset_prefix_cache")).json()["success"]
+        # the shared server serves whatever the previous test left: start from ``old_model``, with
+        # nothing cached from earlier weights (none running)
+        await client.update_weights(old_model, version=v)
+        async with httpx.AsyncClient() as http:
+            assert (await http.post(client.urls[0] + "/reset_prefix_cache")).json()["success"]
         old_run = await client.generate(PROMPT, GREEDY)
         out = await switch_mid_decode(client, new_model, version=v + 1)
         if len(out.weight_versions) > 1:
@@ -134,7 +122,7 @@ def test_recompute_switch_mid_decode_gives_each_span_its_weights(server, tiny_mo
     async def main():
         async with InFlightVLLMClient([server.url]) as client:
             assert supports_in_flight_updates(client)
-            old_run, out, v = await crossed_generation(client, a, b, 0, keep=False)
+            old_run, out, v = await crossed_generation(client, a, b, 0)
             after = await client.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
             return old_run, out, v, after, client.last_switch
 
@@ -170,7 +158,7 @@ def test_keep_switch_reuses_old_kv_and_the_deviation_is_measured(server, tiny_mo
     async def main():
         async with InFlightVLLMClient([server.url], kv_cache="keep", weight_version=10) as client:
             # start from b, whatever the previous test left
-            old_run, out, v = await crossed_generation(client, b, b2, 11, keep=True)
+            old_run, out, v = await crossed_generation(client, b, b2, 11)
             return old_run, out, v, client.last_switch
 
     old_run, out, v, report = asyncio.run(main())

