@@ -453,3 +453,53 @@ def test_idle_connections_are_not_reused_past_the_keepalive(keepalive_s, outcome
         assert isinstance(second[0], httpx.TransportError) and len(connections) == 1
     else:
         assert second == [(200, "ok")] and len(connections) == 2
+
+
+def _generate_answer(**choice):
+    base = {
+        "token_ids": [7, 3, 9],
+        "logprobs": {
+            "content": [{"token_id": t, "logprob": x} for t, x in ((7, -0.5), (3, -1.25), (9, 0.0))]
+        },
+        "finish_reason": "length",
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 3}],
+    }
+    return {"choices": [{**base, **choice}]}
+
+
+def test_parse_generate_answer_with_version_spans():
+    from rljax.inference.vllm.pause import VLLM_DEFAULT_LABEL, parse_generate
+    from rljax.types import VersionSpan
+
+    c = parse_generate(_generate_answer(), prompt_ids=[1, 2], default_version=0)
+    assert c.ids == (7, 3, 9) and c.logprobs == (-0.5, -1.25, 0.0) and c.finish_reason == "length"
+    assert c.weight_versions == (VersionSpan(2, 0, 1), VersionSpan(5, 1, 3)) and c.weight_version == 2
+    assert c.token_versions() == [2, 5, 5] and c.routed_experts is None
+    # the server's never-set label is the client's default version
+    unset = [{"version": VLLM_DEFAULT_LABEL, "start": 0, "end": 3}]
+    assert (
+        parse_generate(
+            _generate_answer(weight_versions=unset), prompt_ids=[1], default_version=4
+        ).weight_version
+        == 4
+    )
+    bad = {
+        "is not for token": dict(
+            logprobs={
+                "content": [
+                    {"token_id": 7, "logprob": -1.0},
+                    {"token_id": 4, "logprob": -1.0},
+                    {"token_id": 9, "logprob": -1.0},
+                ]
+            }
+        ),
+        "finite numbers <= 0": dict(
+            logprobs={"content": [{"token_id": t, "logprob": 0.5} for t in (7, 3, 9)]}
+        ),
+        "non-negative ints": dict(token_ids=[7, -3, 9]),
+        "unknown finish_reason": dict(finish_reason="tired"),
+        "do not cover": dict(weight_versions=[{"version": "2", "start": 0, "end": 2}]),
+    }
+    for match, change in bad.items():
+        with pytest.raises(MalformedResponseError, match=match):
+            parse_generate(_generate_answer(**change), prompt_ids=[1, 2], default_version=0)

@@ -211,13 +211,9 @@ def parse_completion(
         raise MalformedResponseError(
             f"completion has {len(ids)} token ids but {len(token_logprobs)} logprobs (truncated response?)"
         )
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise MalformedResponseError(f"completion token_ids must be non-negative ints, got {ids[:20]}")
-    for i, x in enumerate(token_logprobs):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x <= 1e-6):
-            raise MalformedResponseError(
-                f"completion logprobs must be finite numbers <= 0, got {x!r} at position {i}"
-            )
+    for i, t in enumerate(ids):
+        sampled_token_id(t, i, "completion")
+    values = [sampled_logprob(x, i, "completion") for i, x in enumerate(token_logprobs)]
     tokens = logprobs.get("tokens")
     if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
         named = [t[len("token_id:") :] for t in tokens]
@@ -226,23 +222,51 @@ def parse_completion(
                 f"completion logprobs are for tokens {named[:10]}... but token_ids are {ids[:10]}...: "
                 "ids and logprobs are not aligned"
             )
+    return Completion(
+        ids=tuple(ids),
+        logprobs=tuple(values),
+        finish_reason=finish_reason(choice),
+        weight_version=weight_version,
+        routed_experts=choice_routing(choice, len(prompt_ids) + len(ids), routed_layers),
+    )
+
+
+def sampled_token_id(t: Any, position: int, what: str) -> int:
+    """``t`` when it is a non-negative int; else :class:`MalformedResponseError` naming ``what``."""
+    if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        raise MalformedResponseError(
+            f"{what} token_ids must be non-negative ints, got {t!r} at position {position}"
+        )
+    return t
+
+
+def sampled_logprob(x: Any, position: int, what: str) -> float:
+    """``x`` as a float when it is a finite number <= 0 (1e-6 of rounding allowed); else
+    :class:`MalformedResponseError` naming ``what``."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x <= 1e-6):
+        raise MalformedResponseError(
+            f"{what} logprobs must be finite numbers <= 0, got {x!r} at position {position}"
+        )
+    return float(x)
+
+
+def finish_reason(choice: Mapping[str, Any]) -> str:
+    """The choice's finish reason as a :data:`rljax.inference.engine.FINISH_REASONS` value."""
     reason = choice.get("finish_reason")
     if reason not in _FINISH_REASONS:
         raise MalformedResponseError(
             f"unknown finish_reason {reason!r}; expected one of {sorted(r for r in _FINISH_REASONS if r)}"
         )
+    return _FINISH_REASONS[reason]
+
+
+def choice_routing(choice: Mapping[str, Any], num_tokens: int, routed_layers: Sequence[int] | None) -> Any:
+    """The choice's ``routed_experts`` (:func:`decode_routed_experts`, one row per processed token:
+    ``num_tokens - 1``), or None when it has none."""
     routed = choice.get("routed_experts")
-    if routed is not None:
-        routed = decode_routed_experts(
-            routed, num_rows=len(prompt_ids) + len(ids) - 1, routed_layers=routed_layers
-        )
-    return Completion(
-        ids=tuple(ids),
-        logprobs=tuple(float(x) for x in token_logprobs),
-        finish_reason=_FINISH_REASONS[reason],
-        weight_version=weight_version,
-        routed_experts=routed,
-    )
+    if routed is None:
+        return None
+    return decode_routed_experts(routed, num_rows=num_tokens - 1, routed_layers=routed_layers)
 
 
 def parse_prompt_logprobs(body: Any, *, ids: Sequence[int]) -> np.ndarray:

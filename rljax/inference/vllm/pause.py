@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import tempfile
 import time
@@ -65,11 +64,13 @@ import numpy as np
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.inference.vllm import weight_sync
 from rljax.inference.vllm.client import (
-    _FINISH_REASONS,
     MalformedResponseError,
     VLLMClient,
     _first_choice,
-    decode_routed_experts,
+    choice_routing,
+    finish_reason,
+    sampled_logprob,
+    sampled_token_id,
 )
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.types import VersionSpan
@@ -169,29 +170,18 @@ def parse_generate(
         raise MalformedResponseError(f"generate answer has {len(ids)} token ids but {len(content)} logprobs")
     values = []
     for i, (t, entry) in enumerate(zip(ids, content, strict=True)):
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise MalformedResponseError(f"generate token_ids must be non-negative ints, got {t!r} at {i}")
-        x = entry.get("logprob") if isinstance(entry, Mapping) else None
-        if entry is None or entry.get("token_id") != t:
+        sampled_token_id(t, i, "generate")
+        if not isinstance(entry, Mapping) or entry.get("token_id") != t:
             raise MalformedResponseError(f"generate logprob {i} is not for token {t}: {str(entry)[:200]!r}")
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x <= 1e-6):
-            raise MalformedResponseError(f"generate logprobs must be finite numbers <= 0, got {x!r} at {i}")
-        values.append(float(x))
-    reason = choice.get("finish_reason")
-    if reason not in _FINISH_REASONS:
-        raise MalformedResponseError(f"unknown finish_reason {reason!r}")
+        values.append(sampled_logprob(entry.get("logprob"), i, "generate"))
+    reason = finish_reason(choice)
     spans = _spans(choice.get("weight_versions"), len(ids), default_version)
-    routed = choice.get("routed_experts")
-    if routed is not None:
-        routed = decode_routed_experts(
-            routed, num_rows=len(prompt_ids) + len(ids) - 1, routed_layers=routed_layers
-        )
     return Completion(
         ids=tuple(ids),
         logprobs=tuple(values),
-        finish_reason=_FINISH_REASONS[reason],
+        finish_reason=reason,
         weight_version=spans[0].version if spans else int(default_version),
-        routed_experts=routed,
+        routed_experts=choice_routing(choice, len(prompt_ids) + len(ids), routed_layers),
         weight_versions=spans,
     )
 
