@@ -931,6 +931,18 @@ class VLLMClient:
         """POSTs to every server at once (admin routes: ``/pause``, ``/collective_rpc``, ...); no retries."""
         return list(await asyncio.gather(*(self._post_json(s.url, path, body) for s in self.servers)))
 
+    async def set_step_delay(self, seconds: float) -> None:
+        """Makes every server's model steps wait ``seconds`` each (0: off): a slow server on demand,
+        for fault drills and for tests whose event must land while a generation decodes. Needs the
+        servers rljax launches (its worker extension and ``/collective_rpc``)."""
+        body = {"method": "rljax_step_delay", "kwargs": {"seconds": float(seconds)}}
+        for answer in await self.post_each("/collective_rpc", body):
+            if isinstance(answer, BaseException):
+                raise answer
+            status, text = answer
+            if status != 200 or '"error"' in text:
+                raise RuntimeError(f"rljax_step_delay failed: HTTP {status} {text[:300]}")
+
     async def post_each(
         self, path: str, body: Mapping[str, Any] | None = None, *, servers: Sequence[int] | None = None
     ) -> list[tuple[int, str] | BaseException]:

@@ -25,6 +25,8 @@ the kernel again and runs the experts' padding + prepacking on the freshly loade
 layerwise reload copies the result into the original parameter storage as usual. Layers that do not
 match (dense models, GPU experts without a layer-level step) are reloaded exactly as by
 ``reload_weights``. If the reload fails, the old kernels are put back before the error propagates.
+
+``rljax_step_delay`` slows the worker's model steps down on demand (see its docstring).
 """
 
 from __future__ import annotations
@@ -50,7 +52,32 @@ def _experts_need_layer_processing(quant_method: Any) -> bool:
 
 
 class RljaxWorkerExtension:
-    """Mixed into vLLM's worker class by ``--worker-extension-cls`` (adds one method)."""
+    """Mixed into vLLM's worker class by ``--worker-extension-cls`` (adds two methods)."""
+
+    def rljax_step_delay(self, seconds: float) -> float:
+        """Makes every model step of this worker that runs tokens wait ``seconds`` first (0 turns it
+        off); returns the delay set. A slow server on demand: fault drills (a stalled decode) and
+        tests whose event (an abort, a pause, a weight switch) must land while a generation is
+        still decoding, however loaded the machine is.
+
+        vLLM calls the worker's ``execute_model`` through the instance (its RPC loop looks the
+        method up by name), so an instance attribute wraps the class's method.
+        """
+        import time
+
+        seconds = float(seconds)
+        self.__dict__.pop("execute_model", None)
+        if seconds <= 0:
+            return 0.0
+        step = self.execute_model  # the class's method, bound
+
+        def delayed(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(scheduler_output, "total_num_scheduled_tokens", 0) > 0:
+                time.sleep(seconds)
+            return step(scheduler_output, *args, **kwargs)
+
+        self.execute_model = delayed
+        return seconds
 
     def rljax_reload_weights(self, weights_path: str) -> dict[str, int]:
         """``reload_weights(weights_path=...)`` that also rebuilds MoE experts' kernel-format weights.
