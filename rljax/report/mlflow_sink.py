@@ -41,12 +41,20 @@ MAX_PARAM_CHARS = 6000
 BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
 
-def mlflow_key(key: str) -> str:
-    """``key`` with characters MLflow rejects replaced by ``_``.
+#: Characters of rljax's own metric names that MLflow rejects, spelled out so that names which differ
+#: only in them stay two series (``pass@k`` and ``pass^k`` would both become ``pass_k``).
+_SPELLED = {"@": "_at_", "^": "_all_"}
 
-    >>> mlflow_key("eval/pass@1"), mlflow_key("reward/mean")
-    ('eval/pass_1', 'reward/mean')
+
+def mlflow_key(key: str) -> str:
+    """``key`` with the characters MLflow rejects replaced: ``@`` by ``_at_``, ``^`` by ``_all_``
+    (pass^k: all k samples correct), any other by ``_``.
+
+    >>> mlflow_key("eval/pass@1"), mlflow_key("eval/pass^1"), mlflow_key("reward/mean")
+    ('eval/pass_at_1', 'eval/pass_all_1', 'reward/mean')
     """
+    for char, spelled in _SPELLED.items():
+        key = key.replace(char, spelled)
     return _BAD.sub("_", key)
 
 

@@ -239,3 +239,17 @@ def test_tensorboard_gets_histograms_and_the_sample_table(tmp_path):
     assert (2, "dist/empty") not in values
     text = values[(2, "rollouts/text_summary")].tensor.string_val[0].decode()
     assert "| trajectory_id | env |" in text and "a\\|b" in text
+
+
+def test_mlflow_keys_of_distinct_eval_metrics_stay_distinct():
+    """pass@k and pass^k (and every other eval metric name) map to different MLflow keys: one
+    series never overwrites another."""
+    import string
+
+    from rljax.report.mlflow_sink import mlflow_key
+
+    names = [f"eval/{m}{k}" for m in ("pass@", "pass^", "mean@") for k in (1, 4, 8)]  # rljax.evaluation's
+    keys = [mlflow_key(n) for n in [*names, "eval/reward_mean"]]
+    assert len(set(keys)) == len(keys), keys
+    allowed = set(string.ascii_letters + string.digits + "_-. :/")  # MLflow's key alphabet
+    assert all(set(k) <= allowed for k in keys), keys
