@@ -325,14 +325,7 @@ class Trainer:
                 if t.mode == "sync" or step_no == t.num_steps:
                     metrics.update(self._eval_result(*eval_future))
                     eval_future = None
-            checkpoint_s = self._finish_step(
-                step_no,
-                result,
-                metrics,
-                step_start=step_start,
-                run_start=run_start,
-                checkpoint_s=checkpoint_s,
-            )
+            checkpoint_s = self._finish_step(step_no, result, metrics, (run_start, step_start), checkpoint_s)
         if checkpoint_s is not None:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
@@ -366,14 +359,7 @@ class Trainer:
             metrics.update(rollout_step_metrics(result))
             metrics.update(stream_metrics)
             metrics.update({"time/rollout_wait_s": rollout_wait, "time/train_s": train_time})
-            checkpoint_s = self._finish_step(
-                step_no,
-                result,
-                metrics,
-                step_start=step_start,
-                run_start=run_start,
-                checkpoint_s=checkpoint_s,
-            )
+            checkpoint_s = self._finish_step(step_no, result, metrics, (run_start, step_start), checkpoint_s)
         if checkpoint_s is not None:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
@@ -406,15 +392,15 @@ class Trainer:
         step_no: int,
         result: RolloutResult,
         metrics: dict[str, Any],
-        *,
-        step_start: float,
-        run_start: float,
+        started: tuple[float, float],
         checkpoint_s: float | None,
     ) -> float | None:
         """Every mode's end of a step: its times, the row and rollout records in the sinks, and the
-        checkpoint when one is due. ``checkpoint_s``: the previous checkpoint's seconds, reported in
-        this row; returns this step's checkpoint seconds (None: none written)."""
+        checkpoint when one is due. ``started``: ``perf_counter()`` at the run's and the step's
+        start; ``checkpoint_s``: the previous checkpoint's seconds, reported in this row. Returns
+        this step's checkpoint seconds (None: none written)."""
         t = self.cfg.trainer
+        run_start, step_start = started
         if checkpoint_s is not None:
             metrics["time/checkpoint_s"] = checkpoint_s  # of the checkpoint before this step
         if self.save_errors:
