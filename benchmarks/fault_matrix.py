@@ -294,6 +294,7 @@ FAST_SUPERVISION = SupervisorConfig(
     health_interval_s=1.0, health_timeout_s=2.0, health_failures=2, backoff_s=0.5
 )
 STALL_TIMEOUT_S = 8.0
+STEP_DELAY_S = 0.01  # each model step of the real servers while a rollout is hit (set_step_delay)
 ATOL = 1e-4
 
 
@@ -369,6 +370,9 @@ def server_faults_rows(
         supervisor = ServerSupervisor(client, group.servers, FAST_SUPERVISION)
         async with client:
             await client.update_weights(model)
+            # a tiny model decodes 160 tokens in well under a second: slowed steps keep every
+            # server's requests running when the signals come, however fast the machine
+            await client.set_step_delay(STEP_DELAY_S)
             tasks = [
                 asyncio.create_task(
                     client.generate(p, SamplingParams(max_tokens=max_tokens, seed=i, temperature=1.0))
@@ -393,6 +397,7 @@ def server_faults_rows(
                 await asyncio.sleep(0.5)
             probe = client.current.probe
             served = {v: await client.score(probe.tolist(), server=v) for v in victims}
+            await client.set_step_delay(0)  # servers not hit keep theirs until now (restarted ones: none)
             return outs, held, t0, done_s, supervisor.events, probe, served, client.weight_version
 
     try:
