@@ -468,10 +468,10 @@ class StreamingScheduler(RolloutScheduler):
             for env in self.env_tasks.factories
         }
 
-        async def ready() -> None:  # agent groups that start together share one gateway start
+        async def nothing() -> None:
             return None
 
-        self.worker.submit(ready).result()  # the worker's loop is running
+        self.worker.submit(nothing).result()  # the worker's loop is running
         self._pump_future = self._run_on_loop(self._pump)
 
     async def _pump(self) -> None:

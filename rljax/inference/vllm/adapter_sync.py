@@ -185,23 +185,18 @@ async def verify_adapter(
         *(decode_probe(client, name, probe, server=i) for i in range(len(client.urls))),
         return_exceptions=True,
     )
-    failed = [(url, a) for url, a in zip(client.urls, answers, strict=True) if isinstance(a, BaseException)]
-    if failed:
-        detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failed)
-        raise WeightSyncError(f"could not run the probe of adapter {name!r}: {detail}") from failed[0][1]
+    weight_sync.raise_failed_probes(client.urls, answers, f"could not run the probe of adapter {name!r}")
     diffs = []
     for ids, got in answers:
         expected = np.asarray(await asyncio.to_thread(reference, np.asarray(ids, np.int64)), np.float64)
         diffs.append(float(np.max(np.abs(got - expected[len(ids) - len(got) :]))))
-    bad = [(url, d) for url, d in zip(client.urls, diffs, strict=True) if not d <= atol]
-    if bad:
-        worst = ", ".join(f"{url}: {d:.3g}" for url, d in bad)
-        raise WeightSyncError(
-            f"after loading adapter {name!r}, servers' logprobs on the probe differ from the trainer's by "
-            f"more than {atol:g} (max abs: {worst}); samples from them would be off-policy",
-            diffs=tuple(diffs),
-        )
-    return tuple(diffs)
+    return weight_sync.check_probe_diffs(
+        client.urls,
+        tuple(diffs),
+        atol,
+        after=f"after loading adapter {name!r}",
+        why="; samples from them would be off-policy",
+    )
 
 
 async def load_verified_adapter(
@@ -230,12 +225,7 @@ async def load_verified_adapter(
     if not config.verify:
         return load_s, 0.0, ()
     start = time.perf_counter()
-    if config.probe_ids is not None:
-        probe = np.asarray(config.probe_ids, np.int64)
-    else:
-        probe = weight_sync.probe_sequence(
-            vocab_size=model.config.vocab_size, length=config.probe_length, seed=config.probe_seed
-        )
+    probe = weight_sync.config_probe(config, model.config.vocab_size)
     reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
     atol = config.tolerance(getattr(model, "param_dtype", np.float32))
     try:

@@ -320,18 +320,39 @@ async def verify_weights(
         *(target.score(probe.tolist(), server=i, gated=False) for i in range(len(target.urls))),
         return_exceptions=True,
     )
-    failed = [(url, s) for url, s in zip(target.urls, scores, strict=True) if isinstance(s, BaseException)]
+    raise_failed_probes(target.urls, scores, "could not score the probe after the weight sync")
+    diffs = tuple(float(np.max(np.abs(s[1:] - expected[1:]))) for s in scores)
+    return check_probe_diffs(
+        target.urls,
+        diffs,
+        atol,
+        after="after the weight sync",
+        why=". The servers do not serve the trainer's weights; samples from them would be off-policy. "
+        "For tied embeddings keep SyncConfig(explicit_lm_head=True).",
+    )
+
+
+def raise_failed_probes(urls: Sequence[str], answers: Sequence[Any], what: str) -> None:
+    """Raises :class:`WeightSyncError` ``"<what>: <url>: <error>; ..."`` when some server's probe
+    answer (per server, from ``asyncio.gather(..., return_exceptions=True)``) is an exception."""
+    failed = [(url, a) for url, a in zip(urls, answers, strict=True) if isinstance(a, BaseException)]
     if failed:
         detail = "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in failed)
-        raise WeightSyncError(f"could not score the probe after the weight sync: {detail}") from failed[0][1]
-    diffs = tuple(float(np.max(np.abs(s[1:] - expected[1:]))) for s in scores)
-    bad = [(url, d) for url, d in zip(target.urls, diffs, strict=True) if not d <= atol]
+        raise WeightSyncError(f"{what}: {detail}") from failed[0][1]
+
+
+def check_probe_diffs(
+    urls: Sequence[str], diffs: tuple[float, ...], atol: float, *, after: str, why: str
+) -> tuple[float, ...]:
+    """``diffs`` (per server, ``max |server - trainer|`` on the probe) when each is within ``atol``;
+    else :class:`WeightSyncError` (with ``diffs``) naming the servers above it, ``after`` what, and
+    ``why`` that matters."""
+    bad = [(url, d) for url, d in zip(urls, diffs, strict=True) if not d <= atol]
     if bad:
         worst = ", ".join(f"{url}: {d:.3g}" for url, d in bad)
         raise WeightSyncError(
-            f"after the weight sync, servers' logprobs on the probe differ from the trainer's by more than "
-            f"{atol:g} (max abs: {worst}). The servers do not serve the trainer's weights; samples from them "
-            "would be off-policy. For tied embeddings keep SyncConfig(explicit_lm_head=True).",
+            f"{after}, servers' logprobs on the probe differ from the trainer's by more than {atol:g} "
+            f"(max abs: {worst}){why}",
             diffs=diffs,
         )
     return diffs
