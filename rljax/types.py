@@ -237,6 +237,16 @@ class PackedBatch:
     ``token_staleness`` (or None): int32 ``trained_version - token_versions`` on response tokens, 0
     elsewhere, set by the trainer for the version it trains
     (:func:`rljax.data.pack.with_token_staleness`); the off-policy correction's staleness mask reads it.
+
+    Prefix-tree rows (``rljax.data.pack.pack(..., prefix_sharing=True)``; None for plain rows): samples
+    that share a prompt prefix are laid out as a tree in depth-first order, each shared token once.
+    ``parents``: int32 column of each token's parent in its row (-1 at a tree's root and on padding):
+    entry ``t`` of every per-token stream then refers to predicting ``tokens[t]`` from its ancestors,
+    from the hidden state at ``parents[t]``. ``subtree_end``: int32 column of the last token of each
+    token's subtree (``j`` is an ancestor of ``i`` iff ``j <= i <= subtree_end[j]``; 0 on padding).
+    ``positions`` are depths; ``segment_ids`` name the sample that owns each token (a shared token
+    belongs to the first sample through it, and every token of a sample that no earlier sample
+    shares, its response included, is one contiguous run of its segment).
     """
 
     tokens: Any
@@ -257,6 +267,8 @@ class PackedBatch:
     token_rewards: Any = None
     token_versions: Any = None
     token_staleness: Any = None
+    parents: Any = None
+    subtree_end: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -410,6 +410,9 @@ class DynamicSamplingSection:
 
 #: Values of ``config.trainer.on_save_error``.
 ON_SAVE_ERROR = ("stop", "continue")
+#: ``trainer.prefix_sharing``: "auto" packs samples that share a prompt prefix as prefix trees (design
+#: §2.6) wherever that computes exactly what plain packing does; "off" never does.
+PREFIX_SHARING = ("auto", "off")
 
 DEFAULT_TABLE_KEYS = (
     "reward/mean",
@@ -449,6 +452,10 @@ class TrainerSection:
         :func:`rljax.data.pack.bucket_rows`.
       micro_batch_tokens: tokens per micro-batch, accumulated in one jitted scan (a multiple of
         ``seq_len``; 0 = no micro-batching).
+      prefix_sharing: ``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO
+        group's prompt, turns whose prompts share a prefix without extending each other) as prefix
+        trees, each shared token computed once (design §2.6), whenever the policy model computes
+        tree rows exactly (logged at the start); ``"off"``: plain packing.
       eval_every: RL steps between held-out evaluations (and after the last step; 0 = never).
       checkpoint_every: RL steps between checkpoints (and after the last step; 0 = never).
       keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
@@ -477,6 +484,7 @@ class TrainerSection:
     dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
     row_buckets: Any = None
     micro_batch_tokens: int = 0
+    prefix_sharing: str = "auto"  # "auto": shared prompt prefixes packed as trees where exact; "off"
     eval_every: int = 10
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
@@ -795,6 +803,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "config.trainer.stall_timeout_s", f"expected seconds >= 0 (0 = off), got {t.stall_timeout_s!r}"
         )
     _one_of("config.trainer.on_save_error", t.on_save_error, ON_SAVE_ERROR)
+    _one_of("config.trainer.prefix_sharing", t.prefix_sharing, PREFIX_SHARING)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
         raise _fail(
             "config.trainer.mini_batch_prompts",

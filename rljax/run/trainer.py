@@ -195,6 +195,7 @@ class Trainer:
                 data_parallel=parts.data_parallel,
                 truncate=self.cfg.trainer.truncate,
                 shuffle_seed=shuffle_seed,
+                prefix_sharing=parts.prefix_sharing,
                 **prep.streams(),
             )
             if alg.needs_critic:
@@ -209,6 +210,7 @@ class Trainer:
                 row = parts.train(packed, algorithm=name)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
+                row["pack/shared_prefix_tokens"] = float(mb.metrics.get("shared_prefix_tokens", 0))
                 train_rows.append(_suffixed(row, name if multi else None))
                 adv_sums += advantage_sums(mb.batch)
             if adv_sums[2]:

@@ -10,7 +10,9 @@ For one PPO mini-batch ``B`` (packed rows; merged multi-turn samples, observatio
 
 ``values`` line up with the per-token streams (entry ``t`` = the critic's estimate of the return
 from the state that predicts ``tokens[t]``); masked positions are not time steps of the GAE and
-packed samples never bootstrap from each other (:func:`rljax.core.advantages.gae`). The value
+packed samples never bootstrap from each other (:func:`rljax.core.advantages.gae`). Prefix-tree
+rows (design §2.6) are exact too: a value comes from the hidden state of the token's parent, and
+every trainable token of a sample lies in its own run of its segment id, in order. The value
 loss has its own normaliser: the trained tokens of the whole mini-batch (``global_tokens``), so
 micro-batches add up. The critic is a :class:`rljax.models.value.ValueModel` held in a
 :class:`rljax.training.step.TrainState` (its own optimizer; the state's objective is unused).
@@ -29,6 +31,7 @@ from flax import nnx
 
 from rljax.core.advantages import gae
 from rljax.core.losses import explained_variance, value_clipped_tokens, value_loss
+from rljax.models.logprobs import packing_kwargs
 from rljax.models.value import values as model_values
 from rljax.training.step import TrainState, apply_gradients, context_scope
 from rljax.types import PackedBatch
@@ -97,7 +100,7 @@ class CriticSection(CriticConfig):
 
 def _values(params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch) -> jax.Array:
     model = nnx.merge(graphdef, params)
-    return model_values(model, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
+    return model_values(model, batch.tokens, **packing_kwargs(batch))
 
 
 @jax.jit
