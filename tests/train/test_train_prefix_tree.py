@@ -185,9 +185,10 @@ def test_critic_values_and_gae_advantages_equal_plain_packing():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("shards", "collective"), [(2, "all_gather"), (4, "ring")])
-def test_context_parallel_tree_rows_equal_plain_packing(shards, collective):
-    model = random_decoder(DENSE, seed=9, context_attention=collective)
+@pytest.fixture(scope="module")
+def context_case():
+    """A model, the plain and tree packings of one batch, and the plain forward (no mesh)."""
+    model = random_decoder(DENSE, seed=9)
     plain, tree = _packings(
         _steps(10, groups=3, group_size=3, max_turns=2, merged=False), np.random.default_rng(0)
     )
@@ -195,10 +196,20 @@ def test_context_parallel_tree_rows_equal_plain_packing(shards, collective):
     want = _forward(
         model, jnp.asarray(plain.batch.tokens), plain.batch.temperatures, packing_kwargs(plain.batch)
     )
-    with jax.set_mesh(make_mesh(data=8 // shards, context=shards)):
-        got = _forward(
-            model, jnp.asarray(tree.batch.tokens), tree.batch.temperatures, packing_kwargs(tree.batch)
-        )
+    return model, plain, tree, want
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "ring"])
+def test_context_parallel_tree_rows_equal_plain_packing(context_case, collective):
+    model, plain, tree, want = context_case
+    model.context_attention = collective
+    try:
+        with jax.set_mesh(make_mesh(data=4, context=2)):
+            got = _forward(
+                model, jnp.asarray(tree.batch.tokens), tree.batch.temperatures, packing_kwargs(tree.batch)
+            )
+    finally:
+        model.context_attention = "all_gather"
     for field in ("logprobs", "entropy"):
         np.testing.assert_allclose(
             np.concatenate(unpack_responses(np.asarray(getattr(got, field)), tree.layout)),
