@@ -39,6 +39,17 @@ Decisions (beyond design §2.6):
 * Mini-batches: the number of prompt groups must be a multiple of ``mini_batch_prompts``
   (else ``ValueError``; nothing is dropped silently).
 
+Prefix trees (``prefix_sharing=True``, design §2.6): samples sorted by their shareable prefix
+(prompt tokens, never a sample's last token, with the MoE routing the sampler recorded) are laid
+out as trees in depth-first order, each shared token once; ``parents`` / ``subtree_end`` describe
+the trees, ``positions`` are depths, and a sample's segment id marks the tokens it owns (the first
+sample through a shared token owns it; response tokens are never shared). Trees longer than a row
+are split at their branch points (:func:`prefix_tree_units`); trees are placed FFD like samples, and
+when that needs more (bucketed) rows than plain packing each sample is its own tree. The layout
+then records every sample's columns (``token_index``), so :func:`unpack` and
+:func:`unpack_responses` work unchanged; metrics add ``sample_tokens`` (what plain packing lays
+out) and ``shared_prefix_tokens`` (what sharing saved).
+
 Reference: Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"
 (first-fit-decreasing packing with segment ids); SkyRL PR #1529 (mini-batches of prompts).
 """

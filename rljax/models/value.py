@@ -61,6 +61,12 @@ class ValueModel(nnx.Module):
         """The backbone's :class:`~rljax.models.config.ModelConfig`."""
         return self.backbone.config
 
+    @property
+    def prefix_tree_rows(self) -> bool:
+        """Whether :func:`values` computes prefix-tree rows exactly: the backbone's
+        :attr:`rljax.models.Decoder.prefix_tree_rows`."""
+        return bool(getattr(self.backbone, "prefix_tree_rows", False))
+
 
 def values(
     model: ValueModel,

@@ -113,7 +113,7 @@ def resolve_prefix_sharing(setting: str, model: Any, *, critic: Any = None) -> b
 
     if setting == "off":
         return False
-    for name, m in (("policy", model), ("critic", None if critic is None else critic.backbone)):
+    for name, m in (("policy", model), ("critic", critic)):
         if m is not None and not getattr(m, "prefix_tree_rows", False):
             logger.warning(
                 "trainer.prefix_sharing=%r: off (the %s model %s does not compute prefix-tree rows; its "

@@ -15,6 +15,8 @@ gradients keep a >= 10x margin; a wrong parent, mask or position moves them by >
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,8 @@ from rljax.models.tiny import random_decoder, tiny_config
 from rljax.models.value import ValueModel
 from rljax.recipes import smoke
 from rljax.run import trainer as trainer_lib
+from rljax.run.config import parse_run_config
+from rljax.run.run import resolve_prefix_sharing
 from rljax.training.critic import CriticConfig, critic_values, ppo_advantages
 from rljax.training.optimizer import OptimizerConfig
 from rljax.training.sharding import make_mesh
@@ -237,3 +241,18 @@ def test_one_rl_step_gives_the_same_parameters_with_prefix_sharing_on_and_off(tm
     assert rows["auto"]["grad_norm"] > 1e-4 and rows["auto"]["update_skipped"] == 0
     for got, want in zip(params["auto"], params["off"], strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+
+
+def test_prefix_sharing_key_and_the_run_decision(caplog):
+    assert parse_run_config({}).trainer.prefix_sharing == "auto"
+    with pytest.raises(ValueError, match=r"config.trainer.prefix_sharing.*\['auto', 'off'\].*'on'"):
+        parse_run_config({"trainer": {"prefix_sharing": "on"}})
+    model = random_decoder(DENSE)
+    assert resolve_prefix_sharing("auto", model) and not resolve_prefix_sharing("off", model)
+
+    class StatefulLayers:  # a model that declares nothing: its layers may carry state along the tokens
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="rljax.run.run"):
+        assert not resolve_prefix_sharing("auto", model, critic=StatefulLayers())
+    assert "off (the critic model StatefulLayers does not compute prefix-tree rows" in caplog.text
