@@ -42,7 +42,9 @@ start, which the ``default`` lookup recipe needs to make multi-turn tool calls) 
 mini-batches' rows x ``seq_len`` (the tokens the train step computes), the tokens laid out in them,
 and the seconds of the jitted steps (``Run.train``) of the RL step, wall and CPU (the process's, all
 threads: steadier than wall time on a loaded machine), best of ``--train-steps`` after one step
-that compiles. ``--seq-lens`` adds row lengths to the recipe's.
+that compiles. ``--seq-lens`` adds row lengths to the recipe's; ``--row-buckets`` sets
+``trainer.row_buckets`` (the recipes round rows up to a power of two, which can hide the rows trees
+save).
 
 The machine's CPU (``lscpu``), the date and the load average before and after are printed with
 the table: on a shared machine every figure is a lower bound.
@@ -265,6 +267,8 @@ def bench_prefix_tree(
         cfg.trainer.seq_len = seq_len
     if args.warm_start_steps is not None:
         cfg.warmstart.num_steps = args.warm_start_steps
+    if args.row_buckets:
+        cfg.trainer.row_buckets = [int(n) for n in args.row_buckets.split(",")]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smollm2_speed_tree_") as workdir:
         trainer = trainer_lib.Trainer(cfg, workdir)
@@ -331,6 +335,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--warm-start-steps", type=int, default=None, help="--prefix-tree: override the warm start"
+    )
+    p.add_argument(
+        "--row-buckets",
+        default="",
+        help="--prefix-tree: trainer.row_buckets (comma list; default the recipe's)",
     )
     args = p.parse_args(argv)
     if args.quick:

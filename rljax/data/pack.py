@@ -74,6 +74,7 @@ __all__ = [
     "first_fit_decreasing",
     "geometric_row_buckets",
     "make_mini_batches",
+    "prefix_tree_units",
     "STREAM_DEFAULTS",
     "check_streams",
     "pack",
@@ -399,7 +400,7 @@ def _sharing_keys(steps: Sequence[Step], shareable: np.ndarray) -> list[np.ndarr
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Rows two key arrays (:func:`_sharing_keys`) share from the start."""
+    """Rows two key arrays (``_sharing_keys``) share from the start."""
     m = min(a.shape[0], b.shape[0])
     same = np.all(a[:m] == b[:m], axis=1)
     return m if bool(same.all()) else int(np.argmin(same))

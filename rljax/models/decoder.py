@@ -301,7 +301,7 @@ class Decoder(nnx.Module):
 
     Prefix-tree rows (design §2.6): :meth:`hidden_states` takes ``subtree_end`` (every layer is
     attention or per-token, so a token's hidden state depends on its ancestors only and a tree row
-    computes each sample exactly); :attr:`prefix_tree_rows` declares it to the trainer.
+    computes each sample exactly); ``prefix_tree_rows`` declares it to the trainer.
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)

@@ -64,7 +64,7 @@ class ValueModel(nnx.Module):
     @property
     def prefix_tree_rows(self) -> bool:
         """Whether :func:`values` computes prefix-tree rows exactly: the backbone's
-        :attr:`rljax.models.Decoder.prefix_tree_rows`."""
+        ``prefix_tree_rows`` (:class:`rljax.models.Decoder` declares it)."""
         return bool(getattr(self.backbone, "prefix_tree_rows", False))
 
 

@@ -86,7 +86,7 @@ from rljax.training.step import (
     train_step,
 )
 
-__all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "Run", "mini_batch_groups"]
+__all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "Run", "mini_batch_groups", "resolve_prefix_sharing"]
 
 logger = logging.getLogger(__name__)
 
