@@ -257,10 +257,10 @@ def bench_prefix_tree(
     """Plain rows vs prefix trees on one RL step of ``recipe`` (see the module docstring): one row per
     ``trainer.prefix_sharing`` setting, both trained on the same rollouts."""
     from rljax.recipes import default as default_recipe
-    from rljax.recipes import smollm2_cpu
+    from rljax.recipes import smoke, smollm2_cpu
     from rljax.run import trainer as trainer_lib
 
-    recipes = {"default": default_recipe, "smollm2_cpu": smollm2_cpu}
+    recipes = {"default": default_recipe, "smollm2_cpu": smollm2_cpu, "smoke": smoke}
     cfg = recipes[recipe].get_config()
     cfg.trainer.update(num_steps=1, eval_every=0, checkpoint_every=0, prefix_sharing="off")
     if seq_len is not None:
@@ -273,33 +273,43 @@ def bench_prefix_tree(
     with tempfile.TemporaryDirectory(prefix="smollm2_speed_tree_") as workdir:
         trainer = trainer_lib.Trainer(cfg, workdir)
         parts, train_on, run_train = trainer.parts, trainer._train_on, trainer.parts.train
-        calls: list[tuple[float, Any]] = []
+        calls: list[tuple[float, float, Any]] = []
+        dry = [True]
 
         def timed_train(batch: Any, **kwargs: Any) -> dict[str, float]:
+            if dry[0]:  # packing only: record the mini-batch, train nothing
+                calls.append((0.0, 0.0, batch))
+                return {}
             start, cpu = time.perf_counter(), time.process_time()
             out = run_train(batch, **kwargs)
             calls.append((time.perf_counter() - start, time.process_time() - cpu, batch))
             return out
 
+        def step(batch: Any, sharing: bool) -> tuple[float, float, list[Any]]:
+            parts.prefix_sharing = sharing
+            calls.clear()
+            train_on(batch)
+            return sum(c[0] for c in calls), sum(c[1] for c in calls), [c[2] for c in calls]
+
         def both(batch: Any) -> dict[str, float]:  # the run's one step: every setting on its rollouts
+            # the packings first (printed even if a step below runs out of memory), then the steps:
+            # trees first, since the plain rows are the larger program
             for sharing in (False, True):
-                parts.prefix_sharing = sharing
-                steps = []
-                for _ in range(1 + args.train_steps):
-                    calls.clear()
-                    metrics = train_on(batch)
-                    steps.append((sum(c[0] for c in calls), sum(c[1] for c in calls), [c[2] for c in calls]))
-                packed = steps[-1][2]
-                computed = sum(int(np.size(b.tokens)) for b in packed)
-                laid = sum(int(np.count_nonzero(np.asarray(b.segment_ids))) for b in packed)
+                packed = step(batch, sharing)[2]
                 rows.append(
                     dict(recipe=recipe, seq_len=cfg.trainer.seq_len, sharing="auto" if sharing else "off",
-                         rows=sum(int(np.shape(b.tokens)[0]) for b in packed), computed=computed, laid=laid,
-                         first_s=steps[0][0], step_s=min(s[0] for s in steps[1:]),
-                         cpu_s=min(s[1] for s in steps[1:]))
+                         rows=sum(int(np.shape(b.tokens)[0]) for b in packed),
+                         computed=sum(int(np.size(b.tokens)) for b in packed),
+                         laid=sum(int(np.count_nonzero(np.asarray(b.segment_ids))) for b in packed))
                 )  # fmt: skip
                 print(f"  {rows[-1]}", flush=True)
-            return metrics
+            dry[0] = False
+            for row in rows[::-1]:
+                times = [step(batch, row["sharing"] == "auto")[:2] for _ in range(1 + args.train_steps)]
+                row.update(first_s=times[0][0], step_s=min(t[0] for t in times[1:]),
+                           cpu_s=min(t[1] for t in times[1:]))  # fmt: skip
+                print(f"  {row}", flush=True)
+            return {}
 
         parts.train, trainer._train_on = timed_train, both
         trainer.run()
@@ -328,7 +338,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefix-tree",
         default="",
-        help="comma list of recipes (smollm2_cpu, default): plain rows vs prefix trees",
+        help="comma list of recipes (smollm2_cpu, default, smoke): plain rows vs prefix trees",
     )
     p.add_argument(
         "--seq-lens", default="", help="--prefix-tree: comma list of row lengths besides the recipe's"
