@@ -42,9 +42,9 @@ start, which the ``default`` lookup recipe needs to make multi-turn tool calls) 
 mini-batches' rows x ``seq_len`` (the tokens the train step computes), the tokens laid out in them,
 and the seconds of the jitted steps (``Run.train``) of the RL step, wall and CPU (the process's, all
 threads: steadier than wall time on a loaded machine), best of ``--train-steps`` after one step
-that compiles. ``--seq-lens`` adds row lengths to the recipe's; ``--row-buckets`` sets
-``trainer.row_buckets`` (the recipes round rows up to a power of two, which can hide the rows trees
-save).
+that compiles (``--no-train``: the packings only). ``--seq-lens`` adds row lengths to the recipe's;
+``--row-buckets`` sets ``trainer.row_buckets`` (the recipes round rows up to a power of two, which
+can hide the rows trees save).
 
 The machine's CPU (``lscpu``), the date and the load average before and after are printed with
 the table: on a shared machine every figure is a lower bound.
@@ -57,6 +57,7 @@ import asyncio
 import contextlib
 import datetime
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def bench_prefix_tree(
                 )  # fmt: skip
                 print(f"  {rows[-1]}", flush=True)
             dry[0] = False
-            for row in rows[::-1]:
+            for row in rows[::-1] if args.train else ():
                 times = [step(batch, row["sharing"] == "auto")[:2] for _ in range(1 + args.train_steps)]
                 row.update(first_s=times[0][0], step_s=min(t[0] for t in times[1:]),
                            cpu_s=min(t[1] for t in times[1:]))  # fmt: skip
@@ -374,12 +375,14 @@ def prefix_tree_main(args: argparse.Namespace) -> int:
           "| step time / off |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        r = {"step_s": math.nan, "cpu_s": math.nan, "first_s": math.nan, **r}
         off = next(
             o for o in rows if (o["recipe"], o["seq_len"], o["sharing"]) == (r["recipe"], r["seq_len"], "off")
         )
         print(f"| {r['recipe']} | {r['seq_len']} | {r['sharing']} | {r['rows']} | {r['computed']} "
               f"| {r['laid']} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['first_s']:.1f} "
-              f"| {r['computed'] / off['computed']:.2f} | {r['step_s'] / off['step_s']:.2f} |")  # fmt: skip
+              f"| {r['computed'] / off['computed']:.2f} "
+              f"| {r['step_s'] / off.get('step_s', math.nan):.2f} |")  # fmt: skip
     return 0
 
 

@@ -34,7 +34,8 @@ Prefix-tree rows (``subtree_end`` given; design §2.6) take the tree mask
 wrapper hands each block's boolean mask to ``jax.nn.dot_product_attention``, which passes it to cuDNN
 as an additive bias); ``cudnn_ragged`` does not (cuDNN's ragged layout describes each sequence by an
 offset and a length and masks causally within it, so a prefix that several later branches read is no
-such sequence) and runs ``cudnn``'s blocks instead; ``splash`` does not (its masks are numpy arrays
+such sequence; the tree mask can only reach cuDNN as a dense bias, which is what the ``cudnn`` blocks
+pass) and runs ``cudnn``'s blocks instead; ``splash`` does not (its masks are numpy arrays
 fixed when the kernel is built, and its only per-row input, ``SegmentIds``, tests equality) and runs
 ``xla`` instead. Both fallbacks are exact; :func:`self_attention` logs the reason once.
 
@@ -68,8 +69,9 @@ _log = logging.getLogger(__name__)
 _TREE_FALLBACKS = {
     "cudnn_ragged": (
         "cudnn",
-        "cuDNN's ragged (THD) kernel takes sequence offsets and lengths, not a mask, and a shared prefix "
-        "read by several branches is no contiguous causal sequence",
+        "cuDNN's ragged (THD) kernel masks by sequence offsets and lengths (causal within each), and a "
+        "shared prefix read by several branches is no such sequence; the tree mask has to be a dense bias, "
+        "which the cudnn blocks pass",
     ),
     "splash": (
         "xla",

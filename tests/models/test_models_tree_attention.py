@@ -90,7 +90,7 @@ def test_xla_and_fused_blocks_equal_float64_reference(tree_qkv, block):
     real = seg != 0
     xla = functools.partial(causal_attention, block_size=block)
     fused = functools.partial(fused_causal_attention, block_size=block, implementation="xla")
-    for fn in (xla, fused):
+    for fn in (xla, fused) if block == 8 else (xla,):  # the fused wrapper's blocks are the same code
         got = jax.jit(lambda q, k, v, s, e, fn=fn: fn(q, k, v, segment_ids=s, subtree_end=e))(
             q, k, v, seg, ends
         )
@@ -102,15 +102,19 @@ def test_backends_without_the_tree_mask_fall_back_and_say_so(tree_qkv, caplog, m
     assert tree_attention_backend("cudnn_ragged")[0] == "cudnn"
     assert "offsets" in tree_attention_backend("cudnn_ragged")[1]
     assert tree_attention_backend("splash")[0] == "xla" and "static" in tree_attention_backend("splash")[1]
-    q, k, v, seg, parents, ends = (x[:1, :8] for x in tree_qkv)
+    q, k, v, seg, parents, ends = tree_qkv
     monkeypatch.setattr(attention_backends, "_logged_fallbacks", set())
-    with caplog.at_level(logging.WARNING, logger=attention_backends.__name__):
-        got = self_attention(
-            q, k, v, segment_ids=seg, backend="splash", max_block_size=None, subtree_end=ends
+
+    def traced(fn, **kw):  # the program, traced (not compiled): the fallback must be the XLA path itself
+        return str(
+            jax.make_jaxpr(lambda q, k, v: fn(q, k, v, segment_ids=seg, subtree_end=ends, **kw))(q, k, v)
         )
-        self_attention(q, k, v, segment_ids=seg, backend="splash", max_block_size=None, subtree_end=ends)
+
+    with caplog.at_level(logging.WARNING, logger=attention_backends.__name__):
+        splash = traced(self_attention, backend="splash", max_block_size=None)
+        traced(self_attention, backend="splash", max_block_size=None)
     assert [r.getMessage() for r in caplog.records] == [
         "prefix-tree rows: attention 'splash' runs as 'xla': " + tree_attention_backend("splash")[1]
     ]
-    want = causal_attention(q, k, v, segment_ids=seg, block_size=None, subtree_end=ends)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert splash == traced(self_attention, backend="xla", max_block_size=None)
+    assert splash != traced(self_attention, backend="xla", max_block_size=8)  # the comparison can fail

@@ -46,7 +46,7 @@ from rljax.training.step import TrainConfig, TrainState, loss_and_grads, mini_ba
 
 VOCAB, SEQ, ROWS = 16, 64, 8
 DENSE = tiny_config("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=2)
-MOE = tiny_config("qwen3_moe", vocab_size=VOCAB, hidden_size=32, num_layers=1)
+MOE = tiny_config("qwen3_moe", vocab_size=VOCAB, hidden_size=32, num_layers=2)
 MOE_ROUTING = (len(MOE.moe_layers), MOE.num_experts_per_tok, MOE.num_experts)
 OPT = OptimizerConfig(learning_rate=1e-3)
 
@@ -124,13 +124,14 @@ BATCHES = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def lora_state():
-    model = random_decoder(DENSE, seed=1)
-    apply_lora(
-        model, LoRAConfig(rank=2, targets=("q_proj", "v_proj", "down_proj", "lm_head")), rngs=nnx.Rngs(2)
-    )
+def moe_lora_state():
+    """A MoE model with LoRA adapters (B != 0, so they change the forward), every weight trained; router
+    replay and both auxiliary losses; gspo with a sequence reduction, off-policy sequence masks, an
+    entropy bonus (one program for all of it: the compile is the cost of this test)."""
+    model = random_decoder(MOE, seed=1)
+    apply_lora(model, LoRAConfig(rank=2, targets=("q_proj", "v_proj", "lm_head")), rngs=nnx.Rngs(2))
     rng = np.random.default_rng(3)
-    for _, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):  # B != 0: the adapters change the forward
+    for _, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
         var.set_value(jnp.asarray(rng.normal(0, 0.1, var.get_value().shape), jnp.float32))
     objective = ObjectiveConfig(
         policy_loss="gspo",
@@ -139,36 +140,23 @@ def lora_state():
                     "geo_mask_low": 0.9, "geo_mask_high": 1.1},
         entropy_coef=0.01,
     )  # fmt: skip
-    return TrainState.create(model, TrainConfig(objective=objective, optimizer=OPT))
-
-
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=BATCHES)
-def test_lora_sequence_loss_and_off_policy_masks_equal_plain_packing(lora_state, spec):
-    steps = _steps(**spec)
-    ce = [0.5 if i % 3 == 0 else 0.0 for i in range(len(steps))]
-    plain, tree = _packings(steps, np.random.default_rng(spec["seed"]), ce_weights=ce)
-    _check_equal(lora_state, plain, tree, lora_state.config.objective)
-
-
-@pytest.fixture(scope="module")
-def moe_state():
     config = TrainConfig(
-        objective=ObjectiveConfig(),
+        objective=objective,
         optimizer=OPT,
         router_replay=True,
         moe_aux_loss_coef=0.01,
         router_z_loss_coef=1e-3,
     )
-    return TrainState.create(random_decoder(MOE, seed=4), config)
+    return TrainState.create(model, config, trainable=nnx.Any(nnx.Param, LoRAParam))
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=BATCHES)
-def test_moe_router_replay_and_auxiliary_losses_equal_plain_packing(moe_state, spec):
+def test_moe_lora_sequence_losses_and_off_policy_masks_equal_plain_packing(moe_lora_state, spec):
     steps = _steps(**spec, routing=MOE_ROUTING)
-    plain, tree = _packings(steps, np.random.default_rng(spec["seed"]))
-    _check_equal(moe_state, plain, tree, moe_state.config.objective)
+    ce = [0.5 if i % 3 == 0 else 0.0 for i in range(len(steps))]
+    plain, tree = _packings(steps, np.random.default_rng(spec["seed"]), ce_weights=ce)
+    _check_equal(moe_lora_state, plain, tree, moe_lora_state.config.objective)
 
 
 def test_critic_values_and_gae_advantages_equal_plain_packing():
@@ -223,23 +211,37 @@ def test_context_parallel_tree_rows_equal_plain_packing(context_case, collective
 
 
 def test_one_rl_step_gives_the_same_parameters_with_prefix_sharing_on_and_off(tmp_path):
-    """The smoke run (multi-turn lookup, groups of 2): one step from the same seed. An entropy bonus gives
-    a gradient through every parameter (the tiny model's rewards are all 0 at step 1, so advantages
-    are); Adam's eps=1e-4 keeps the first update from amplifying float noise on near-zero gradients."""
-    params, rows = {}, {}
-    for sharing in ("off", "auto"):
-        c = smoke.get_config()
-        c.warmstart.num_steps = 0
-        c.objective.entropy_coef = 0.1
-        c.optimizer.eps = 1e-4
-        c.trainer.update(num_steps=1, checkpoint_every=0, eval_every=0, prefix_sharing=sharing)
-        trainer = trainer_lib.Trainer(c, tmp_path / sharing)
-        rows[sharing] = trainer.run()[-1]
-        params[sharing] = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
-    assert rows["off"]["pack/shared_prefix_tokens"] == 0 < rows["auto"]["pack/shared_prefix_tokens"]
+    """The smoke run (multi-turn lookup, groups of 2): its one RL step trains the step's rollouts the
+    trainer's way (advantages, merge, mini-batches, the jitted step) with prefix sharing on, then from
+    the same state again with it off. An entropy bonus gives a gradient through every parameter (the
+    tiny model's rewards are all 0 at step 1, so its advantages are); Adam's eps=1e-4 keeps the first
+    update from amplifying float noise on near-zero gradients."""
+    c = smoke.get_config()
+    c.warmstart.num_steps = 0
+    c.objective.entropy_coef = 0.1
+    c.optimizer.eps = 1e-4
+    c.trainer.update(num_steps=1, checkpoint_every=0, eval_every=0)  # prefix_sharing: "auto"
+    trainer = trainer_lib.Trainer(c, tmp_path)
+    parts, train_on = trainer.parts, trainer._train_on
+    assert parts.prefix_sharing
+    out = {}
+
+    def both(batch):
+        before = jax.tree.map(jnp.copy, parts.state)  # the step donates the state it trains
+        for sharing in (True, False):
+            parts.state, parts.prefix_sharing = jax.tree.map(jnp.copy, before), sharing
+            metrics = train_on(batch)
+            out[sharing] = ([np.asarray(x) for x in jax.tree.leaves(parts.state.params)], metrics)
+        return metrics
+
+    trainer._train_on = both
+    trainer.run()
+    (tree, tree_row), (plain, plain_row) = out[True], out[False]
+    assert tree_row["pack/shared_prefix_tokens"] > 0 == plain_row["pack/shared_prefix_tokens"]
     # an update was applied (Adam's first step moves every parameter with a gradient by about lr = 1e-3)
-    assert rows["auto"]["grad_norm"] > 1e-4 and rows["auto"]["update_skipped"] == 0
-    for got, want in zip(params["auto"], params["off"], strict=True):
+    assert tree_row["grad_norm"] > 1e-4 and tree_row["update_skipped"] == 0
+    np.testing.assert_allclose(tree_row["loss"], plain_row["loss"], rtol=1e-5)
+    for got, want in zip(tree, plain, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
 
 
