@@ -121,7 +121,8 @@ def np_policy(name, kw, lp, old, inf, adv, cand, sample_of):
             sel = sample_of == key
             m = sel & (cand > 0)
             w = np.exp(min(np.clip(lp[m] - old[m], -20, 20).mean() if m.any() else 0.0, 10.0))
-            u, c = w * adv[sel], np.clip(w, 0.8, 1.2) * adv[sel]
+            lo, hi = kw.get("eps_low", 3e-4), kw.get("eps_high", 4e-4)  # the paper's default clip
+            u, c = w * adv[sel], np.clip(w, 1 - lo, 1 + hi) * adv[sel]
             value[sel], grad[sel] = -np.minimum(u, c), np.where(u <= c, -adv[sel] * w, 0.0)
         return value, grad
     if name in ("kl_cov", "clip_cov"):  # batch statistics over the rl candidate tokens of this array
@@ -673,7 +674,7 @@ def test_stale_tokens_leave_the_rl_loss_through_batch_token_staleness():
     )  # fmt: skip
     cfg = ObjectiveConfig(off_policy={"max_token_staleness": 1})
     loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)
-    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one))
+    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one).loss)
     np.testing.assert_allclose(float(loss), per_token[0, [0, 2, 3]].sum() / 3, rtol=1e-6)
     assert float(metrics["off_policy/stale_masked_frac"]) == 0.25
     with pytest.raises(ValueError, match="per-token staleness"):
