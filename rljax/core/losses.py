@@ -49,7 +49,8 @@ from rljax.core import registry, segments
 #: Every importance ratio of the core is ``exp(clip(log r, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))``.
 LOG_RATIO_CLIP = 20.0
 _GSPO_LOG_WEIGHT_MAX = 10.0
-_KL_KINDS = ("k1", "abs", "k2", "k3")
+#: The per-token KL estimators of :func:`kl` (Schulman 2020).
+KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
 
 
 def _f32(x: chex.Array) -> jax.Array:
@@ -652,8 +653,8 @@ def kl(logp: chex.Array, ref_logp: chex.Array, *, kind: str = "k3") -> jax.Array
     """
     chex.assert_type([logp, ref_logp], float)
     chex.assert_equal_shape([logp, ref_logp])
-    if kind not in _KL_KINDS:
-        raise ValueError(f"kl kind must be one of {_KL_KINDS}; got {kind!r}")
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl kind must be one of {KL_KINDS}; got {kind!r}")
     d = _f32(logp) - _f32(ref_logp)
     if kind == "k1":
         return d

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.core import losses
 from rljax.core import objective as obj
-from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
+from rljax.core.objective import Counts, ObjectiveConfig, combine_metrics, global_counts, objective
 from rljax.types import PackedBatch
 
 R, L, G = 8, 16, 5
@@ -493,7 +493,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
 
     owner = np.array(data.draw(st.lists(st.integers(0, k - 1), min_size=R, max_size=R)))
     total_loss, total_grad = 0.0, np.zeros((R, L))
-    total_metrics = dict.fromkeys(metrics, 0.0)
+    total_metrics = dict.fromkeys(metrics, 0.0)  # every metric sums, except the maxima: they max
     summed_counts = None
     for part in range(k):
         rows = np.nonzero(owner == part)[0]
@@ -507,8 +507,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
         total_loss += float(m_loss)
         total_grad[rows] += np.asarray(m_grad)[: len(rows)]
         assert not np.any(np.asarray(m_grad)[len(rows) :])  # padding rows get no gradient
-        for key in total_metrics:
-            total_metrics[key] += float(m_metrics[key])
+        total_metrics = {k: float(v) for k, v in combine_metrics(total_metrics, m_metrics).items()}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), summed_counts, counts)
     np.testing.assert_allclose(total_loss, float(loss), rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(total_grad, grad, rtol=2e-5, atol=1e-7)
