@@ -154,6 +154,11 @@ class StreamState:
       num_steps: RL steps of the run (no group is started that no step would train).
       next_step: the next step to consume (a resumed run: the checkpoint's step).
 
+    Its state: ``running`` (draw number -> group), ``ready`` (finished, not yet trained),
+    ``pending`` (draws not started: deferred while their task's group is live, dropped stale, or
+    resumed from a checkpoint), and the counts ``dropped_stale``, ``dropped_no_variance`` and
+    ``draws_skipped``.
+
     >>> s = StreamState(batch=2, max_staleness=1, num_steps=10)
     >>> s.admission_room(version=0)   # (0 + 1 + 1 - 0) * 2 groups may start on version 0
     4
@@ -196,7 +201,7 @@ class StreamState:
     # -- the stream's events ----------------------------------------------------------------------------
     def admit(self, draw: Draw, *, version: int, now: float) -> Group | None:
         """Records that ``draw`` starts on ``version`` (call only with :meth:`admission_room` > 0), or,
-        while a group of its task is live, defers it and returns None: it waits in :attr:`pending`
+        while a group of its task is live, defers it and returns None: it waits in ``pending``
         (:meth:`next_pending` gives it back once that group has trained or been dropped), unless a
         draw of its task already waits there; then it is skipped (counted in ``draws_skipped``)."""
         if self.admission_room(version=version) <= 0:
@@ -213,7 +218,7 @@ class StreamState:
 
     def next_pending(self) -> Draw | None:
         """The first pending draw (in the order they were queued) whose task has no live group,
-        removed from :attr:`pending`; None when there is none."""
+        removed from ``pending``; None when there is none."""
         live = self.live_tasks
         for i, draw in enumerate(self.pending):
             if draw.task.id not in live:
