@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -478,6 +478,7 @@ def _pack_steps(
         **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
         routed_experts=_routed_experts(steps, lengths, dest, size, num_rows, seq_len),
         token_versions=scatter(versions, resp_dest, np.int32),
+        support_floors=_support_floors(steps, keep_lens, resp_dest, scatter),
     )
     metrics = {
         "num_samples": n,
@@ -495,6 +496,23 @@ def _pack_steps(
         "samples_without_logprobs": without_logprobs,
     }
     return PackResult(batch=batch, layout=layout, metrics=metrics, group_keys=tuple(group_keys))
+
+
+def _support_floors(
+    steps: Sequence[Step], keep_lens: np.ndarray, resp_dest: np.ndarray, scatter: Callable[..., np.ndarray]
+) -> np.ndarray | None:
+    """The top-k / top-p support floors of the response tokens (``-inf`` elsewhere and for steps drawn
+    from the whole distribution); None when no step has any (the trainer then needs no mask)."""
+    if all(s.response_support_floors is None for s in steps):
+        return None
+    parts = (
+        itertools.repeat(-np.inf, int(k))
+        if s.response_support_floors is None
+        else s.response_support_floors[: int(k)]
+        for s, k in zip(steps, keep_lens, strict=True)
+    )
+    flat = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.float32, count=int(keep_lens.sum()))
+    return scatter(flat, resp_dest, np.float32, fill=-np.inf)
 
 
 def pack(
@@ -595,7 +613,8 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     Each dict has ``prompt_ids``, ``response_ids``, ``positions`` (whole sample), the response
     part of every response stream (``loss_mask``, ``advantages``, ``inference_logprobs``,
     ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, and
-    ``token_versions`` / ``token_rewards`` when the batch has them), and the per-sample scalars
+    ``token_versions`` / ``token_rewards`` / ``support_floors`` when the batch has them), and the
+    per-sample scalars
     ``temperature``, ``segment_id``, ``sample_index``, ``group_index``, ``row`` and ``source_index``.
 
     >>> from rljax.types import Step
@@ -605,7 +624,9 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     ([1, 2], [3, 4], [1.0, 0.0])
     """
     dest, _, _ = layout.flat_index()
-    optional = tuple(n for n in (*OPTIONAL_STREAMS, "token_versions") if getattr(packed, n) is not None)
+    optional = tuple(
+        n for n in (*OPTIONAL_STREAMS, "token_versions", "support_floors") if getattr(packed, n) is not None
+    )
     response_streams = _RESPONSE_STREAMS + optional
     gathered = {
         name: np.asarray(getattr(packed, name)).reshape(-1)[dest]

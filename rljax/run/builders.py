@@ -152,7 +152,21 @@ def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str
 def check_objective(cfg: RunConfig, algorithms: AlgorithmConfig) -> None:
     """Objective rules that need the algorithms: a policy loss whose ratio is already taken against
     the sampler (dppo, rollout_is, cispo with ``behavior="inference"``) would apply the behaviour ratio
-    twice with truncated importance sampling (SkyRL refuses the pair too)."""
+    twice with truncated importance sampling (SkyRL refuses the pair too); top-k / top-p sampling on an
+    engine that does not report the support it drew from (vLLM) cannot be scored on that support, so
+    an objective that compares train and sampler logprobs (rl, ref_kl) refuses it."""
+    r = cfg.rollout
+    truncated = r.top_p < 1.0 or r.top_k is not None
+    compared = [a.name for a in algorithms.algorithms if {"rl", "ref_kl"} & set(a.components)]
+    if truncated and cfg.engine.kind == "vllm" and compared:
+        key = "top_p" if r.top_p < 1.0 else "top_k"
+        raise ValueError(
+            f"config.rollout.{key}: {getattr(r, key)!r} samples from a truncated distribution, and vLLM "
+            "does not report which tokens it kept, so the trainer cannot score each token on the support "
+            f"it was drawn from (every ratio of {compared} would carry the kept mass as a bias): use "
+            "top_p=1.0 and top_k=None with vLLM, or the embedded sampler (engine.kind='embedded'), which "
+            "records the support and trains on it exactly"
+        )
     tis = cfg.objective.off_policy.get("tis_ratio_type")
     if tis is None:
         return

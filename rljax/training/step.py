@@ -339,6 +339,7 @@ def _forward(model: nnx.Module, batch: PackedBatch, config: TrainConfig) -> tupl
         temperature=temperature,
         chunk_size=config.chunk_size,
         routed_experts=replay,
+        support_floors=batch.support_floors,  # top-k / top-p draws: the support they came from
         with_routing=moe,
     )
 
