@@ -209,7 +209,9 @@ class Trainer:
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
             planned.append((name, list(mini_batches)))
         # every mini-batch's old (proximal) logprobs under theta_n, before the step's first update
+        start = time.perf_counter()
         planned = [(name, [self._with_policy_logprobs(mb, name) for mb in mbs]) for name, mbs in planned]
+        metrics["time/policy_logprobs_s"] = time.perf_counter() - start  # old and reference logprobs
         train_rows = self._train_mini_batches(planned, metrics)
         metrics.update(_mean_rows(train_rows))
         metrics.update(_mean_rows(critic_rows))
