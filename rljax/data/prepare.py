@@ -40,6 +40,7 @@ import numpy as np
 
 from rljax.algorithms import Algorithm
 from rljax.data.batch import StepBatch
+from rljax.data.credit import TurnSpans, turn_spans
 from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
 from rljax.data.merge import MergePlan, merge_metrics, merge_steps, plan_merge
 from rljax.data.pack import STREAM_DEFAULTS
@@ -76,6 +77,8 @@ class PreparedSamples:
         trained in (the merge plan's; the identity without merging). Rollout records use it.
       step_advantages: per input step, its per-token advantages before merging.
       step_filtered: per input step, whether an enforcing filter zeroed its loss mask.
+      turn_spans: per sample, where each of its turns' responses lies in it
+        (:func:`rljax.data.credit.turn_spans`); critic algorithms link a trajectory's turns with it.
     """
 
     samples: list[Step]
@@ -89,6 +92,7 @@ class PreparedSamples:
     sample_of_step: tuple[int, ...] = ()
     step_advantages: tuple[np.ndarray, ...] = ()
     step_filtered: tuple[bool, ...] = ()
+    turn_spans: TurnSpans = ()
 
     def streams(self) -> dict[str, list[np.ndarray] | None]:
         """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`, plus ``token_rewards``
@@ -240,6 +244,7 @@ def prepare_samples(
             for a, b in zip(unfiltered, batch, strict=True)
         ),
         "sample_of_step": tuple(range(len(batch))),
+        "turn_spans": turn_spans(batch.steps),
     }
     rewards = token_rewards(batch.steps) if critic else None
     echo = bool(algorithm.observation_ce) and comp == "rl"
@@ -253,6 +258,7 @@ def prepare_samples(
         plan = plan_merge(batch.steps)  # once: merging and carrying arrays along share it
         merged = merge_steps(batch, plan)
         trace["sample_of_step"] = _sample_of_step(plan)
+        trace["turn_spans"] = turn_spans(batch.steps, plan)
         if echo:
             from rljax.data.echo import response_roles
 

@@ -71,6 +71,7 @@ import numpy as np
 
 from rljax import algorithms as algos
 from rljax.data.batch import StepBatch
+from rljax.data.credit import turn_links
 from rljax.data.filters import make_filter
 from rljax.data.pack import make_mini_batches, with_token_staleness
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
@@ -197,8 +198,10 @@ class Trainer:
                 shuffle_seed=shuffle_seed,
                 **prep.streams(),
             )
-            if alg.needs_critic:
-                mini_batches, rows = parts.critic_mini_batches(list(mini_batches), self.rl_step)
+            if alg.needs_critic:  # GAE runs along each trajectory's turns, whichever samples hold them
+                mini_batches = list(mini_batches)
+                links = [turn_links(prep.samples, prep.turn_spans, mb.layout) for mb in mini_batches]
+                mini_batches, rows = parts.critic_mini_batches(mini_batches, self.rl_step, links)
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
             adv_sums = np.zeros(3)
             for mb in mini_batches:
