@@ -184,6 +184,7 @@ class Trainer:
                 merge=self.cfg.trainer.merge,
                 score=parts.references.for_algorithm(alg),
                 observation_filter=self.observation_filters[alg.name],
+                trained_version=self.rl_step,
             )
             metrics.update(prefixed(prep.metrics, name, multi=multi))
             self.trace.add(part.steps, prep)

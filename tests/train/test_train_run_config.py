@@ -105,6 +105,14 @@ def test_every_recipe_parses(name):
             {"trainer": {"filters": [{"name": "overlong", "strength": 2}]}},
             r"config.trainer.filters\[0\]: filter 'overlong': .*strength",
         ),
+        (
+            {"trainer": {"filters": [{"name": "staleness", "max_staleness": 1, "trained_version": 3}]}},
+            r"config.trainer.filters\[0\].trained_version: set by the run \(the RL step being trained\)",
+        ),
+        (
+            {"trainer": {"filters": [{"name": "zero_variance", "reward_mode": "outcome"}]}},
+            r"config.trainer.filters\[0\].reward_mode: set by the run \(each algorithm's reward_mode\)",
+        ),
         ({"mesh": {"data": 0}}, r"config.mesh.data: expected an int >= 1"),
         ({"engine": {"server": {"bogus": 1}}}, r"config.engine.server.bogus: unknown key; ServerConfig"),
     ],
