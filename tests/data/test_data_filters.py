@@ -447,8 +447,9 @@ def test_dynamic_sampling_discards_a_group_made_uniform_by_an_error():
 
 def test_zero_variance_leaves_no_uniform_group_in_the_token_mean():
     """Two groups, 2 tokens per trajectory: a = 3 successes + 1 error (all advantages 0), b = a success
-    and a failure. With the zero-variance filter only b's 4 tokens are in token_mean's denominator, so
-    the loss is b's alone (it was 0.4 of it when a's 6 tokens counted)."""
+    and a failure. With the zero-variance filter only b's 4 tokens are in token_mean's denominator,
+    so the loss is b's alone (a's 6 tokens made it 0.4 of that)."""
+    import jax
     import jax.numpy as jnp
 
     from rljax.algorithms import get_algorithm
@@ -456,24 +457,20 @@ def test_zero_variance_leaves_no_uniform_group_in_the_token_mean():
     from rljax.data.pack import pack
     from rljax.data.prepare import prepare_samples
 
-    a = [_s("a", i, [1, 2], reward=1.0, lp=[-0.5, -0.5]) for i in range(3)]
-    a.append(_s("a", 3, [3, 4], mask=[0, 0], lp=[-0.5, -0.5], stop_reason="error"))
-    b = [_s("b", 0, [1, 2], reward=1.0, lp=[-0.5, -0.5]), _s("b", 1, [1, 2], lp=[-0.5, -0.5])]
+    lp = [-0.5, -0.5]
+    a = [_s("a", i, [1, 2], reward=1.0, lp=lp) for i in range(3)]
+    a.append(_s("a", 3, [3, 4], mask=[0, 0], lp=lp, stop_reason="error"))
+    b = [_s("b", 0, [1, 2], reward=1.0, lp=lp), _s("b", 1, [1, 2], lp=lp)]
     config = ObjectiveConfig(policy_loss="ppo_clip", reduction="token_mean", components=("rl",))
-
-    def loss(steps):
-        prep = prepare_samples(
-            get_algorithm("grpo"), StepBatch(steps), filters=[flt.ZeroVarianceGroupFilter()]
-        )
-        batch = pack(prep.samples, seq_len=8, advantages=prep.advantages).batch
-        counts = global_counts(batch, config)
-        logp = jnp.where(jnp.asarray(batch.loss_mask) != 0, jnp.asarray(batch.inference_logprobs), 0.0)
-        logp = logp + 0.1 * jnp.asarray(batch.advantages)  # a ratio that is not 1 where A != 0
-        return float(objective(logp, batch, counts, config)[0]), float(counts.tokens[0])
-
-    both, only_b = loss(a + b), loss(b)
-    assert both[1] == only_b[1] == 4.0
-    assert only_b[0] != 0 and both[0] == pytest.approx(only_b[0], rel=1e-6)
+    prep = prepare_samples(get_algorithm("grpo"), StepBatch(a + b), filters=[flt.ZeroVarianceGroupFilter()])
+    batch = pack(prep.samples, seq_len=8, advantages=prep.advantages).batch
+    counts = jax.jit(global_counts, static_argnums=1)(batch, config)
+    assert float(counts.tokens[0]) == 4.0
+    # logp = old + 0.1 A: ratio exp(0.1 A) inside the clip, so the token loss is -ratio * A; b has
+    # A = +-0.5 on 2 tokens each: loss = -(2 e^0.05 0.5 - 2 e^-0.05 0.5) / 4
+    logp = jnp.asarray(batch.inference_logprobs) + 0.1 * jnp.asarray(batch.advantages)
+    loss = jax.jit(objective, static_argnums=3)(logp, batch, counts, config)[0]
+    assert float(loss) == pytest.approx(-(math.exp(0.05) - math.exp(-0.05)) / 4, rel=1e-5)
 
 
 def _two_turns(q, r, first, final):
