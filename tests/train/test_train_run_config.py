@@ -273,6 +273,17 @@ def test_async_samples_of_version_v_come_from_the_weights_of_version_v(tmp_path,
     assert mismatch_elsewhere > 0, "versions too similar: the check could not tell them apart"
 
 
+@pytest.mark.integration
+def test_the_staleness_filter_measures_against_the_step_being_trained(tmp_path):
+    """async, one step behind: step n trains samples of version max(n - 1, 0), so from step 1 on
+    every turn is 1 version stale (the newest version in each batch would say 0)."""
+    c = _tiny_run(num_steps=3, mode="async", max_off_policy_steps=1, checkpoint_every=0)
+    c.trainer.filters = [dict(name="staleness", max_staleness=0, mode="monitor")]
+    history = Trainer(c, tmp_path).run()
+    assert [h["policy_version/lag"] for h in history] == [0.0, 1.0, 1.0]
+    assert [h["filters/staleness/fraction"] for h in history] == [0.0, 1.0, 1.0]
+
+
 def test_run_config_is_frozen():
     cfg = parse_run_config({})
     with pytest.raises(dataclasses.FrozenInstanceError):
