@@ -226,7 +226,7 @@ class PackedBatch:
     padding, where loss_mask is 0) used for sequence-level math across rows;
     ``group_index`` is the dense prompt-group id of that sample. ``old_logprobs``
     are the trainer's logprobs before this batch's first update (equal to
-    ``inference_logprobs`` until the trainer recomputes them). Entry ``t`` of the
+    ``inference_logprobs`` until the trainer recomputes them: ``trainer.old_logprobs``). Entry ``t`` of the
     per-token streams refers to predicting ``tokens[t]`` from ``tokens[<t]``: the
     loss mask is 0 on prompt tokens and padding. ``routed_experts`` (MoE router replay, or None):
     int32 ``[rows, seq_len, num_moe_layers, top_k]``, the experts the sampler routed each token to,
@@ -237,6 +237,9 @@ class PackedBatch:
     ``token_staleness`` (or None): int32 ``trained_version - token_versions`` on response tokens, 0
     elsewhere, set by the trainer for the version it trains
     (:func:`rljax.data.pack.with_token_staleness`); the off-policy correction's staleness mask reads it.
+    ``kl_reference_logprobs`` (or None): float32 logprobs of every token under the frozen reference
+    policy of the objective's KL penalty (``objective.kl_loss_coef``), set by the trainer. (Not to be
+    confused with ``ref_logprobs``: the teacher of the ``ref_kl`` distillation component.)
     """
 
     tokens: Any
@@ -257,6 +260,7 @@ class PackedBatch:
     token_rewards: Any = None
     token_versions: Any = None
     token_staleness: Any = None
+    kl_reference_logprobs: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

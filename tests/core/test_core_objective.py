@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.core import losses
 from rljax.core import objective as obj
-from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
+from rljax.core.objective import Counts, ObjectiveConfig, combine_metrics, global_counts, objective
 from rljax.types import PackedBatch
 
 R, L, G = 8, 16, 5
@@ -121,7 +121,8 @@ def np_policy(name, kw, lp, old, inf, adv, cand, sample_of):
             sel = sample_of == key
             m = sel & (cand > 0)
             w = np.exp(min(np.clip(lp[m] - old[m], -20, 20).mean() if m.any() else 0.0, 10.0))
-            u, c = w * adv[sel], np.clip(w, 0.8, 1.2) * adv[sel]
+            lo, hi = kw.get("eps_low", 3e-4), kw.get("eps_high", 4e-4)  # the paper's default clip
+            u, c = w * adv[sel], np.clip(w, 1 - lo, 1 + hi) * adv[sel]
             value[sel], grad[sel] = -np.minimum(u, c), np.where(u <= c, -adv[sel] * w, 0.0)
         return value, grad
     if name in ("kl_cov", "clip_cov"):  # batch statistics over the rl candidate tokens of this array
@@ -492,7 +493,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
 
     owner = np.array(data.draw(st.lists(st.integers(0, k - 1), min_size=R, max_size=R)))
     total_loss, total_grad = 0.0, np.zeros((R, L))
-    total_metrics = dict.fromkeys(metrics, 0.0)
+    total_metrics = dict.fromkeys(metrics, 0.0)  # every metric sums, except the maxima: they max
     summed_counts = None
     for part in range(k):
         rows = np.nonzero(owner == part)[0]
@@ -506,8 +507,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
         total_loss += float(m_loss)
         total_grad[rows] += np.asarray(m_grad)[: len(rows)]
         assert not np.any(np.asarray(m_grad)[len(rows) :])  # padding rows get no gradient
-        for key in total_metrics:
-            total_metrics[key] += float(m_metrics[key])
+        total_metrics = {k: float(v) for k, v in combine_metrics(total_metrics, m_metrics).items()}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), summed_counts, counts)
     np.testing.assert_allclose(total_loss, float(loss), rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(total_grad, grad, rtol=2e-5, atol=1e-7)
@@ -673,7 +673,7 @@ def test_stale_tokens_leave_the_rl_loss_through_batch_token_staleness():
     )  # fmt: skip
     cfg = ObjectiveConfig(off_policy={"max_token_staleness": 1})
     loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)
-    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one))
+    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one).loss)
     np.testing.assert_allclose(float(loss), per_token[0, [0, 2, 3]].sum() / 3, rtol=1e-6)
     assert float(metrics["off_policy/stale_masked_frac"]) == 0.25
     with pytest.raises(ValueError, match="per-token staleness"):
