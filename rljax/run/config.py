@@ -600,6 +600,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: Filter fields a run sets itself (filter name -> (field, where its value comes from)).
+_RUN_SET_FILTER_KEYS: dict[str, tuple[str, str]] = {
+    "zero_variance": ("reward_mode", "each algorithm's reward_mode"),
+    "staleness": ("trained_version", "the RL step being trained"),
+}
+
+
 def _fail(path: str, message: str) -> ValueError:
     return ValueError(f"{path}: {message}")
 
@@ -858,6 +865,12 @@ def _validate(cfg: RunConfig) -> RunConfig:
             make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
         except (TypeError, ValueError) as e:
             raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
+        run_set = _RUN_SET_FILTER_KEYS.get(str(f["name"]))
+        if run_set is not None and run_set[0] in f:
+            raise _fail(
+                f"config.trainer.filters[{i}].{run_set[0]}",
+                f"set by the run ({run_set[1]}); remove it, got {f[run_set[0]]!r}",
+            )
     for path, overrides in (
         ("config.warmstart.optimizer", cfg.warmstart.optimizer),
         ("config.critic.optimizer", cfg.critic.optimizer),

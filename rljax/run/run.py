@@ -557,18 +557,19 @@ class Run:
         return np.asarray(host_local_copy(out), np.float32)
 
     def critic_mini_batches(
-        self, mini_batches: list[PackResult], rl_step: int
+        self, mini_batches: list[PackResult], rl_step: int, links: Sequence[np.ndarray] | None = None
     ) -> tuple[list[PackResult], list[dict[str, float]]]:
         """PPO: old values and GAE advantages of every mini-batch (all before any update), then one
-        critic step per mini-batch. Returns the mini-batches carrying their advantages for the
-        policy steps (none during the critic warm-up, ``rl_step < critic.warmup_steps``) and the
-        critic steps' metric rows."""
+        critic step per mini-batch. ``links``: per mini-batch, the links of its trajectories' turns
+        (:func:`rljax.data.credit.turn_links`; None: none). Returns the mini-batches carrying their
+        advantages for the policy steps (none during the critic warm-up, ``rl_step <
+        critic.warmup_steps``) and the critic steps' metric rows."""
         cc = self.critic_config
         staged = []
-        for mb in mini_batches:
+        for k, mb in enumerate(mini_batches):
             placed = self._shard(mb.batch)
             old_values = critic_values(self.critic, placed)
-            advantages, returns = ppo_advantages(old_values, placed, cc)
+            advantages, returns = ppo_advantages(old_values, placed, cc, None if links is None else links[k])
             staged.append((mb, placed, old_values, advantages, returns))
         out, rows = [], []
         for mb, placed, old_values, advantages, returns in staged:

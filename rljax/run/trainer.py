@@ -73,6 +73,7 @@ import numpy as np
 from rljax import algorithms as algos
 from rljax.core.objective import MAX_METRICS, rollout_logprob_readers
 from rljax.data.batch import StepBatch
+from rljax.data.credit import turn_links
 from rljax.data.filters import make_filter
 from rljax.data.pack import make_mini_batches, with_token_staleness
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
@@ -187,6 +188,7 @@ class Trainer:
                 merge=self.cfg.trainer.merge,
                 score=parts.references.for_algorithm(alg),
                 observation_filter=self.observation_filters[alg.name],
+                trained_version=self.rl_step,
             )
             check_rollout_logprobs(
                 name, prep.samples, parts.train_configs[name].objective, old=parts.old_logprobs[name][0]
@@ -204,8 +206,10 @@ class Trainer:
                 shuffle_seed=shuffle_seed,
                 **prep.streams(),
             )
-            if alg.needs_critic:
-                mini_batches, rows = parts.critic_mini_batches(list(mini_batches), self.rl_step)
+            if alg.needs_critic:  # GAE runs along each trajectory's turns, whichever samples hold them
+                mini_batches = list(mini_batches)
+                links = [turn_links(prep.samples, prep.turn_spans, mb.layout) for mb in mini_batches]
+                mini_batches, rows = parts.critic_mini_batches(mini_batches, self.rl_step, links)
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
             planned.append((name, list(mini_batches)))
         # every mini-batch's old (proximal) logprobs under theta_n, before the step's first update
