@@ -27,10 +27,13 @@ from hypothesis import strategies as st
 from random_steps import prefix_sharing_steps
 from tolerances import LOGPROB_TOL
 
+from rljax.algorithms import get_algorithm
 from rljax.core.objective import ObjectiveConfig
 from rljax.data.batch import StepBatch
+from rljax.data.credit import turn_links
 from rljax.data.merge import merge_steps
 from rljax.data.pack import pack, unpack_responses
+from rljax.data.prepare import prepare_samples
 from rljax.models.logprobs import packing_kwargs, sequence_forward
 from rljax.models.lora import LoRAConfig, LoRAParam, apply_lora
 from rljax.models.tiny import random_decoder, tiny_config
@@ -160,19 +163,28 @@ def test_moe_lora_sequence_losses_and_off_policy_masks_equal_plain_packing(moe_l
 
 
 def test_critic_values_and_gae_advantages_equal_plain_packing():
+    """PPO as the trainer runs it: prepared samples (merged where turns extend each other), GAE along
+    each trajectory's turns across samples (``turn_links``), whitened advantages."""
     policy = random_decoder(DENSE, seed=5)
     critic = ValueModel.from_policy(policy, rngs=nnx.Rngs(0))
     critic.value_kernel[...] = jnp.asarray(np.random.default_rng(6).normal(0, 0.5, (DENSE.hidden_size, 1)))
     state = TrainState.create(critic, TrainConfig(optimizer=OPT))
-    steps = _steps(7, groups=3, group_size=3, max_turns=2, merged=True)
-    rewards = [np.random.default_rng(i).normal(size=len(s.response_ids)) for i, s in enumerate(steps)]
-    out = []
-    packings = _packings(steps, np.random.default_rng(8), token_rewards=rewards)
-    assert packings[1].metrics["shared_prefix_tokens"] > 0
-    for r in packings:
+    rng = np.random.default_rng(7)
+    steps = [
+        s.replace(reward=float(rng.normal()))
+        for s in _steps(7, groups=3, group_size=3, max_turns=2, merged=False)
+    ]
+    prep = prepare_samples(get_algorithm("ppo"), StepBatch(steps))
+    out, shared = [], []
+    for sharing in (False, True):
+        r = pack(prep.samples, seq_len=SEQ, row_buckets=[ROWS], prefix_sharing=sharing, **prep.streams())
+        links = turn_links(prep.samples, prep.turn_spans, r.layout)
+        assert (links[:, 0] >= 0).sum() > 0  # some trajectory's turns are linked across samples
         values = critic_values(state, r.batch)
-        adv, ret = ppo_advantages(values, r.batch, CriticConfig(gamma=0.9, lam=0.8))
+        adv, ret = ppo_advantages(values, r.batch, CriticConfig(gamma=0.9, lam=0.8), links)
         out.append([np.concatenate(unpack_responses(np.asarray(x), r.layout)) for x in (values, adv, ret)])
+        shared.append(r.metrics["shared_prefix_tokens"])
+    assert shared[0] == 0 < shared[1]
     for got, want in zip(out[1], out[0], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
