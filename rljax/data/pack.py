@@ -469,7 +469,12 @@ def prefix_tree_units(lengths: np.ndarray, lcp: np.ndarray, capacity: int) -> li
     Returns:
       the trees, each an ascending int64 array of sample indices.
 
+    Three samples of 6 tokens sharing 4, and one of 3 sharing nothing: as one tree the three take
+    ``4 + 3 * 2 = 10`` tokens; in rows of 9 they become trees of two and one:
+
     >>> prefix_tree_units(np.array([6, 6, 6, 3]), np.array([0, 4, 4, 0]), capacity=10)
+    [array([0, 1, 2]), array([3])]
+    >>> prefix_tree_units(np.array([6, 6, 6, 3]), np.array([0, 4, 4, 0]), capacity=9)
     [array([0, 1]), array([2]), array([3])]
     """
     lengths = np.asarray(lengths, np.int64)
