@@ -81,7 +81,44 @@ def test_every_recipe_parses(name):
         ({"engine": {"dtype": "float16"}}, r"config.engine.dtype: expected one of"),
         ({"engine": {"sync": {"probe_len": 3}}}, r"config.engine.sync.probe_len: unknown key"),
         ({"engine": {"sync": {"on_mismatch": "ignore"}}}, r"config.engine.sync: SyncConfig.on_mismatch"),
-        ({"engine": {"client": {"sync": {}}}}, r"config.engine.client.sync: set the weight sync in"),
+        (
+            {"engine": {"client": {"sync": {}}}},
+            r"config.engine.client.sync: set by the run; use config.engine.sync",
+        ),
+        (
+            {"engine": {"client": {"timeot_s": 5}}},
+            r"config.engine.client.timeot_s: unknown key; did you mean 'timeout_s'",
+        ),
+        (
+            {"engine": {"client": {"all_down_timeout_s": 5}}},
+            r"client.all_down_timeout_s: set by the run; use config.engine.all_down",
+        ),
+        (
+            {"engine": {"server_devices": ("0",)}},
+            r"config.engine.server_devices: places launched vLLM servers",
+        ),
+        (
+            {"engine": {"kind": "vllm", "server_devices": ("0,0",)}},
+            r"config.engine.server_devices\[0\]: expected distinct GPU",
+        ),
+        (
+            {"engine": {"kind": "vllm", "server_devices": ("0",), "server": {"tensor_parallel_size": 2}}},
+            r"config.engine.server_devices\[0\]: '0' holds 1 GPU\(s\); engine.server.tensor_parallel_size=2",
+        ),
+        (
+            {
+                "engine": {
+                    "kind": "vllm",
+                    "server_devices": ("0",),
+                    "server": {"env": {"CUDA_VISIBLE_DEVICES": "1"}},
+                }
+            },
+            r"config.engine.server.env: sets CUDA_VISIBLE_DEVICES",
+        ),
+        (
+            {"engine": {"trainer_devices": "a"}},
+            r"config.engine.trainer_devices: expected distinct GPU indices",
+        ),
         ({"trainer": {"micro_batch_tokens": 100}}, r"config.trainer.micro_batch_tokens: 100 is smaller"),
         ({"objective": {"reduction": "mean"}}, r"config.objective.reduction"),
         ({"trainer": {"prompts_per_step": 6, "mini_batch_prompts": 4}}, r"config.trainer.mini_batch_prompts"),
