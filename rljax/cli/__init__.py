@@ -7,6 +7,6 @@
     rljax export --checkpoint=/tmp/run --out=/tmp/hf          # a checkpoint as an HF directory
     rljax make-dataset --source=reasoning_gym:basic_arithmetic --num=100 --out=rows.parquet
 
-``--config`` takes a file path or the name of a shipped recipe (``rljax/recipes/``); each subcommand
+``--config`` takes a file path or the name of a shipped recipe (``configs/``); each subcommand
 keeps its absl flags (``rljax train --help``). ``python -m rljax`` is the same command.
 """

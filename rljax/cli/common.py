@@ -12,6 +12,8 @@ from typing import Any
 
 from absl import flags
 
+from rljax.recipes import CONFIGS_DIR
+
 __all__ = [
     "EXIT_USAGE",
     "CommandLineError",
@@ -27,12 +29,12 @@ __all__ = [
     "unknown_override",
 ]
 
-#: The folder of the shipped recipes (``--config=<name>`` names a file in it).
-RECIPES_DIR = pathlib.Path(__file__).resolve().parents[1] / "recipes"
+#: The folder of the shipped recipes, ``configs/`` (``--config=<name>`` names a file in it).
+RECIPES_DIR = CONFIGS_DIR
 
 
 def recipe_names() -> list[str]:
-    """The names of the recipes that ship with rljax (``rljax/recipes/<name>.py``).
+    """The names of the recipes that ship with rljax (``configs/<name>.py``).
 
     >>> {"default", "smoke"} <= set(recipe_names())
     True
@@ -83,7 +85,7 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
     """``argv`` with ``--config=NAME`` / ``--config NAME`` naming a shipped recipe replaced by its path.
 
     >>> resolve_config_args(["rljax train", "--config=smoke", "--config.trainer.num_steps=2"])[1].endswith(
-    ...     "recipes/smoke.py")
+    ...     "configs/smoke.py")
     True
     >>> resolve_config_args(["x", "--config=no/such_file.py"])
     Traceback (most recent call last):

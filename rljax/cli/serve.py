@@ -15,7 +15,7 @@ says otherwise; ``--api_key`` (repeatable) makes the server refuse other keys. C
 (``save_state``, ``save_weights_for_sampler``) go to ``<workdir>/tinker/<model_id>/`` and survive a
 restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back. Sampling
 clients run on the embedded sampler, or, when the config names vLLM engines
-(``rljax/recipes/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
+(``configs/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
 target; ``rljax.tinker.sampling``).
 """
 

@@ -1,12 +1,12 @@
 """The run configuration: typed, frozen, parsed once from an ml_collections config.
 
-:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``rljax/recipes/*.py``, overridden by
+:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
 ``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
 place that knows the keys, their types and their defaults: a missing key takes the default of its
 dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
 key no component reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len:
 expected an int >= 1, got 'long'``. :func:`default_config` renders the same defaults as a
-``ConfigDict``; ``rljax/recipes/default.py`` is exactly that, and the other recipes start from it.
+``ConfigDict``; ``configs/default.py`` is exactly that, and the other recipes start from it.
 
 The trainer's parts read only these typed values, never the raw config.
 
@@ -1021,7 +1021,7 @@ def parse_run_config(config: Any) -> RunConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# The defaults as a ConfigDict (rljax/recipes/default.py) and the comparison used by --resume
+# The defaults as a ConfigDict (configs/default.py) and the comparison used by --resume
 # ------------------------------------------------------------------------------------------------
 
 #: Fields that can be given object values on the command line (lists, dicts, None-or-value).
@@ -1062,7 +1062,7 @@ def _to_config(value: Any, path: str) -> Any:
 
 
 def default_config() -> Any:
-    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``rljax/recipes/default.py``).
+    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``configs/default.py``).
 
     Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
     fields, so ``--config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"`` works (a Python
