@@ -3,13 +3,14 @@
 # GPU, launched by the trainer on the initial weights), the trainer on the others as one FSDP mesh.
 #
 #   MODEL_PATH=/ckpts/Qwen3-0.6B bash launch/multi_gpu.sh --workdir=/runs/qwen3
-#   MODEL_PATH=/ckpts/Qwen3-0.6B VLLM_GPUS=1 bash launch/multi_gpu.sh --config.trainer.num_steps=50
+#   MODEL_PATH=/ckpts/Qwen3-0.6B VLLM_GPUS=2 bash launch/multi_gpu.sh --config.trainer.num_steps=50
 #
 # Settings (environment variables, with defaults):
 #   MODEL_PATH   HF checkpoint directory (config.json, safetensors, tokenizer files)
 #   CONFIG       recipe name or config file (qwen3_gpu)
 #   NUM_GPUS     the machine's GPUs (CUDA_VISIBLE_DEVICES's count, else `nvidia-smi -L`)
-#   VLLM_GPUS    GPUs given to vLLM servers, one server each (2)
+#   VLLM_GPUS    GPUs given to vLLM servers, one server each (4; a power-of-two count of training GPUs
+#                shards evenly, a dimension that does not divide is replicated)
 #   RLJAX        the rljax command (rljax)
 #   RLJAX_DRY_RUN=1  print the command instead of running it
 # One GPU for everything: the qwen3_1gpu recipe (docs/guides/one_gpu.md), no script needed.
@@ -17,7 +18,7 @@ set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to an HF checkpoint directory}
 CONFIG=${CONFIG:-qwen3_gpu}
-VLLM_GPUS=${VLLM_GPUS:-2}
+VLLM_GPUS=${VLLM_GPUS:-4}
 RLJAX=${RLJAX:-rljax}
 if [ -z "${NUM_GPUS:-}" ]; then
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then

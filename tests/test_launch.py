@@ -120,7 +120,7 @@ def test_slurm_template_renders_one_command_per_node(tmp_path):
     commands = render("--config.trainer.num_steps=10")
     assert len(commands) == 2
     for rank, argv in enumerate(commands):
-        flags = _check_command(argv, model="/ckpts/Qwen3-0.6B", servers=("6", "7"), fsdp=12)
+        flags = _check_command(argv, model="/ckpts/Qwen3-0.6B", servers=("4", "5", "6", "7"), fsdp=8)
         assert flags["coordinator_address"] == "gpu-a01:12355" and flags["num_processes"] == "2"
         assert argv[-1] == f"--process_id={rank}" and flags["workdir"] == str(tmp_path / "run")
         assert "--config.trainer.num_steps=10" in argv and "--resume" not in argv

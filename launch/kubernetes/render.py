@@ -26,7 +26,7 @@ _CONFIG = flags.DEFINE_string("recipe", "qwen3_gpu", "rljax recipe name or confi
 _NODES = flags.DEFINE_integer("nodes", 2, "Pods, one trainer process each.", lower_bound=1)
 _GPUS = flags.DEFINE_integer("gpus_per_node", 8, "GPUs of each pod.", lower_bound=2)
 _VLLM_GPUS = flags.DEFINE_integer(
-    "vllm_gpus_per_node", 2, "GPUs of each pod that run vLLM servers (one each).", lower_bound=1
+    "vllm_gpus_per_node", 4, "GPUs of each pod that run vLLM servers (one each).", lower_bound=1
 )
 _PVC = flags.DEFINE_string("pvc", None, "PersistentVolumeClaim every pod mounts (models, runs).")
 _MOUNT = flags.DEFINE_string("mount", "/data", "Where the volume is mounted.")

@@ -24,14 +24,26 @@ from rljax.run.config import EngineSection, device_list
 
 __all__ = [
     "MEM_FRACTION_ENV",
+    "MEM_FRACTION_ENV_NEW",
+    "check_shared_gpus",
     "place_trainer",
     "server_device_env",
     "trainer_placement",
     "visible_gpus",
 ]
 
-#: The environment variable JAX reads for the share of GPU memory it preallocates.
+#: The environment variable of the share of GPU memory JAX preallocates: read by every jaxlib rljax
+#: supports (newer ones also read :data:`MEM_FRACTION_ENV_NEW` and take this as its deprecated alias).
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: Its newer name (jaxlib refuses both names set at once).
+MEM_FRACTION_ENV_NEW = "XLA_CLIENT_MEM_FRACTION"
+#: JAX's default share of each GPU's memory (newer JAX may also grow past it when no share is set).
+JAX_DEFAULT_FRACTION = 0.75
+#: vLLM's default ``--gpu-memory-utilization``.
+VLLM_DEFAULT_UTILIZATION = 0.9
+#: The most of a shared GPU's memory the trainer and its servers may claim together (the rest: each
+#: process's CUDA context and vLLM's startup check, which wants its whole share free).
+SHARED_GPU_BUDGET = 0.95
 #: One directory per GPU of the machine, written by the NVIDIA driver (Linux).
 NVIDIA_GPUS_DIR = pathlib.Path("/proc/driver/nvidia/gpus")
 
@@ -130,21 +142,75 @@ def trainer_placement(engine: EngineSection, visible: Sequence[str] | None = Non
 def place_trainer(engine: EngineSection, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Applies :func:`trainer_placement` to this process: JAX's ``jax_cuda_visible_devices`` option and
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` in ``environ`` (default ``os.environ``). Call it before JAX
-    starts its GPU backend (later it has no effect). A memory share already in the environment that
-    differs from the config's is an error (one of them is a mistake)."""
+    starts its GPU backend (later it has no effect). A memory share already in the environment (under
+    either name) that differs from the config's is an error (one of them is a mistake); an equal one
+    is kept as it is."""
     environ = os.environ if environ is None else environ
     placement = trainer_placement(engine)
     fraction = placement.get(MEM_FRACTION_ENV)
     if fraction is not None:
-        given = environ.get(MEM_FRACTION_ENV)
-        if given is not None and float(given) != float(fraction):
-            raise ValueError(
-                f"config.engine.trainer_memory_fraction={fraction} contradicts {MEM_FRACTION_ENV}={given} "
-                "in the environment; drop one"
-            )
-        environ[MEM_FRACTION_ENV] = fraction
+        given = {k: environ[k] for k in (MEM_FRACTION_ENV, MEM_FRACTION_ENV_NEW) if k in environ}
+        for name, value in given.items():
+            if float(value) != float(fraction):
+                raise ValueError(
+                    f"config.engine.trainer_memory_fraction={fraction} contradicts {name}={value} in "
+                    "the environment; drop one"
+                )
+        if not given:
+            environ[MEM_FRACTION_ENV] = fraction
     if "jax_cuda_visible_devices" in placement:
         import jax
 
         jax.config.update("jax_cuda_visible_devices", placement["jax_cuda_visible_devices"])
     return placement
+
+
+def check_shared_gpus(engine: EngineSection, visible: Sequence[str] | None) -> None:
+    """Refuses a launch whose vLLM servers and trainer share a GPU whose memory they cannot both get.
+
+    A server without ``server_devices`` sees the trainer's GPUs and runs on the first
+    ``tensor_parallel_size`` of them. On a GPU the trainer also uses, JAX preallocates
+    ``trainer_memory_fraction`` (0: JAX's 75%, which newer JAX may grow past) and vLLM refuses to
+    start unless its ``gpu_memory_utilization`` (default 0.9) of the GPU is free, so the shares must
+    fit in :data:`SHARED_GPU_BUDGET` together; this fails before the minutes of loading a model.
+    Nothing is checked without launched servers or known GPUs (a CPU machine).
+
+    >>> e = EngineSection(kind="vllm", server={"gpu_memory_utilization": 0.4}, trainer_memory_fraction=0.5)
+    >>> check_shared_gpus(e, ["0"])
+    >>> check_shared_gpus(EngineSection(kind="vllm"), ["0"])
+    Traceback (most recent call last):
+    ...
+    ValueError: config.engine.trainer_memory_fraction: the trainer and 1 launched vLLM server(s) ...
+    """
+    if engine.kind != "vllm" or engine.urls or not visible:
+        return
+    tensor_parallel = int(engine.server.get("tensor_parallel_size") or 1)
+    utilization = engine.server.get("gpu_memory_utilization") or VLLM_DEFAULT_UTILIZATION
+    if engine.server_devices:
+        servers = [
+            device_list(d, f"config.engine.server_devices[{i}]") for i, d in enumerate(engine.server_devices)
+        ]
+    else:
+        servers = [tuple(range(tensor_parallel))] * engine.num_servers
+    trainer = trainer_placement(engine, visible).get("jax_cuda_visible_devices")
+    trainer_gpus = set(range(len(visible))) if trainer is None else set(device_list(trainer, "trainer"))
+    for gpu in sorted(trainer_gpus):
+        sharing = sum(gpu in devices for devices in servers)
+        if not sharing:
+            continue
+        jax_share = engine.trainer_memory_fraction or JAX_DEFAULT_FRACTION
+        total = jax_share + sharing * utilization
+        if engine.trainer_memory_fraction and total <= SHARED_GPU_BUDGET:
+            continue
+        jax_said = (
+            f"trainer_memory_fraction={engine.trainer_memory_fraction:g}"
+            if engine.trainer_memory_fraction
+            else "JAX's default (75% or more; trainer_memory_fraction=0)"
+        )
+        raise ValueError(
+            f"config.engine.trainer_memory_fraction: the trainer and {sharing} launched vLLM server(s) share "
+            f"GPU {visible[gpu]}, which cannot hold {jax_said} plus gpu_memory_utilization={utilization:g} "
+            f"per server (at most {SHARED_GPU_BUDGET:g} together): set engine.trainer_memory_fraction and "
+            "engine.server.gpu_memory_utilization (e.g. 0.5 and 0.4), or give the servers their own GPUs "
+            "with engine.server_devices"
+        )

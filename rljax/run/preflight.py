@@ -31,7 +31,7 @@ from rljax.envs.loader import LoadError
 from rljax.models import ModelConfig
 from rljax.run.builders import build_tokenizer, check_extras, check_run, model_config
 from rljax.run.config import RunConfig, config_differences, config_record, did_you_mean, parse_run_config
-from rljax.run.placement import server_device_env, trainer_placement, visible_gpus
+from rljax.run.placement import check_shared_gpus, server_device_env, trainer_placement, visible_gpus
 from rljax.run.tasks import EnvTasks, build_env_tasks
 
 __all__ = ["RunPlan", "check_resumed_config", "plan_run"]
@@ -172,6 +172,7 @@ def plan_run(
     python = _check_engine(cfg)
     server_env = server_device_env(cfg.engine, visible) if python else []
     placement = trainer_placement(cfg.engine, visible)
+    check_shared_gpus(cfg.engine, visible)
     name = cfg.tokenizer.name
     if name.startswith(("/", "./", "../", "~")) and not pathlib.Path(name).expanduser().exists():
         raise ValueError(

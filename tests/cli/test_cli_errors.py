@@ -212,3 +212,55 @@ def test_the_console_script_exits_2_with_one_line(tmp_path):
         "got 'sometimes'\n"
     )
     assert not (tmp_path / "run").exists() and os.listdir(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A Qwen3 checkpoint directory as the GPU recipes read it before loading weights: its
+    config.json (tiny shapes) and a toy ChatML tokenizer; no weights (a dry run reads none)."""
+    import json
+
+    from rljax.chat import toy_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3")
+    tok = toy_tokenizer("chatml")
+    config = dict(model_type="qwen3", vocab_size=len(tok) + 7, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=1e6,
+                  rms_norm_eps=1e-6)  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(path)
+    return path
+
+
+def test_the_one_gpu_recipe_dry_runs_on_cpu(capsys, monkeypatch, tiny_checkpoint):
+    """configs/qwen3_1gpu.py checked whole on this CPU machine as if it had one GPU: the trainer's
+    memory share, the server sharing its GPU; then the two-GPU variant and the mistakes it prevents."""
+    monkeypatch.setenv("RLJAX_VLLM_PYTHON", sys.executable)  # any existing python: nothing is launched
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    model = [f"--config.model.hf_path={tiny_checkpoint}", f"--config.tokenizer.name={tiny_checkpoint}"]
+    code, out, err = _run(capsys, "train", "--config=qwen3_1gpu", "--dry-run", *model)
+    assert code == 0, err
+    assert "  engine.trainer_memory_fraction = 0.5\n" in out
+    assert "  trainer placement: XLA_PYTHON_CLIENT_MEM_FRACTION=0.5\n" in out
+    assert "    server 0: GPUs the trainer's GPUs, {" in out and "'gpu_memory_utilization': 0.4" in out
+    assert "  model: qwen3, 2 layers, hidden 64" in out and "trainer: async, 1 process(es)" in out
+    assert (
+        os.environ[MEM_FRACTION_ENV] == "0.5"
+    )  # set before JAX starts (this process's CPU backend ignores it)
+
+    monkeypatch.delenv(MEM_FRACTION_ENV)
+    model.append("--config.envs.lookup.num_train_tasks=64")  # the recipe's 20,000 tasks take seconds
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    own_gpu = ["--config.engine.server_devices=('1',)", "--config.engine.trainer_memory_fraction=0",
+               "--config.engine.server.gpu_memory_utilization=0.85"]  # fmt: skip
+    code, out, err = _run(capsys, "train", "--config=qwen3_1gpu", "--dry-run", *model, *own_gpu)
+    assert code == 0, err
+    assert "  trainer placement: jax_cuda_visible_devices=0\n" in out and "    server 0: GPUs 1, {" in out
+
+    code, _, err = _run(capsys, "train", "--config=qwen3_1gpu", "--dry-run", *model,
+                        "--config.engine.trainer_memory_fraction=0.6")  # fmt: skip
+    assert code == 2 and "the trainer and 1 launched vLLM server(s) share GPU 0" in _one_line(err)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    code, _, err = _run(capsys, "train", "--config=qwen3_gpu", "--dry-run", *model)  # servers not placed
+    assert code == 2 and "JAX's default (75% or more" in _one_line(err)

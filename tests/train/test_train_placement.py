@@ -4,6 +4,7 @@ memory share. Checked on CPU: the server is a stand-in executable that records i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import stat
@@ -15,6 +16,8 @@ from rljax.run.config import EngineSection, parse_run_config
 from rljax.run.engines import launched_server_configs
 from rljax.run.placement import (
     MEM_FRACTION_ENV,
+    MEM_FRACTION_ENV_NEW,
+    check_shared_gpus,
     place_trainer,
     server_device_env,
     trainer_placement,
@@ -79,9 +82,12 @@ def test_place_trainer_sets_the_memory_share_and_jax_devices(monkeypatch):
         jax.config.update("jax_cuda_visible_devices", before)
     with pytest.raises(ValueError, match=r"trainer_memory_fraction=0.45 contradicts XLA_PYTHON_CLIENT_MEM"):
         place_trainer(_engine(trainer_memory_fraction=0.45), {MEM_FRACTION_ENV: "0.9"})
-    same = {MEM_FRACTION_ENV: "0.45"}
-    place_trainer(_engine(trainer_memory_fraction=0.45), same)  # the same value twice is fine
-    assert same == {MEM_FRACTION_ENV: "0.45"}
+    with pytest.raises(ValueError, match=r"contradicts XLA_CLIENT_MEM_FRACTION=0.9"):
+        place_trainer(_engine(trainer_memory_fraction=0.45), {MEM_FRACTION_ENV_NEW: "0.9"})
+    for name in (MEM_FRACTION_ENV, MEM_FRACTION_ENV_NEW):  # the same value is kept, under its own name
+        same = {name: ".45"}  # (jaxlib refuses both names at once)
+        place_trainer(_engine(trainer_memory_fraction=0.45), same)
+        assert same == {name: ".45"}
 
 
 def _env_file(path: pathlib.Path) -> dict[str, str]:
@@ -110,3 +116,27 @@ def test_each_launched_server_process_gets_its_gpus(tmp_path, monkeypatch):
     assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["6", "4,5"]
     assert all(env["RLJAX_MARK"] == "kept" for env in envs)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # the trainer's own is unchanged
+
+
+def test_a_shared_gpu_must_hold_both_shares():
+    """vLLM refuses to start unless its share is free; JAX takes 75% (or more) unless told: the sum of
+    the shares on a GPU the trainer and launched servers share is checked before anything starts."""
+    fits = _engine(server={"gpu_memory_utilization": 0.4}, trainer_memory_fraction=0.5)
+    check_shared_gpus(fits, ["0"])  # 0.9 of one GPU: fits
+    with pytest.raises(ValueError, match=r"share GPU 0, which cannot hold JAX's default"):
+        check_shared_gpus(_engine(server={"gpu_memory_utilization": 0.4}), ["0"])  # 0.75 + 0.4
+    with pytest.raises(ValueError, match=r"cannot hold trainer_memory_fraction=0.6 plus gpu_memory_util"):
+        check_shared_gpus(_engine(server={"gpu_memory_utilization": 0.4}, trainer_memory_fraction=0.6), ["0"])
+    two = _engine(num_servers=2, server_devices=("0", "0"), trainer_devices="0", trainer_memory_fraction=0.3,
+                  server={"gpu_memory_utilization": 0.3})  # fmt: skip
+    check_shared_gpus(two, ["0"])  # 0.3 + 2 x 0.3
+    with pytest.raises(ValueError, match=r"the trainer and 2 launched vLLM server\(s\) share GPU 0"):
+        check_shared_gpus(dataclasses.replace(two, trainer_memory_fraction=0.4), ["0"])
+    own = _engine(server_devices=("1",))  # the server on its own GPU: JAX's default is fine
+    check_shared_gpus(own, ["0", "1"])
+    tp = _engine(server={"tensor_parallel_size": 2})  # unplaced: GPUs 0 and 1, the trainer's too
+    with pytest.raises(ValueError, match="share GPU 4, "):  # named as CUDA_VISIBLE_DEVICES names it
+        check_shared_gpus(tp, ["4", "5"])
+    check_shared_gpus(_engine(), None)  # GPUs unknown (a CPU machine): nothing to check
+    check_shared_gpus(_engine(urls=("http://h:8000",)), ["0"])  # servers elsewhere
+    check_shared_gpus(parse_run_config({}).engine, ["0"])  # the embedded sampler
