@@ -13,6 +13,7 @@ The launch scripts are thin: from rljax they import only :data:`LAUNCH_MAY_IMPOR
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -74,10 +75,16 @@ def _layer(module: str) -> int | None:
     return best
 
 
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    """``path`` parsed (once per session: every test here walks the same files)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     """The rljax modules ``path`` imports (resolved to the most specific known module)."""
     out: set[str] = set()
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     type_only = set()  # `if TYPE_CHECKING:` blocks are not run
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -102,6 +109,7 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     return out
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
@@ -203,8 +211,7 @@ def test_launch_scripts_are_thin():
 def test_the_package_does_not_import_configs_or_launch():
     """The package reaches the configs only through rljax.recipes (a path, not an import)."""
     for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]

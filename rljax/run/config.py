@@ -59,6 +59,7 @@ from rljax.training.sharding import MeshConfig
 from rljax.training.warmstart import WarmStartConfig
 
 __all__ = [
+    "CLIENT_KEYS_SET_ELSEWHERE",
     "DTYPES",
     "DynamicSamplingSection",
     "ENGINE_DTYPES",

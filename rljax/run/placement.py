@@ -23,8 +23,12 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from rljax.run.config import EngineSection, device_list
 
 __all__ = [
+    "JAX_DEFAULT_FRACTION",
     "MEM_FRACTION_ENV",
     "MEM_FRACTION_ENV_NEW",
+    "NVIDIA_GPUS_DIR",
+    "SHARED_GPU_BUDGET",
+    "VLLM_DEFAULT_UTILIZATION",
     "check_shared_gpus",
     "place_trainer",
     "server_device_env",
