@@ -60,7 +60,6 @@ from rljax.run.builders import (
 )
 from rljax.run.config import (
     RunConfig,
-    config_differences,
     config_record,
     critic_config,
     parse_run_config,
@@ -463,18 +462,9 @@ class Run:
         return step
 
     def _check_resumed_config(self, saved: Any, step: int) -> None:
-        if not saved:
-            return
-        try:
-            diffs = config_differences(parse_run_config(saved), self.cfg)
-        except ValueError as e:  # a checkpoint of an older layout: say so instead of guessing
-            raise ValueError(f"--resume: the checkpoint's config does not parse ({e})") from None
-        if diffs:
-            raise ValueError(
-                f"--resume: the config differs from the one checkpoint step {step} was trained with in "
-                f"keys that change results: {'; '.join(diffs)}. Resume with the same config, start a new "
-                "run, or pass --allow_config_change to continue anyway"
-            )
+        from rljax.run.preflight import check_resumed_config
+
+        check_resumed_config(saved, self.cfg, step)
 
     def load_policy(self, directory: str | pathlib.Path, step: int, *, verify: bool = True) -> None:
         """Puts the policy weights of checkpoint ``step`` of ``directory`` into this run (the state's

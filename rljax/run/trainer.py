@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs an RL post-training job described by an ``ml_collections`` config (see rljax/recipes/default.py).
+    """Runs an RL post-training job described by an ``ml_collections`` config (see configs/default.py).
 
     Args:
       config: the run config (a ConfigDict or nested dict; keys and defaults:
