@@ -9,8 +9,9 @@ re-exports it lists it in its summary table with a link there.
 
 The config reference replaces the marker ``<!-- rljax:config-reference -->`` in
 ``reference/config.md`` by one table per section of :class:`rljax.run.config.RunConfig`: every key's
-path, type, default and meaning. The meaning of a field is its entry in the ``Attributes:`` block
-of its section's docstring (or a base class's), else its ``#:`` comment in the class body.
+path, type, default and meaning. The meaning of a field declared with :func:`rljax.knobs.knob` is
+its ``doc`` with its allowed values; of another field, its entry in the ``Attributes:`` block of its
+section's docstring (or a base class's), else its ``#:`` comment in the class body.
 
 ``python docs/_ext/rljax_reference.py`` prints the config reference's Markdown and the count of
 public names without a docstring.
@@ -266,11 +267,9 @@ def module_index(modules: list[str]) -> str:
 DICT_SECTIONS: dict[str, tuple[str, str]] = {
     "config.envs": ("<name>", "rljax.run.config.EnvSection"),
     "config.frozen_models": ("<name>", "rljax.inference.frozen.FrozenModelConfig"),
-    "config.engine.server": ("", "rljax.inference.vllm.launcher.ServerConfig"),
 }
 #: Fields of a dict section that the run fills in itself (not config keys).
 DICT_SECTION_SKIP: dict[str, tuple[str, ...]] = {
-    "config.engine.server": ("model",),  # the served checkpoint
     "config.frozen_models": ("name",),  # the mapping's key
 }
 
@@ -394,9 +393,12 @@ def _split_clauses(text: str, stops: str = ".") -> list[str]:
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field -> its one-line meaning (see the module docstring for where it comes from)."""
+    from rljax import knobs
+
     names = [f.name for f in dataclasses.fields(cls)]
     docs = _comment_docs(cls)
     docs.update(_attribute_docs(cls))
+    docs.update({f.name: knobs.field_doc(f) for f in dataclasses.fields(cls) if knobs.knob_of(f)})
     return {n: docs[n] for n in names if n in docs}
 
 
