@@ -179,6 +179,16 @@ def test_dry_run_prints_the_resolved_config_and_creates_nothing(capsys, tmp_path
     assert "  env lookup: lookup, 16 train / 2 eval tasks, algorithm grpo\n" in out
     assert "  policy engine: embedded JAX sampler (max_batch_size 8)\n" in out
     assert out.rstrip().endswith("nothing was created, deleted or started")
+    # the keys of typed sections are set one by one from the command line
+    code, out, err = _run(capsys, "train", "--config=smoke", "--dry-run",
+                          "--config.objective.off_policy.max_token_staleness=2",
+                          "--config.engine.client.timeout_s=5", "--config.engine.supervisor.max_restarts=0",
+                          "--config.model.init.rope_theta=500000.0")  # fmt: skip
+    assert code == 0, err
+    assert "  objective.off_policy.max_token_staleness = 2\n" in out
+    assert "  objective.off_policy.token_tis_ratio_clip_high = 2.0\n" in out  # the others: defaults
+    assert "  engine.client.timeout_s = 5.0\n" in out and "  engine.supervisor.max_restarts = 0\n" in out
+    assert "  model.init.rope_theta = 500000.0\n" in out and "  model.init.hidden_size = 16\n" in out
     # an existing run is neither refused nor deleted by a dry run of --overwrite
     (workdir / "checkpoints").mkdir(parents=True)
     code, _, err = _run(capsys, "train", "--config=smoke", f"--workdir={workdir}", "--dry_run", "--overwrite")
