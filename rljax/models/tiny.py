@@ -22,6 +22,7 @@ from flax import nnx
 
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import Decoder
+from rljax.models.layers import RMSNorm
 
 __all__ = ["TINY_DEFAULTS", "random_decoder", "tiny_config", "tiny_model"]
 
@@ -98,12 +99,18 @@ def random_decoder(config: ModelConfig, *, seed: int = 0, **decoder_kwargs: Any)
     """A :class:`Decoder` whose every parameter is drawn at a visible scale (host numpy draws).
 
     The default init gives nearly uniform next-token distributions, where a wrong mask, position or
-    output head changes logprobs too little to notice; tests want peaked ones: norms ``1 + 0.2 z``,
+    output head changes logprobs too little to notice; tests want peaked ones: norm scales ``1 + 0.2 z``
+    (a zero-centered norm's weight ``0.2 z``),
     biases ``0.2 z``, embeddings ``0.5 z``, other weights ``0.15 z`` (``z`` standard normal, drawn
     by numpy's PCG64 from ``seed``: the same values on every machine). Drawn on the host: a jitted
     draw of every parameter took 4-13 s to COMPILE on 2 CPU cores, per call.
     """
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), **decoder_kwargs))
+    zero_centered = {  # norms whose scale is 1 + w (the hybrid families'): w is drawn as 0.2 z
+        ".".join(str(p) for p in path) + ".weight"
+        for path, module in nnx.iter_graph(abstract)
+        if isinstance(module, RMSNorm) and module.zero_centered
+    }
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     rng = np.random.default_rng(seed)
@@ -111,7 +118,9 @@ def random_decoder(config: ModelConfig, *, seed: int = 0, **decoder_kwargs: Any)
     for path, var in flat:
         name, spec = ".".join(str(p) for p in path), var.get_value()
         noise = rng.standard_normal(spec.shape, dtype=np.float32)
-        if "norm" in name:
+        if name in zero_centered:
+            value = 0.2 * noise
+        elif "norm" in name:
             value = 1.0 + 0.2 * noise
         elif name.endswith("bias"):
             value = 0.2 * noise
