@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rljax import models
+from rljax.models import lora
 
 VOCAB = 320
 LENGTH = 150
@@ -123,3 +124,46 @@ def test_checkpoints_round_trip_through_transformers_with_equal_logprobs(family,
     worst = _check_parity(again, model)
     print(f"{family}: rljax checkpoint -> transformers, max |logp diff| = {worst:.2e}")
     assert worst <= ATOL
+
+
+@pytest.mark.parametrize(
+    "family, targets",
+    [
+        ("qwen3_5", ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]),
+        ("qwen3_next", ["q_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]),
+    ],
+)
+def test_peft_lora_on_attention_and_deltanet_projections_round_trips(family, targets, tmp_path):
+    """A peft adapter (random A and B) on the attention and Gated DeltaNet projections loads in rljax
+    with peft's logprobs; rljax writes it back in peft's format, which peft loads with the same
+    logprobs; merged into the base it is a plain checkpoint that transformers serves the same."""
+    import peft
+    import torch
+    import transformers
+
+    base = _hf_model(family)
+    base.save_pretrained(tmp_path / "base")
+    ref = peft.get_peft_model(_hf_model(family), peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    ref.save_pretrained(tmp_path / "peft")
+    tokens = np.random.default_rng(4).integers(0, VOCAB, size=(2, 80))
+    want = _hf_logprobs(ref.eval(), tokens)
+    model = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "peft")
+    got = np.asarray(models.sequence_logprobs(model, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    base_only = np.asarray(
+        models.sequence_logprobs(models.from_pretrained(tmp_path / "base"), jnp.asarray(tokens))
+    )
+    assert np.abs(base_only - want).max() > 1e-2  # the adapter matters: the comparison can fail
+    lora.save_adapter(model, tmp_path / "rljax", base_model_name_or_path=str(tmp_path / "base"))
+    again = peft.PeftModel.from_pretrained(_hf_model(family), tmp_path / "rljax").eval()
+    np.testing.assert_allclose(_hf_logprobs(again, tokens), want, atol=1e-6, rtol=0)
+    models.save_pretrained(lora.merge_lora(model), tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", attn_implementation="eager"
+    )
+    np.testing.assert_allclose(_hf_logprobs(merged.eval(), tokens), want, atol=ATOL, rtol=0)
