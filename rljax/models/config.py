@@ -7,8 +7,13 @@ from a Hugging Face ``config.json`` dict with :meth:`ModelConfig.from_hf_dict` a
 
 Both RoPE spellings are read: the transformers<5 ``rope_theta`` + ``rope_scaling`` fields and the
 transformers>=5 ``rope_parameters`` dict; both are written. Features the decoder does not implement
-(sliding-window layers, yarn/dynamic RoPE, partial rotary, activations other than SiLU) raise a
-``ValueError`` instead of silently computing something else.
+(sliding-window layers, yarn/dynamic RoPE, partial rotary outside the hybrid families, activations
+other than SiLU) raise a ``ValueError`` instead of silently computing something else.
+
+The hybrid families (:data:`HYBRID_MODEL_TYPES`: Qwen3-Next, Qwen3.5 dense and MoE text models) add
+``layer_types`` (which layers are Gated DeltaNet linear attention), the DeltaNet shapes
+(``linear_*``) and ``partial_rotary_factor``; a multimodal Qwen3.5 ``config.json`` is read as its
+``text_config``.
 
 The config is a frozen, hashable dataclass so it can live as static metadata of an NNX module
 (jit caches on it). Fields of the original ``config.json`` that the forward pass does not use
@@ -45,8 +50,10 @@ SHARED_EXPERT_MODEL_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 #: Multimodal wrappers whose ``text_config`` rljax loads as the text model (vision tower dropped).
 MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-#: ``layer_types`` entries: the token mixer of each layer.
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+#: ``layer_types`` entry of a (gated) full-attention layer.
+FULL_ATTENTION = "full_attention"
+#: ``layer_types`` entry of a Gated DeltaNet (linear-attention) layer.
+LINEAR_ATTENTION = "linear_attention"
 
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
@@ -106,7 +113,8 @@ _OWNED_KEYS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families).
+    """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families, their MoE variants, or the
+    hybrid Qwen3-Next / Qwen3.5 families).
 
     ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` pairs holding
     ``rope_type`` ("linear" or "llama3") and that type's parameters, so the config stays hashable.

@@ -9,7 +9,9 @@ Pre-norm transformer (Llama architecture, Touvron et al. 2023)::
 
 Qwen2 adds biases on q/k/v; Qwen3 adds a per-head RMSNorm on q and k before RoPE. The MoE
 families replace the MLP of the layers in ``config.moe_layers`` by a routed mixture of experts
-(:mod:`rljax.models.moe`).
+(:mod:`rljax.models.moe`). The hybrid families (Qwen3.5, Qwen3-Next) mix tokens in the layers of
+``config.linear_layers`` with a Gated DeltaNet (:mod:`rljax.models.linear_attention`) and in the
+others with :class:`GatedAttention`; their norms scale by ``1 + weight``.
 Packed rows: attention is causal and never crosses ``segment_ids`` (0 = padding); ``positions``
 restart per sample (default: derived from ``segment_ids``). Parameters are stored in
 ``param_dtype`` and computed in ``dtype`` (float32 default; bfloat16 option); norms, softmax and

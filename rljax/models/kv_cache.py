@@ -127,7 +127,7 @@ def init_cache(
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}")
     shape = (batch_size * config.num_kv_heads, max_length, config.head_dim)
-    num_linear = len(getattr(config, "linear_layers", ()))
+    num_linear = len(config.linear_layers)
     num_attention = config.num_layers - num_linear
     linear: dict = {}
     if num_linear:

@@ -1,5 +1,5 @@
 """Training a hybrid Qwen3.5 model (Gated DeltaNet + gated attention) on packed rows: the train step
-on a (data, fsdp, tensor) = (2, 2, 2) mesh of 8 fake CPU devices, and in micro-batches with remat,
+on a (data, fsdp, tensor) = (2, 2, 2) mesh of 8 fake CPU devices, with remat and in micro-batches,
 equals the single-device whole-batch step (parameters and metrics), as for the dense decoder
 (test_train_sharding.py). The packing invariant itself is tested in
 tests/models/test_models_hybrid.py."""
@@ -20,7 +20,6 @@ from rljax.training.step import (
     mini_batch_counts,
     split_micro_batches,
     train_mini_batch,
-    train_step,
 )
 
 OBJ = tf.OBJ
@@ -50,19 +49,13 @@ def _assert_equal(state, metrics, want_params, want_metrics):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_sharded_steps_equal_single_device(batches, reference):
+def test_sharded_micro_batched_remat_steps_equal_the_single_device_step(batches, reference):
+    """On the (2, 2, 2) mesh, with full remat and each mini-batch in 2 micro-batches."""
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    state = TrainState.create(_model(), CONFIG, mesh=mesh)
+    state = TrainState.create(_model(remat="full"), CONFIG, mesh=mesh)
     qkv = state.params["layers"][0]["linear_attn"]["in_proj_qkv"]["kernel"].get_value()
     assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     for batch, (want_params, want_metrics) in zip(batches, reference, strict=True):
-        sharded = shard_batch(batch, mesh)
-        state, metrics = train_step(state, sharded, mini_batch_counts(sharded, OBJ))
-        _assert_equal(state, metrics, want_params, want_metrics)
-
-
-def test_micro_batches_with_remat_equal_the_whole_batch(batches, reference):
-    state = TrainState.create(_model(remat="full"), CONFIG)
-    for batch, (want_params, want_metrics) in zip(batches, reference, strict=True):
-        state, metrics = train_mini_batch(state, split_micro_batches(batch, 2), mini_batch_counts(batch, OBJ))
+        micro = shard_batch(split_micro_batches(batch, 2), mesh, stacked=True)
+        state, metrics = train_mini_batch(state, micro, mini_batch_counts(batch, OBJ))
         _assert_equal(state, metrics, want_params, want_metrics)
