@@ -236,8 +236,10 @@ class Attention(nnx.Module):
 
 
 class GatedAttention(Attention):
-    """The full attention of Qwen3-Next / Qwen3.5: grouped-query attention whose ``q_proj`` also
-    yields a per-head output gate, with zero-centered q/k RMSNorms and partial RoPE::
+    """The full attention of Qwen3-Next / Qwen3.5: grouped-query attention with a per-head output
+    gate, zero-centered q/k RMSNorms and partial RoPE.
+
+    ``q_proj`` also yields the gate::
 
         [q_h | gate_h] = x W_q   (per head h, 2 * head_dim columns)
         out = o_proj(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))
@@ -359,7 +361,8 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Causal LM for the Qwen2 / Qwen3 / Llama families.
+    """Causal LM for the Qwen2 / Qwen3 / Llama families, their MoE variants and the hybrid Qwen3.5 /
+    Qwen3-Next models.
 
     Args:
       config: the architecture.
