@@ -82,6 +82,32 @@ def test_config_errors_name_the_field():
         ModelConfig.from_hf_dict(_hf("qwen3_next", intermediate_size=64, attn_output_gate=False))
 
 
+def test_multimodal_checkpoint_names_and_fused_experts_load_as_the_text_model():
+    """A multimodal Qwen3.5-MoE checkpoint's tensors: the text model under ``model.language_model.``,
+    expert stacks fused as transformers holds them (``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``), a vision tower and MTP heads (not loaded): the same parameters as the per-expert
+    text checkpoint."""
+    model = random_decoder(tiny_config("qwen3_5_moe_text", vocab_size=VOCAB), seed=0)
+    plain = models.to_hf_state_dict(model)
+    wrapped = {"model.visual.blocks.0.attn.qkv.weight": np.ones(3), "mtp.fc.weight": np.ones(2)}
+    for name, arr in plain.items():
+        if ".mlp.experts." not in name:
+            wrapped[name.replace("model.", "model.language_model.", 1)] = arr
+    for i in range(model.config.num_layers):
+        e = range(model.config.num_experts)
+        key = f"model.layers.{i}.mlp.experts."
+        gate_up = [
+            np.concatenate([plain[f"{key}{j}.gate_proj.weight"], plain[f"{key}{j}.up_proj.weight"]])
+            for j in e
+        ]
+        wrapped[f"model.language_model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(gate_up)
+        wrapped[f"model.language_model.layers.{i}.mlp.experts.down_proj"] = np.stack(
+            [plain[f"{key}{j}.down_proj.weight"] for j in e]
+        )
+    loaded = models.to_hf_state_dict(models.from_hf_state_dict(model.config, wrapped))
+    assert sorted(loaded) == sorted(plain) and all(np.array_equal(loaded[k], plain[k]) for k in plain)
+
+
 def _packed_row(rng, lengths, pad):
     samples = [rng.integers(0, VOCAB, n) for n in lengths]
     tokens = np.concatenate(samples + [np.zeros(pad, np.int64)])
