@@ -412,11 +412,6 @@ class Decoder(nnx.Module):
     (1, 3, 32)
     """
 
-    #: The forward computes prefix-tree rows exactly (``hidden_states(..., subtree_end=...)``): a model
-    #: whose layers carry state along the token order (a recurrent or linear-attention layer) does not,
-    #: and ``trainer.prefix_sharing="auto"`` leaves sharing off for a model without this attribute.
-    prefix_tree_rows: bool = True
-
     def __init__(
         self,
         config: ModelConfig,
@@ -510,6 +505,15 @@ class Decoder(nnx.Module):
         ids = jnp.where(tokens < 0, self.config.vocab_size, tokens)
         x = jnp.take(self.embed_tokens[...], ids, axis=0, mode="fill", fill_value=jnp.nan)
         return jnp.where((segment_ids != 0)[..., None], x, 0).astype(self.dtype)
+
+    @property
+    def prefix_tree_rows(self) -> bool:
+        """Whether the forward computes prefix-tree rows exactly (``hidden_states(...,
+        subtree_end=...)``): True when every layer is attention or per-token. Gated DeltaNet layers
+        (Qwen3.5 / Qwen3-Next) carry a state along the token order, which a depth-first tree row
+        would thread through sibling branches, so a hybrid model says False and
+        ``trainer.prefix_sharing="auto"`` leaves sharing off for it."""
+        return not self.config.linear_layers
 
     def hidden_states(
         self,

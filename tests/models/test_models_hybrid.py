@@ -194,3 +194,14 @@ def test_context_parallelism_is_refused_with_a_clear_error(model):
     mesh = make_mesh(data=4, context=2)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="context parallelism .* is not supported"):
         model.hidden_states(jnp.ones((1, 8), jnp.int32))
+
+
+def test_prefix_sharing_stays_off_for_linear_attention_layers(model):
+    """A depth-first tree row would thread a Gated DeltaNet state through sibling branches: a hybrid
+    model declares it cannot compute tree rows, and trainer.prefix_sharing="auto" leaves sharing off."""
+    from rljax.models.tiny import tiny_model
+    from rljax.run.run import resolve_prefix_sharing
+
+    assert model.config.linear_layers and not model.prefix_tree_rows
+    assert resolve_prefix_sharing("auto", model) is False
+    assert tiny_model().prefix_tree_rows and resolve_prefix_sharing("auto", tiny_model()) is True
