@@ -226,8 +226,9 @@ class EngineSet:
             expected = model.expected if _written(model) else weight_sync.trainer_logprobs(model, probe)
             probe = model.probe if _written(model) else probe
         dtype = model.dtype if _written(model) else getattr(model, "param_dtype", "float32")
-        # A launched server restarts on the initial weights: nothing to reload until the first sync.
-        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype))
+        # A launched server restarts on the initial weights: nothing to reload until the first sync
+        # (each sync, in-flight switches included, records its weights and version).
+        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype), client.weight_version)
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its

@@ -280,6 +280,14 @@ async def _reload_rpc(target: SyncTarget, directory: str, rpc: str) -> None:
         raise WeightSyncError(f"reloading weights from {directory} failed: " + "; ".join(bad))
 
 
+def announce_pause(target: SyncTarget) -> None:
+    """Tells a target that tracks its requests (``note_pause``: :class:`VLLMClient` and its
+    supervisor's views) that its servers are about to be paused."""
+    note = getattr(target, "note_pause", None)
+    if note is not None:
+        note()
+
+
 async def reload_in_place(
     target: SyncTarget, directory: str, *, pause_mode: str = "wait", rpc: str = "auto"
 ) -> float:
@@ -293,6 +301,7 @@ async def reload_in_place(
     if rpc not in RELOAD_RPCS:
         raise ValueError(f"rpc must be one of {RELOAD_RPCS}, got {rpc!r}")
     start = time.perf_counter()
+    announce_pause(target)
     try:
         _check_ok(await target.post_all(f"/pause?mode={pause_mode}"), target.urls, "pause")
         await _reload_rpc(target, os.path.abspath(directory), rpc)
