@@ -31,7 +31,7 @@ from rljax.types import PackedBatch
 __all__ = ["EMPTY_ROW_VALUES", "micro_batch_rows", "pad_rows", "split_by_token_budget"]
 
 #: The value an empty (padding) row holds in each PackedBatch field; fields not listed hold 0.
-EMPTY_ROW_VALUES = {"temperatures": 1.0, "routed_experts": -1}
+EMPTY_ROW_VALUES = {"temperatures": 1.0, "routed_experts": -1, "support_floors": -np.inf}
 
 
 def micro_batch_rows(*, seq_len: int, micro_batch_tokens: int, data_parallel: int = 1) -> int:

@@ -33,6 +33,8 @@ Decisions (beyond design §2.6):
   TAIL of the response is dropped (the prompt is the conditioning context and is kept
   whole, so the kept tokens' logprobs stay exact); a prompt that leaves no room for a
   response token is still an error. Metrics ``truncated_samples`` / ``truncated_tokens``.
+  ``token_rewards`` on the cut tail's trained tokens are not dropped: they move to the last kept
+  trained token (the cut tokens are then like masked ones, which are not time steps of GAE).
 * ``sample_index`` and ``group_index`` are dense per packed batch (so segment reductions
   use a small static ``num_segments``); :class:`PackLayout` maps them back to the caller's
   step indices and :attr:`PackResult.group_keys` to ``instance_id`` strings.
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +88,9 @@ STREAM_DEFAULTS: Mapping[str, float] = {
 }
 #: Optional per-step streams: packed only when given (their PackedBatch field is None otherwise).
 OPTIONAL_STREAMS: Mapping[str, float] = {"token_rewards": 0.0}
+#: Streams whose cut tail is not dropped with truncation: what the cut trained tokens carry moves to
+#: the sample's last kept trained token (a truncated sample keeps its reward).
+_TAIL_FOLDED: tuple[str, ...] = ("token_rewards",)
 
 
 def check_streams(streams: Mapping[str, PerStep]) -> dict[str, PerStep]:
@@ -291,9 +296,12 @@ def _response_stream(
     total = int(keep_lens.sum())
     if value is None:
         return np.full(total, default, dtype=np.float32)
-    if _is_scalar(value):
+    fold = name in _TAIL_FOLDED and bool(np.any(keep_lens < resp_lens))
+    if _is_scalar(value) and not fold:
         out = np.full(total, float(value), dtype=np.float32)
     else:
+        if _is_scalar(value):
+            value = [value] * len(steps)
         if len(value) != len(steps):
             raise ValueError(
                 f"{name} has {len(value)} entries but there are {len(steps)} samples; pass one entry "
@@ -304,20 +312,38 @@ def _response_stream(
             keep = int(keep_lens[k])
             if v is None:
                 parts.append(np.full(keep, default, dtype=np.float32))
-            elif _is_scalar(v):
+            elif _is_scalar(v) and keep == resp_lens[k]:
                 parts.append(np.full(keep, float(v), dtype=np.float32))
             else:
-                a = np.asarray(v, dtype=np.float32)
-                if a.shape != (int(resp_lens[k]),):
+                n = int(resp_lens[k])
+                a = np.full(n, float(v), np.float32) if _is_scalar(v) else np.asarray(v, np.float32)
+                if a.shape != (n,):
                     raise ValueError(
                         f"{name} of {_where(steps, source, k)} has shape {a.shape} but the sample has "
-                        f"{int(resp_lens[k])} response tokens; pass one value per response token"
+                        f"{n} response tokens; pass one value per response token"
                     )
-                parts.append(a[:keep])
+                parts.append(_fold_cut_tail(a, steps[k].loss_mask, keep) if fold else a[:keep])
         out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
     if not np.all(np.isfinite(out)):
         bad = int(np.searchsorted(np.cumsum(keep_lens), int(np.argmin(np.isfinite(out))), side="right"))
         raise ValueError(f"{name} of {_where(steps, source, bad)} has a non-finite value (NaN or inf)")
+    return out
+
+
+def _fold_cut_tail(values: np.ndarray, loss_mask: Sequence[int], keep: int) -> np.ndarray:
+    """The first ``keep`` values, the values on the cut tail's trained tokens (loss mask 1) added
+    to the last kept trained token (dropped when no trained token is kept).
+
+    >>> _fold_cut_tail(np.array([0.0, 1.0, 0.0, 2.0, 5.0], np.float32), [1, 1, 0, 1, 0], 2).tolist()
+    [0.0, 3.0]
+    """
+    out = values[:keep].copy()
+    if keep == values.shape[0]:
+        return out
+    mask = np.asarray(loss_mask) != 0
+    kept = np.flatnonzero(mask[:keep])
+    if kept.size:
+        out[kept[-1]] += np.float32(values[keep:][mask[keep:]].sum())
     return out
 
 
@@ -478,6 +504,7 @@ def _pack_steps(
         **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
         routed_experts=_routed_experts(steps, lengths, dest, size, num_rows, seq_len),
         token_versions=scatter(versions, resp_dest, np.int32),
+        support_floors=_support_floors(steps, keep_lens, resp_dest, scatter),
     )
     metrics = {
         "num_samples": n,
@@ -495,6 +522,23 @@ def _pack_steps(
         "samples_without_logprobs": without_logprobs,
     }
     return PackResult(batch=batch, layout=layout, metrics=metrics, group_keys=tuple(group_keys))
+
+
+def _support_floors(
+    steps: Sequence[Step], keep_lens: np.ndarray, resp_dest: np.ndarray, scatter: Callable[..., np.ndarray]
+) -> np.ndarray | None:
+    """The top-k / top-p support floors of the response tokens (``-inf`` elsewhere and for steps drawn
+    from the whole distribution); None when no step has any (the trainer then needs no mask)."""
+    if all(s.response_support_floors is None for s in steps):
+        return None
+    parts = (
+        itertools.repeat(-np.inf, int(k))
+        if s.response_support_floors is None
+        else s.response_support_floors[: int(k)]
+        for s, k in zip(steps, keep_lens, strict=True)
+    )
+    flat = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.float32, count=int(keep_lens.sum()))
+    return scatter(flat, resp_dest, np.float32, fill=-np.inf)
 
 
 def pack(
@@ -595,7 +639,8 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     Each dict has ``prompt_ids``, ``response_ids``, ``positions`` (whole sample), the response
     part of every response stream (``loss_mask``, ``advantages``, ``inference_logprobs``,
     ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, and
-    ``token_versions`` / ``token_rewards`` when the batch has them), and the per-sample scalars
+    ``token_versions`` / ``token_rewards`` / ``support_floors`` when the batch has them), and the
+    per-sample scalars
     ``temperature``, ``segment_id``, ``sample_index``, ``group_index``, ``row`` and ``source_index``.
 
     >>> from rljax.types import Step
@@ -605,7 +650,9 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     ([1, 2], [3, 4], [1.0, 0.0])
     """
     dest, _, _ = layout.flat_index()
-    optional = tuple(n for n in (*OPTIONAL_STREAMS, "token_versions") if getattr(packed, n) is not None)
+    optional = tuple(
+        n for n in (*OPTIONAL_STREAMS, "token_versions", "support_floors") if getattr(packed, n) is not None
+    )
     response_streams = _RESPONSE_STREAMS + optional
     gathered = {
         name: np.asarray(getattr(packed, name)).reshape(-1)[dest]

@@ -38,6 +38,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.PrecisionLike = None,
     unembedding_lora: UnembeddingLoRA | None = None,
+    support_floor: chex.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets`` and entropy under ``softmax(hidden @ unembedding / temperature)``.
 
@@ -56,6 +57,10 @@ def token_logprobs_and_entropy(
       precision: matmul precision.
       unembedding_lora: the output projection's LoRA adapter (None: none), applied per chunk as two
         thin matmuls.
+      support_floor: ``float [N]`` or None: each row's top-k / top-p support floor
+        (``Step.response_support_floors``): the softmax, logprob and entropy are those of the
+        distribution renormalized over ``{v : z_v >= floor}`` (the target always kept), the support
+        the sampler drew the target from; ``-inf`` keeps every token. Single targets only.
 
     Returns:
       ``(logp, entropy)``, float32 ``[N]`` each (``logp [N, K]`` for ``[N, K]`` targets).
@@ -71,6 +76,10 @@ def token_logprobs_and_entropy(
     chex.assert_equal(hidden.shape[0], targets.shape[0])
     chex.assert_equal(hidden.shape[0], temperature.shape[0])
     multi = targets.ndim == 2
+    if support_floor is not None:
+        chex.assert_shape(support_floor, targets.shape)
+        if multi:
+            raise ValueError("support_floor applies to one target per row, not [N, K] targets")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     n = hidden.shape[0]
@@ -86,25 +95,36 @@ def token_logprobs_and_entropy(
     temp_c = jnp.pad(temperature.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(
         num_chunks, chunk
     )
+    floors = jnp.full((n,), -jnp.inf, jnp.float32) if support_floor is None else support_floor
+    floor_c = jnp.pad(floors.astype(jnp.float32), (0, pad), constant_values=-jnp.inf).reshape(
+        num_chunks, chunk
+    )
+    truncated = support_floor is not None  # static: without floors, no mask is built
 
     @jax.checkpoint
-    def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, tgt, tau = args
+    def one_chunk(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, tgt, tau, floor = args
         z = jnp.dot(h, unembedding.astype(h.dtype), precision=precision, preferred_element_type=jnp.float32)
         if unembedding_lora is not None:
             z = z + unembedding_lora.delta(h, precision=precision)
         z = z / tau[:, None]
-        lse = jax.nn.logsumexp(z, axis=-1)
         # An id outside [0, V) gives NaN (never a negative wrap-around or a clamp).
         tgt = jnp.where(tgt < 0, z.shape[-1], tgt)
+        cut = None
+        if truncated:  # the sampler's support: z >= floor, the target always in it
+            cut = (z < floor[:, None]) & (jnp.arange(z.shape[-1])[None, :] != tgt[:, None])
+            z = jnp.where(cut, -jnp.inf, z)
+        lse = jax.nn.logsumexp(z, axis=-1)
         cols = tgt if multi else tgt[:, None]
         logp = jnp.take_along_axis(z, cols, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
         logp = logp if multi else logp[:, 0]
         log_probs = z - lse[:, None]
+        if cut is not None:  # 0 log 0 = 0 off the support (and no NaN in the gradient)
+            log_probs = jnp.where(cut, 0.0, log_probs)
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
         return logp, entropy
 
-    logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c))
+    logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c, floor_c))
     return logp.reshape(-1, *targets.shape[1:])[:n], entropy.reshape(-1)[:n]
 
 
@@ -147,6 +167,7 @@ def sequence_forward(
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
+    support_floors: chex.Array | None = None,
     with_entropy: bool = True,
     with_routing: bool = False,
 ) -> ForwardOutput:
@@ -170,6 +191,9 @@ def sequence_forward(
       chunk_size: tokens per logits chunk (memory ``O(chunk_size * vocab)``).
       routed_experts: MoE router replay, ``int32 [B, L, num_moe_layers, top_k]`` (see
         :meth:`rljax.models.Decoder.hidden_states`).
+      support_floors: ``float [B, L]`` or None: token ``t``'s top-k / top-p support floor
+        (``PackedBatch.support_floors``; ``-inf``: the whole distribution): its logprob and entropy
+        are renormalized over the support the sampler drew it from (:func:`token_logprobs_and_entropy`).
       with_entropy: also return the entropies.
       with_routing: also return the MoE routing (feed it to
         :func:`rljax.models.moe.load_balancing_loss`, :func:`rljax.models.moe.router_z_loss`,
@@ -219,6 +243,7 @@ def sequence_forward(
         chunk_size=chunk_size,
         precision=model.precision,
         unembedding_lora=model.unembedding_lora(),
+        support_floor=None if support_floors is None else jnp.asarray(support_floors)[:, 1:].reshape(n),
     )
     mask = shifted_token_mask(jnp.asarray(segment_ids))
     pad = jnp.zeros((batch, 1), jnp.float32)

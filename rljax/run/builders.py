@@ -14,7 +14,8 @@ from flax import nnx
 
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.chat import toy_tokenizer
-from rljax.core.objective import ObjectiveConfig
+from rljax.core.losses import get_policy_loss
+from rljax.core.objective import ObjectiveConfig, old_policy_readers
 from rljax.extras import require
 from rljax.models import Decoder, ModelConfig, from_gguf, from_pretrained, gguf_tokenizer, is_gguf_path
 from rljax.run.config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
@@ -25,8 +26,10 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "check_extras",
+    "check_objective",
     "check_run",
     "objective_config",
+    "old_logprobs_choice",
     "process_batch",
     "required_extras",
 ]
@@ -118,7 +121,67 @@ def objective_config(
         off_policy=dict(cfg.off_policy) or None,
         entropy_coef=cfg.entropy_coef,
         components=tuple(algorithm.components),  # skip the packer's all-zero streams of other components
+        kl_coef=cfg.kl_loss_coef if "rl" in algorithm.components else 0.0,
+        kl_kind=cfg.kl_estimator,
     )
+
+
+def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str]:
+    """``("recompute" | "inference", why)``: where an algorithm's old (proximal) logprobs come from
+    under ``config.trainer.old_logprobs = mode`` (design §3.4). "auto" recomputes exactly when
+    something in ``objective`` reads the old policy (:func:`rljax.core.objective.old_policy_readers`).
+
+    >>> old_logprobs_choice("auto", ObjectiveConfig(policy_loss="ppo_clip", components=("rl",)))
+    ('recompute', "auto: the old policy is read by policy loss 'ppo_clip' (its ratio and clip)")
+    >>> old_logprobs_choice("auto", ObjectiveConfig(components=("rl",)))[1]
+    "auto: nothing reads the old policy (policy loss 'dppo' compares with the sampler by design)"
+    """
+    if mode != "auto":
+        return mode, "trainer.old_logprobs"
+    readers = old_policy_readers(objective)
+    if readers:
+        return "recompute", f"auto: the old policy is read by {', '.join(readers)}"
+    if "rl" not in objective.components:
+        return "inference", "auto: no policy-gradient term"
+    return "inference", (
+        f"auto: nothing reads the old policy (policy loss {objective.policy_loss!r} compares with the "
+        "sampler by design)"
+    )
+
+
+def check_objective(cfg: RunConfig, algorithms: AlgorithmConfig) -> None:
+    """Objective rules that need the algorithms: a policy loss whose ratio is already taken against
+    the sampler (dppo, rollout_is, cispo with ``behavior="inference"``) would apply the behaviour ratio
+    twice with truncated importance sampling (SkyRL refuses the pair too); top-k / top-p sampling on an
+    engine that does not report the support it drew from (vLLM) cannot be scored on that support, so
+    an objective that compares train and sampler logprobs (rl, ref_kl) refuses it."""
+    r = cfg.rollout
+    truncated = r.top_p < 1.0 or r.top_k is not None
+    compared = [a.name for a in algorithms.algorithms if {"rl", "ref_kl"} & set(a.components)]
+    if truncated and cfg.engine.kind == "vllm" and compared:
+        key = "top_p" if r.top_p < 1.0 else "top_k"
+        raise ValueError(
+            f"config.rollout.{key}: {getattr(r, key)!r} samples from a truncated distribution, and vLLM "
+            "does not report which tokens it kept, so the trainer cannot score each token on the support "
+            f"it was drawn from (every ratio of {compared} would carry the kept mass as a bias): use "
+            "top_p=1.0 and top_k=None with vLLM, or the embedded sampler (engine.kind='embedded'), which "
+            "records the support and trains on it exactly"
+        )
+    tis = cfg.objective.off_policy.get("tis_ratio_type")
+    if tis is None:
+        return
+    for a in algorithms.algorithms:
+        if "rl" not in a.components:
+            continue
+        loss = get_policy_loss(a.policy_loss or "dppo")
+        if "inference_logp" in loss.inputs_read(dict(a.policy_loss_kwargs)):
+            raise ValueError(
+                f"config.objective.off_policy.tis_ratio_type: {tis!r} multiplies the loss by old / rollout, "
+                f"but algorithm {a.name!r}'s policy loss {a.policy_loss or 'dppo'!r} already weighs each "
+                "token by the ratio to the sampler's logprobs: the behaviour ratio would count twice. "
+                "Drop tis_ratio_type, or use a loss whose ratio is against the old policy (ppo_clip, "
+                "gspo, cispo with behavior='old')"
+            )
 
 
 def process_batch(prompts_per_step: int, process_count: int) -> int:
@@ -166,6 +229,7 @@ def check_run(
     shares from every process's stream). ``env_tasks`` None: a run built without rollouts (export),
     whose env rules do not apply.
     """
+    check_objective(cfg, algorithms)
     if cfg.model.router_replay != "off" and not model_config.moe_layers:
         raise ValueError(
             f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "

@@ -39,6 +39,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rljax.core import off_policy
+from rljax.core.losses import KL_KINDS
 from rljax.core.objective import REDUCTIONS
 from rljax.data.filters import make_filter
 from rljax.envs.loader import split_import_string
@@ -65,6 +67,7 @@ __all__ = [
     "EvalSection",
     "MATMUL_PRECISIONS",
     "ModelSection",
+    "OLD_LOGPROBS",
     "ObjectiveSection",
     "REMAT_POLICIES",
     "RESULT_NEUTRAL_KEYS",
@@ -93,6 +96,8 @@ MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
 #: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async", "fully_async")
+#: ``config.trainer.old_logprobs`` values (design §3.4).
+OLD_LOGPROBS: tuple[str, ...] = ("auto", "recompute", "inference")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
@@ -383,6 +388,14 @@ class ObjectiveSection:
         metric is logged anyway).
       router_z_loss_coef: coefficient of the router z-loss of MoE routers (0 = off; the metric is logged
         anyway).
+      kl_loss_coef: weight of a KL penalty to a frozen reference policy on the rl tokens, added to the
+        loss (verl's and SkyRL's ``use_kl_loss`` with ``kl_loss_coef``; 0 = none). Logged as
+        ``loss/kl_penalty``, ``ref_kl/reference_k1`` and ``ref_kl/reference_k3``.
+      kl_estimator: the penalty's per-token estimator of ``KL(pi || pi_ref)``, one of ``k1``, ``k2``,
+        ``k3`` (verl's ``low_var_kl``, the default) or ``abs`` (:func:`rljax.core.losses.kl`).
+      kl_reference: the reference policy: ``""`` (default) = the policy's own weights when RL starts
+        (after the warm start), held by the trainer and checkpointed with the run; or an HF checkpoint
+        directory (full training only: a LoRA run's reference is its base with the initial adapter).
     """
 
     reduction: str = "token_mean"
@@ -391,6 +404,9 @@ class ObjectiveSection:
     max_len: int | None = None
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_reference: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +458,15 @@ class TrainerSection:
         failing.
       merge: merge the turns of a trajectory whose prompts extend each other into one sample (design
         §2.5).
+      old_logprobs: where the old (proximal) policy's logprobs of an RL step come from (design §3.4):
+        ``"recompute"``: the trainer's own, from the weights at the start of the step (one forward
+        without gradients over every mini-batch before the first update); ``"inference"``: the
+        sampler's (then every off-policy correction that weighs old / rollout would be a no-op, and
+        configuring one is an error); ``"auto"`` (default): recompute exactly when something in an
+        algorithm's objective reads the old policy (a ratio-based correction, or a policy loss whose
+        ratio is taken against the old policy: ppo_clip, dual_clip, gspo, sapo, cispo, ...), not for
+        losses that compare with the sampler by design (dppo, rollout_is). The run prints what it
+        chose, and why, when it starts.
       filters: sample filters, e.g. ``(dict(name="overlong", mode="enforce"), dict(name="gibberish"))``
         (:data:`rljax.data.filters.FILTERS`).
       dynamic_sampling: DAPO dynamic sampling (:class:`DynamicSamplingSection`).
@@ -473,6 +498,7 @@ class TrainerSection:
     seq_len: int = 384
     truncate: bool = True  # drop the tail of (rare) over-long samples; counted in pack metrics
     merge: bool = True
+    old_logprobs: str = "auto"
     filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
     dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
     row_buckets: Any = None
@@ -572,6 +598,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
+
+
+#: Filter fields a run sets itself (filter name -> (field, where its value comes from)).
+_RUN_SET_FILTER_KEYS: dict[str, tuple[str, str]] = {
+    "zero_variance": ("reward_mode", "each algorithm's reward_mode"),
+    "staleness": ("trained_version", "the RL step being trained"),
+}
 
 
 def _fail(path: str, message: str) -> ValueError:
@@ -708,6 +741,29 @@ def _check_import_strings(name: str, env: EnvSection) -> None:
             raise _fail(f"config.envs.{name}.tasks", "tasks come from the dataset; drop one of them")
 
 
+def _check_old_logprobs(cfg: RunConfig) -> None:
+    """``trainer.old_logprobs`` and the objective's KL penalty keys."""
+    t, o = cfg.trainer, cfg.objective
+    _one_of("config.trainer.old_logprobs", t.old_logprobs, OLD_LOGPROBS)
+    stages = off_policy.ratio_stages(o.off_policy) if o.off_policy else ()
+    if t.old_logprobs == "inference" and stages:
+        raise _fail(
+            f"config.objective.off_policy.{stages[0].partition('=')[0]}",
+            f"{stages[0]} weighs old / rollout logprobs, but trainer.old_logprobs='inference' makes the old "
+            "logprobs the rollout ones (the ratio is exactly 1, the correction never acts): set "
+            "trainer.old_logprobs='recompute' (or 'auto'), or drop the key",
+        )
+    if o.kl_loss_coef < 0:
+        raise _fail("config.objective.kl_loss_coef", f"must be >= 0 (0 = none), got {o.kl_loss_coef}")
+    _one_of("config.objective.kl_estimator", o.kl_estimator, KL_KINDS)
+    if o.kl_reference and cfg.lora is not None:
+        raise _fail(
+            "config.objective.kl_reference",
+            "a LoRA run's KL reference is its base model with the initial adapter (its weights when RL "
+            "starts): leave kl_reference empty",
+        )
+
+
 def _validate(cfg: RunConfig) -> RunConfig:
     """Cross-field rules and the value ranges of every section (each error names its key)."""
     t = cfg.trainer
@@ -777,6 +833,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "newest), or lora_sync='merged' to switch full merged weights in flight",
         )
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
+    _check_old_logprobs(cfg)
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)
     # num_steps=0: the warm start only (and a step-0 checkpoint)
@@ -808,6 +865,12 @@ def _validate(cfg: RunConfig) -> RunConfig:
             make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
         except (TypeError, ValueError) as e:
             raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
+        run_set = _RUN_SET_FILTER_KEYS.get(str(f["name"]))
+        if run_set is not None and run_set[0] in f:
+            raise _fail(
+                f"config.trainer.filters[{i}].{run_set[0]}",
+                f"set by the run ({run_set[1]}); remove it, got {f[run_set[0]]!r}",
+            )
     for path, overrides in (
         ("config.warmstart.optimizer", cfg.warmstart.optimizer),
         ("config.critic.optimizer", cfg.critic.optimizer),

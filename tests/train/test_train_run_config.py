@@ -105,6 +105,14 @@ def test_every_recipe_parses(name):
             {"trainer": {"filters": [{"name": "overlong", "strength": 2}]}},
             r"config.trainer.filters\[0\]: filter 'overlong': .*strength",
         ),
+        (
+            {"trainer": {"filters": [{"name": "staleness", "max_staleness": 1, "trained_version": 3}]}},
+            r"config.trainer.filters\[0\].trained_version: set by the run \(the RL step being trained\)",
+        ),
+        (
+            {"trainer": {"filters": [{"name": "zero_variance", "reward_mode": "outcome"}]}},
+            r"config.trainer.filters\[0\].reward_mode: set by the run \(each algorithm's reward_mode\)",
+        ),
         ({"mesh": {"data": 0}}, r"config.mesh.data: expected an int >= 1"),
         ({"engine": {"server": {"bogus": 1}}}, r"config.engine.server.bogus: unknown key; ServerConfig"),
     ],
@@ -240,12 +248,16 @@ class _RecordingTrainer(Trainer):
 def test_async_samples_of_version_v_come_from_the_weights_of_version_v(tmp_path, lag):
     c = _tiny_run(num_steps=5, mode="async", max_off_policy_steps=lag, checkpoint_every=0)
     c.optimizer.learning_rate = 3e-2  # versions differ visibly
+    # the staleness filter (monitor: it changes nothing) measures against the version being trained
+    c.trainer.filters = [dict(name="staleness", max_staleness=lag - 1, mode="monitor")]
     probe = Trainer(c, tmp_path / "probe")
     engine = _RecordingSampler(probe.parts.current_model(), max_batch_size=8, min_batch_bucket=8, seed=c.seed)
     t = _RecordingTrainer(c, tmp_path / "run", engine=engine)
-    t.run()
+    history = t.run()
     seen = sorted({s.policy_version for b in t.batches for s in b})
     assert seen == sorted({max(n - lag, 0) for n in range(5)}), seen  # step n samples v = max(n - lag, 0)
+    # so every turn of step n >= lag is lag versions stale (the newest version of its batch would say 0)
+    assert [h["filters/staleness/fraction"] for h in history] == [float(n >= lag) for n in range(5)]
     for n, batch in enumerate(t.batches):
         assert {s.policy_version for s in batch} == {max(n - lag, 0)}
     mismatch_elsewhere = 0
