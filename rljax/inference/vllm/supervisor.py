@@ -85,17 +85,33 @@ class SupervisorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServedAdapter:
+    """The LoRA adapter of the last adapter sync, which every server must have loaded: its served
+    ``name``, its PEFT directory ``path``, and its decode probe as a verified server ran it
+    (``probe_ids``: prompt then greedy continuation; ``expected``: the trainer's logprobs of the
+    continuation; None: the sync did not verify), checked within ``atol``."""
+
+    name: str
+    path: str
+    probe_ids: tuple[int, ...] | None = None
+    expected: np.ndarray | None = None
+    atol: float = weight_sync.SYNC_ATOL["float32"]
+
+
+@dataclasses.dataclass(frozen=True)
 class CurrentWeights:
     """The weights every server must serve: where they are written (None: the weights a server
     starts with), the probe that verifies them (None: unverified), and their weight ``version``: a
     server restored to them is labelled with it (:meth:`VLLMClient.relabel`: the servers of an
-    in-flight client tag every token with their label; None leaves the label as it is)."""
+    in-flight client tag every token with their label; None leaves the label as it is). ``adapter``:
+    the LoRA adapter loaded on top (adapter syncs), reloaded and verified after the base weights."""
 
     directory: str | None
     probe: np.ndarray | None = None
     expected: np.ndarray | None = None
     atol: float = weight_sync.SYNC_ATOL["float32"]
     version: int | None = None
+    adapter: ServedAdapter | None = None
 
 
 @dataclasses.dataclass
@@ -168,10 +184,20 @@ class LiveServers:
         return list(await asyncio.gather(*(one(i) for i in chosen), return_exceptions=True))
 
     async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
-        """Scores ``ids`` on the view's server at position ``server``."""
+        """Scores ``ids`` with the BASE model (the weights a sync or restore verifies, whatever
+        adapter requests name) on the view's server at position ``server``."""
         if server is None:
             raise ValueError("LiveServers.score needs a server (a position in the view)")
-        return await self.client.score(ids, server=self.indices[server], gated=gated)
+        c = self.client
+        return await c.score(ids, server=self.indices[server], gated=gated, model=c.model)
+
+    async def probe_completion(
+        self, prompt_ids: Sequence[int], sampling: Any, *, model: str, server: int
+    ) -> Any:
+        """:meth:`VLLMClient.probe_completion` on the view's server at position ``server``."""
+        return await self.client.probe_completion(
+            prompt_ids, sampling, model=model, server=self.indices[server]
+        )
 
 
 class ServerSupervisor:
@@ -363,6 +389,8 @@ class ServerSupervisor:
                 diffs = await self._reload_verified(view, current)
                 if current is not None and current.version is not None:
                     await self._relabel(view, current.version)
+                if current is not None and current.adapter is not None:
+                    diffs = await self._reload_adapter(view, current.adapter)
             except weight_sync.WeightSyncError as e:
                 if e.diffs:
                     self._last_error[i] = f"probe mismatch after two reloads: max abs {e.diffs[0]:.3g}"
@@ -406,6 +434,29 @@ class ServerSupervisor:
             raise
         except Exception as e:
             raise weight_sync.WeightSyncError(f"{type(e).__name__}: {e}") from e
+
+    async def _reload_adapter(self, view: LiveServers, adapter: ServedAdapter) -> tuple[float, ...]:
+        """Loads ``adapter`` on the view and replays its decode probe (a mismatch: one more load)."""
+        from rljax.inference.vllm import adapter_sync  # it imports this module
+
+        for attempt in range(2):
+            try:
+                await adapter_sync.unload_adapter_on_servers(view, adapter.name, missing_ok=True)
+                await adapter_sync.load_adapter_on_servers(view, adapter.name, adapter.path)
+                if adapter.probe_ids is None or adapter.expected is None:
+                    return ()
+                return await adapter_sync.replay_probe(
+                    view, adapter.name, adapter.probe_ids, adapter.expected, atol=adapter.atol
+                )
+            except weight_sync.WeightSyncError as e:
+                if attempt or not e.diffs:
+                    raise
+                logger.warning("adapter %s on a restored server: %s; loading it once more", adapter.name, e)
+            except Exception as e:
+                raise weight_sync.WeightSyncError(
+                    f"loading adapter {adapter.name!r}: {type(e).__name__}: {e}"
+                ) from e
+        raise AssertionError("unreachable")
 
     async def _relabel(self, view: LiveServers, version: int) -> None:
         try:
@@ -496,6 +547,25 @@ class ServerSupervisor:
             return weight_sync.SyncReport(written.directory, written.write_s, reload_s, verify_s, diffs)
 
         return await self.sync_live(run, written, version=version)
+
+    async def on_live(self, work: Callable[[LiveServers], Awaitable[Any]]) -> Any:
+        """``work(view)`` on the servers in service, run again on the servers left when one of them
+        is lost meanwhile (adapter syncs: :func:`.adapter_sync.sync_adapter`)."""
+        return await self._synced_live(work, work)
+
+    def record_adapter(
+        self,
+        name: str,
+        path: str,
+        probe_ids: tuple[int, ...] | None,
+        expected: np.ndarray | None,
+        atol: float,
+    ) -> None:
+        """Records the adapter of an adapter sync (:class:`ServedAdapter`) on top of the current
+        weights: a server restored later loads it and replays its probe."""
+        base = self.client.current or CurrentWeights(None)
+        adapter = ServedAdapter(name, path, probe_ids, expected, atol)
+        self.client.current = dataclasses.replace(base, adapter=adapter)
 
     async def sync_live(
         self,
