@@ -198,9 +198,10 @@ def killed_after_first_switch(monkeypatch, served_weights):
     return seen
 
 
-def _check_restored(client, seen: dict) -> int:
+def _check_restored(client, seen: dict) -> tuple[int, float]:
     """The server was restarted once and restored; every completion answered after it was back
-    carries versions >= the one it was restored to (and there are some). Returns that version."""
+    carries versions >= the one it was restored to (and there are some). Returns that version and
+    the seconds from the server going down to it being back in service."""
     assert seen.get("kill", 0) > 0, "the server was not killed while the stream used it"
     events = [e for e in client.supervisor.events if e.server == 0]
     assert [e.kind for e in events] == ["down", "restart", "up"], events
@@ -210,7 +211,7 @@ def _check_restored(client, seen: dict) -> int:
     after = [versions for at, versions in seen["completions"] if at > up and versions]
     assert after, "no completion was answered by the restarted server"
     assert all(min(v) >= restored for v in after), (restored, after)
-    return restored
+    return restored, up - events[0].at
 
 
 @pytest.mark.integration
@@ -239,7 +240,7 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(
     history = t.run()
     took = time.monotonic() - start
     _check_rows(history)
-    restored = _check_restored(t.parts.engines.policy, seen)
+    restored, outage = _check_restored(t.parts.engines.policy, seen)
     records = _records(tmp_path)
     assert sorted(records) == list(range(1, NUM_STEPS + 1))
     # every version a step trained reached the server (the last one may be cut short by the close)
@@ -257,7 +258,8 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(
         "completions crossed by a switch: "
         f"{crossed} (switches to {sorted(crossing)}); async/inflight_updates per row {per_row}; "
         f"rl/mismatch_kl per row {[round(h['rl/mismatch_kl'], 8) for h in history]}; server killed "
-        f"holding {seen['kill']} requests, restored as v{restored}; run {took:.0f} s"
+        f"holding {seen['kill']} requests, back restored as v{restored} after {outage:.0f} s; "
+        f"run {took:.0f} s"
     )
 
 
