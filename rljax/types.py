@@ -250,6 +250,16 @@ class PackedBatch:
     ``kl_reference_logprobs`` (or None): float32 logprobs of every token under the frozen reference
     policy of the objective's KL penalty (``objective.kl_loss_coef``), set by the trainer. (Not to be
     confused with ``ref_logprobs``: the teacher of the ``ref_kl`` distillation component.)
+
+    Prefix-tree rows (``rljax.data.pack.pack(..., prefix_sharing=True)``; None for plain rows): samples
+    that share a prompt prefix are laid out as a tree in depth-first order, each shared token once.
+    ``parents``: int32 column of each token's parent in its row (-1 at a tree's root and on padding):
+    entry ``t`` of every per-token stream then refers to predicting ``tokens[t]`` from its ancestors,
+    from the hidden state at ``parents[t]``. ``subtree_end``: int32 column of the last token of each
+    token's subtree (``j`` is an ancestor of ``i`` iff ``j <= i <= subtree_end[j]``; 0 on padding).
+    ``positions`` are depths; ``segment_ids`` name the sample that owns each token (a shared token
+    belongs to the first sample through it, and every token of a sample that no earlier sample
+    shares, its response included, is one contiguous run of its segment).
     """
 
     tokens: Any
@@ -272,6 +282,8 @@ class PackedBatch:
     token_staleness: Any = None
     kl_reference_logprobs: Any = None
     support_floors: Any = None
+    parents: Any = None
+    subtree_end: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

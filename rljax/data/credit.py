@@ -74,11 +74,12 @@ def turn_links(samples: Sequence[Step], spans: TurnSpans, layout: PackLayout) ->
     trajectory is input step order (design §2.2).
     """
     pieces: dict[object, list[tuple[int, int, int]]] = {}
+    responses = layout.response_starts()
     for k, source in enumerate(layout.source_index.tolist()):
         sample = samples[source]
         kept = int(layout.response_lens[k])
         trained = np.asarray(sample.loss_mask[:kept]) != 0
-        base = int(layout.rows[k]) * layout.seq_len + int(layout.starts[k]) + int(layout.prompt_lens[k])
+        base = int(responses[k])  # its response tokens follow each other (prefix-tree rows too)
         for step, lo, hi in spans[source]:
             on = np.flatnonzero(trained[lo:hi])
             if on.size:

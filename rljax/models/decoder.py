@@ -153,6 +153,7 @@ class Attention(nnx.Module):
         backend: str = "xla",
         context: jax.sharding.AbstractMesh | None = None,
         context_collective: str = "all_gather",
+        subtree_end: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -184,6 +185,7 @@ class Attention(nnx.Module):
                 if backend in ("cudnn", "cudnn_ragged") and context_collective == "all_gather"
                 else None,
                 collective=context_collective,
+                subtree_end=subtree_end,
             )
         elif layer_cache is None:
             new_cache = None
@@ -195,6 +197,7 @@ class Attention(nnx.Module):
                 backend=backend,
                 max_block_size=chunk_size,
                 precision=self.precision,
+                subtree_end=subtree_end,
             )
         else:
             # One in-place write per array, then attention straight from the updated cache buffers.
@@ -296,12 +299,21 @@ class Decoder(nnx.Module):
     :meth:`hidden_states` splits every row's tokens over it (load-balanced) and returns them in
     natural order.
 
+    Prefix-tree rows (design §2.6): :meth:`hidden_states` takes ``subtree_end`` (every layer is
+    attention or per-token, so a token's hidden state depends on its ancestors only and a tree row
+    computes each sample exactly); ``prefix_tree_rows`` declares it to the trainer.
+
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
     >>> model = Decoder(cfg, rngs=nnx.Rngs(0))
     >>> model(jnp.array([[1, 2, 3]])).shape
     (1, 3, 32)
     """
+
+    #: The forward computes prefix-tree rows exactly (``hidden_states(..., subtree_end=...)``): a model
+    #: whose layers carry state along the token order (a recurrent or linear-attention layer) does not,
+    #: and ``trainer.prefix_sharing="auto"`` leaves sharing off for a model without this attribute.
+    prefix_tree_rows: bool = True
 
     def __init__(
         self,
@@ -399,12 +411,18 @@ class Decoder(nnx.Module):
         segment_ids: chex.Array | None = None,
         routed_experts: chex.Array | None = None,
         with_routing: bool = False,
+        subtree_end: chex.Array | None = None,
     ) -> DecoderOutput:
         """Final-normed hidden states of a packed batch: ``DecoderOutput(hidden [B, L, hidden], routing)``.
 
         ``hidden`` is in the compute dtype. ``segment_ids`` default: all ones (one sample per row);
         ``positions`` default: restart at 0 in every segment
         (:func:`rljax.models.attention.segment_positions`).
+
+        Prefix-tree rows (design §2.6): ``subtree_end`` (int ``[B, L]``, the column of the last token
+        of each token's subtree) makes token ``i`` attend to ``j`` iff ``j <= i <= subtree_end[j]``
+        (its ancestors and itself) instead of the segment mask; pass ``positions`` (the depths), as
+        the default restarts per segment. ``segment_ids`` then only mark padding (0).
 
         MoE models: ``with_routing`` (static) also returns the router statistics of the
         ``M = len(config.moe_layers)`` sparse layers, a :class:`rljax.models.moe.Routing` with
@@ -414,15 +432,18 @@ class Decoder(nnx.Module):
         """
         chex.assert_rank(tokens, 2)
         segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
+        if subtree_end is not None:
+            subtree_end = jnp.asarray(subtree_end).astype(jnp.int32)
+            chex.assert_equal_shape([tokens, subtree_end])
         routed_experts = self._check_routed(tokens, routed_experts)
         backend = resolve_attention(getattr(self, "attention", "auto"), dtype=self.dtype)
         mesh = context_mesh()
         length = tokens.shape[1]
         if mesh is not None:  # context parallelism: pad to 2C chunks, load-balanced order (module doc)
             shards = mesh.shape["context"]
-            tokens, segment_ids, positions, routed_experts = (
+            tokens, segment_ids, positions, routed_experts, subtree_end = (
                 None if a is None else load_balance(pad_for_context(a, shards), shards)
-                for a in (tokens, segment_ids, positions, routed_experts)
+                for a in (tokens, segment_ids, positions, routed_experts, subtree_end)
             )
         rope = self._rope(positions)
 
@@ -437,6 +458,7 @@ class Decoder(nnx.Module):
                 backend=backend,
                 context=mesh,
                 context_collective=getattr(self, "context_attention", "all_gather"),
+                subtree_end=subtree_end,
             )
             if mesh is not None:
                 out = constrain_tokens(out, mesh)

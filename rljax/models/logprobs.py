@@ -10,6 +10,9 @@ cross-entropy, here written with plain XLA ops).
 Alignment (design §5): entry ``t`` of the output is ``log p(tokens[t] | tokens[<t])`` within its
 segment, computed from the hidden state at ``t - 1`` with logits divided by the temperature of
 token ``t``. Entry 0 of each row, the first token of each segment and padding (segment 0) are 0.
+Prefix-tree rows (design §2.6) name the predecessor of each token explicitly (``parents``: the
+column of the token's parent, whose hidden state predicts it, which for the first token of a branch
+is not ``t - 1``); :func:`predecessor_columns` covers both layouts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
+    from rljax.types import PackedBatch
 
 #: Tokens per chunk of the chunked log-prob computation (bounds the ``[chunk, vocab]`` logits held).
 DEFAULT_CHUNK_SIZE = 512
@@ -139,6 +143,42 @@ def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:
     return jnp.concatenate([jnp.zeros_like(same[:, :1]), same], axis=1)
 
 
+def predecessor_columns(segment_ids: chex.Array, parents: chex.Array | None = None) -> jax.Array:
+    """int32 ``[B, L]``: the column whose hidden state predicts each token, -1 where none does.
+
+    Plain packed rows (``parents`` None): ``t - 1`` when token ``t`` has an in-segment predecessor
+    (:func:`shifted_token_mask`), else -1. Prefix-tree rows (design §2.6): ``parents`` itself (the
+    column of each token's parent; -1 at a tree's root), -1 on padding (``segment_ids == 0``).
+
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 2, 0]])).tolist()
+    [[-1, 0, -1, 2, -1]]
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 0]]), jnp.array([[-1, 0, 0, -1]])).tolist()
+    [[-1, 0, 0, -1]]
+    """
+    chex.assert_rank(segment_ids, 2)
+    segment_ids = jnp.asarray(segment_ids)
+    if parents is not None:
+        parents = jnp.asarray(parents).astype(jnp.int32)
+        chex.assert_equal_shape([segment_ids, parents])
+        return jnp.where(segment_ids != 0, parents, -1)
+    t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    return jnp.where(shifted_token_mask(segment_ids), t - 1, -1)
+
+
+def packing_kwargs(batch: PackedBatch) -> dict[str, jax.Array | None]:
+    """The packing arguments of a forward over a :class:`rljax.types.PackedBatch`:
+    ``positions``, ``segment_ids`` and, for prefix-tree rows, ``parents`` and ``subtree_end`` (None
+    for plain rows), as :func:`sequence_forward` and :func:`rljax.models.value.values` take them.
+    Every forward of a packed batch passes all four, so a tree batch is computed as a tree.
+    """
+    return dict(
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        parents=getattr(batch, "parents", None),
+        subtree_end=getattr(batch, "subtree_end", None),
+    )
+
+
 class ForwardOutput(NamedTuple):
     """What one forward pass of :func:`sequence_forward` returns (a pytree; unwanted parts are None).
 
@@ -170,6 +210,8 @@ def sequence_forward(
     support_floors: chex.Array | None = None,
     with_entropy: bool = True,
     with_routing: bool = False,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> ForwardOutput:
     """Per-token logprobs (and entropies, MoE routing) of a packed batch from ONE forward pass (jitted).
 
@@ -199,6 +241,10 @@ def sequence_forward(
         :func:`rljax.models.moe.load_balancing_loss`, :func:`rljax.models.moe.router_z_loss`,
         :func:`rljax.models.moe.routing_metrics`, :func:`rljax.models.moe.flip_fraction`; mask
         with ``segment_ids != 0``). None for a dense model.
+      parents, subtree_end: prefix-tree rows (design §2.6), ``int32 [B, L]`` both or neither: the
+        column of each token's parent (-1 at a root) and of the last token of its subtree. Token
+        ``t`` attends to its ancestors and ``logp[b, t]`` comes from the hidden state at
+        ``parents[b, t]`` (0 where it is -1); ``positions`` must be the depths.
 
     Returns:
       a :class:`ForwardOutput` ``(logprobs, entropy, routing)``.
@@ -216,6 +262,8 @@ def sequence_forward(
     batch, length = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+    if (parents is None) != (subtree_end is None):
+        raise ValueError("prefix-tree rows need both parents and subtree_end (or neither, for plain rows)")
     temperature = jnp.asarray(temperature, jnp.float32)
     if temperature.ndim == 0:
         temperature = jnp.broadcast_to(temperature, tokens.shape)
@@ -229,8 +277,14 @@ def sequence_forward(
         segment_ids=segment_ids,
         routed_experts=routed_experts,
         with_routing=with_routing,
+        subtree_end=subtree_end,
     )
     hidden, routing = forward.hidden, forward.routing
+    if parents is not None:
+        return _tree_forward_output(
+            model, hidden, routing, tokens, segment_ids, parents, temperature, support_floors,
+            chunk_size=chunk_size, with_entropy=with_entropy,
+        )  # fmt: skip
     if length < 2:
         zeros = jnp.zeros(tokens.shape, jnp.float32)
         return ForwardOutput(zeros, zeros if with_entropy else None, routing)
@@ -254,6 +308,44 @@ def sequence_forward(
     return ForwardOutput(unshift(logp), unshift(entropy) if with_entropy else None, routing)
 
 
+def _tree_forward_output(
+    model: Decoder,
+    hidden: jax.Array,
+    routing: Routing | None,
+    tokens: jax.Array,
+    segment_ids: chex.Array,
+    parents: chex.Array,
+    temperature: jax.Array,
+    support_floors: chex.Array | None,
+    *,
+    chunk_size: int,
+    with_entropy: bool,
+) -> ForwardOutput:
+    """:func:`sequence_forward`'s logprobs of prefix-tree rows: token ``t`` from the hidden state of
+    its parent (gathered per row), at its own temperature and support floor, 0 where
+    :func:`predecessor_columns` is -1."""
+    batch, length = tokens.shape
+    cols = predecessor_columns(segment_ids, parents)
+    prev = jax.vmap(lambda h, c: h[c])(hidden, jnp.maximum(cols, 0))  # [B, L, H]
+    n = batch * length
+    logp, entropy = token_logprobs_and_entropy(
+        prev.reshape(n, hidden.shape[-1]),
+        model.unembedding(),
+        tokens.reshape(n),
+        temperature.reshape(n),
+        chunk_size=chunk_size,
+        precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
+        support_floor=None if support_floors is None else jnp.asarray(support_floors).reshape(n),
+    )
+    valid = cols >= 0
+
+    def place(x: jax.Array) -> jax.Array:
+        return jnp.where(valid, x.reshape(batch, length), 0.0)
+
+    return ForwardOutput(place(logp), place(entropy) if with_entropy else None, routing)
+
+
 def sequence_logprobs(
     model: Decoder,
     tokens: chex.Array,
@@ -263,11 +355,14 @@ def sequence_logprobs(
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> jax.Array:
     """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (design §5).
 
     Same arguments as :func:`sequence_forward` (entry 0, segment starts and padding
-    are 0; logits divided by the temperature of the token being predicted).
+    are 0; logits divided by the temperature of the token being predicted; prefix-tree rows with
+    ``parents`` and ``subtree_end``).
 
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
@@ -286,4 +381,6 @@ def sequence_logprobs(
         chunk_size=chunk_size,
         routed_experts=routed_experts,
         with_entropy=False,
+        parents=parents,
+        subtree_end=subtree_end,
     ).logprobs

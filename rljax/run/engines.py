@@ -29,7 +29,13 @@ from rljax.run.worker import Worker
 from rljax.training.checkpoint import fault_point
 from rljax.training.distributed import process_share
 
-__all__ = ["EngineSet", "lora_server_args", "process_urls", "resolve_frozen_models"]
+__all__ = [
+    "EngineSet",
+    "launched_server_configs",
+    "lora_server_args",
+    "process_urls",
+    "resolve_frozen_models",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +80,30 @@ def lora_server_args(server: dict[str, Any], rank: int) -> dict[str, Any]:
         extra += ("--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2")
     env = {**dict(server.get("env", {})), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     return {**server, "extra_args": extra, "env": env}
+
+
+def launched_server_configs(
+    engine: EngineSection, model_dir: str, server: Mapping[str, Any], *, visible: Sequence[str] | None = None
+) -> list[Any]:
+    """The :class:`~rljax.inference.vllm.ServerConfig` of each of the ``engine.num_servers`` servers
+    launched on ``model_dir``: the ``server`` fields, and each server's GPUs
+    (``engine.server_devices`` as ``CUDA_VISIBLE_DEVICES``, :func:`rljax.run.placement.server_device_env`)
+    added to its environment. ``visible``: the GPUs this process sees (default:
+    :func:`rljax.run.placement.visible_gpus`).
+
+    >>> e = EngineSection(kind="vllm", num_servers=2, server_devices=("1", "2"))
+    >>> configs = launched_server_configs(e, "/m", {"env": {"A": "1"}}, visible=["0", "1", "2"])
+    >>> [dict(c.env) for c in configs]
+    [{'A': '1', 'CUDA_VISIBLE_DEVICES': '1'}, {'A': '1', 'CUDA_VISIBLE_DEVICES': '2'}]
+    """
+    from rljax.inference.vllm import ServerConfig
+    from rljax.run.placement import server_device_env
+
+    env = dict(server.get("env") or {})
+    return [
+        ServerConfig(model=model_dir, **{**server, "env": {**env, **devices}})
+        for devices in server_device_env(engine, visible)
+    ]
 
 
 def process_urls(urls: Sequence[str]) -> list[str]:
@@ -178,7 +208,7 @@ class EngineSet:
         return self.policy
 
     def _start_vllm(self, model: Any, lora_rank: int | None = None) -> Any:
-        from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
+        from rljax.inference.vllm import ServerGroup, VLLMClient
         from rljax.models import save_pretrained
 
         e = self.config
@@ -194,7 +224,7 @@ class EngineSet:
                 server = lora_server_args(server, max(model.lora_config.rank, lora_rank or 0))
             elif lora_rank:
                 server = lora_server_args(server, lora_rank)
-            configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
+            configs = launched_server_configs(e, model_dir, server)
             if e.in_flight_updates != "off":  # the version-labelled generate route
                 from rljax.inference.vllm.pause import in_flight_server_config
 

@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs an RL post-training job described by an ``ml_collections`` config (see rljax/recipes/default.py).
+    """Runs an RL post-training job described by an ``ml_collections`` config (see configs/default.py).
 
     Args:
       config: the run config (a ConfigDict or nested dict; keys and defaults:
@@ -204,6 +204,7 @@ class Trainer:
                 data_parallel=parts.data_parallel,
                 truncate=self.cfg.trainer.truncate,
                 shuffle_seed=shuffle_seed,
+                prefix_sharing=parts.prefix_sharing,
                 **prep.streams(),
             )
             if alg.needs_critic:  # GAE runs along each trajectory's turns, whichever samples hold them
@@ -244,6 +245,7 @@ class Trainer:
                 row = self.parts.train(packed, algorithm=name)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
+                row["pack/shared_prefix_tokens"] = float(mb.metrics.get("shared_prefix_tokens", 0))
                 train_rows.append(_suffixed(row, name if multi else None))
                 adv_sums += advantage_sums(mb.batch)
             if adv_sums[2]:

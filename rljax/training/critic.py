@@ -13,7 +13,9 @@ from the state that predicts ``tokens[t]``); masked positions are not time steps
 packed samples never bootstrap from each other (:func:`rljax.core.advantages.gae`), except along
 ``links`` (:func:`rljax.data.credit.turn_links`): each turn of a trajectory bootstraps from the
 next turn's first trained token wherever that sits, so the returns are those of the trajectory's
-trained tokens in time order, merged or not (design §2.4). The value
+trained tokens in time order, merged or not (design §2.4). Prefix-tree rows (design §2.6) are exact
+too: a value comes from the hidden state of the token's parent, and the trainable tokens of a sample
+are its own, in order. The value
 loss has its own normaliser: the trained tokens of the whole mini-batch (``global_tokens``), so
 micro-batches add up. The critic is a :class:`rljax.models.value.ValueModel` held in a
 :class:`rljax.training.step.TrainState` (its own optimizer; the state's objective is unused).
@@ -32,6 +34,7 @@ from flax import nnx
 
 from rljax.core.advantages import gae
 from rljax.core.losses import explained_variance, value_clipped_tokens, value_loss
+from rljax.models.logprobs import packing_kwargs
 from rljax.models.value import values as model_values
 from rljax.training.step import TrainState, apply_gradients, context_scope
 from rljax.types import PackedBatch
@@ -100,7 +103,7 @@ class CriticSection(CriticConfig):
 
 def _values(params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch) -> jax.Array:
     model = nnx.merge(graphdef, params)
-    return model_values(model, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
+    return model_values(model, batch.tokens, **packing_kwargs(batch))
 
 
 @jax.jit
