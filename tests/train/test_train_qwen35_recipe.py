@@ -1,4 +1,4 @@
-"""rljax/recipes/qwen35_gpu.py smoke-tested on CPU through ``rljax train``: a tiny random Qwen3.5
+"""configs/qwen35_gpu.py smoke-tested on CPU through ``rljax train``: a tiny random Qwen3.5
 checkpoint written by transformers (a Gated DeltaNet layer and a gated attention layer) trains 2 RL
 steps with LoRA on the attention and DeltaNet projections, the embedded sampler swapped in for vLLM
 and the mesh shrunk to the process's 2 fake devices."""
