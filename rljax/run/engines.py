@@ -128,6 +128,17 @@ def process_urls(urls: Sequence[str]) -> list[str]:
     return [urls[i] for i in process_share(len(urls))]
 
 
+def _without_adapters(model: Any) -> Any:
+    """A copy of ``model`` whose LoRA adapters are all zero: the base model's function."""
+    from flax import nnx
+
+    from rljax.models.lora import LoRAParam
+
+    base = nnx.clone(model)
+    nnx.update(base, jax.tree.map(jax.numpy.zeros_like, nnx.state(base, LoRAParam)))
+    return base
+
+
 def _written(model: Any) -> bool:
     from rljax.inference.vllm import WrittenWeights
 
@@ -248,11 +259,14 @@ class EngineSet:
         probe = expected = None
         if e.sync.verify:
             probe = weight_sync.config_probe(e.sync, model.config.vocab_size)
-            expected = model.expected if _written(model) else weight_sync.trainer_logprobs(model, probe)
+            # the servers serve the base: adapters (adapter syncs) are loaded and verified on top
+            base = model if _written(model) or not self._adapter_sync(model) else _without_adapters(model)
+            expected = model.expected if _written(model) else weight_sync.trainer_logprobs(base, probe)
             probe = model.probe if _written(model) else probe
         dtype = model.dtype if _written(model) else getattr(model, "param_dtype", "float32")
-        # A launched server restarts on the initial weights: nothing to reload until the first sync.
-        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype))
+        # A launched server restarts on the initial weights: nothing to reload until the first sync
+        # (each sync, in-flight switches included, records its weights and version).
+        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype), client.weight_version)
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its

@@ -30,6 +30,7 @@ from rljax.inference.vllm.launcher import (
 from rljax.inference.vllm.supervisor import (
     CurrentWeights,
     LiveServers,
+    ServedAdapter,
     ServerSupervisor,
     SupervisorConfig,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "LiveServers",
     "MalformedResponseError",
     "RequestRejectedError",
+    "ServedAdapter",
     "ServerConfig",
     "ServerGroup",
     "ServerFaultError",
