@@ -33,6 +33,10 @@ A field typed ``X | None`` takes None whatever its range (an optional number: No
 Traceback (most recent call last):
 ...
 ValueError: Example.steps: expected an int >= 0, got -1
+>>> Example(steps=2.5)
+Traceback (most recent call last):
+...
+ValueError: Example.steps: expected an int >= 0, got 2.5
 >>> Example(mode="c")
 Traceback (most recent call last):
 ...
@@ -48,6 +52,7 @@ import copy
 import dataclasses
 import functools
 import math
+import numbers
 import re
 import types
 import typing
@@ -184,9 +189,10 @@ def _violation(k: Knob, value: Any, integer: bool, optional: bool) -> str | None
     if (k.ge, k.gt, k.le, k.lt) == (None, None, None, None) or (value is None and optional):
         return None
     what = "an int" if integer else "a number"
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, (int, float, numbers.Integral)) and not isinstance(value, bool)
     if (
         not number
+        or (integer and not isinstance(value, numbers.Integral))
         or math.isnan(value)
         or (k.ge is not None and value < k.ge)
         or (k.gt is not None and value <= k.gt)

@@ -11,7 +11,9 @@ The config reference replaces the marker ``<!-- rljax:config-reference -->`` in
 ``reference/config.md`` by one table per section of :class:`rljax.run.config.RunConfig`: every key's
 path, type, default and meaning. The meaning of a field declared with :func:`rljax.knobs.knob` is
 its ``doc`` with its allowed values; of another field, its entry in the ``Attributes:`` block of its
-section's docstring (or a base class's), else its ``#:`` comment in the class body.
+section's docstring (or a base class's), else its ``#:`` comment in the class body. A mapping field
+declared with ``fields_of`` (``model.init``: :class:`rljax.models.ModelConfig`'s fields) gets the
+table of that class's fields.
 
 ``python docs/_ext/rljax_reference.py`` prints the config reference's Markdown and the count of
 public names without a docstring.
@@ -423,6 +425,7 @@ class ConfigSection:
 
 def config_sections(cls: type | None = None, path: str = "config") -> Iterator[ConfigSection]:
     """The sections of the run config (``RunConfig`` first), depth first, each with its keys."""
+    from rljax import knobs
     from rljax.run.config import RUN_SET_FIELDS, RunConfig
 
     cls = RunConfig if cls is None else cls
@@ -435,7 +438,10 @@ def config_sections(cls: type | None = None, path: str = "config") -> Iterator[C
             continue
         key = f"{path}.{field.name}"
         sub = _section_class(hints[field.name])
-        if key in DICT_SECTIONS:
+        spec = knobs.knob_of(field)
+        if spec is not None and spec.fields_of is not None:  # a mapping of that class's fields
+            subsections.append((spec.fields_of, key))
+        elif key in DICT_SECTIONS:
             slot, class_path = DICT_SECTIONS[key]
             sub_path = f"{key}.{slot}" if slot else key
             subsections.append((_resolve(class_path), sub_path))

@@ -286,6 +286,10 @@ class ModelSection:
         try:
             ModelConfig(**{**self.init, "vocab_size": self.init["vocab_size"] or 1})
         except (TypeError, ValueError) as e:
+            # a field's own constraint names the field: "ModelConfig.<field>: why"
+            field, sep, why = str(e).partition(": ")
+            if sep and field.startswith("ModelConfig.") and field.count(".") == 1:
+                raise ValueError(f"ModelSection.init.{field.removeprefix('ModelConfig.')}: {why}") from None
             raise ValueError(f"ModelSection.init: {e}") from None
 
 
@@ -896,7 +900,7 @@ def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
     except (TypeError, ValueError) as e:  # the component's own validation, with the key path
         field, sep, rest = str(e).partition(": ")
         field = field.removeprefix(f"{cls.__name__}.")
-        if sep and field in names:  # "<field>: why" or "<Class>.<field>: why" names its key
+        if sep and field.partition(".")[0] in names:  # "[<Class>.]<field>[.<key>]: why" names its key
             raise _fail(f"{path}.{field}", rest) from None
         raise _fail(path, str(e)) from None
 

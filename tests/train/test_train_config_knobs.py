@@ -210,7 +210,10 @@ def _sections(cls=RunConfig, path="config"):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-        if dataclasses.is_dataclass(inner[0]):
+        spec = knobs.knob_of(f)
+        if spec is not None and spec.fields_of is not None:  # model.init: ModelConfig's fields
+            yield f"{path}.{f.name}", spec.fields_of
+        elif dataclasses.is_dataclass(inner[0]):
             yield from _sections(inner[0], f"{path}.{f.name}")
     if cls is RunConfig:
         yield "config.envs.lookup", EnvSection
@@ -238,6 +241,8 @@ def _constraint_cases():
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             for value, words in _bad_values(field, hints[field.name]):
+                if (path, field.name, value) == ("config.model.init", "vocab_size", 0):
+                    value = -1  # model.init's vocab_size 0 is the tokenizer's size
                 cases.append((f"{path}.{field.name}", value, words))
     return cases
 
@@ -246,10 +251,14 @@ CONSTRAINTS = _constraint_cases()
 
 
 def _raw(key, value):
+    """A raw config setting ``key`` (``config.a.b``) to ``value``; a key of ``model.init`` is set in
+    the default recipe's ``init`` (a fresh model needs its shape whole)."""
     raw = {}
     node, *parts = raw, *key.split(".")[1:]
     for part in parts[:-1]:
         node = node.setdefault(part, {})
+    if parts[:-1] == ["model", "init"]:
+        node.update(DEFAULT_INIT)
     node[parts[-1]] = value
     return raw
 
@@ -259,7 +268,10 @@ def test_the_sections_declare_their_constraints():
     assert len(keys) > 60  # the run's own sections and the components it holds
     for key in ("trainer.seq_len", "engine.client.max_concurrency", "engine.server.port",
                 "engine.supervisor.health_failures", "objective.off_policy.tis_ratio_type",
-                "engine.trainer_memory_fraction"):  # fmt: skip
+                "engine.trainer_memory_fraction", "trainer.prefix_sharing", "trainer.old_logprobs",
+                "objective.kl_loss_coef", "objective.kl_estimator",
+                "model.init.model_type", "model.init.partial_rotary_factor",
+                "model.init.linear_num_value_heads"):  # fmt: skip
         assert f"config.{key}" in keys, key
 
 
