@@ -1063,6 +1063,20 @@ def _check_engine(cfg: RunConfig) -> None:
     e = cfg.engine
     if e.in_flight_updates == "keep" and e.kind != "vllm":
         raise _fail("config.engine.in_flight_updates", "'keep' needs vLLM servers (engine.kind='vllm')")
+    if e.kind == "vllm" and e.in_flight_updates == "off" and e.sync.pause_mode == "keep":
+        # VLLMClient refuses it too, but only once the servers run
+        raise _fail(
+            "config.engine.sync.pause_mode",
+            "'keep' continues the requests in flight on the new weights, but without in-flight "
+            "updates a completion carries one weight version: use 'wait' (default) or 'abort', or set "
+            "engine.in_flight_updates ('recompute' or 'keep'), which records per-token versions",
+        )
+    if e.kind == "vllm" and e.in_flight_updates != "off" and e.sync.on_mismatch != "raise":
+        raise _fail(
+            "config.engine.sync.on_mismatch",
+            f"in-flight updates (engine.in_flight_updates={e.in_flight_updates!r}) support 'raise' "
+            f"only, got {e.sync.on_mismatch!r}",
+        )
     _check_placement(e)
     if cfg.lora is not None and cfg.lora.unembed and e.kind != "embedded":
         raise _fail(

@@ -132,6 +132,14 @@ def test_every_recipe_parses(name):
         ({"engine": {"in_flight_updates": "on"}}, r"config.engine.in_flight_updates: expected one of"),
         ({"engine": {"in_flight_updates": "keep"}}, r"config.engine.in_flight_updates: 'keep' needs vLLM"),
         ({"engine": {"kind": "magic"}}, r"config.engine.kind: expected one of \['embedded', 'vllm'\]"),
+        (  # refused before any server starts (VLLMClient refuses it too, once the servers run)
+            {"engine": {"kind": "vllm", "sync": {"pause_mode": "keep"}}},
+            r"config.engine.sync.pause_mode: 'keep' continues the requests in flight",
+        ),
+        (
+            {"engine": {"kind": "vllm", "in_flight_updates": "recompute", "sync": {"on_mismatch": "retry"}}},
+            r"config.engine.sync.on_mismatch: in-flight updates .* support 'raise' only, got 'retry'",
+        ),
         (
             {"lora": {"rank": 4, "targets": ("q_proj", "lm_head")}, "engine": {"kind": "vllm"}},
             r"config.lora.targets: 'lm_head' .* embedded sampler only",
