@@ -179,12 +179,15 @@ def test_dry_run_prints_the_resolved_config_and_creates_nothing(capsys, tmp_path
     assert "  env lookup: lookup, 16 train / 2 eval tasks, algorithm grpo\n" in out
     assert "  policy engine: embedded JAX sampler (max_batch_size 8)\n" in out
     assert out.rstrip().endswith("nothing was created, deleted or started")
-    # the keys of typed sections are set one by one from the command line
+    # the keys of typed sections are set one by one from the command line, list values whole (the
+    # trainer applies config.trainer.filters: tests/train/test_train_run_config.py's async test)
     code, out, err = _run(capsys, "train", "--config=smoke", "--dry-run",
+                          "--config.trainer.filters=[{'name': 'overlong', 'mode': 'monitor'}]",
                           "--config.objective.off_policy.max_token_staleness=2",
                           "--config.engine.client.timeout_s=5", "--config.engine.supervisor.max_restarts=0",
                           "--config.model.init.rope_theta=500000.0")  # fmt: skip
     assert code == 0, err
+    assert "  trainer.filters = ({'name': 'overlong', 'mode': 'monitor'},)\n" in out
     assert "  objective.off_policy.max_token_staleness = 2\n" in out
     assert "  objective.off_policy.token_tis_ratio_clip_high = 2.0\n" in out  # the others: defaults
     assert "  engine.client.timeout_s = 5.0\n" in out and "  engine.supervisor.max_restarts = 0\n" in out

@@ -10,9 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +18,12 @@ import pytest
 from flax import nnx
 from recipes import load_recipe
 from tolerances import LOGPROB_TOL
-from xla_flags import subprocess_env
 
 from rljax.envs.base import Task
 from rljax.inference import EmbeddedSampler
 from rljax.models import sequence_logprobs
 from rljax.run.config import RESULT_NEUTRAL_KEYS, RunConfig, default_config, parse_run_config
 from rljax.run.trainer import Trainer
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _recipe(name: str):
@@ -83,7 +77,7 @@ def test_every_recipe_parses(name):
         ({"model": {"matmul_precision": "tf32"}}, r"config.model.matmul_precision: expected one of"),
         ({"engine": {"dtype": "float16"}}, r"config.engine.dtype: expected one of"),
         ({"engine": {"sync": {"probe_len": 3}}}, r"config.engine.sync.probe_len: unknown key"),
-        ({"engine": {"sync": {"on_mismatch": "ignore"}}}, r"config.engine.sync: SyncConfig.on_mismatch"),
+        ({"engine": {"sync": {"on_mismatch": "ignore"}}}, r"config.engine.sync.on_mismatch: expected one of"),
         ({"engine": {"client": {"sync": {}}}}, r"config.engine.client.sync: unknown key; known keys of"),
         (
             {"engine": {"client": {"timeot_s": 5}}},
@@ -218,22 +212,6 @@ def test_make_env_and_tasks_for_unknown_envs_are_errors(tmp_path):
         Trainer(c, tmp_path, make_env={"mine": object})
     with pytest.raises(ValueError, match=r"tasks=\.\.\.\) names envs \['mine'\]"):
         Trainer(c, tmp_path, tasks={"mine": ([Task("a")], [])})
-
-
-@pytest.mark.subprocess
-def test_list_valued_fields_are_set_from_the_command_line(tmp_path):
-    env = subprocess_env()
-    r = subprocess.run(
-        [
-            sys.executable, "-m", "rljax", "train", "--config=smoke", f"--workdir={tmp_path}",
-            "--config.trainer.filters=[{'name': 'overlong', 'mode': 'monitor'}]",
-            "--config.trainer.num_steps=1", "--config.warmstart.num_steps=0", "--config.trainer.eval_every=0",
-            "--config.trainer.checkpoint_every=0",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "filters/overlong" in (tmp_path / "metrics.jsonl").read_text()
 
 
 # -- resume ----------------------------------------------------------------------------------------------
