@@ -139,7 +139,7 @@ class ModelConfig:
         ge=1, doc="key / value heads, a divisor of ``num_heads`` (grouped-query attention shares each)"
     )
     head_dim: int = knob(ge=1, doc="width of one attention head; even, as RoPE rotates pairs of dims")
-    rope_theta: float = knob(10000.0, gt=0, doc="RoPE base frequency (finite)")
+    rope_theta: float = knob(10000.0, gt=0, doc="RoPE base frequency, finite")
     rope_scaling: tuple[tuple[str, Any], ...] | None = knob(
         None,
         doc="None (plain RoPE) or sorted ``(key, value)`` pairs (hashable): ``rope_type`` (``linear`` or "

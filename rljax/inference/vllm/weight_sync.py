@@ -143,7 +143,7 @@ class SyncConfig:
         None, doc="the probe token ids, at least 2; None draws ``probe_length`` ids with ``probe_seed``"
     )
     probe_length: int = knob(
-        32, ge=2, doc="length of the drawn probe (it must fit the servers' ``max_model_len``)"
+        32, ge=2, doc="length of the drawn probe, which must fit the servers' ``max_model_len``"
     )
     probe_seed: int = knob(0, doc="seed of the drawn probe")
     atol: float | None = knob(
