@@ -37,6 +37,9 @@ ValueError: Example.steps: expected an int >= 0, got -1
 Traceback (most recent call last):
 ...
 ValueError: Example.steps: expected an int >= 0, got 2.5
+>>> import numpy as np
+>>> Example(steps=np.int32(2)).steps  # numpy scalars are numbers too
+np.int32(2)
 >>> Example(mode="c")
 Traceback (most recent call last):
 ...
@@ -189,7 +192,7 @@ def _violation(k: Knob, value: Any, integer: bool, optional: bool) -> str | None
     if (k.ge, k.gt, k.le, k.lt) == (None, None, None, None) or (value is None and optional):
         return None
     what = "an int" if integer else "a number"
-    number = isinstance(value, (int, float, numbers.Integral)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars too
     if (
         not number
         or (integer and not isinstance(value, numbers.Integral))

@@ -374,3 +374,16 @@ def test_a_recorded_config_of_the_earlier_layout_reads_its_moved_keys():
     engine["server"]["dtype"] = "bfloat16"  # not what engine.dtype ("auto": float32) serves
     with pytest.raises(ValueError, match="config.engine.server.dtype: set by the run"):
         parse_config_record({"engine": engine})
+
+
+def test_numpy_scalars_are_numbers_and_an_int_knob_refuses_a_float():
+    import numpy as np
+
+    from rljax.models import ModelConfig
+
+    shape = dict(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_heads=2,
+                 num_kv_heads=1, head_dim=4)  # fmt: skip
+    cfg = ModelConfig(**shape, num_layers=np.int64(2), rms_norm_eps=np.float32(1e-5))  # e.g. read from a file
+    assert (cfg.num_layers, cfg.rms_norm_eps) == (2, np.float32(1e-5))
+    with pytest.raises(ValueError, match=r"^ModelConfig.num_layers: expected an int >= 1, got 2.0$"):
+        ModelConfig(**shape, num_layers=2.0)
