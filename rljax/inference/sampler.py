@@ -56,7 +56,7 @@ from rljax.models.decode import SharedPrefix, decode_step, prefill
 from rljax.models.decode_layout import decode_layout
 from rljax.models.kv_cache import EMPTY_SLOT, grow_cache
 from rljax.models.panel_matmul import available as panel_matmul_available
-from rljax.models.panel_matmul import use_panels
+from rljax.models.panel_matmul import kernel_isa, use_panels
 from rljax.types import VersionSpan
 
 __all__ = [
@@ -735,12 +735,14 @@ _JITTED_RECOMPUTE = jax.jit(_recompute_program, static_argnums=(0, 5, 6), donate
 KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _decode_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
-    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _decode_state(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
+    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout, isa))
 
 
-def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple[Any, Any]:
+def to_decode_layout(
+    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None
+) -> tuple[Any, Any]:
     """``(graphdef, state)`` of the sampler's decode-time copy of the model, a
     :class:`rljax.models.decode_layout.DecodeModel` with its Linear kernels stored for decoding
     (:func:`rljax.models.decode_layout.decode_layout`: ``"out_in"`` transposed, ``"panels"`` packed
@@ -750,12 +752,12 @@ def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
     weight-matmul floor with each stored layout).
     """
-    return decode_graphdef(graphdef, state, layout), _decode_state(graphdef, state, layout)
+    return decode_graphdef(graphdef, state, layout, isa), _decode_state(graphdef, state, layout, isa)
 
 
-def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
+def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
     """The graphdef of :func:`to_decode_layout`'s model (traced abstractly: no arrays are made)."""
-    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout), state))
+    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout, isa), state))
 
 
 def auto_kernel_layout(model: Any) -> str:
@@ -791,9 +793,9 @@ class EmbeddedSampler:
         model's own arrays, no copy), ``"out_in"`` (a transposed copy made on every
         :meth:`set_weights`, :func:`to_decode_layout`: decode's few-row matmuls run faster on
         XLA:CPU than with ``"in_out"``) or ``"panels"`` (a copy packed into 16-column panels, output
-        projection included, multiplied by the AVX2 kernel of :mod:`rljax.models.panel_matmul`;
-        float32 models on x86-64 CPUs; ``"out_in"`` where the kernel is not available, and
-        ``kernel_layout`` then says so);
+        projection included, multiplied by the AVX2 or AVX-512 kernel of
+        :mod:`rljax.models.panel_matmul`, :attr:`kernel_isa`; float32 models on x86-64 CPUs;
+        ``"out_in"`` where the kernel is not available, and ``kernel_layout`` then says so);
         ``"auto"`` (default, :func:`auto_kernel_layout`): ``"panels"`` where that kernel is
         available and measured faster than XLA on this machine (timed once, cached), else
         ``"out_in"`` on CPU, and ``"in_out"`` elsewhere (the copy would hold the weights twice in
@@ -869,6 +871,8 @@ class EmbeddedSampler:
         elif kernel_layout == "panels" and not panel_matmul_available():
             kernel_layout = "out_in"  # decided here, not inside the jitted copy (its trace is cached)
         self.kernel_layout = kernel_layout
+        #: the panel kernel's instruction set (``"avx2"`` / ``"avx512"``) with ``"panels"``, else None.
+        self.kernel_isa = kernel_isa() if kernel_layout == "panels" else None
         sizes = dict(
             max_batch_size=max_batch_size,
             min_batch_bucket=min_batch_bucket,
@@ -928,9 +932,10 @@ class EmbeddedSampler:
         if self.kernel_layout != "in_out":
             layout = self.kernel_layout
             served = self._decode_graphdefs.get(graphdef)
+            isa = self.kernel_isa
             if served is None:  # traced once per model graphdef, not on every weight sync
-                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout)
-            return served, _decode_state(graphdef, state, layout)
+                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout, isa)
+            return served, _decode_state(graphdef, state, layout, isa)
         return graphdef, _snapshot(state)
 
     @property
