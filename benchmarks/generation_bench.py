@@ -232,12 +232,14 @@ def weight_matmul_floor(
     reps: int = 3,
     kernel_layout: str = "out_in",
     isa: str = "avx2",
+    group_size: int = 1,
 ) -> float:
     """Generated tokens/s of a pass that did nothing but the model's weight matmuls (a floor on time).
 
     The same matmuls a generation pass runs, with the model's shapes: per layer the q / k / v / o
-    projections and the gated MLP (gate, up, down), for ``rows * prompt_len`` prompt tokens at once
-    (prefill, the unembedding for the last token only) and then ``new_tokens`` steps of ``rows``
+    projections and the gated MLP (gate, up, down), for the ``rows / group_size`` distinct prompts'
+    ``prompt_len`` tokens at once (prefill, each shared by ``group_size`` rows; the unembedding for
+    the last token only) and then ``new_tokens`` steps of ``rows``
     tokens each with the unembedding, in one jitted program (a ``fori_loop`` over the steps, as a
     sampler's decode loop), float32, the weights passed as arguments (as a sampler's are).
     ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``), ``[out, in]`` (``x @ W^T``;
@@ -276,8 +278,8 @@ def weight_matmul_floor(
     @jax.jit
     def one_pass(weights: tuple, prompt: jax.Array) -> jax.Array:
         layers, unembed = weights
-        x = blocks(layers, prompt).reshape(rows, prompt_len, h)[:, -1]
-        x = x + mm(x, unembed)[:, :h]
+        x = blocks(layers, prompt).reshape(rows // group_size, prompt_len, h)[:, -1]
+        x = jnp.repeat(x + mm(x, unembed)[:, :h], group_size, axis=0)
 
         def step(_: jax.Array, x: jax.Array) -> jax.Array:
             x = blocks(layers, x)
@@ -285,7 +287,7 @@ def weight_matmul_floor(
 
         return jax.lax.fori_loop(0, new_tokens, step, x)
 
-    prompt = jax.random.normal(next(keys), (rows * prompt_len, h), jnp.float32)
+    prompt = jax.random.normal(next(keys), (rows // group_size * prompt_len, h), jnp.float32)
     jax.block_until_ready(one_pass(weights, prompt))
     best = float("inf")
     for _ in range(reps):
@@ -332,15 +334,19 @@ def print_floors(
     weight-matmul floor."""
     load = _sibling("tunix_peer").load_average
     shape = dict(rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens)
+    group = dict(group_size=args.group_size)  # each distinct prompt prefilled once
     floors = {
-        layout: weight_matmul_floor(cfg, **shape, kernel_layout=layout) for layout in ("in_out", "out_in")
+        layout: weight_matmul_floor(cfg, **shape, **group, kernel_layout=layout)
+        for layout in ("in_out", "out_in")
     }
     for isa in panel_matmul_lib.supported_isas():
-        floors[f"panels {isa}"] = weight_matmul_floor(cfg, **shape, kernel_layout="panels", isa=isa)
+        floors[f"panels {isa}"] = weight_matmul_floor(cfg, **shape, **group, kernel_layout="panels", isa=isa)
     floor = max(floors.values())
+    shared = "; each distinct prompt prefilled once" if args.group_size > 1 else ""
     each = ", ".join(f"{name}: {rate:,.0f}" for name, rate in floors.items())
     versus = "; ".join(f"{name} {rate / floor:.0%} of it" for name, rate in rates.items())
-    print(f"  weight-matmul floor (the pass's weight matmuls alone, one jitted program): {floor:,.0f} "
+    print(f"  weight-matmul floor (the pass's weight matmuls alone in one jitted program{shared}): "
+          f"{floor:,.0f} "
           f"tokens/s ({each}); {versus} [load average {load()}]", flush=True)  # fmt: skip
     weights, kv = streaming_bytes(cfg, **shape)
     bandwidth = memory_bandwidth()
