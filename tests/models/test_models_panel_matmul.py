@@ -287,6 +287,9 @@ def test_the_choice_is_written_once_reused_and_rekeyed(choice_cache, monkeypatch
     data = json.loads(open(wide.path).read())
     assert data["isa"] == "avx512" and data["isa_speedups"]["avx2"] == pytest.approx(1.0)
     assert pm._timed_choice(never) == dataclasses.replace(wide, cached=True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")  # AVX-512 2% ahead: AVX2 kept
+    close = pm._timed_choice(lambda: ({"avx2": [0.0100] * 3, "avx512": [0.0098] * 3}, [0.012] * 3))
+    assert close.use_panels and close.isa == "avx2"
 
 
 def test_a_damaged_or_foreign_choice_file_is_measured_again(choice_cache):
