@@ -44,16 +44,17 @@ def full_forward(model, ids):
     return np.asarray(logits, np.float64)[0, : len(ids)], experts
 
 
-def check_against_full_forward(model, prompt, params, completion):
-    """The completion's logprobs are the full forward's processed distribution at its tokens; MoE:
-    its recorded experts are the full forward's over prompt + completion but the last token."""
+def check_against_full_forward(model, prompt, params, completion, *, routing=True):
+    """The completion's logprobs are the full forward's processed distribution at its tokens; MoE
+    (with ``routing``): its recorded experts are the full forward's over prompt + completion but the
+    last token."""
     seq = prompt + list(completion.ids)
     logits, experts = full_forward(model, seq)
     logits = logits[len(prompt) - 1 : -1]
     n, temperature = len(logits), params.temperature or 1.0
     ref = np_processed_logprobs(logits, [temperature] * n, [params.top_k or 0] * n, [params.top_p] * n)
     np.testing.assert_allclose(completion.logprobs, ref[np.arange(n), list(completion.ids)], **LOGPROB_TOL)
-    if experts is not None:
+    if routing and experts is not None:
         np.testing.assert_array_equal(completion.routed_experts, experts[:-1])
 
 
@@ -158,10 +159,23 @@ def _run(sampler, prompts, params):
     return outs
 
 
+def _lora_model():
+    """The tiny model with LoRA adapters on projections and the unembedding, visibly non-zero."""
+    from rljax.models import lora
+
+    model = tiny_model(0)
+    targets = ("q_proj", "v_proj", "down_proj", "lm_head")
+    lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=4.0, targets=targets), rngs=nnx.Rngs(1))
+    for _, var in nnx.to_flat_state(lora.lora_state(model)):
+        var.set_value(var.get_value() + 0.3)
+    return model
+
+
 def test_shared_prefixes_sample_what_separate_prompts_sample():
     """Same tokens, finish reasons and logprobs as without sharing, stop ids ending rows; logprobs
-    equal the full forward's processed distribution; the shared tokens are prefilled once."""
-    model = tiny_model(0)
+    equal the full forward's processed distribution; the shared tokens are prefilled once. The
+    model carries LoRA adapters (projections and unembedding), which act on the shared prefill too."""
+    model = _lora_model()
     prompts, params = _prompts(), _params()
     shared = EmbeddedSampler(model, batch_wait_ms=5.0, min_shared_prefix=4, **BUCKETS)
     alone = EmbeddedSampler(model, batch_wait_ms=5.0, prefix_sharing=False, **BUCKETS)
@@ -177,23 +191,6 @@ def test_shared_prefixes_sample_what_separate_prompts_sample():
         np.testing.assert_allclose(g.logprobs, w.logprobs, **LOGPROB_TOL)
         check_against_full_forward(model, prompt, p, g)
     assert [g.finish_reason for g in got[:5:4]] == ["stop", "length"] and len(got[4].ids) == 5
-
-
-def test_shared_prefixes_with_a_lora_adapter():
-    """Adapters on every projection and the unembedding act on the shared prefill as on the rest."""
-    from rljax.models import lora
-
-    model = tiny_model(0)
-    targets = ("q_proj", "v_proj", "down_proj", "lm_head")
-    lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=4.0, targets=targets), rngs=nnx.Rngs(1))
-    for _, var in nnx.to_flat_state(lora.lora_state(model)):
-        var.set_value(var.get_value() + 0.3)
-    prompts, params = _prompts()[:4], _params()[:4]
-    sampler = EmbeddedSampler(model, batch_wait_ms=5.0, min_shared_prefix=4, **BUCKETS)
-    got = _run(sampler, prompts, params)
-    assert sampler.num_prefilled_tokens < sampler.num_prompt_tokens
-    for prompt, p, g in zip(prompts, params, got, strict=True):
-        check_against_full_forward(model, prompt, p, g)
 
 
 def _moe_model():
@@ -216,34 +213,28 @@ def test_moe_routing_records_of_shared_prefixes():
 @pytest.mark.slow
 def test_in_flight_switch_recomputes_shared_prefixes(monkeypatch):
     """A weight switch mid-decode recomputes the cache from the shared prefixes with the new weights:
-    the same tokens, version spans, logprobs and (MoE) recomputed routing as without sharing."""
+    the tokens before the switch follow the old weights' full forward, those after it the new
+    weights' (logprobs and, MoE, the recorded routing of the whole sequence)."""
     old, new = _moe_model(), _moe_model()
     nnx.update(new, jax.tree.map(lambda x: x * 1.3, nnx.state(new)))
     prompts, params = _prompts()[:4], [SamplingParams(max_tokens=16, seed=20 + i) for i in range(4)]
-    runs = {}
-    for sharing in (True, False):
-        s = EmbeddedSampler(old, in_flight_updates=True, in_flight_segment_steps=4, batch_wait_ms=0.0,
-                            prefix_sharing=sharing, min_shared_prefix=4, **BUCKETS)  # fmt: skip
-        real, calls = sampler_module._JITTED_SEGMENT, []
+    s = EmbeddedSampler(old, in_flight_updates=True, in_flight_segment_steps=4, batch_wait_ms=0.0,
+                        min_shared_prefix=4, **BUCKETS)  # fmt: skip
+    real, calls = sampler_module._JITTED_SEGMENT, []
 
-        def segment(*args, s=s, real=real, calls=calls):
-            out = real(*args)
-            calls.append(1)
-            if len(calls) == 2:
-                s.set_weights(new, version=1)
-            return out
+    def segment(*args):
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == 2:
+            s.set_weights(new, version=1)
+        return out
 
-        monkeypatch.setattr(sampler_module, "_JITTED_SEGMENT", segment)
-        runs[sharing] = s._run_batch(prompts, params)
-        assert s.num_in_flight_switches == 1
-        assert (s.num_prefilled_tokens < s.num_prompt_tokens) == sharing
-        monkeypatch.undo()
-    for prompt, p, g, w in zip(prompts, params, runs[True], runs[False], strict=True):
-        assert g.ids == w.ids and g.weight_versions == w.weight_versions
-        assert [(v.version, v.start) for v in g.weight_versions] == [(0, 0), (1, 8)]
-        np.testing.assert_array_equal(g.routed_experts, w.routed_experts)
-        np.testing.assert_allclose(g.logprobs, w.logprobs, **LOGPROB_TOL)
-        # after the switch: the new weights' distribution and routing (the old span's logprobs are
-        # the old weights', as without sharing)
-        check_against_full_forward(new, prompt + list(g.ids[:8]), p, dataclasses.replace(
-            g, ids=g.ids[8:], logprobs=g.logprobs[8:], weight_versions=()))  # fmt: skip
+    monkeypatch.setattr(sampler_module, "_JITTED_SEGMENT", segment)
+    got = s._run_batch(prompts, params)
+    assert s.num_in_flight_switches == 1 and s.num_prefilled_tokens == 7 + 22
+    for prompt, p, g in zip(prompts, params, got, strict=True):
+        assert [(v.version, v.start, v.end) for v in g.weight_versions] == [(0, 0, 8), (1, 8, 16)]
+        before = dataclasses.replace(g, ids=g.ids[:8], logprobs=g.logprobs[:8], weight_versions=())
+        check_against_full_forward(old, prompt, p, before, routing=False)  # routing: the last version's
+        after = dataclasses.replace(g, ids=g.ids[8:], logprobs=g.logprobs[8:], weight_versions=())
+        check_against_full_forward(new, prompt + list(g.ids[:8]), p, after)
