@@ -7,6 +7,7 @@ merging, opsd tasks without demonstrations) are raised here, before anything run
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from rljax.core.losses import get_policy_loss
 from rljax.core.objective import ObjectiveConfig, old_policy_readers
 from rljax.extras import require
 from rljax.models import Decoder, ModelConfig, from_gguf, from_pretrained, gguf_tokenizer, is_gguf_path
+from rljax.models.gguf_io import load_gguf_config
+from rljax.models.hf_io import load_config
 from rljax.run.config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
 from rljax.run.tasks import EnvTasks
 
@@ -28,6 +31,7 @@ __all__ = [
     "check_extras",
     "check_objective",
     "check_run",
+    "model_config",
     "objective_config",
     "old_logprobs_choice",
     "process_batch",
@@ -86,6 +90,23 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
               precision=precision)  # fmt: skip
     if cfg.hf_path:
         return (from_gguf if is_gguf_path(cfg.hf_path) else from_pretrained)(cfg.hf_path, **kw)
+    return Decoder(model_config(cfg, vocab_size=vocab_size), rngs=nnx.Rngs(seed), **kw)
+
+
+def model_config(cfg: ModelSection, *, vocab_size: int) -> ModelConfig:
+    """The :class:`~rljax.models.ModelConfig` of the policy :func:`build_model` builds, without any
+    weight: ``cfg.hf_path``'s (its ``config.json``, or a ``.gguf`` file's metadata) or ``cfg.init``'s
+    (``vocab_size`` 0 = the tokenizer's ``vocab_size``). Errors name the config key."""
+    if cfg.hf_path:
+        path = pathlib.Path(cfg.hf_path)
+        if not path.exists():
+            raise ValueError(f"config.model.hf_path: no such file or directory {cfg.hf_path!r}")
+        try:
+            return load_gguf_config(path) if is_gguf_path(path) else load_config(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(
+                f"config.model.hf_path: cannot read the model config of {cfg.hf_path!r}: {e}"
+            ) from None
     fields = dict(cfg.init)
     if not fields.get("vocab_size"):
         fields["vocab_size"] = int(vocab_size)
@@ -97,7 +118,7 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
         raise ValueError(
             f"config.model.init.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab_size} ids"
         )
-    return Decoder(mcfg, rngs=nnx.Rngs(seed), **kw)
+    return mcfg
 
 
 def objective_config(
@@ -152,7 +173,21 @@ def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str
 def check_objective(cfg: RunConfig, algorithms: AlgorithmConfig) -> None:
     """Objective rules that need the algorithms: a policy loss whose ratio is already taken against
     the sampler (dppo, rollout_is, cispo with ``behavior="inference"``) would apply the behaviour ratio
-    twice with truncated importance sampling (SkyRL refuses the pair too)."""
+    twice with truncated importance sampling (SkyRL refuses the pair too); top-k / top-p sampling on an
+    engine that does not report the support it drew from (vLLM) cannot be scored on that support, so
+    an objective that compares train and sampler logprobs (rl, ref_kl) refuses it."""
+    r = cfg.rollout
+    truncated = r.top_p < 1.0 or r.top_k is not None
+    compared = [a.name for a in algorithms.algorithms if {"rl", "ref_kl"} & set(a.components)]
+    if truncated and cfg.engine.kind == "vllm" and compared:
+        key = "top_p" if r.top_p < 1.0 else "top_k"
+        raise ValueError(
+            f"config.rollout.{key}: {getattr(r, key)!r} samples from a truncated distribution, and vLLM "
+            "does not report which tokens it kept, so the trainer cannot score each token on the support "
+            f"it was drawn from (every ratio of {compared} would carry the kept mass as a bias): use "
+            "top_p=1.0 and top_k=None with vLLM, or the embedded sampler (engine.kind='embedded'), which "
+            "records the support and trains on it exactly"
+        )
     tis = cfg.objective.off_policy.get("tis_ratio_type")
     if tis is None:
         return

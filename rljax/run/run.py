@@ -60,7 +60,6 @@ from rljax.run.builders import (
 )
 from rljax.run.config import (
     RunConfig,
-    config_differences,
     config_record,
     critic_config,
     parse_run_config,
@@ -88,7 +87,16 @@ from rljax.training.step import (
     train_step,
 )
 
-__all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "REFERENCE", "Run", "mini_batch_groups"]
+__all__ = [
+    "BEHAVIOR",
+    "CRITIC",
+    "LORA_BASE",
+    "POLICY",
+    "REFERENCE",
+    "Run",
+    "mini_batch_groups",
+    "resolve_prefix_sharing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +106,43 @@ logger = logging.getLogger(__name__)
 #: behaviour parameters async rollouts still need (``behavior/<version>``), and the KL penalty's
 #: reference policy when it is the run's own initial weights.
 POLICY, LORA_BASE, CRITIC, BEHAVIOR, REFERENCE = "policy", "lora_base", "critic", "behavior", "reference"
+
+
+def resolve_prefix_sharing(setting: str, model: Any, *, critic: Any = None) -> bool:
+    """Whether ``trainer.prefix_sharing=setting`` packs this run's mini-batches as prefix trees (design
+    §2.6), logged with the reason: ``"auto"`` does when the policy (and PPO's critic, a
+    :class:`rljax.models.value.ValueModel`) declare that
+    they compute tree rows exactly (``prefix_tree_rows``, :class:`rljax.models.Decoder`); an attention
+    backend that cannot take the tree mask runs the exact one that can
+    (:func:`rljax.models.attention_backends.tree_attention_backend`), which is logged too.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> resolve_prefix_sharing("auto", tiny_model()), resolve_prefix_sharing("off", tiny_model())
+    (True, False)
+    """
+    from rljax.models.attention_backends import resolve_attention, tree_attention_backend
+
+    if setting == "off":
+        return False
+    for name, m in (("policy", model), ("critic", critic)):
+        if m is not None and not getattr(m, "prefix_tree_rows", False):
+            logger.warning(
+                "trainer.prefix_sharing=%r: off (the %s model %s does not compute prefix-tree rows; its "
+                "layers may carry state along the token order)", setting, name, type(m).__name__,
+            )  # fmt: skip
+            return False
+    backend = resolve_attention(
+        getattr(model, "attention", "auto"), dtype=getattr(model, "dtype", jnp.float32)
+    )
+    tree_backend, reason = tree_attention_backend(backend)
+    if reason is None:
+        logger.info("trainer.prefix_sharing=%r: on (attention %r)", setting, backend)
+    else:
+        logger.warning(
+            "trainer.prefix_sharing=%r: on; tree rows run attention %r instead of %r: %s",
+            setting, tree_backend, backend, reason,
+        )  # fmt: skip
+    return True
 
 
 def mini_batch_groups(num_groups: int, mini_batch_prompts: int, algorithm: str) -> int:
@@ -195,6 +240,9 @@ class Run:
         self.data_parallel = 1 if self.mesh is None else train_sharding.batch_parallelism(self.mesh)
         self.critic_config = critic_config(cfg.critic)
         self.critic = self._build_critic(model) if self.algorithms.needs_critic else None
+        self.prefix_sharing = resolve_prefix_sharing(
+            cfg.trainer.prefix_sharing, model, critic=None if self.critic is None else self.critic.model
+        )
         self.state = TrainState.create(
             model, self.train_configs[self.algorithms.default.name], mesh=self.mesh, with_optimizer=optimizer
         )
@@ -414,18 +462,9 @@ class Run:
         return step
 
     def _check_resumed_config(self, saved: Any, step: int) -> None:
-        if not saved:
-            return
-        try:
-            diffs = config_differences(parse_run_config(saved), self.cfg)
-        except ValueError as e:  # a checkpoint of an older layout: say so instead of guessing
-            raise ValueError(f"--resume: the checkpoint's config does not parse ({e})") from None
-        if diffs:
-            raise ValueError(
-                f"--resume: the config differs from the one checkpoint step {step} was trained with in "
-                f"keys that change results: {'; '.join(diffs)}. Resume with the same config, start a new "
-                "run, or pass --allow_config_change to continue anyway"
-            )
+        from rljax.run.preflight import check_resumed_config
+
+        check_resumed_config(saved, self.cfg, step)
 
     def load_policy(self, directory: str | pathlib.Path, step: int, *, verify: bool = True) -> None:
         """Puts the policy weights of checkpoint ``step`` of ``directory`` into this run (the state's
@@ -557,18 +596,19 @@ class Run:
         return np.asarray(host_local_copy(out), np.float32)
 
     def critic_mini_batches(
-        self, mini_batches: list[PackResult], rl_step: int
+        self, mini_batches: list[PackResult], rl_step: int, links: Sequence[np.ndarray] | None = None
     ) -> tuple[list[PackResult], list[dict[str, float]]]:
         """PPO: old values and GAE advantages of every mini-batch (all before any update), then one
-        critic step per mini-batch. Returns the mini-batches carrying their advantages for the
-        policy steps (none during the critic warm-up, ``rl_step < critic.warmup_steps``) and the
-        critic steps' metric rows."""
+        critic step per mini-batch. ``links``: per mini-batch, the links of its trajectories' turns
+        (:func:`rljax.data.credit.turn_links`; None: none). Returns the mini-batches carrying their
+        advantages for the policy steps (none during the critic warm-up, ``rl_step <
+        critic.warmup_steps``) and the critic steps' metric rows."""
         cc = self.critic_config
         staged = []
-        for mb in mini_batches:
+        for k, mb in enumerate(mini_batches):
             placed = self._shard(mb.batch)
             old_values = critic_values(self.critic, placed)
-            advantages, returns = ppo_advantages(old_values, placed, cc)
+            advantages, returns = ppo_advantages(old_values, placed, cc, None if links is None else links[k])
             staged.append((mb, placed, old_values, advantages, returns))
         out, rows = [], []
         for mb, placed, old_values, advantages, returns in staged:
@@ -741,9 +781,7 @@ _jit_apply_gradients = jax.jit(apply_gradients)
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_packed_logprobs(graphdef: nnx.GraphDef, params: Any, frozen: Any, batch: Any) -> jax.Array:
     from rljax.models import sequence_logprobs
+    from rljax.models.logprobs import packing_kwargs
 
     model = merge_model(graphdef, params, frozen)
-    return sequence_logprobs(
-        model, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        temperature=batch.temperatures,
-    )  # fmt: skip
+    return sequence_logprobs(model, batch.tokens, temperature=batch.temperatures, **packing_kwargs(batch))

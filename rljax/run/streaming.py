@@ -95,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from rljax.data.filters import group_reward_spread
+from rljax.data.filters import informative_groups
 from rljax.envs.base import Task
 from rljax.rollout import RolloutResult, _raise_all_errored, merge_rollout_results
 from rljax.run.builders import process_batch
@@ -619,8 +619,8 @@ class StreamingScheduler(RolloutScheduler):
             return
         keep = True
         if self.dynamic_sampling is not None:
-            spread = group_reward_spread(result.batch)
-            keep = bool(spread.size) and bool(spread.max() > self.dynamic_sampling.atol)
+            atol = self.dynamic_sampling.atol
+            keep = any(informative_groups(result.batch, atol=atol, reward_mode=self.reward_modes).values())
         now = self.clock()
         # An engine that takes up a version in flight samples with it before serve() returns (and
         # served_version moves): the group finished on the newest version any of its tokens has.

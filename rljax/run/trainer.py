@@ -73,6 +73,7 @@ import numpy as np
 from rljax import algorithms as algos
 from rljax.core.objective import MAX_METRICS, rollout_logprob_readers
 from rljax.data.batch import StepBatch
+from rljax.data.credit import turn_links
 from rljax.data.filters import make_filter
 from rljax.data.pack import make_mini_batches, with_token_staleness
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
@@ -97,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs an RL post-training job described by an ``ml_collections`` config (see rljax/recipes/default.py).
+    """Runs an RL post-training job described by an ``ml_collections`` config (see configs/default.py).
 
     Args:
       config: the run config (a ConfigDict or nested dict; keys and defaults:
@@ -187,6 +188,7 @@ class Trainer:
                 merge=self.cfg.trainer.merge,
                 score=parts.references.for_algorithm(alg),
                 observation_filter=self.observation_filters[alg.name],
+                trained_version=self.rl_step,
             )
             check_rollout_logprobs(
                 name, prep.samples, parts.train_configs[name].objective, old=parts.old_logprobs[name][0]
@@ -202,14 +204,19 @@ class Trainer:
                 data_parallel=parts.data_parallel,
                 truncate=self.cfg.trainer.truncate,
                 shuffle_seed=shuffle_seed,
+                prefix_sharing=parts.prefix_sharing,
                 **prep.streams(),
             )
-            if alg.needs_critic:
-                mini_batches, rows = parts.critic_mini_batches(list(mini_batches), self.rl_step)
+            if alg.needs_critic:  # GAE runs along each trajectory's turns, whichever samples hold them
+                mini_batches = list(mini_batches)
+                links = [turn_links(prep.samples, prep.turn_spans, mb.layout) for mb in mini_batches]
+                mini_batches, rows = parts.critic_mini_batches(mini_batches, self.rl_step, links)
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
             planned.append((name, list(mini_batches)))
         # every mini-batch's old (proximal) logprobs under theta_n, before the step's first update
+        start = time.perf_counter()
         planned = [(name, [self._with_policy_logprobs(mb, name) for mb in mbs]) for name, mbs in planned]
+        metrics["time/policy_logprobs_s"] = time.perf_counter() - start  # old and reference logprobs
         train_rows = self._train_mini_batches(planned, metrics)
         metrics.update(_mean_rows(train_rows))
         metrics.update(_mean_rows(critic_rows))
@@ -238,6 +245,7 @@ class Trainer:
                 row = self.parts.train(packed, algorithm=name)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
+                row["pack/shared_prefix_tokens"] = float(mb.metrics.get("shared_prefix_tokens", 0))
                 train_rows.append(_suffixed(row, name if multi else None))
                 adv_sums += advantage_sums(mb.batch)
             if adv_sums[2]:

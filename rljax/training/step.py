@@ -53,7 +53,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax.core.objective import MAX_METRICS, Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_forward
+from rljax.core.segments import samples_per_token
+from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, packing_kwargs, sequence_forward
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -334,12 +335,12 @@ def _forward(model: nnx.Module, batch: PackedBatch, config: TrainConfig) -> tupl
     return sequence_forward(
         model,
         tokens,
-        positions=batch.positions,
-        segment_ids=batch.segment_ids,
         temperature=temperature,
         chunk_size=config.chunk_size,
         routed_experts=replay,
+        support_floors=batch.support_floors,  # top-k / top-p draws: the support they came from
         with_routing=moe,
+        **packing_kwargs(batch),  # prefix-tree rows: the tree mask, each token from its parent
     )
 
 
@@ -372,8 +373,10 @@ def _add_routing(
     config: TrainConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE auxiliary losses and routing metrics of one (micro-)batch, weighted by its share of the
-    mini-batch's trained tokens (so micro-batch sums are token-weighted averages)."""
-    real = jnp.asarray(batch.segment_ids) != 0
+    mini-batch's trained tokens (so micro-batch sums are token-weighted averages). Each token counts
+    once per sample that holds it (:func:`rljax.core.segments.samples_per_token`), so prefix-tree rows
+    give the averages of plain rows."""
+    real = samples_per_token(batch.segment_ids, getattr(batch, "subtree_end", None))
     share = jnp.sum(jnp.asarray(batch.loss_mask) != 0) / jnp.maximum(counts.loss_tokens, 1.0)
     share = share.astype(jnp.float32)
     stats = routing_metrics(routing, real)
@@ -385,7 +388,7 @@ def _add_routing(
     out.update({k: jax.lax.stop_gradient(v) * share for k, v in stats.items()})
     if batch.routed_experts is not None:
         recorded = jnp.asarray(batch.routed_experts)
-        has_record = real & jnp.all(recorded >= 0, axis=(-2, -1))
+        has_record = real * jnp.all(recorded >= 0, axis=(-2, -1))
         chosen = top_k_experts(jax.lax.stop_gradient(routing.logits), model_config.num_experts_per_tok)
         flips = flip_fraction(chosen, recorded, has_record)
         out["routing/flip_fraction"] = flips * share

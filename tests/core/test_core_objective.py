@@ -680,3 +680,44 @@ def test_stale_tokens_leave_the_rl_loss_through_batch_token_staleness():
         objective(
             lp, SimpleNamespace(**{**vars(batch), "token_staleness": None}), global_counts(batch, cfg), cfg
         )
+
+
+@pytest.mark.parametrize(
+    ("kind", "want"),
+    [
+        # d = log(pi / pi_ref) on the 3 rl tokens: log 2, 0, log(1/2); k1 = d, k3 = r - log r - 1 with
+        # r = pi_ref / pi = [1/2, 1, 2]: [0.5 - log .5 - 1, 0, 2 - log 2 - 1]
+        ("k1", (np.log(2.0) + 0.0 + np.log(0.5)) / 3),
+        ("k2", (0.5 * np.log(2.0) ** 2 + 0.0 + 0.5 * np.log(0.5) ** 2) / 3),
+        ("k3", ((0.5 - np.log(0.5) - 1) + 0.0 + (2.0 - np.log(2.0) - 1)) / 3),
+        ("abs", (np.log(2.0) + 0.0 + np.log(2.0)) / 3),
+    ],
+)
+def test_kl_penalty_to_a_reference_hand_values(kind, want):
+    """beta * token_mean of the chosen estimator over the rl tokens (the 4th token is masked), on
+    top of the policy loss, with its gradient -beta d k / d logp only through the trained logprobs."""
+    p, ref = np.array([[0.4, 0.3, 0.2, 0.9]]), np.array([[0.2, 0.3, 0.4, 0.1]])
+    lp = jnp.asarray(np.log(p), jnp.float32)
+    mask = np.array([[1.0, 1, 1, 0]], np.float32)
+    batch = SimpleNamespace(
+        loss_mask=mask, segment_ids=np.ones((1, 4), int), group_index=np.zeros((1, 4)),
+        advantages=np.zeros((1, 4), np.float32), rl_weights=None, ce_weights=None, ref_kl_weights=None,
+        ref_logprobs=None, old_logprobs=None, inference_logprobs=np.asarray(lp),
+        kl_reference_logprobs=np.log(ref).astype(np.float32),
+    )  # fmt: skip
+    beta = 0.1
+    cfg = ObjectiveConfig(policy_loss="ppo_clip", components=("rl",), kl_coef=beta, kl_kind=kind)
+    loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)  # zero advantages: KL only
+    np.testing.assert_allclose(float(loss), beta * want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss/kl_penalty"]), beta * want, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["ref_kl/reference_k1"]), (np.log(2) + np.log(0.5)) / 3, atol=1e-6
+    )
+    grad = jax.grad(lambda x: objective(x, batch, global_counts(batch, cfg), cfg)[0])(lp)
+    assert float(grad[0, 3]) == 0.0  # masked
+    d = np.log(p[0, :3]) - np.log(ref[0, :3])
+    dk = {"k1": np.ones(3), "k2": d, "k3": 1 - np.exp(-d), "abs": np.where(d >= 0, 1.0, -1.0)}[kind]
+    np.testing.assert_allclose(np.asarray(grad[0, :3]), beta * dk / 3, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="kl_reference_logprobs is None but kl_coef"):
+        objective(lp, SimpleNamespace(**{**vars(batch), "kl_reference_logprobs": None}),
+                  global_counts(batch, cfg), cfg)  # fmt: skip

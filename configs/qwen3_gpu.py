@@ -53,6 +53,7 @@ def get_config() -> config_dict.ConfigDict:
         dtype="bfloat16",  # weights served (cast from the float32 master on every sync)
         urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
         num_servers=1,
+        server_devices=(),  # their own GPUs, e.g. ("4", "5", "6", "7"): num_servers=4, mesh fsdp=4 (launch/)
         python="",
         server=dict(
             max_model_len=4096,
