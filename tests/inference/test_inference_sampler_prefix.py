@@ -44,16 +44,44 @@ def full_forward(model, ids):
     return np.asarray(logits, np.float64)[0, : len(ids)], experts
 
 
-def check_against_full_forward(model, prompt, params, completion, *, routing=True):
-    """The completion's logprobs are the full forward's processed distribution at its tokens; MoE
-    (with ``routing``): its recorded experts are the full forward's over prompt + completion but the
-    last token."""
+def np_support_floors(logits, temperature, processed):
+    """Midpoint between the smallest kept and the largest dropped ``logits / T`` of each row (the
+    kept tokens: finite ``processed`` logprobs); ``-inf`` where nothing is dropped."""
+    z = logits / temperature
+    kept = np.isfinite(processed)
+    dropped = np.where(kept, -np.inf, z).max(axis=1)
+    return np.where(np.isfinite(dropped), 0.5 * (np.where(kept, z, np.inf).min(axis=1) + dropped), -np.inf)
+
+
+def check_floors(floors, want, z):
+    """Support floors within float32 noise of ``want``. A floor is a value of ``z = logits / T``, whose
+    rounding between equivalent float32 programs grows with the step's largest ``|z|`` (measured: up
+    to 2.9e-6 of it, KV-cache decode vs full forward, shared prefix or not); the bound allows
+    1e-5 of it (plus 1e-5), ~1000x below a floor taken at the wrong step or support."""
+    bound = 1e-5 * (1 + np.abs(z).max(axis=1))
+    err = np.abs(np.asarray(floors, np.float64) - np.asarray(want, np.float64))
+    assert np.all(err <= bound), f"floor error / bound up to {np.max(err / bound):.3g}"
+
+
+def check_against_full_forward(model, prompt, params, completion, *, routing=True, unshared=None):
+    """The completion's logprobs are the full forward's processed distribution at its tokens, and
+    its support floors (top-k / top-p rows) that distribution's and, given, those of the ``unshared``
+    completion; MoE (with ``routing``): its recorded experts are the full forward's over prompt +
+    completion but the last token."""
     seq = prompt + list(completion.ids)
     logits, experts = full_forward(model, seq)
     logits = logits[len(prompt) - 1 : -1]
     n, temperature = len(logits), params.temperature or 1.0
     ref = np_processed_logprobs(logits, [temperature] * n, [params.top_k or 0] * n, [params.top_p] * n)
     np.testing.assert_allclose(completion.logprobs, ref[np.arange(n), list(completion.ids)], **LOGPROB_TOL)
+    truncated = bool(params.top_k) or params.top_p < 1.0
+    assert (completion.support_floors is not None) == truncated
+    if truncated:
+        floors = np_support_floors(logits, temperature, ref)
+        assert np.isfinite(floors).all()  # something was cut at every step: the check compares values
+        check_floors(completion.support_floors, floors, logits / temperature)
+        if unshared is not None:
+            check_floors(completion.support_floors, unshared.support_floors, logits / temperature)
     if routing and experts is not None:
         np.testing.assert_array_equal(completion.routed_experts, experts[:-1])
 
@@ -172,9 +200,10 @@ def _lora_model():
 
 
 def test_shared_prefixes_sample_what_separate_prompts_sample():
-    """Same tokens, finish reasons and logprobs as without sharing, stop ids ending rows; logprobs
-    equal the full forward's processed distribution; the shared tokens are prefilled once. The
-    model carries LoRA adapters (projections and unembedding), which act on the shared prefill too."""
+    """Same tokens, finish reasons, logprobs and support floors as without sharing, stop ids ending
+    rows; logprobs and floors equal the full forward's processed distribution's; the shared tokens
+    are prefilled once. The model carries LoRA adapters (projections and unembedding), which act on
+    the shared prefill too."""
     model = _lora_model()
     prompts, params = _prompts(), _params()
     shared = EmbeddedSampler(model, batch_wait_ms=5.0, min_shared_prefix=4, **BUCKETS)
@@ -189,7 +218,8 @@ def test_shared_prefixes_sample_what_separate_prompts_sample():
     for prompt, p, w, g in zip(prompts, params, want, got, strict=True):
         assert g.ids == w.ids and g.finish_reason == w.finish_reason
         np.testing.assert_allclose(g.logprobs, w.logprobs, **LOGPROB_TOL)
-        check_against_full_forward(model, prompt, p, g)
+        assert (g.support_floors is None) == (w.support_floors is None)
+        check_against_full_forward(model, prompt, p, g, unshared=w)
     assert [g.finish_reason for g in got[:5:4]] == ["stop", "length"] and len(got[4].ids) == 5
 
 
