@@ -855,7 +855,10 @@ class EmbeddedSampler:
         saves): identical prompts (a GRPO group's samples, which arrive together) and prompts that
         share at least ``min_shared_prefix`` leading tokens (multi-turn samples whose histories start
         alike); used where it prefills fewer (padded) tokens than the batch's own prompts. The same
-        tokens for the same seeds as without it, logprobs within float32 rounding. Default True.
+        tokens for the same seeds as without it, logprobs and support floors within float32
+        rounding. Models with linear-attention layers (Qwen3.5 / Qwen3-Next) share identical prompts
+        only, each row starting from a copy of the prefix's recurrent state and convolution window.
+        Default True.
       min_shared_prefix: fewest leading tokens different prompts must share to be prefilled once
         (identical prompts always are).
 
@@ -1206,8 +1209,9 @@ class EmbeddedSampler:
         width = bucket_size(max(lengths), minimum=self.min_prompt_bucket)
         groups, shared = list(range(len(prompts))), lengths
         if self.prefix_sharing:
-            # Linear-attention layers (a recurrent state) would see the padding between a prefix and
-            # a row's own tokens: for them only identical prompts share.
+            # Linear-attention layers: a row's own tokens are left-padded after the prefix, and their
+            # causal convolution does not reach across padding inside a sample (the window would be
+            # cut), so only identical prompts share (the copied state and window are then exact).
             min_shared = None if getattr(self.config, "linear_layers", ()) else self.min_shared_prefix
             groups, shared = shared_prefix_groups(prompts, min_shared=min_shared)
         if len(shared) < len(prompts):

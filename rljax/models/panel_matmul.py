@@ -62,6 +62,7 @@ import numpy as np
 __all__ = [
     "ISAS",
     "MARGIN",
+    "NO_KERNEL_ISA",
     "PANEL",
     "Choice",
     "available",
@@ -83,6 +84,9 @@ PANEL = 16
 #: The kernel's instruction sets, narrowest first; :func:`supported_isas` says which this CPU runs.
 ISAS = ("avx2", "avx512")
 _TARGETS = {"avx2": "rljax_panel_matmul", "avx512": "rljax_panel_matmul_avx512"}
+#: :func:`unavailable_reason` on a CPU that runs none of :data:`ISAS` (the kernel built, the CPU
+#: cannot run it).
+NO_KERNEL_ISA = "this CPU lacks AVX2/FMA"
 _SOURCE = Path(__file__).parent / "csrc" / "panel_matmul.cc"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-w")
 _log = logging.getLogger(__name__)
@@ -425,7 +429,7 @@ def _register() -> bool:
         _unregistered_because = f"the kernel did not build or load: {e}"
         return False
     if not lib.rljax_panel_matmul_supported():
-        _unregistered_because = "this CPU lacks AVX2/FMA"
+        _unregistered_because = NO_KERNEL_ISA
         return False
     jax.ffi.register_ffi_target(_TARGETS["avx2"], jax.ffi.pycapsule(lib.RljaxPanelMatmul), platform="cpu")
     _avx512_supported = bool(lib.rljax_panel_matmul_avx512_supported())

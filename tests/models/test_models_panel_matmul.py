@@ -8,8 +8,9 @@ it holds on any machine, while a wrong panel, row, prefetch or thread split give
 size of the outputs themselves.
 
 Tests that run the kernel skip, with the reason, where it cannot be built, and fail there instead
-under ``RLJAX_REQUIRE_PANEL_KERNEL=1`` (``tests/panel_kernel.py``). The choice (kernel or XLA) is
-tested as logic on given timings, so no test depends on which is faster on the machine it runs on.
+under ``RLJAX_REQUIRE_PANEL_KERNEL=1``; an instruction set the CPU lacks skips them in any case
+(``tests/panel_kernel.py``). The choice (kernel or XLA) is tested as logic on given timings, so no
+test depends on which is faster on the machine it runs on.
 """
 
 import dataclasses
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from panel_kernel import REQUIRE_ENV, require_panel_kernel
+from panel_kernel import REQUIRE_ENV, require_isa, require_panel_kernel
 
 from rljax.models import panel_matmul as pm
 
@@ -61,11 +62,6 @@ def within_float32_bound(y, x, w):
     bound = x.shape[1] * EPS32 * (np.abs(x64) @ np.abs(w64)) + 1e-30
     err = np.abs(np.asarray(y, np.float64) - ref)
     assert np.all(err <= bound), f"max err / bound {np.max(err / bound):.3g}"
-
-
-def require_isa(isa: str) -> None:
-    if isa not in pm.supported_isas():
-        pytest.skip(f"this CPU does not run the {isa} kernel (it has {pm.supported_isas()})")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -322,6 +318,9 @@ def test_the_measurement_times_both_sides_once_per_round():
 
 
 def test_an_unbuildable_kernel_skips_its_tests_unless_required(monkeypatch):
+    """A kernel that did not build fails its tests under ``RLJAX_REQUIRE_PANEL_KERNEL=1``; a CPU
+    without one of its instruction sets (AVX2 for the kernel, AVX-512 for its wide variant) skips
+    them even then."""
     monkeypatch.setattr(pm, "unavailable_reason", lambda: "no C++ compiler found (set $CXX)")
     with pytest.raises(pytest.skip.Exception, match="no C\\+\\+ compiler"):
         require_panel_kernel({})
@@ -329,5 +328,13 @@ def test_an_unbuildable_kernel_skips_its_tests_unless_required(monkeypatch):
         require_panel_kernel({REQUIRE_ENV: "0"})
     with pytest.raises(pytest.fail.Exception, match=f"no C\\+\\+ compiler.*{REQUIRE_ENV}=1"):
         require_panel_kernel({REQUIRE_ENV: "1"})
+    monkeypatch.setattr(pm, "unavailable_reason", lambda: pm.NO_KERNEL_ISA)  # built; the CPU lacks AVX2
+    with pytest.raises(pytest.skip.Exception, match="lacks AVX2"):
+        require_panel_kernel({REQUIRE_ENV: "1"})
     monkeypatch.setattr(pm, "unavailable_reason", lambda: None)
     assert require_panel_kernel({REQUIRE_ENV: "1"}) is None
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    monkeypatch.setattr(pm, "supported_isas", lambda: ("avx2",))  # an AMD EPYC without AVX-512
+    with pytest.raises(pytest.skip.Exception, match="does not run the avx512 kernel"):
+        require_isa("avx512")
+    assert require_isa("avx2") is None
