@@ -229,22 +229,13 @@ def _moe_model():
     return random_decoder(tiny_config("qwen3_moe", vocab_size=VOCAB), seed=2)
 
 
-def test_moe_routing_records_of_shared_prefixes():
-    model = _moe_model()
-    prompts, params = _prompts()[:4], [SamplingParams(max_tokens=6, seed=i) for i in range(4)]
-    sampler = EmbeddedSampler(model, batch_wait_ms=5.0, min_shared_prefix=4, **BUCKETS)
-    got = _run(sampler, prompts, params)
-    assert sampler.num_prefilled_tokens == 7 + 22
-    for prompt, p, g in zip(prompts, params, got, strict=True):
-        assert g.routed_experts.shape[0] == len(prompt) + len(g.ids) - 1
-        check_against_full_forward(model, prompt, p, g)
-
-
 @pytest.mark.slow
 def test_in_flight_switch_recomputes_shared_prefixes(monkeypatch):
     """A weight switch mid-decode recomputes the cache from the shared prefixes with the new weights:
     the tokens before the switch follow the old weights' full forward, those after it the new
-    weights' (logprobs and, MoE, the recorded routing of the whole sequence)."""
+    weights' (logprobs and, MoE, the recorded routing of the whole sequence: shared prefix, own
+    prompt tokens and completion). Without a switch, the routing records of shared prefixes are
+    checked on the hybrid MoE model (test_inference_sampler_hybrid.py)."""
     old, new = _moe_model(), _moe_model()
     nnx.update(new, jax.tree.map(lambda x: x * 1.3, nnx.state(new)))
     prompts, params = _prompts()[:4], [SamplingParams(max_tokens=16, seed=20 + i) for i in range(4)]
@@ -264,6 +255,7 @@ def test_in_flight_switch_recomputes_shared_prefixes(monkeypatch):
     assert s.num_in_flight_switches == 1 and s.num_prefilled_tokens == 7 + 22
     for prompt, p, g in zip(prompts, params, got, strict=True):
         assert [(v.version, v.start, v.end) for v in g.weight_versions] == [(0, 0, 8), (1, 8, 16)]
+        assert g.routed_experts.shape[0] == len(prompt) + len(g.ids) - 1
         before = dataclasses.replace(g, ids=g.ids[:8], logprobs=g.logprobs[:8], weight_versions=())
         check_against_full_forward(old, prompt, p, before, routing=False)  # routing: the last version's
         after = dataclasses.replace(g, ids=g.ids[8:], logprobs=g.logprobs[8:], weight_versions=())
