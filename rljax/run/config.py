@@ -399,6 +399,12 @@ class EngineSection:
         ge=1,
         doc="embedded: longest prompt + completion (None = the model's ``max_position_embeddings``)",
     )
+    prefix_sharing: bool = knob(
+        True,
+        doc="embedded: prefill a prompt prefix shared by requests of one batch once (a GRPO group's "
+        "samples; turns whose histories start alike) and start each from a copy of its KV cache; the "
+        "same tokens and logprobs (within float32 rounding) as without it",
+    )
     urls: tuple = knob((), doc="vllm: servers to use (started by you on the same initial weights)")
     num_servers: int = knob(1, ge=1, doc="vllm: servers to launch locally when ``urls`` is empty")
     python: str = knob(

@@ -1,8 +1,8 @@
 """Each knob declared once (:mod:`rljax.knobs`), and nothing a user sees changed by it.
 
 * every recipe resolves to the config it resolved to before the knobs moved onto their fields:
-  ``data/recipe_records_4ad68d4.json`` holds each recipe's ``config_record`` written by main at
-  4ad68d4 (the default recipe whole, the others as the keys they set or unset against it), and the
+  ``data/recipe_records_0173738.json`` holds each recipe's ``config_record`` written by main at
+  0173738 (the default recipe whole, the others as the keys they set or unset against it), and the
   defaults main's components used for the keys the recipes left out of the then-free dicts; the
   recorded values are checked against what the recipe files state (their literal assignments);
 * a checkpoint's config recorded in that layout is read back as the same run;
@@ -36,7 +36,7 @@ from rljax.run.config import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BEFORE = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_records_4ad68d4.json").read_text())
+BEFORE = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_records_0173738.json").read_text())
 #: The free dicts of the earlier layout that are typed sections now (their keys: a component's fields).
 TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.init")
 
