@@ -533,10 +533,19 @@ class Run:
             out["memory/peak_bytes"] = peak
         return out
 
+    def demonstrated_envs(self) -> tuple[list[str], list[str]]:
+        """``(names of the envs whose environments have solution(task), names of those without)``:
+        the warm start demonstrates the tasks of the first only."""
+        from rljax.training.warmstart import has_solution
+
+        found = {name: has_solution(make) for name, make in self.env_tasks.factories.items()}
+        return sorted(n for n, ok in found.items() if ok), sorted(n for n, ok in found.items() if not ok)
+
     def warm_start(self, *, on_step: Callable[[dict], None], log: Callable[[dict], None]) -> list[dict]:
-        """Cross-entropy warm start of the whole model on env demonstrations (``config.warmstart``);
-        a LoRA run's adapters stay as they are (B = 0): LoRA then trains on top of the warm-started
-        base, which its checkpoints carry (:data:`LORA_BASE`). Returns the warm start's metric rows."""
+        """Cross-entropy warm start of the whole model on env demonstrations (``config.warmstart``) of
+        the train tasks of :meth:`demonstrated_envs`; a LoRA run's adapters stay as they are (B = 0):
+        LoRA then trains on top of the warm-started base, which its checkpoints carry
+        (:data:`LORA_BASE`). Returns the warm start's metric rows."""
         from rljax.training.warmstart import run_warm_start
 
         ws = self.cfg.warmstart
@@ -554,9 +563,10 @@ class Run:
         def make(task: Task) -> Any:
             return self.env_tasks.factories[task.env]()
 
+        demonstrated = set(self.demonstrated_envs()[0])
         ws_state, history = run_warm_start(
             ws_state,
-            list(self.env_tasks.train),
+            [t for t in self.env_tasks.train if t.env in demonstrated],
             make,
             self.renderer,
             ws,
