@@ -21,6 +21,7 @@ from typing import Any
 
 import openai
 
+from rljax.chat.tool_calls import parse_hermes_tool_calls
 from rljax.envs.base import Action, Task
 from rljax.envs.calculator import CalculatorEnv
 
@@ -64,15 +65,18 @@ async def calculator_agent(
             break  # the env loop ends such a trajectory ("length") with its last step's reward
         choice = response.choices[0]
         message = choice.message
-        calls = _calls(message)
-        content = message.content or ""
-        action = Action(content, content=content, tool_calls=calls, stopped=choice.finish_reason != "length")
+        calls, text = _calls(message), message.content or ""
+        # a call that does not parse comes back as text (vLLM's fallback): parsed here, so the env
+        # answers it with the error the env loop's parse gives
+        content, _, errors = (text, [], []) if calls else parse_hermes_tool_calls(text)
+        action = Action(text, content=content, tool_calls=calls, tool_call_errors=errors,
+                        stopped=choice.finish_reason != "length")  # fmt: skip
         new, reward, done, info = env.step(action)
         if done or choice.finish_reason == "length":
             break
         messages.append(message.model_dump(exclude_none=True))  # the reply as it came
-        # one tool message per call, answered by its id (a call that did not parse comes back as
-        # text, not as a call: the env's error message then answers the turn without an id)
+        # one tool message per call, answered by its id (the error messages of calls that did not
+        # parse answer a turn without calls: no id)
         ids = [c["id"] for c in calls] if len(calls) == len(new) else [None] * len(new)
         for m, call_id in zip(new, ids, strict=True):
             messages.append(

@@ -556,27 +556,32 @@ class Run:
             total_steps=None,
             warmup_steps=0,
         )
-        ws_state = TrainState.create(
-            self.state.model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt), trainable=nnx.Param
-        )
 
         def make(task: Task) -> Any:
             return self.env_tasks.factories[task.env]()
 
         demonstrated = set(self.demonstrated_envs()[0])
-        ws_state, history = run_warm_start(
-            ws_state,
-            [t for t in self.env_tasks.train if t.env in demonstrated],
-            make,
-            self.renderer,
-            ws,
-            seed=self.cfg.seed,
-            train_step=train_step,
-            counts_fn=mini_batch_counts,
-            on_step=on_step,
-            log=log,
-        )
-        self.state = TrainState.create(ws_state.model, self.state.config, mesh=self.mesh)
+        model, config = self.state.model, self.state.config
+        self.state = None  # the run's Adam moments are made afresh after the warm start: freed meanwhile
+        try:
+            ws_state = TrainState.create(
+                model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt), trainable=nnx.Param
+            )
+            ws_state, history = run_warm_start(
+                ws_state,
+                [t for t in self.env_tasks.train if t.env in demonstrated],
+                make,
+                self.renderer,
+                ws,
+                seed=self.cfg.seed,
+                train_step=train_step,
+                counts_fn=mini_batch_counts,
+                on_step=on_step,
+                log=log,
+            )
+            model = ws_state.model
+        finally:
+            self.state = TrainState.create(model, config, mesh=self.mesh)
         return history
 
     # -- engines ---------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The multi-turn recipes on the real SmolLM2-135M-Instruct (GGUF file, BPE tokenizer, chat template with
-the ChatML family's tool convention), in one run to pay for one model load and one compilation:
-``smollm2_tools``' config with three envs, its ``calculator`` task in the env loop, the same task as
+"""The shipped SmolLM2 recipes on the real SmolLM2-135M-Instruct (GGUF file, BPE tokenizer, chat template
+with the ChatML family's tool convention), in one run to pay for one model load and one compilation:
+``smollm2_tools``' config with four envs, its ``calculator`` task in the env loop, the same task as
 the OpenAI-SDK agent through the gateway (``calculator_agent``, its responses recorded by the
-client), and ``smollm2_game``'s ``guess_number`` env; one warm-start step on demonstrations of all
-three (token-exact, tools rendered), then one GRPO step.
+client), ``smollm2_game``'s ``guess_number`` env and ``smollm2_cpu``'s ``arithmetic`` env; one
+warm-start step on demonstrations of all four (token-exact, tools rendered), then one GRPO step of
+two prompts per env.
 
 What it checks that the tiny-model tests cannot: the sampler's logprobs agree with the trainer's
 forward on the real model's sampled tokens of tool and game turns (``rl/mismatch_kl``), every call
@@ -30,27 +31,28 @@ from rljax.run.trainer import Trainer
 pytestmark = pytest.mark.integration
 
 
-def test_one_step_of_the_tools_and_game_recipes_env_loop_and_gateway(tmp_path):
+def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
     path = require_smollm2()
     c = load_recipe("smollm2_tools")
-    game = load_recipe("smollm2_game").envs.guess_number
-    c.envs.guess_number = game
+    assert c.model.hf_path == str(path)  # the recipes read the cached file
+    c.envs.guess_number = load_recipe("smollm2_game").envs.guess_number
+    c.envs.arithmetic = load_recipe("smollm2_cpu").envs.arithmetic
     c.envs.calculator_agent = dict(
         env="calculator", agent="gateway_capture:capturing_calculator_agent", kwargs=dict(max_turns=3)
     )
     for env in c.envs.values():
         env.update(num_train_tasks=2, num_eval_tasks=0)
     c.rollout.group_size = 2
-    c.warmstart.update(num_steps=1, batch_size=3)
+    c.warmstart.update(num_steps=1, batch_size=4)
     c.engine.update(max_batch_size=16, min_batch_bucket=16)
-    c.trainer.update(num_steps=1, prompts_per_step=6, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
+    c.trainer.update(num_steps=1, prompts_per_step=8, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
     gateway_capture.RESPONSES.clear()
     t = Trainer(c, tmp_path)
     before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.state.params))]
     (row,) = t.run()
     after = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.state.params))]
 
-    assert row["rollout/num_trajectories"] == 12 and row["rollout/num_errored"] == 0
+    assert row["rollout/num_trajectories"] == 16 and row["rollout/num_errored"] == 0
     assert 0.0 <= row["reward/mean"] <= 1.0 and np.isfinite(row["loss"])
     # float32 sampler vs float32 trainer on the same weights; 1e-4 is the bound for equivalent float32
     # programs with margin (logprob drift ~1e-5 per token)
