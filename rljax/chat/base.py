@@ -712,9 +712,10 @@ class TemplateRenderer(Renderer):
         suffix is then ``closing`` tokenized alone, the end-of-turn token and everything after it
         (new messages, generation prompt), and ``prev_prompt + completion + suffix`` spells the
         full render of the history character for character, with the sampled ids kept as sampled.
-        Where the ids of ``T`` already are ``opener + completion + rest`` the suffix is ``rest``
-        etc., the full render token for token. A template that rewrites the cut text (strips it,
-        re-serializes a call) or a completion ending with a stop token it never writes: None.
+        Where the ids of ``T`` already are ``opener + completion + rest``, the suffix is ``rest``,
+        the end-of-turn token and what follows: the full render token for token. A template that
+        rewrites the cut text (strips it, re-serializes a call) or a completion ending with a stop
+        token it never writes: None.
         """
         completion = [int(i) for i in completion]
         if reply is None:
