@@ -38,8 +38,11 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
     c.envs.guess_number = load_recipe("smollm2_game").envs.guess_number
     c.envs.arithmetic = load_recipe("smollm2_cpu").envs.arithmetic
     c.envs.calculator_agent = dict(
-        env="calculator", agent="gateway_capture:capturing_calculator_agent", kwargs=dict(max_turns=3)
+        env="calculator",
+        agent="gateway_capture:capturing_calculator_agent",
+        task_kwargs=dict(a_range=(500, 999)),  # other products than the env loop's (task ids are group keys)
     )
+    c.envs.calculator.task_kwargs = dict(a_range=(100, 499))
     for env in c.envs.values():
         env.update(num_train_tasks=2, num_eval_tasks=0)
     c.rollout.group_size = 2
