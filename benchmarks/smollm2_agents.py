@@ -120,9 +120,7 @@ def seed_summary(workdir: pathlib.Path, base: dict[str, Any], goal: float) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--recipe", required=True, help="a shipped recipe's name (rljax/recipes/) or config file"
-    )
+    parser.add_argument("--recipe", required=True, help="a shipped recipe's name (configs/) or config file")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--out", required=True, help="one workdir per seed under it, and summary.json")
     parser.add_argument("--agent", default="", help="run the recipe's env as this agent (module:function)")

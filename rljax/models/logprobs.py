@@ -10,6 +10,9 @@ cross-entropy, here written with plain XLA ops).
 Alignment (design §5): entry ``t`` of the output is ``log p(tokens[t] | tokens[<t])`` within its
 segment, computed from the hidden state at ``t - 1`` with logits divided by the temperature of
 token ``t``. Entry 0 of each row, the first token of each segment and padding (segment 0) are 0.
+Prefix-tree rows (design §2.6) name the predecessor of each token explicitly (``parents``: the
+column of the token's parent, whose hidden state predicts it, which for the first token of a branch
+is not ``t - 1``); :func:`predecessor_columns` covers both layouts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
+    from rljax.types import PackedBatch
 
 #: Tokens per chunk of the chunked log-prob computation (bounds the ``[chunk, vocab]`` logits held).
 DEFAULT_CHUNK_SIZE = 512
@@ -38,6 +42,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.PrecisionLike = None,
     unembedding_lora: UnembeddingLoRA | None = None,
+    support_floor: chex.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets`` and entropy under ``softmax(hidden @ unembedding / temperature)``.
 
@@ -56,6 +61,10 @@ def token_logprobs_and_entropy(
       precision: matmul precision.
       unembedding_lora: the output projection's LoRA adapter (None: none), applied per chunk as two
         thin matmuls.
+      support_floor: ``float [N]`` or None: each row's top-k / top-p support floor
+        (``Step.response_support_floors``): the softmax, logprob and entropy are those of the
+        distribution renormalized over ``{v : z_v >= floor}`` (the target always kept), the support
+        the sampler drew the target from; ``-inf`` keeps every token. Single targets only.
 
     Returns:
       ``(logp, entropy)``, float32 ``[N]`` each (``logp [N, K]`` for ``[N, K]`` targets).
@@ -71,6 +80,10 @@ def token_logprobs_and_entropy(
     chex.assert_equal(hidden.shape[0], targets.shape[0])
     chex.assert_equal(hidden.shape[0], temperature.shape[0])
     multi = targets.ndim == 2
+    if support_floor is not None:
+        chex.assert_shape(support_floor, targets.shape)
+        if multi:
+            raise ValueError("support_floor applies to one target per row, not [N, K] targets")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     n = hidden.shape[0]
@@ -86,25 +99,36 @@ def token_logprobs_and_entropy(
     temp_c = jnp.pad(temperature.astype(jnp.float32), (0, pad), constant_values=1.0).reshape(
         num_chunks, chunk
     )
+    floors = jnp.full((n,), -jnp.inf, jnp.float32) if support_floor is None else support_floor
+    floor_c = jnp.pad(floors.astype(jnp.float32), (0, pad), constant_values=-jnp.inf).reshape(
+        num_chunks, chunk
+    )
+    truncated = support_floor is not None  # static: without floors, no mask is built
 
     @jax.checkpoint
-    def one_chunk(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, tgt, tau = args
+    def one_chunk(args: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, tgt, tau, floor = args
         z = jnp.dot(h, unembedding.astype(h.dtype), precision=precision, preferred_element_type=jnp.float32)
         if unembedding_lora is not None:
             z = z + unembedding_lora.delta(h, precision=precision)
         z = z / tau[:, None]
-        lse = jax.nn.logsumexp(z, axis=-1)
         # An id outside [0, V) gives NaN (never a negative wrap-around or a clamp).
         tgt = jnp.where(tgt < 0, z.shape[-1], tgt)
+        cut = None
+        if truncated:  # the sampler's support: z >= floor, the target always in it
+            cut = (z < floor[:, None]) & (jnp.arange(z.shape[-1])[None, :] != tgt[:, None])
+            z = jnp.where(cut, -jnp.inf, z)
+        lse = jax.nn.logsumexp(z, axis=-1)
         cols = tgt if multi else tgt[:, None]
         logp = jnp.take_along_axis(z, cols, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
         logp = logp if multi else logp[:, 0]
         log_probs = z - lse[:, None]
+        if cut is not None:  # 0 log 0 = 0 off the support (and no NaN in the gradient)
+            log_probs = jnp.where(cut, 0.0, log_probs)
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
         return logp, entropy
 
-    logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c))
+    logp, entropy = jax.lax.map(one_chunk, (hidden_c, targets_c, temp_c, floor_c))
     return logp.reshape(-1, *targets.shape[1:])[:n], entropy.reshape(-1)[:n]
 
 
@@ -117,6 +141,42 @@ def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:
     chex.assert_rank(segment_ids, 2)
     same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     return jnp.concatenate([jnp.zeros_like(same[:, :1]), same], axis=1)
+
+
+def predecessor_columns(segment_ids: chex.Array, parents: chex.Array | None = None) -> jax.Array:
+    """int32 ``[B, L]``: the column whose hidden state predicts each token, -1 where none does.
+
+    Plain packed rows (``parents`` None): ``t - 1`` when token ``t`` has an in-segment predecessor
+    (:func:`shifted_token_mask`), else -1. Prefix-tree rows (design §2.6): ``parents`` itself (the
+    column of each token's parent; -1 at a tree's root), -1 on padding (``segment_ids == 0``).
+
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 2, 0]])).tolist()
+    [[-1, 0, -1, 2, -1]]
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 0]]), jnp.array([[-1, 0, 0, -1]])).tolist()
+    [[-1, 0, 0, -1]]
+    """
+    chex.assert_rank(segment_ids, 2)
+    segment_ids = jnp.asarray(segment_ids)
+    if parents is not None:
+        parents = jnp.asarray(parents).astype(jnp.int32)
+        chex.assert_equal_shape([segment_ids, parents])
+        return jnp.where(segment_ids != 0, parents, -1)
+    t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    return jnp.where(shifted_token_mask(segment_ids), t - 1, -1)
+
+
+def packing_kwargs(batch: PackedBatch) -> dict[str, jax.Array | None]:
+    """The packing arguments of a forward over a :class:`rljax.types.PackedBatch`:
+    ``positions``, ``segment_ids`` and, for prefix-tree rows, ``parents`` and ``subtree_end`` (None
+    for plain rows), as :func:`sequence_forward` and :func:`rljax.models.value.values` take them.
+    Every forward of a packed batch passes all four, so a tree batch is computed as a tree.
+    """
+    return dict(
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        parents=getattr(batch, "parents", None),
+        subtree_end=getattr(batch, "subtree_end", None),
+    )
 
 
 class ForwardOutput(NamedTuple):
@@ -147,8 +207,11 @@ def sequence_forward(
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
+    support_floors: chex.Array | None = None,
     with_entropy: bool = True,
     with_routing: bool = False,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> ForwardOutput:
     """Per-token logprobs (and entropies, MoE routing) of a packed batch from ONE forward pass (jitted).
 
@@ -170,11 +233,18 @@ def sequence_forward(
       chunk_size: tokens per logits chunk (memory ``O(chunk_size * vocab)``).
       routed_experts: MoE router replay, ``int32 [B, L, num_moe_layers, top_k]`` (see
         :meth:`rljax.models.Decoder.hidden_states`).
+      support_floors: ``float [B, L]`` or None: token ``t``'s top-k / top-p support floor
+        (``PackedBatch.support_floors``; ``-inf``: the whole distribution): its logprob and entropy
+        are renormalized over the support the sampler drew it from (:func:`token_logprobs_and_entropy`).
       with_entropy: also return the entropies.
       with_routing: also return the MoE routing (feed it to
         :func:`rljax.models.moe.load_balancing_loss`, :func:`rljax.models.moe.router_z_loss`,
         :func:`rljax.models.moe.routing_metrics`, :func:`rljax.models.moe.flip_fraction`; mask
         with ``segment_ids != 0``). None for a dense model.
+      parents, subtree_end: prefix-tree rows (design §2.6), ``int32 [B, L]`` both or neither: the
+        column of each token's parent (-1 at a root) and of the last token of its subtree. Token
+        ``t`` attends to its ancestors and ``logp[b, t]`` comes from the hidden state at
+        ``parents[b, t]`` (0 where it is -1); ``positions`` must be the depths.
 
     Returns:
       a :class:`ForwardOutput` ``(logprobs, entropy, routing)``.
@@ -192,6 +262,8 @@ def sequence_forward(
     batch, length = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+    if (parents is None) != (subtree_end is None):
+        raise ValueError("prefix-tree rows need both parents and subtree_end (or neither, for plain rows)")
     temperature = jnp.asarray(temperature, jnp.float32)
     if temperature.ndim == 0:
         temperature = jnp.broadcast_to(temperature, tokens.shape)
@@ -205,8 +277,14 @@ def sequence_forward(
         segment_ids=segment_ids,
         routed_experts=routed_experts,
         with_routing=with_routing,
+        subtree_end=subtree_end,
     )
     hidden, routing = forward.hidden, forward.routing
+    if parents is not None:
+        return _tree_forward_output(
+            model, hidden, routing, tokens, segment_ids, parents, temperature, support_floors,
+            chunk_size=chunk_size, with_entropy=with_entropy,
+        )  # fmt: skip
     if length < 2:
         zeros = jnp.zeros(tokens.shape, jnp.float32)
         return ForwardOutput(zeros, zeros if with_entropy else None, routing)
@@ -219,6 +297,7 @@ def sequence_forward(
         chunk_size=chunk_size,
         precision=model.precision,
         unembedding_lora=model.unembedding_lora(),
+        support_floor=None if support_floors is None else jnp.asarray(support_floors)[:, 1:].reshape(n),
     )
     mask = shifted_token_mask(jnp.asarray(segment_ids))
     pad = jnp.zeros((batch, 1), jnp.float32)
@@ -227,6 +306,44 @@ def sequence_forward(
         return jnp.where(mask, jnp.concatenate([pad, x.reshape(batch, length - 1)], axis=1), 0.0)
 
     return ForwardOutput(unshift(logp), unshift(entropy) if with_entropy else None, routing)
+
+
+def _tree_forward_output(
+    model: Decoder,
+    hidden: jax.Array,
+    routing: Routing | None,
+    tokens: jax.Array,
+    segment_ids: chex.Array,
+    parents: chex.Array,
+    temperature: jax.Array,
+    support_floors: chex.Array | None,
+    *,
+    chunk_size: int,
+    with_entropy: bool,
+) -> ForwardOutput:
+    """:func:`sequence_forward`'s logprobs of prefix-tree rows: token ``t`` from the hidden state of
+    its parent (gathered per row), at its own temperature and support floor, 0 where
+    :func:`predecessor_columns` is -1."""
+    batch, length = tokens.shape
+    cols = predecessor_columns(segment_ids, parents)
+    prev = jax.vmap(lambda h, c: h[c])(hidden, jnp.maximum(cols, 0))  # [B, L, H]
+    n = batch * length
+    logp, entropy = token_logprobs_and_entropy(
+        prev.reshape(n, hidden.shape[-1]),
+        model.unembedding(),
+        tokens.reshape(n),
+        temperature.reshape(n),
+        chunk_size=chunk_size,
+        precision=model.precision,
+        unembedding_lora=model.unembedding_lora(),
+        support_floor=None if support_floors is None else jnp.asarray(support_floors).reshape(n),
+    )
+    valid = cols >= 0
+
+    def place(x: jax.Array) -> jax.Array:
+        return jnp.where(valid, x.reshape(batch, length), 0.0)
+
+    return ForwardOutput(place(logp), place(entropy) if with_entropy else None, routing)
 
 
 def sequence_logprobs(
@@ -238,11 +355,14 @@ def sequence_logprobs(
     temperature: float | chex.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     routed_experts: chex.Array | None = None,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> jax.Array:
     """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (design §5).
 
     Same arguments as :func:`sequence_forward` (entry 0, segment starts and padding
-    are 0; logits divided by the temperature of the token being predicted).
+    are 0; logits divided by the temperature of the token being predicted; prefix-tree rows with
+    ``parents`` and ``subtree_end``).
 
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
@@ -261,4 +381,6 @@ def sequence_logprobs(
         chunk_size=chunk_size,
         routed_experts=routed_experts,
         with_entropy=False,
+        parents=parents,
+        subtree_end=subtree_end,
     ).logprobs

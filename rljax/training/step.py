@@ -52,8 +52,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_forward
+from rljax.core.objective import MAX_METRICS, Counts, ObjectiveConfig, global_counts, objective
+from rljax.core.segments import samples_per_token
+from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, packing_kwargs, sequence_forward
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -69,6 +70,7 @@ __all__ = [
     "loss_and_grads",
     "merge_model",
     "mini_batch_counts",
+    "policy_logprobs",
     "split_micro_batches",
     "stack_micro_batches",
     "train_mini_batch",
@@ -322,6 +324,26 @@ def _constrain(state: TrainState, tree: Any, *, like: str) -> Any:
     return jax.lax.with_sharding_constraint(tree, shardings)
 
 
+def _forward(model: nnx.Module, batch: PackedBatch, config: TrainConfig) -> tuple[jax.Array, jax.Array, Any]:
+    """``(logp, entropy, routing)`` of the packed ``batch`` under ``model``, exactly as the train step
+    computes them (temperature-scaled, an MoE model's recorded routing replayed when configured)."""
+    tokens = jnp.asarray(batch.tokens)
+    chex.assert_rank(tokens, 2)
+    temperature = 1.0 if batch.temperatures is None else batch.temperatures
+    moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
+    replay = batch.routed_experts if moe and config.router_replay else None
+    return sequence_forward(
+        model,
+        tokens,
+        temperature=temperature,
+        chunk_size=config.chunk_size,
+        routed_experts=replay,
+        support_floors=batch.support_floors,  # top-k / top-p draws: the support they came from
+        with_routing=moe,
+        **packing_kwargs(batch),  # prefix-tree rows: the tree mask, each token from its parent
+    )
+
+
 def _loss(
     params: nnx.State,
     graphdef: nnx.GraphDef,
@@ -332,20 +354,7 @@ def _loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``: no gradient)."""
     model = merge_model(graphdef, params, frozen)
-    tokens = jnp.asarray(batch.tokens)
-    chex.assert_rank(tokens, 2)
-    temperature = 1.0 if batch.temperatures is None else batch.temperatures
-    kwargs = dict(
-        positions=batch.positions,
-        segment_ids=batch.segment_ids,
-        temperature=temperature,
-        chunk_size=config.chunk_size,
-    )
-    moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
-    replay = batch.routed_experts if moe and config.router_replay else None
-    logp, entropy, routing = sequence_forward(
-        model, tokens, routed_experts=replay, with_routing=moe, **kwargs
-    )
+    logp, entropy, routing = _forward(model, batch, config)
     if config.objective.entropy_coef == 0.0:
         entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
     loss, metrics = objective(logp, batch, counts, config.objective, entropy=entropy)
@@ -364,8 +373,10 @@ def _add_routing(
     config: TrainConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE auxiliary losses and routing metrics of one (micro-)batch, weighted by its share of the
-    mini-batch's trained tokens (so micro-batch sums are token-weighted averages)."""
-    real = jnp.asarray(batch.segment_ids) != 0
+    mini-batch's trained tokens (so micro-batch sums are token-weighted averages). Each token counts
+    once per sample that holds it (:func:`rljax.core.segments.samples_per_token`), so prefix-tree rows
+    give the averages of plain rows."""
+    real = samples_per_token(batch.segment_ids, getattr(batch, "subtree_end", None))
     share = jnp.sum(jnp.asarray(batch.loss_mask) != 0) / jnp.maximum(counts.loss_tokens, 1.0)
     share = share.astype(jnp.float32)
     stats = routing_metrics(routing, real)
@@ -377,7 +388,7 @@ def _add_routing(
     out.update({k: jax.lax.stop_gradient(v) * share for k, v in stats.items()})
     if batch.routed_experts is not None:
         recorded = jnp.asarray(batch.routed_experts)
-        has_record = real & jnp.all(recorded >= 0, axis=(-2, -1))
+        has_record = real * jnp.all(recorded >= 0, axis=(-2, -1))
         chosen = top_k_experts(jax.lax.stop_gradient(routing.logits), model_config.num_experts_per_tok)
         flips = flip_fraction(chosen, recorded, has_record)
         out["routing/flip_fraction"] = flips * share
@@ -411,6 +422,42 @@ def loss_and_grads(
             state.params, state.graphdef, batch, counts, state.config, state.frozen
         )
     return _constrain(state, grads, like="params"), metrics
+
+
+def policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State | None = None) -> jax.Array:
+    """Per-token logprobs of a packed (mini-)batch under ``params`` (default: the state's), computed
+    exactly as :func:`train_step` computes the logprobs it trains (the same forward, temperatures,
+    router replay, mesh and context split) but without gradients: the old (proximal) policy's
+    logprobs of an RL step (design §3.4), or a reference policy's. ``params`` must have the
+    structure of ``state.params`` (the state's frozen weights complete the model).
+
+    ``batch`` is ``[R, L]`` or ``[k, R, L]`` stacked micro-batches (one micro-batch of activations
+    alive at a time, as in :func:`train_mini_batch`); the result has ``batch.tokens``' shape.
+    Jitted; nothing is donated.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models import Decoder, ModelConfig
+    >>> from rljax.types import Step
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8).batch
+    >>> logp = policy_logprobs(state, batch)
+    >>> logp.shape, bool(logp[0, 2] < 0), float(logp[0, 0])
+    ((1, 8), True, 0.0)
+    """
+    return _policy_logprobs(state, batch, state.params if params is None else params)
+
+
+@jax.jit
+def _policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State) -> jax.Array:
+    def one(micro: PackedBatch) -> jax.Array:
+        with context_scope(state.mesh):
+            return _forward(state.model_of(params), micro, state.config)[0]
+
+    if jnp.ndim(batch.tokens) == 3:
+        return jax.lax.map(one, batch)
+    return one(batch)
 
 
 def context_scope(mesh: Mesh | None) -> contextlib.AbstractContextManager:
@@ -537,7 +584,8 @@ def train_mini_batch(
 
     total, stacked = jax.lax.scan(accumulate, zeros, micro_batches)
     grads = jax.tree.map(lambda t, p: t.astype(p.dtype), total, state.params)
-    metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), stacked)  # objective metrics are additive
+    # objective metrics are additive over micro-batches, except the maxima (MAX_METRICS)
+    metrics = {k: (jnp.max if k in MAX_METRICS else jnp.sum)(m, axis=0) for k, m in stacked.items()}
     return apply_gradients(state, grads, metrics)
 
 

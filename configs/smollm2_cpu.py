@@ -35,9 +35,10 @@ the time; the memory is mostly the 49,152-entry vocabulary's logits and their gr
 from ml_collections import config_dict
 
 from rljax.recipes import smollm2_base
-from rljax.recipes.smollm2_base import smollm2_path
 
 __all__ = ["get_config", "smollm2_path"]
+
+smollm2_path = smollm2_base.smollm2_path
 
 
 def get_config() -> config_dict.ConfigDict:
