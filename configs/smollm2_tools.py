@@ -31,8 +31,10 @@ WRONG_PRODUCTS = ("1000", "4096", "12345", "20000", "31416", "54321", "65536", "
 def get_config() -> config_dict.ConfigDict:
     """GRPO on the calculator tool task with SmolLM2-135M-Instruct and the embedded sampler."""
     c = smollm2_base.get_config()
+    # agent "": the env loop; --config.envs.calculator.agent=MODULE:FUNCTION runs the task as that agent
+    # (a ConfigDict takes overrides of the keys it holds only)
     c.envs = config_dict.ConfigDict(
-        {"calculator": dict(env="calculator", num_train_tasks=1024, num_eval_tasks=48)}
+        {"calculator": dict(env="calculator", agent="", num_train_tasks=1024, num_eval_tasks=48)}
     )
     c.warmstart.update(num_steps=30, corrupt_prob=0.5, corrupt_choices=WRONG_PRODUCTS)
     c.rollout.update(max_turns=3, max_tokens=48, max_context_len=512)

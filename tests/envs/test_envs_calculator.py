@@ -114,3 +114,22 @@ def test_the_solution_renders_token_exactly_and_wins():
             session.add_messages(new)
             assert session.bridged
     assert reward == 1.0
+
+
+def test_the_recipe_switches_to_the_gateway_agent_with_its_documented_override():
+    """``smollm2_tools`` documents one ``--config`` override that runs its task as the OpenAI-SDK agent;
+    a ConfigDict refuses keys it lacks, so the recipe's env section must hold the key (empty: the env
+    loop)."""
+    import re
+
+    from rljax.cli.common import config_overrides, unknown_override
+    from rljax.recipes import smollm2_tools
+    from rljax.run.config import parse_run_config
+
+    (override,) = re.findall(r"--config\.envs\.\S+", smollm2_tools.__doc__)
+    path, value = override.removeprefix("--config.").split("=")
+    c = smollm2_tools.get_config()
+    assert parse_run_config(c).envs["calculator"].agent == ""
+    assert unknown_override(c, config_overrides([override])) is None
+    c.envs.calculator.agent = value
+    assert parse_run_config(c).envs["calculator"].agent == "rljax.agents.calculator_agent:calculator_agent"
