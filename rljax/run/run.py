@@ -681,6 +681,19 @@ class Run:
             return self.env_tasks.factories[task.env]()
 
         demonstrated = set(self.demonstrated_envs()[0])
+        budget = self.cfg.trainer.micro_batch_tokens
+
+        def step(state: TrainState, batch: Any, counts: Any) -> tuple[TrainState, Any]:
+            # micro-batched as the RL steps are: a whole batch's logits at once are most of the memory
+            rows, seq_len = np.shape(batch.tokens)
+            if (
+                budget
+                and micro_batch_rows(seq_len=seq_len, micro_batch_tokens=budget, data_parallel=1) < rows
+            ):
+                split = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=1)
+                return train_mini_batch(state, split, counts)
+            return train_step(state, batch, counts)
+
         model, config = self.state.model, self.state.config
         self.state = None  # the run's Adam moments are made afresh after the warm start: freed meanwhile
         try:
@@ -694,7 +707,7 @@ class Run:
                 self.renderer,
                 ws,
                 seed=self.cfg.seed,
-                train_step=train_step,
+                train_step=step,
                 counts_fn=mini_batch_counts,
                 on_step=on_step,
                 log=log,

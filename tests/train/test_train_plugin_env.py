@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from recipes import load_recipe
 
+from rljax.run import run as run_module
 from rljax.run.trainer import Trainer
+from rljax.training.step import train_mini_batch
 
 pytestmark = pytest.mark.integration  # end-to-end training (seconds on the smoke model)
 
@@ -102,12 +104,26 @@ def test_an_env_class_from_outside_the_package_trains(tmp_path, user_module, cap
     assert history[-1]["eval/reward_mean"] == pytest.approx(eval_expected, abs=1e-6)  # (0 + 1/8) / 2 + 0.5
 
 
-def test_the_warm_start_demonstrates_only_envs_with_solutions(tmp_path, user_module, capsys):
+def test_the_warm_start_demonstrates_only_envs_with_solutions(tmp_path, user_module, capsys, monkeypatch):
     c = load_recipe("smoke")
     c.envs.coin = dict(env=f"{MODULE}:CoinEnv", num_train_tasks=8, num_eval_tasks=0)  # beside lookup
     c.envs.lookup.num_eval_tasks = 0
-    c.trainer.update(num_steps=1, prompts_per_step=2, eval_every=0, checkpoint_every=0)
+    # one row per micro-batch: the warm start's steps micro-batch as the RL steps do
+    c.trainer.update(
+        num_steps=1, prompts_per_step=2, eval_every=0, checkpoint_every=0, micro_batch_tokens=256
+    )
+    micro_batched = []
+
+    def spy(state, batch, counts):
+        micro_batched.append(np.shape(batch.tokens))
+        return train_mini_batch(state, batch, counts)
+
+    monkeypatch.setattr(run_module, "train_mini_batch", spy)
     Trainer(c, tmp_path / "run").run()  # a demonstration of a coin task would raise (no solution)
+    # each warm-start step (4 demonstrations in rows of 256 tokens: 2 rows at least) in one-row
+    # micro-batches (the RL step's 2 prompts fit in one row: one plain step)
+    assert len(micro_batched) == c.warmstart.num_steps, micro_batched
+    assert all(shape[1:] == (1, 256) and shape[0] >= 2 for shape in micro_batched), micro_batched
     out = capsys.readouterr().out
     notice = "warm start: config.envs ['coin'] have no solution(task) to demonstrate; it demonstrates"
     assert notice + " ['lookup'] only" in out
