@@ -29,8 +29,9 @@ reply, a sub-agent's own conversation, other tools) or the renderer cannot prove
 (the template would rewrite history), the prompt is a full render of the messages given; merging
 then starts a new sample. A call whose completion did not end with the end-of-turn token (cut by
 ``max_tokens``, ended by another stop token) is extended too: the bridge then starts with the
-template's closing tokens of that turn (prompt tokens: loss mask 0 after merging), and holds only
-where the full render of the messages, with the reply as the client sent it back, is the same ids.
+template's closing tokens of that turn (prompt tokens: loss mask 0 after merging), and holds where
+the sampled ids decode to the reply as the client sent it back (U+FFFD where the cut split a
+character) and the template writes only its closing text after it.
 Among several extended calls (sub-agents interleaved with the main agent, a conversation forked
 twice) the one with the longest history wins, the latest among equals -- the same rule the merge
 uses for token prefixes (prime-rl's longest-prefix extension).

@@ -316,14 +316,19 @@ class _EnvRunner:
     def __init__(self, workers: int, timeout: float | None) -> None:
         self.slots = asyncio.Semaphore(workers)
         self.timeout = timeout
+        self.seconds = 0.0  # summed durations of the calls (they overlap each other and sampling)
 
     async def call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         loop = asyncio.get_running_loop()
-        if inspect.iscoroutinefunction(fn):
-            return await self._timed(fn(*args), what, loop.time())
-        async with self.slots:  # a call abandoned at its deadline frees its slot when it is left
-            start = loop.time()
-            return await self._timed(_on_daemon_thread(loop, fn, args, what), what, start)
+        start = loop.time()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await self._timed(fn(*args), what, start)
+            async with self.slots:  # a call abandoned at its deadline frees its slot when it is left
+                start = loop.time()
+                return await self._timed(_on_daemon_thread(loop, fn, args, what), what, start)
+        finally:
+            self.seconds += loop.time() - start
 
     async def _timed(self, pending: Any, what: str, start: float) -> Any:
         loop = asyncio.get_running_loop()
@@ -600,6 +605,8 @@ def merge_rollout_results(results: Sequence[RolloutResult]) -> RolloutResult:
         return results[0]
     records = [r for res in results for r in res.trajectories]
     metrics = rollout_metrics(records, max(res.metrics["wall_time_s"] for res in results))
+    if all("env_s" in res.metrics for res in results):
+        metrics["env_s"] = sum(res.metrics["env_s"] for res in results)
     steps = [s for res in results for s in res.batch]
     first = results[0].batch
     metadata = {**first.metadata, "rollout": metrics}
@@ -701,6 +708,7 @@ async def rollout(
         _raise_all_errored(records)
     steps = [s for rec in records for s in _steps_of(rec, config)]
     metrics = rollout_metrics(records, wall)
+    metrics["env_s"] = runner.seconds  # summed seconds of env calls (overlapping: not a share of wall)
     return RolloutResult(
         StepBatch(steps, vocab_size=vocab_size, metadata={"rollout": metrics}), metrics, records
     )

@@ -712,6 +712,33 @@ def test_env_metrics_are_aggregated_per_env():
     assert result.trajectories[0].env_metrics == {"answer_len": 2, "name": "not a number", "ok": True}
 
 
+def test_env_seconds_sum_the_environment_calls():
+    """``env_s`` sums the durations of every env call (sync and async), whatever runs beside them."""
+    import time
+
+    class Slow(ArithmeticEnv):
+        def step(self, action):  # a sync call: on a daemon thread
+            time.sleep(0.02)
+            return super().step(action)
+
+    class SlowAsync(ArithmeticEnv):
+        async def reset(self, task):  # a coroutine: on the loop
+            await asyncio.sleep(0.03)
+            return super().reset(task)
+
+    tasks = [Task(f"a:{k}", {"a": k, "op": "+", "b": 1, "answer": str(k + 1)}, env=e)
+             for k, e in enumerate(["slow", "async", "slow"])]  # fmt: skip
+    result = run_rollout(
+        tasks,
+        engine=ScriptedEngine(lambda sid, turn, prompt: ("1", "stop")),
+        renderer=RENDERER,
+        make_env={"slow": Slow, "async": SlowAsync},
+        config=RolloutConfig(group_size=2),
+    )
+    # 4 sleeping steps of 0.02 s and 2 sleeping resets of 0.03 s: sleep never returns early
+    assert result.metrics["env_s"] >= 4 * 0.02 + 2 * 0.03
+
+
 def test_records_hold_the_recorders_steps_and_drop_leaves_them_out_of_the_batch_only():
     """The env loop's Steps come from rljax.recording.StepRecorder: each record holds its
     trajectory's steps (errored ones masked, kept there under on_error="drop" too)."""

@@ -29,11 +29,14 @@ Interface (every renderer):
   A completion that did not end with the end-of-turn token (cut by ``max_tokens``, ended by
   another stop token, aborted) is an *open* turn: the appended part then starts with the
   template's closing tokens of the turn (e.g. ``<|im_end|>`` and a newline), which were not sampled and are
-  prompt tokens like the rest of the suffix. It is bridged only where the full render of the
-  history holding ``reply`` (the assistant message the conversation has for that completion;
-  default: parsed from its ids) has, token for token, the generation prompt and then exactly the
-  sampled ids before those closing tokens; otherwise (the template strips or rewrites the cut text,
-  the completion ends with a stop token the template never writes) ``None``.
+  prompt tokens like the rest of the suffix. It is bridged where the template's text of the turn
+  holding ``reply`` (the assistant message the conversation has for that completion, what a
+  client sent back; default: parsed from its ids) is the generation prompt's text, the sampled
+  ids' decoded text (U+FFFD where a cut split a character), then closing text the template writes
+  after it: the sampled ids are kept as sampled, the closing text is tokenized alone, and the
+  result spells the full render of the history character for character (token for token where
+  the full render's ids continue the sampled ids). Otherwise (the template strips or rewrites
+  the cut text, the completion ends with a stop token the template never writes) ``None``.
 * ``demonstration_hint(demonstration) -> DemonstrationHint`` -- the ids of a system turn that
   carries a task's demonstration and where to insert them into any prompt of this format
   (after the template's fixed preamble, e.g. ``<|begin_of_text|>``), for scoring samples on a
@@ -699,12 +702,20 @@ class TemplateRenderer(Renderer):
 
         Renders ``context + [reply] + new_messages`` and takes the reply's turn ``T`` (from its
         opening special token to its end-of-turn token, exclusive: both ends are special tokens, so
-        ``T`` tokenizes as in any full render). The bridge holds when ``T = opener + completion +
-        rest`` with ``opener`` the generation prompt ``prev_prompt_ids`` ends with (from its last
-        occurrence of ``T``'s first token): then the full render of the history is
-        ``prev_prompt + completion + suffix`` token for token, where ``suffix`` is ``rest`` (text
-        the template writes after what was sampled, e.g. ``\n</think>\n\n`` closing reasoning cut
-        short), the end-of-turn token and everything after it (new messages, generation prompt).
+        ``T`` tokenizes as in any full render); ``opener`` is the generation prompt
+        ``prev_prompt_ids`` ends with (from its last occurrence of ``T``'s first token).
+
+        The bridge holds when the text of ``T`` is ``decode(opener) + decode(completion) + closing``:
+        the sampled ids spell the reply the conversation holds (what a client got and sent back,
+        U+FFFD included where the cut split a character), and the template writes only ``closing``
+        after it (e.g. ``\n</think>\n\n`` closing reasoning cut short; usually nothing). The
+        suffix is then ``closing`` tokenized alone, the end-of-turn token and everything after it
+        (new messages, generation prompt), and ``prev_prompt + completion + suffix`` spells the
+        full render of the history character for character, with the sampled ids kept as sampled.
+        Where the ids of ``T`` already are ``opener + completion + rest``, the suffix is ``rest``,
+        the end-of-turn token and what follows: the full render token for token. A template that
+        rewrites the cut text (strips it, re-serializes a call) or a completion ending with a stop
+        token it never writes: None.
         """
         completion = [int(i) for i in completion]
         if reply is None:
@@ -722,11 +733,21 @@ class TemplateRenderer(Renderer):
             return None
         turn = encode_pieces(self.tokenizer, pieces[start:end], self._special_ids, cache=self._encoded)
         opener = _generation_prompt_of(prev_prompt_ids, turn.ids[0])
-        n = len(opener) + len(completion)
-        if not opener or turn.ids[:n] != [*opener, *completion]:
+        if not opener:
             return None
-        rest = encode_pieces(self.tokenizer, pieces[end:], self._special_ids, cache=self._encoded)
-        return unsampled_closing(concat_rendered(turn[n:], rest).shifted(k + 1))
+        n = len(opener) + len(completion)
+        if turn.ids[:n] == [*opener, *completion]:  # the full render's own tokens
+            rest = encode_pieces(self.tokenizer, pieces[end:], self._special_ids, cache=self._encoded)
+            return unsampled_closing(concat_rendered(turn[n:], rest).shifted(k + 1))
+        closing = _closing_text(
+            "".join(p.text for p in pieces[start:end]), self.decode(opener), self.decode(completion)
+        )
+        if closing is None:
+            return None
+        suffix = [Piece(closing, "assistant", k), *pieces[end:]]
+        return unsampled_closing(
+            encode_pieces(self.tokenizer, suffix, self._special_ids, cache=self._encoded).shifted(k + 1)
+        )
 
     def demonstration_hint(
         self, demonstration: str | None, *, template: str | None = None
@@ -783,6 +804,20 @@ class TemplateRenderer(Renderer):
         ids = encode_pieces(self.tokenizer, [pieces[k] for k in span], self._special_ids).ids
         prefix = encode_pieces(self.tokenizer, plain[:lead], self._special_ids).ids
         return DemonstrationHint(len(prefix), tuple(ids), prefix=tuple(prefix))
+
+
+def _closing_text(turn_text: str, opener_text: str, sampled_text: str) -> str | None:
+    """What a template writes after the sampled text of an open turn: ``turn_text`` (the turn as the
+    template renders the reply, up to its end-of-turn token) minus ``opener_text + sampled_text``;
+    None when the turn does not start with them (the template rewrote the reply).
+
+    >>> _closing_text("<s>assistant\\n<think>\\nhm\\n</think>\\n\\n", "<s>assistant\\n", "<think>\\nhm")
+    '\\n</think>\\n\\n'
+    >>> _closing_text("<s>assistant\\nhi", "<s>assistant\\n", "hi ") is None   # a template that strips
+    True
+    """
+    head = opener_text + sampled_text
+    return turn_text[len(head) :] if turn_text.startswith(head) else None
 
 
 def _generation_prompt_of(prompt_ids: Sequence[int], opening_id: int) -> list[int]:

@@ -10,7 +10,8 @@ Qwen2.5 model card "function calling"):
   ``\\n<tool_response>\\n{content}\\n</tool_response>`` blocks.
 
 ``Qwen25Renderer`` is the same format with Qwen2.5's default system prompt; ``SmolLM2Renderer`` is
-SmolLM2-Instruct's template (ChatML with its own default system prompt, no tool format). Usage::
+SmolLM2-Instruct's template (ChatML with its own default system prompt and ``tool`` turns), whose
+missing tool format is filled in with this convention. Usage::
 
     r = ChatMLRenderer(tokenizer)                      # or Qwen25Renderer(tokenizer)
     prompt = r.render_ids(messages, add_generation_prompt=True, tools=tools)
@@ -217,14 +218,30 @@ class Qwen25Renderer(ChatMLRenderer):
 
 
 class SmolLM2Renderer(ChatMLRenderer):
-    """SmolLM2-Instruct's chat template (the ``tokenizer.chat_template`` of its HF repo and GGUF files).
+    """SmolLM2-Instruct's chat template (the ``tokenizer.chat_template`` of its HF repo and GGUF files),
+    with the ChatML family's tool-call convention where that template has none.
 
     Every message is a ChatML turn ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, ``tool`` messages
     included (under their own role, not Qwen's ``<tool_response>`` blocks); a conversation that does
-    not start with a system message gets :data:`SMOLLM2_DEFAULT_SYSTEM`. The template has no tool
-    format: it drops ``tools`` and assistant ``tool_calls`` silently, so this renderer raises a
-    ``ValueError`` for them instead of training on prompts that lack them; responses are parsed as
-    plain text.
+    not start with a system message gets :data:`SMOLLM2_DEFAULT_SYSTEM`. Without tools and tool calls
+    the ids are those of the model's own template, token for token.
+
+    SmolLM2's template has no tool format (it drops ``tools`` and assistant ``tool_calls``), so tools
+    follow the convention of the ChatML family (Hermes / Qwen2.5):
+
+    * ``tools``: listed as JSON schemas in the system turn, after its text (the conversation's
+      system message, else the default one): ``{system}\\n\\n# Tools ... <tools>\\n{json}...\\n</tools>``
+      and the instruction to answer with ``<tool_call></tool_call>`` blocks (:data:`TOOLS_HEADER`,
+      :data:`TOOLS_FOOTER`);
+    * a call: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` in the assistant's text,
+      after its content; several calls are several blocks; an assistant message's ``tool_calls``
+      render that way;
+    * a result: a ``tool`` message, rendered as the template renders any role.
+
+    Responses are parsed with :func:`~rljax.chat.tool_calls.parse_hermes_tool_calls`: blocks become
+    ``tool_calls``, malformed ones (invalid JSON, no name, unterminated) ``errors``, never raised.
+    The tool-call text is ordinary BPE text for this tokenizer (no added tokens), so what the model
+    writes is read back whatever its spacing; bridged turns keep the sampled ids as they are.
 
     >>> from rljax.chat.toy import toy_tokenizer
     >>> r = SmolLM2Renderer(toy_tokenizer("chatml"))
@@ -235,6 +252,9 @@ class SmolLM2Renderer(ChatMLRenderer):
     hi<|im_end|>
     <|im_start|>assistant
     <BLANKLINE>
+    >>> ids = r.tokenizer.encode('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
+    >>> r.parse_response(ids).tool_calls[0]["function"]
+    {'name': 'add', 'arguments': {'a': 2}}
     """
 
     FORMAT = "SmolLM2"
@@ -242,24 +262,5 @@ class SmolLM2Renderer(ChatMLRenderer):
     def __init__(self, tokenizer: Any, *, default_system: str | None = SMOLLM2_DEFAULT_SYSTEM):
         super().__init__(tokenizer, default_system=default_system)
 
-    def _pieces(
-        self, messages: list[Message], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None
-    ) -> list[Piece]:
-        if tools:
-            raise ValueError(
-                "the SmolLM2 chat template has no tool format (it drops tools); render without tools, or "
-                "use GenericRenderer with a tokenizer whose template renders them"
-            )
-        for i, message in enumerate(messages):
-            if message.get("tool_calls"):
-                raise ValueError(
-                    f"messages[{i}] has tool_calls, which the SmolLM2 chat template drops; "
-                    "put the call in the content instead"
-                )
-        return super()._pieces(messages, add_generation_prompt=add_generation_prompt, tools=None)
-
     def _tool_pieces(self, messages: list[Message], i: int) -> list[Piece]:
         return self._plain_turn("tool", message_text(messages[i], i), i)
-
-    def _parse_text(self, text: str) -> tuple[str, str | None, list[dict[str, Any]], list[ToolCallError]]:
-        return text, None, [], []

@@ -20,9 +20,10 @@ the dedicated renderer for that format when it matters.
 
 A completion that does not end with the end-of-turn token (cut by ``max_tokens``, ended by another
 stop token) is bridged when the template, given the assistant message the conversation holds for
-it, renders exactly the sampled ids after the generation prompt: ``base + [reply] + new_messages``
-(``base``: a base above followed by a tool result) must render as ``base`` with the generation
-prompt, the completion's ids, then the rest, which is the suffix (the turn's closing tokens first).
+it, writes the sampled ids' decoded text after the generation prompt: the text of ``base + [reply]
++ new_messages`` (``base``: a base above followed by a tool result) must start with the text of
+``base`` with the generation prompt, then the completion's text; the suffix is the template's
+closing text of the turn (tokenized alone), its end-of-turn token and the rest of the render.
 
 Role attribution renders each message prefix and matches message text in the full render
 (best effort for templates that rewrite earlier turns; body spans are found by searching the
@@ -52,6 +53,7 @@ from rljax.chat.base import (
     Rendered,
     Renderer,
     check_messages,
+    concat_rendered,
     normalize_tools,
     unsampled_closing,
 )
@@ -174,6 +176,12 @@ class GenericRenderer(Renderer):
     def render_with_roles(
         self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None = None
     ) -> Rendered:
+        return self._render(messages, add_generation_prompt=add_generation_prompt, tools=tools)[0]
+
+    def _render(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool, tools: Sequence[Any] | None
+    ) -> tuple[Rendered, str, list[tuple[int, int]]]:
+        """:meth:`render_with_roles`, the template's text and each token's char offsets in it."""
         messages = check_messages(messages)
         text = self.render_text(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         ids, offsets = self._encode(text)
@@ -191,7 +199,7 @@ class GenericRenderer(Renderer):
             )
             indices.append(idx)
             is_body.append(bool(in_body))
-        return Rendered(ids, roles, indices, is_body)
+        return Rendered(ids, roles, indices, is_body), text, offsets
 
     def _message_ends(self, messages: list[Message], text: str, tools: Sequence[Any] | None) -> list[int]:
         """Char offset in ``text`` where each message's rendering ends (monotone, best effort)."""
@@ -287,10 +295,14 @@ class GenericRenderer(Renderer):
         """The suffix after a completion that did not end with the end-of-turn token, or None.
 
         Fixed-base method for an open turn: with ``G`` the ids of ``base`` rendered with the
-        generation prompt (``base`` rendered without it, then the opener ``O``), the render ``F``
-        of ``base + [reply] + new_messages`` must start with ``G`` and then the completion's ids,
-        and ``prev_prompt_ids`` must end with ``O``; the suffix is the rest of ``F`` (the template's
-        closing tokens of the turn, the new messages, the generation prompt).
+        generation prompt (``base`` rendered without it, then the opener ``O``) and ``F`` the render of
+        ``base + [reply] + new_messages``, ``prev_prompt_ids`` must end with ``O`` and the text of
+        ``F`` must start with the text of ``G``, then ``decode(completion)``: the sampled ids spell the
+        reply the conversation holds (U+FFFD where a cut split a character). The template's text
+        after it, up to the reply's end-of-turn token, is its closing of the turn, tokenized alone;
+        the suffix is those ids, then ``F``'s ids from that end-of-turn token on (new messages,
+        generation prompt). Where ``F``'s ids already are ``G + completion + rest`` the suffix is
+        ``rest``: the full render token for token.
         """
         completion = [int(i) for i in completion]
         if reply is None:
@@ -299,17 +311,35 @@ class GenericRenderer(Renderer):
         for base in self._open_turn_bases():
             try:
                 plain = self._encode(self.render_text(base, add_generation_prompt=False, tools=tools))[0]
-                opened = self._encode(self.render_text(base, add_generation_prompt=True, tools=tools))[0]
+                opened_text = self.render_text(base, add_generation_prompt=True, tools=tools)
+                opened = self._encode(opened_text)[0]
                 conversation = [*base, dict(reply), *new_messages]
-                full = self.render_with_roles(conversation, add_generation_prompt=True, tools=tools)
+                full, text, offsets = self._render(conversation, add_generation_prompt=True, tools=tools)
             except _RENDER_ERRORS:
                 continue
             n_open = len(opened) - len(plain)
             if n_open <= 0 or opened[: len(plain)] != plain or len(prompt) < n_open:
                 return None
-            opener_matches = prompt[len(prompt) - n_open :] == opened[len(plain) :]
-            cut = len(opened) + len(completion)
-            if not opener_matches or full.ids[:cut] != [*opened, *completion]:
+            if prompt[len(prompt) - n_open :] != opened[len(plain) :]:
                 return None
-            return unsampled_closing(full[cut:].shifted(len(base) + 1))
+            k = len(base) + 1
+            cut = len(opened) + len(completion)
+            if full.ids[:cut] == [*opened, *completion]:  # the full render's own tokens
+                return unsampled_closing(full[cut:].shifted(k))
+            head = opened_text + self.decode(completion)
+            if not text.startswith(head):
+                return None
+            eot = next(
+                (
+                    j
+                    for j, (a, _) in enumerate(offsets)
+                    if a >= len(head) and full.ids[j] == self._end_of_turn_id
+                ),
+                None,
+            )
+            if eot is None:
+                return None
+            ids = self._encode(text[len(head) : offsets[eot][0]])[0]
+            closing = Rendered(ids, ["assistant"] * len(ids), [k - 1] * len(ids), [False] * len(ids))
+            return unsampled_closing(concat_rendered(closing, full[eot:]).shifted(k))
         return None

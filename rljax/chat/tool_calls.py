@@ -7,8 +7,9 @@ agent loop (the environment can answer it with an error message instead).
 
 Formats:
 
-* Hermes / Qwen (ChatML, Qwen2.5, Qwen3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-  blocks after the message content (Qwen2.5 model card; vLLM's ``hermes`` parser).
+* Hermes / Qwen (ChatML, Qwen2.5, Qwen3, and SmolLM2 by rljax's convention):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks after the
+  message content (Qwen2.5 model card; vLLM's ``hermes`` parser).
 * Llama 3.1+ JSON: the whole message is ``{"name": ..., "parameters": {...}}`` (optionally
   after ``<|python_tag|>``; several calls may be separated by ``;``) (Llama 3.1 model card,
   "JSON based tool calling"; vLLM's ``llama3_json`` parser).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "parse_llama3_json_tool_calls",
     "split_reasoning",
     "tool_call_function",
+    "tool_names",
 ]
 
 
@@ -135,14 +138,37 @@ def _call_from_json(obj: Any, *, arguments_keys: tuple[str, ...], index: int) ->
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
+def tool_names(tools: Iterable[Any] | None) -> frozenset[str] | None:
+    """The names of ``tools`` (OpenAI specs ``{"type": "function", "function": {"name"}}``, flat
+    ``{"name"}`` specs, or plain names); None for None.
+
+    >>> sorted(tool_names([{"type": "function", "function": {"name": "add"}}, "lookup"]))
+    ['add', 'lookup']
+    """
+    if tools is None:
+        return None
+    names = set()
+    for i, tool in enumerate(tools):
+        if isinstance(tool, str):
+            names.add(tool)
+            continue
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ValueError(f"tools[{i}] must be a tool spec with a string name, got {tool!r}")
+        names.add(spec["name"])
+    return frozenset(names)
+
+
 def parse_hermes_tool_calls(
-    text: str,
+    text: str, *, tools: Iterable[Any] | None = None
 ) -> tuple[str, list[dict[str, Any]], list[ToolCallError]]:
     """Parses Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks out of message text.
 
     The content is the text before the first block minus the one ``"\\n"`` the Qwen
     templates put between content and calls; non-blank text between or after blocks is
     appended to it. An unterminated block or invalid JSON becomes a :class:`ToolCallError`.
+    ``tools`` (the specs or names the model was given; None: any name) makes a call to a tool
+    not among them a :class:`ToolCallError` too.
 
     >>> c, calls, errs = parse_hermes_tool_calls(
     ...     'Sure.\\n<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>')
@@ -150,7 +176,10 @@ def parse_hermes_tool_calls(
     ('Sure.', {'name': 'add', 'arguments': {'a': 1}}, [])
     >>> parse_hermes_tool_calls("<tool_call>\\n{oops}\\n</tool_call>")[2][0].reason[:12]
     'invalid JSON'
+    >>> parse_hermes_tool_calls('<tool_call>{"name": "rm"}</tool_call>', tools=["add"])[2][0].reason
+    "unknown tool 'rm'; the tools are ['add']"
     """
+    known = tool_names(tools)
     matches = list(_HERMES_BLOCK.finditer(text))
     if not matches:
         return text, [], []
@@ -173,9 +202,15 @@ def parse_hermes_tool_calls(
             errors.append(ToolCallError(body, f"invalid JSON: {e}"))
             continue
         try:
-            calls.append(_call_from_json(obj, arguments_keys=("arguments", "parameters"), index=len(calls)))
+            call = _call_from_json(obj, arguments_keys=("arguments", "parameters"), index=len(calls))
         except ValueError as e:
             errors.append(ToolCallError(body, str(e)))
+            continue
+        name = call["function"]["name"]
+        if known is not None and name not in known:
+            errors.append(ToolCallError(body, f"unknown tool {name!r}; the tools are {sorted(known)}"))
+            continue
+        calls.append(call)
     return content, calls, errors
 
 

@@ -8,6 +8,10 @@ Built in:
 * ``"arithmetic"`` (:class:`ArithmeticEnv`): single-turn, exact-match reward.
 * ``"lookup"`` (:class:`ToolLookupEnv`): multi-turn tool use (``lookup`` tool via Qwen/Hermes
   ``<tool_call>`` JSON, a tool message back, then the answer), with shaped partial credit.
+* ``"calculator"`` (:class:`CalculatorEnv`): multi-turn tool use on numbers too large to guess
+  (call ``multiply``, read its result, answer), with shaped partial credit.
+* ``"guess_number"`` (:class:`GuessNumberEnv`): an interactive game without tools, a hidden number
+  found from higher / lower replies within a few guesses.
 * ``"verifiable"`` (:class:`VerifiableEnv`): dataset rows scored by their ``reward_spec``
   (``math_verify``, ``exact_match``, a user ``module:fn``); see :func:`load_dataset_tasks`.
 
@@ -41,7 +45,9 @@ from rljax.envs.base import (
     mean_numeric_metrics,
     split_of,
 )
+from rljax.envs.calculator import MULTIPLY_TOOL, CalculatorEnv, make_calculator_tasks
 from rljax.envs.datasets import load_dataset_tasks, task_to_row, write_rows
+from rljax.envs.guess_number import GuessNumberEnv, make_guess_tasks
 from rljax.envs.loader import LoadError, load_attr
 from rljax.envs.registry import (
     ENTRY_POINT_GROUP,
@@ -62,11 +68,14 @@ __all__ = [
     "ENVS",
     "LIBRARIES",
     "LOOKUP_TOOL",
+    "MULTIPLY_TOOL",
     "LoadError",
     "TASK_MAKERS",
     "Action",
     "ArithmeticEnv",
+    "CalculatorEnv",
     "Environment",
+    "GuessNumberEnv",
     "StepResult",
     "Task",
     "ToolLookupEnv",
@@ -76,7 +85,9 @@ __all__ = [
     "load_attr",
     "load_dataset_tasks",
     "make_arithmetic_tasks",
+    "make_calculator_tasks",
     "make_env",
+    "make_guess_tasks",
     "make_lookup_tasks",
     "make_tasks",
     "maybe_await",

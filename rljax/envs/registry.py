@@ -59,6 +59,8 @@ from typing import Any
 
 from rljax.envs.arithmetic import ArithmeticEnv, make_arithmetic_tasks
 from rljax.envs.base import Task
+from rljax.envs.calculator import CalculatorEnv, make_calculator_tasks
+from rljax.envs.guess_number import GuessNumberEnv, make_guess_tasks
 from rljax.envs.loader import load_attr, split_import_string
 from rljax.envs.tool_lookup import ToolLookupEnv, make_lookup_tasks
 from rljax.envs.verifiable import VerifiableEnv
@@ -83,12 +85,16 @@ ENTRY_POINT_GROUP = "rljax.envs"
 #: The built-in environment classes by name (``config.envs.<name>.env``).
 ENVS: dict[str, type] = {
     ArithmeticEnv.name: ArithmeticEnv,
+    CalculatorEnv.name: CalculatorEnv,
+    GuessNumberEnv.name: GuessNumberEnv,
     ToolLookupEnv.name: ToolLookupEnv,
     VerifiableEnv.name: VerifiableEnv,
 }
 #: The task makers of the built-in environments by name.
 TASK_MAKERS: dict[str, Callable[..., list[Task]]] = {
     ArithmeticEnv.name: make_arithmetic_tasks,
+    CalculatorEnv.name: make_calculator_tasks,
+    GuessNumberEnv.name: make_guess_tasks,
     ToolLookupEnv.name: make_lookup_tasks,
 }
 #: Environment libraries named as ``<library>:<id>`` (``skyrl_gym:gsm8k``, ``reasoning_gym:leg_counting``).

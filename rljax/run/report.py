@@ -62,6 +62,8 @@ def rollout_step_metrics(result: RolloutResult) -> dict[str, float]:
         "rollout/bridged_fraction": rm["bridged_fraction"],
         "time/rollout_s": rm["wall_time_s"],
     }
+    if "env_s" in rm:  # the env loop's environment calls, summed (they overlap sampling)
+        out["time/env_s"] = rm["env_s"]
     for k, v in rm.items():
         if k.startswith("reward_mean/"):
             out["reward/mean/" + k.split("/", 1)[1]] = v

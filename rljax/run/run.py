@@ -654,10 +654,19 @@ class Run:
             out["memory/peak_bytes"] = peak
         return out
 
+    def demonstrated_envs(self) -> tuple[list[str], list[str]]:
+        """``(names of the envs whose environments have solution(task), names of those without)``:
+        the warm start demonstrates the tasks of the first only."""
+        from rljax.training.warmstart import has_solution
+
+        found = {name: has_solution(make) for name, make in self.env_tasks.factories.items()}
+        return sorted(n for n, ok in found.items() if ok), sorted(n for n, ok in found.items() if not ok)
+
     def warm_start(self, *, on_step: Callable[[dict], None], log: Callable[[dict], None]) -> list[dict]:
-        """Cross-entropy warm start of the whole model on env demonstrations (``config.warmstart``);
-        a LoRA run's adapters stay as they are (B = 0): LoRA then trains on top of the warm-started
-        base, which its checkpoints carry (:data:`LORA_BASE`). Returns the warm start's metric rows."""
+        """Cross-entropy warm start of the whole model on env demonstrations (``config.warmstart``) of
+        the train tasks of :meth:`demonstrated_envs`; a LoRA run's adapters stay as they are (B = 0):
+        LoRA then trains on top of the warm-started base, which its checkpoints carry
+        (:data:`LORA_BASE`). Returns the warm start's metric rows."""
         from rljax.training.warmstart import run_warm_start
 
         ws = self.cfg.warmstart
@@ -668,26 +677,45 @@ class Run:
             total_steps=None,
             warmup_steps=0,
         )
-        ws_state = TrainState.create(
-            self.state.model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt), trainable=nnx.Param
-        )
 
         def make(task: Task) -> Any:
             return self.env_tasks.factories[task.env]()
 
-        ws_state, history = run_warm_start(
-            ws_state,
-            list(self.env_tasks.train),
-            make,
-            self.renderer,
-            ws,
-            seed=self.cfg.seed,
-            train_step=train_step,
-            counts_fn=mini_batch_counts,
-            on_step=on_step,
-            log=log,
-        )
-        self.state = TrainState.create(ws_state.model, self.state.config, mesh=self.mesh)
+        demonstrated = set(self.demonstrated_envs()[0])
+        budget = self.cfg.trainer.micro_batch_tokens
+
+        def step(state: TrainState, batch: Any, counts: Any) -> tuple[TrainState, Any]:
+            # micro-batched as the RL steps are: a whole batch's logits at once are most of the memory
+            rows, seq_len = np.shape(batch.tokens)
+            if (
+                budget
+                and micro_batch_rows(seq_len=seq_len, micro_batch_tokens=budget, data_parallel=1) < rows
+            ):
+                split = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=1)
+                return train_mini_batch(state, split, counts)
+            return train_step(state, batch, counts)
+
+        model, config = self.state.model, self.state.config
+        self.state = None  # the run's Adam moments are made afresh after the warm start: freed meanwhile
+        try:
+            ws_state = TrainState.create(
+                model, TrainConfig(objective=ObjectiveConfig(), optimizer=opt), trainable=nnx.Param
+            )
+            ws_state, history = run_warm_start(
+                ws_state,
+                [t for t in self.env_tasks.train if t.env in demonstrated],
+                make,
+                self.renderer,
+                ws,
+                seed=self.cfg.seed,
+                train_step=step,
+                counts_fn=mini_batch_counts,
+                on_step=on_step,
+                log=log,
+            )
+            model = ws_state.model
+        finally:
+            self.state = TrainState.create(model, config, mesh=self.mesh)
         return history
 
     # -- engines ---------------------------------------------------------------------------------------

@@ -300,6 +300,18 @@ class Trainer:
         ws = self.cfg.warmstart
         if ws.num_steps == 0:
             return
+        shown, skipped = self.parts.demonstrated_envs()
+        if skipped and is_main_process():
+            what = (
+                f"it demonstrates {shown} only"
+                if shown
+                else "skipped (config.warmstart.num_steps=0: no notice)"
+            )
+            print(
+                f"warm start: config.envs {skipped} have no solution(task) to demonstrate; {what}", flush=True
+            )
+        if not shown:
+            return
         start = time.perf_counter()
         show = None if is_main_process() else False
         with metrics_lib.Progress(total=ws.num_steps, desc="warm start", unit="step", enabled=show) as bar:

@@ -35,7 +35,13 @@ from rljax.data.pack import pack
 from rljax.envs.base import Task
 from rljax.types import Step
 
-__all__ = ["WarmStartConfig", "demonstration_batches", "demonstration_steps", "run_warm_start"]
+__all__ = [
+    "WarmStartConfig",
+    "demonstration_batches",
+    "demonstration_steps",
+    "has_solution",
+    "run_warm_start",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,22 @@ def _assistant_ids(
         if t in stops:
             return rest[: k + 1]
     raise ValueError("a rendered assistant message has no stop token; cannot cut the demonstration turn")
+
+
+def has_solution(make_env: Callable[[], Any]) -> bool:
+    """Whether the environments ``make_env`` builds have ``solution(task)``, which the warm start's
+    demonstrations come from (a factory that cannot build an env, e.g. an agent env without an env
+    class, has none).
+
+    >>> from rljax import envs
+    >>> has_solution(lambda: envs.make_env("lookup")), has_solution(lambda: object())
+    (True, False)
+    """
+    try:
+        env = make_env()
+    except ValueError:
+        return False
+    return callable(getattr(env, "solution", None))
 
 
 def _reset_and_solve(task: Task, env: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:

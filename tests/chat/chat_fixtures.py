@@ -531,6 +531,61 @@ SMOLLM2_TEMPLATE = (
 )
 
 
+# SmolLM2 with the ChatML family's tool convention (rljax's SmolLM2 renderer with tools): Qwen2.5's
+# tools block after SmolLM2's system text, assistant calls as Qwen2.5 writes them, tool results as
+# SmolLM2's own template renders any role. Without tools it is SMOLLM2_TEMPLATE.
+SMOLLM2_TOOLS_TEMPLATE = (
+    r"""
+{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- default_system }}
+    {%- endif %}
+    {{- "\n\n"""
+    + _TOOLS_TEXT
+    + r"""" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- """
+    + '"'
+    + _TOOLS_TAIL
+    + '"'
+    + r""" }}
+{%- elif messages[0]['role'] != 'system' %}
+    {{- '<|im_start|>system\n' + default_system + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "system" and loop.first and tools %}
+    {%- elif message.role == "assistant" and message.tool_calls %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+)
+
+
 # -- tokenizers -------------------------------------------------------------------------------
 def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
@@ -613,6 +668,7 @@ def build_tokenizers() -> dict[str, PreTrainedTokenizerFast]:
         "qwen3": wrap(qwen, chat_template=QWEN3_TEMPLATE, **q),
         "counting": wrap(qwen, chat_template=COUNTING_TEMPLATE, **q),
         "smollm2": wrap(qwen, chat_template=SMOLLM2_TEMPLATE, **q),
+        "smollm2-tools": wrap(qwen, chat_template=SMOLLM2_TOOLS_TEMPLATE, **q),
         "llama3.1": wrap(llama, chat_template=LLAMA31_TEMPLATE, **l3),
         "llama3": wrap(llama, chat_template=LLAMA3_TEMPLATE, **l3),
         "gemma": wrap(

@@ -6,8 +6,10 @@ ordinary token ids, ending with the end-of-turn token, another stop token, or no
 (truncated). The environment answers tool calls with tool results, else with a user turn.
 Checks per turn: when bridged, the next prompt starts with prompt + completion exactly and (for
 canonical histories) spells the template's rendering; when not, it is the template's full
-render; bridging happens exactly when the format allows it. Per episode: the reference prefix
-merge turns the steps into samples whose trainable tokens are exactly the sampled completions.
+render; bridging happens exactly when the format allows it (after a turn not closed by the
+end-of-turn token: where the template's text of the history continues the sampled ids' text).
+Per episode: the reference prefix merge turns the steps into samples whose trainable tokens are
+exactly the sampled completions.
 """
 
 import random
@@ -147,6 +149,7 @@ def test_agent_loop_zero_drift(toks, name):
     plain = cf.plain_ids(tok)
     rng = random.Random(sum(map(ord, name)) + 1)
     n_bridged = n_turns = n_open = n_open_bridged = 0
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def reference_ids(messages):
         if reference == "self":
@@ -176,21 +179,30 @@ def test_agent_loop_zero_drift(toks, name):
             bridged_flags.append(session.bridged)
             if completion and completion[-1] == eot_id:
                 assert session.bridged == expected_bridge(policy, tok, eot_id, prompt, completion, new)
-            else:  # an open turn: bridged exactly where the full render continues the sampled ids
+            else:  # an open turn: bridged exactly where the full render's text continues the
+                # sampled ids' text (the reply as the session holds it: parsed from the ids)
                 n_open += 1
                 full = reference_ids(session.messages)
+                n = len(prompt) + len(completion)
                 if in_sync:
-                    n = len(prompt) + len(completion)
-                    agrees = policy != "never" and bool(completion) and full[:n] == prompt + completion
+                    agrees = (
+                        policy != "never"
+                        and bool(completion)
+                        and decode(full).startswith(decode(prompt + completion))
+                    )
                     if policy == "no_query":  # the fixed-base method refuses where a query may rewrite
                         agrees &= not any(cf.is_query(m) for m in new)
                     assert session.bridged == agrees
                 if session.bridged:
                     n_open_bridged += 1
-                    closing = session.prompt_ids[len(prompt) + len(completion) :][:1]
-                    assert closing == [eot_id]  # the template's closing token, not sampled
-                    if in_sync:
-                        assert session.prompt_ids == full
+                    suffix = session.prompt_roles  # the template's closing of the turn comes first
+                    first = suffix.message_indices.index(0)
+                    assert eot_id in suffix.ids[:first] and set(suffix.message_indices[:first]) == {None}
+                    if (
+                        in_sync
+                    ):  # the full render's text, and its very ids where they continue the sampled ids
+                        assert decode(session.prompt_ids) == decode(full)
+                        assert (session.prompt_ids == full) == (full[:n] == prompt + completion)
             if session.bridged:
                 n_bridged += 1
                 assert session.prompt_ids[: len(prompt) + len(completion)] == prompt + completion

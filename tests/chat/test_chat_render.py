@@ -14,6 +14,7 @@ from rljax.chat import (
     Llama3Renderer,
     Qwen3Renderer,
     Qwen25Renderer,
+    SmolLM2Renderer,
     make_renderer,
 )
 from rljax.chat import base as base_module
@@ -42,6 +43,9 @@ CONFIGS = {
         LLAMA_CONV,
     ),
     "llama3": ("llama3", lambda t: Llama3Renderer(t, system_preamble=False), {}, PLAIN_CONV),
+    "smollm2": ("smollm2", SmolLM2Renderer, {}, PLAIN_CONV),
+    # SmolLM2's template has no tool format: the reference is the ChatML family's convention
+    "smollm2-tools": ("smollm2-tools", SmolLM2Renderer, {}, QWEN_CONV),
     "generic-chatml": ("chatml", GenericRenderer, {}, QWEN_CONV),
     "generic-qwen2.5": ("qwen2.5", GenericRenderer, {}, QWEN_CONV),
     "generic-qwen3": ("qwen3", GenericRenderer, {}, QWEN_CONV),

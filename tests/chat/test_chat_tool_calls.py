@@ -184,3 +184,56 @@ def test_parsers_never_raise(parts):
         assert all(isinstance(c["function"]["arguments"], dict) for c in calls)
     reasoning, content, closed = split_reasoning(text)
     assert closed == ("</think>" in text) and isinstance(content, str)
+
+
+# -- the ChatML family's convention as SmolLM2 writes it: tools=, unknown tools, text around calls ----
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def test_hermes_calls_of_known_tools_with_text_before_and_after():
+    text = (
+        'I will add them.<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+        '\n<tool_call>\n{"name": "lookup", "arguments": {"key": "zob"}}\n</tool_call> Done.'
+    )
+    content, calls, errors = parse_hermes_tool_calls(text, tools=[ADD, LOOKUP])
+    assert errors == []
+    assert calls == [
+        make_tool_call("add", {"a": 2, "b": 3}),
+        make_tool_call("lookup", {"key": "zob"}, index=1),
+    ]
+    # the text before the first block, then the non-blank text after each block
+    assert content == "I will add them. Done."
+
+
+def test_hermes_unknown_tool_is_an_error_next_to_the_known_calls():
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+        '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+    )
+    content, calls, errors = parse_hermes_tool_calls(text, tools=[ADD, "lookup"])
+    assert content == ""
+    assert [c["function"]["name"] for c in calls] == ["add", "lookup"]
+    assert [c["id"] for c in calls] == ["call_0", "call_1"]  # ids number the calls that parsed
+    assert errors == [
+        ToolCallError(
+            '{"name": "search", "arguments": {"q": "x"}}',
+            "unknown tool 'search'; the tools are ['add', 'lookup']",
+        )
+    ]
+    # without tools= any name is a call (the renderers' parse_response does not know the tools)
+    assert len(parse_hermes_tool_calls(text)[1]) == 3
+
+
+def test_hermes_malformed_json_with_tools_is_reported_and_the_text_stays_out_of_content():
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>'
+    content, calls, errors = parse_hermes_tool_calls(text, tools=[ADD])
+    assert (content, calls) == ("Sure. ", [])
+    assert len(errors) == 1 and errors[0].reason.startswith("invalid JSON")
+    assert errors[0].raw == '{"name": "add", "arguments": {"a": 1,}}'
+
+
+def test_tool_names_rejects_specs_without_a_name():
+    with pytest.raises(ValueError, match=r"tools\[1\] must be a tool spec with a string name"):
+        parse_hermes_tool_calls("x", tools=[ADD, {"type": "function", "function": {}}])

@@ -282,9 +282,9 @@ def test_a_verifiers_env_trains_two_steps_with_its_rubrics_reward(tmp_path):
         # bridge: e.g. a first turn ended by another stop token) a full render of what was sent
         follow_up, reply = second.prompt.messages[n + 1 :], second.prompt.messages[n]
         if renderer.bridge(first.prompt.ids, first.completion.ids, follow_up, reply=reply) is not None:
-            head = first.prompt.ids + first.completion.ids
+            head = [*first.prompt.ids, *first.completion.ids]
             assert rec.bridged == [True] and second.prompt.parent == 0
-            assert second.prompt.ids[: len(head)] == head
+            assert list(second.prompt.ids[: len(head)]) == head
         else:
             full = renderer.render_with_roles(second.prompt.messages, add_generation_prompt=True).ids
             assert rec.bridged == [False] and second.prompt.ids == list(full)

