@@ -688,6 +688,10 @@ class Gateway:
                     or abs(reward) == float("inf"):  # fmt: skip
                 raise GatewayError(400, f"'reward' must be a finite number, got {reward!r}", param="reward")
             cid = body.get("completion_id")
+            if cid is not None and not isinstance(cid, str):
+                raise GatewayError(
+                    400, f"'completion_id' must be a string, got {cid!r}", param="completion_id"
+                )
             if cid is None:
                 session.reward = float(reward)
             elif cid in session.call_ids:

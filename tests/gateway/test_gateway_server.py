@@ -243,6 +243,7 @@ def test_credentials_loopback_and_reward_isolation(loop, gateway):
     assert _post(gateway, "/rewards", a.key, {"reward": 0.5, "completion_id": ra["id"]}).status_code == 200
     assert _post(gateway, "/rewards", a.key, {"reward": 1.0}).status_code == 200
     assert _post(gateway, "/rewards", a.key, {"reward": "much"}).status_code == 400
+    assert _post(gateway, "/rewards", a.key, {"reward": 1.0, "completion_id": [ra["id"]]}).status_code == 400
     assert [c.reward for c in b.recorder.calls] == [0.0, 0.0] and b.reward is None
     assert [c.reward for c in a.recorder.calls] == [0.5] and a.reward == 1.0
     gateway.close_session(a)
