@@ -18,6 +18,9 @@ Why these choices:
   rljax refuses to split a row over devices for these layers; long rows are bounded by what one
   device holds, with full remat and a micro-batch budget (the DeltaNet's training memory is linear in
   the row length; only the attention layers' is not).
+* **Off-policy training** as ``qwen3_gpu``: PPO's clip with DAPO's clip-higher against the recomputed
+  old policy, and token-level TIS (``min(old / rollout, 2)``) for the gap to what vLLM sampled (bf16
+  weights, a version stale in async mode).
 * **Chat template**: the ``generic`` renderer renders with the checkpoint's own chat template.
 * **vLLM**: bf16 weights, every sync verified by the probe against rljax's bf16 logprobs of the same
   cast weights. Hybrid models cache prefixes of their recurrent states only with chunked prefill,
@@ -69,8 +72,11 @@ def get_config() -> config_dict.ConfigDict:
     c.rollout.update(group_size=16, max_turns=4, max_tokens=2048, max_context_len=8192, temperature=1.0)
     c.warmstart.num_steps = 0
     c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
-    c.objective.off_policy = dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
+    clip_higher = dict(eps_low=0.2, eps_high=0.28)  # DAPO
+    c.algorithm = dict(name="grpo", policy_loss="ppo_clip", policy_loss_kwargs=clip_higher)
+    c.objective.off_policy.update(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
     c.trainer.update(
+        old_logprobs="recompute",  # what "auto" chooses for ppo_clip + TIS, written out
         num_steps=500,
         mode="async",
         max_off_policy_steps=1,

@@ -80,7 +80,20 @@ _SMOLLM2_BASE_WARMSTART = {
     "warmstart.learning_rate": 3e-05,
     "warmstart.seq_len": 512,
 }
-CHANGED_SINCE_RECORD = {"smollm2_cpu": _SMOLLM2_BASE_WARMSTART, "smollm2_vllm": _SMOLLM2_BASE_WARMSTART}
+_GONE = object()  # a key a recipe no longer sets
+CHANGED_SINCE_RECORD = {
+    "smollm2_cpu": _SMOLLM2_BASE_WARMSTART,
+    "smollm2_vllm": _SMOLLM2_BASE_WARMSTART,
+    # qwen35_gpu takes qwen3_gpu's off-policy setup (its TIS under dppo was refused at parse time)
+    "qwen35_gpu": {
+        "algorithm": _GONE,
+        "algorithm.name": "grpo",
+        "algorithm.policy_loss": "ppo_clip",
+        "algorithm.policy_loss_kwargs.eps_low": 0.2,
+        "algorithm.policy_loss_kwargs.eps_high": 0.28,
+        "trainer.old_logprobs": "recompute",
+    },
+}
 
 
 def _before(name):
@@ -90,7 +103,11 @@ def _before(name):
         flat.update(BEFORE["recipes"][name]["set"])
         for key in BEFORE["recipes"][name]["unset"]:
             del flat[key]
-    flat.update(CHANGED_SINCE_RECORD.get(name, {}))
+    for key, value in CHANGED_SINCE_RECORD.get(name, {}).items():
+        if value is _GONE:
+            del flat[key]
+        else:
+            flat[key] = value
     return flat
 
 

@@ -2,9 +2,8 @@
 with the ChatML family's tool convention), in one run to pay for one model load and one compilation:
 ``smollm2_tools``' config with four envs, its ``calculator`` task in the env loop, the same task as
 the OpenAI-SDK agent through the gateway (``calculator_agent``, its responses recorded by the
-client), ``smollm2_game``'s ``guess_number`` env and ``smollm2_cpu``'s ``arithmetic`` env; one
-warm-start step on demonstrations of all four (token-exact, tools rendered), then one GRPO step of
-two prompts per env.
+client), ``smollm2_game``'s ``guess_number`` env and ``smollm2_cpu``'s ``arithmetic`` env; one GRPO
+step of two prompts per env.
 
 What it checks that the tiny-model tests cannot: the sampler's logprobs agree with the trainer's
 forward on the real model's sampled tokens of tool and game turns (``rl/mismatch_kl``), every call
@@ -46,7 +45,7 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
     for env in c.envs.values():
         env.update(num_train_tasks=2, num_eval_tasks=0)
     c.rollout.group_size = 2
-    c.warmstart.update(num_steps=1, batch_size=4)
+    c.warmstart.num_steps = 0  # demonstrations rendered with tools: tests/chat (real tokenizer), tests/envs
     c.engine.update(max_batch_size=16, min_batch_bucket=16)
     c.trainer.update(num_steps=1, prompts_per_step=8, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
     gateway_capture.RESPONSES.clear()
