@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, sequence_forward
+from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, ForwardOutput, logit_capacity, sequence_forward
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -67,6 +67,7 @@ __all__ = [
     "TrainState",
     "apply_gradients",
     "loss_and_grads",
+    "loss_logprobs",
     "merge_model",
     "mini_batch_counts",
     "split_micro_batches",
@@ -74,6 +75,7 @@ __all__ = [
     "train_mini_batch",
     "train_step",
     "variable_shardings",
+    "with_logit_capacity",
 ]
 
 
@@ -84,7 +86,16 @@ class TrainConfig:
     Attributes:
       objective: the loss (:class:`rljax.core.objective.ObjectiveConfig`).
       optimizer: AdamW / schedule / clipping (:class:`rljax.training.optimizer.OptimizerConfig`).
-      chunk_size: tokens per logits chunk of the chunked logprobs (memory ``O(chunk * vocab)``).
+      chunk_size: tokens (per data-parallel shard) per logits chunk of the chunked LM head (memory
+        ``O(chunk * vocab)``).
+      loss_only_logits: compute logits only for the tokens that carry a loss (``loss_mask != 0``:
+        every objective term and metric reads only those), gathered into a fixed-size buffer
+        (:func:`rljax.models.logprobs.sequence_forward`'s ``logit_mask``); False: every token.
+        Logprobs and gradients are the same either way (within float32 rounding).
+      logit_capacity: slots per data-parallel shard of that buffer (static). None (the usual):
+        :data:`train_step` / :data:`train_mini_batch` choose it on the host from each batch's loss
+        mask (:func:`with_logit_capacity`, a few sizes per run); a fixed value too small for a batch
+        gives a NaN loss (the update is skipped), never a silent drop.
       router_replay: MoE models: dispatch every token to the experts recorded in
         ``batch.routed_experts`` (R3; gates recomputed from the current router). Rows of -1 (no
         record) route afresh.
@@ -107,6 +118,8 @@ class TrainConfig:
     router_replay: bool = False
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    loss_only_logits: bool = True
+    logit_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.objective, ObjectiveConfig):
@@ -115,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.logit_capacity is not None and not (
+            isinstance(self.logit_capacity, int) and self.logit_capacity > 0
+        ):
+            raise ValueError(f"logit_capacity must be a positive int or None, got {self.logit_capacity!r}")
 
 
 def _zero() -> jax.Array:
@@ -322,6 +339,69 @@ def _constrain(state: TrainState, tree: Any, *, like: str) -> Any:
     return jax.lax.with_sharding_constraint(tree, shardings)
 
 
+def row_groups(state: TrainState, rows: int) -> int:
+    """Row groups of a ``rows``-row (micro-)batch whose loss tokens are gathered separately: the
+    data-parallel shards of the state's mesh (1 without one, or when they do not divide ``rows``)."""
+    groups = 1 if state.mesh is None else train_sharding.batch_parallelism(state.mesh)
+    return groups if rows % groups == 0 else 1
+
+
+def with_logit_capacity(state: TrainState, batch: PackedBatch) -> TrainState:
+    """Host: ``state`` whose config carries the loss-token buffer size for ``batch`` (``[R, L]`` or
+    stacked ``[k, R, L]``; :func:`rljax.models.logprobs.logit_capacity` of its loss mask per
+    data-parallel shard). Unchanged when the config does not gather, already fixes a capacity, or the
+    loss mask cannot be read here (traced, or rows on other processes: then the jitted step holds
+    every token, correct but not faster; read the host batch before sharding it).
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models.tiny import tiny_model
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1, 2, 3], [4, 5], ("q", 0))], seq_len=64).batch
+    >>> with_logit_capacity(TrainState.create(tiny_model()), batch).config.logit_capacity
+    16
+    """
+    config = state.config
+    mask = batch.loss_mask
+    if not config.loss_only_logits or config.logit_capacity is not None or isinstance(mask, jax.core.Tracer):
+        return state
+    if not getattr(mask, "is_fully_addressable", True):
+        return state
+    mask = np.asarray(mask)
+    capacity = logit_capacity(mask, row_groups=row_groups(state, mask.shape[-2]))
+    return dataclasses.replace(state, config=dataclasses.replace(config, logit_capacity=capacity))
+
+
+def _policy_forward(
+    model: nnx.Module,
+    batch: PackedBatch,
+    config: TrainConfig,
+    groups: int,
+    *,
+    with_entropy: bool,
+    with_routing: bool,
+) -> ForwardOutput:
+    """The policy's :func:`~rljax.models.logprobs.sequence_forward` of one (micro-)batch: logprobs of
+    its loss tokens (every token without ``loss_only_logits``), router replay when configured."""
+    tokens = jnp.asarray(batch.tokens)
+    chex.assert_rank(tokens, 2)
+    moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
+    gather = config.loss_only_logits
+    return sequence_forward(
+        model,
+        tokens,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        temperature=1.0 if batch.temperatures is None else batch.temperatures,
+        chunk_size=config.chunk_size,
+        routed_experts=batch.routed_experts if moe and config.router_replay else None,
+        with_entropy=with_entropy,
+        with_routing=with_routing and moe,
+        logit_mask=batch.loss_mask if gather else None,
+        logit_capacity=config.logit_capacity if gather else None,
+        row_groups=groups,
+    )
+
+
 def _loss(
     params: nnx.State,
     graphdef: nnx.GraphDef,
@@ -329,25 +409,15 @@ def _loss(
     counts: Counts,
     config: TrainConfig,
     frozen: nnx.State | None = None,
+    groups: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``: no gradient)."""
     model = merge_model(graphdef, params, frozen)
-    tokens = jnp.asarray(batch.tokens)
-    chex.assert_rank(tokens, 2)
-    temperature = 1.0 if batch.temperatures is None else batch.temperatures
-    kwargs = dict(
-        positions=batch.positions,
-        segment_ids=batch.segment_ids,
-        temperature=temperature,
-        chunk_size=config.chunk_size,
-    )
-    moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
-    replay = batch.routed_experts if moe and config.router_replay else None
-    logp, entropy, routing = sequence_forward(
-        model, tokens, routed_experts=replay, with_routing=moe, **kwargs
+    logp, entropy, routing = _policy_forward(
+        model, batch, config, groups, with_entropy=True, with_routing=True
     )
     if config.objective.entropy_coef == 0.0:
-        entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
+        entropy = jax.lax.stop_gradient(entropy)  # metric only: the LM head skips its backward
     loss, metrics = objective(logp, batch, counts, config.objective, entropy=entropy)
     if routing is not None:
         loss, metrics = _add_routing(loss, metrics, routing, batch, counts, model.config, config)
@@ -406,11 +476,42 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
+    groups = row_groups(state, np.shape(batch.tokens)[0])
     with context_scope(state.mesh):
         grads, metrics = jax.grad(_loss, has_aux=True)(
-            state.params, state.graphdef, batch, counts, state.config, state.frozen
+            state.params, state.graphdef, batch, counts, state.config, state.frozen, groups
         )
     return _constrain(state, grads, like="params"), metrics
+
+
+@jax.jit
+def _loss_logprobs(state: TrainState, batch: PackedBatch) -> jax.Array:
+    def one(micro: PackedBatch) -> jax.Array:
+        model = merge_model(state.graphdef, state.params, state.frozen)
+        groups = row_groups(state, np.shape(micro.tokens)[0])
+        return _policy_forward(
+            model, micro, state.config, groups, with_entropy=False, with_routing=False
+        ).logprobs
+
+    with context_scope(state.mesh):
+        return jax.lax.map(one, batch) if np.ndim(batch.tokens) == 3 else one(batch)
+
+
+def loss_logprobs(state: TrainState, batch: PackedBatch) -> jax.Array:
+    """The policy's logprobs of ``batch``'s loss tokens (0 elsewhere), forward only: what the train
+    step's objective sees, from the same gathered LM head, without a gradient (e.g. to recompute
+    old logprobs before a mini-batch's first update). ``batch`` is ``[R, L]`` or stacked
+    ``[k, R, L]`` micro-batches (then ``[k, R, L]`` out, one micro-batch alive at a time); jitted.
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models.tiny import tiny_model
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1, 2, 3], [4, 5], ("q", 0))], seq_len=8).batch
+    >>> lp = loss_logprobs(TrainState.create(tiny_model()), batch)
+    >>> (np.asarray(lp[0]) < 0).astype(int).tolist()
+    [0, 0, 0, 1, 1, 0, 0, 0]
+    """
+    return _loss_logprobs(with_logit_capacity(state, batch), batch)
 
 
 def context_scope(mesh: Mesh | None) -> contextlib.AbstractContextManager:
@@ -542,10 +643,11 @@ def train_mini_batch(
 
 
 def _jit_keeping_frozen(fn: Any) -> Any:
-    """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, aux)``, except that
+    """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, batch, *args) -> (state, aux)``, except that
     ``state.frozen`` is a separate, NOT donated argument that is no output: the returned state holds
-    the caller's frozen arrays themselves (no copy, still valid). ``.lower(state, *args)`` lowers
-    the underlying jitted function, which is ``.jitted``."""
+    the caller's frozen arrays themselves (no copy, still valid). The loss-token buffer size is
+    chosen from ``batch`` on the host (:func:`with_logit_capacity`). ``.lower(state, batch, *args)``
+    lowers the underlying jitted function, which is ``.jitted``."""
 
     def inner(state: TrainState, frozen: nnx.State, *args: Any) -> tuple[TrainState, Any]:
         new, aux = fn(dataclasses.replace(state, frozen=frozen), *args)
@@ -557,11 +659,14 @@ def _jit_keeping_frozen(fn: Any) -> Any:
         return dataclasses.replace(state, frozen=_no_frozen()), state.frozen
 
     @functools.wraps(fn)
-    def call(state: TrainState, *args: Any) -> tuple[TrainState, Any]:
-        new, aux = jitted(*split(state), *args)
-        return dataclasses.replace(new, frozen=state.frozen), aux
+    def call(state: TrainState, batch: PackedBatch, *args: Any) -> tuple[TrainState, Any]:
+        new, aux = jitted(*split(with_logit_capacity(state, batch)), batch, *args)
+        # the caller's config back: the buffer size was this batch's (the next one chooses its own)
+        return dataclasses.replace(new, frozen=state.frozen, config=state.config), aux
 
-    call.lower = lambda state, *args: jitted.lower(*split(state), *args)
+    call.lower = lambda state, batch, *args: jitted.lower(
+        *split(with_logit_capacity(state, batch)), batch, *args
+    )
     call.jitted = jitted
     return call
 
