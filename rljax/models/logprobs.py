@@ -298,6 +298,8 @@ def lm_head_logprobs(
       with_entropy: compute the entropies (static; False returns None).
       support_floor: ``float [G, C]`` or None: each row's softmax is renormalised over the logits
         ``z_v >= floor`` (the top-k / top-p support a sampler drew from; :func:`log_normalizer`).
+        A target below its floor gets ``z[target] - lse`` all the same (finite; its probability
+        under the renormalised distribution is 0).
 
     Returns:
       ``(logp, entropy)``: float32 ``[G, C]`` (``[G, C, K]``) and ``[G, C]`` (or None).

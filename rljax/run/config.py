@@ -449,6 +449,9 @@ class TrainerSection:
         :func:`rljax.data.pack.bucket_rows`.
       micro_batch_tokens: tokens per micro-batch, accumulated in one jitted scan (a multiple of
         ``seq_len``; 0 = no micro-batching).
+      loss_only_logits: the train step projects only the tokens that carry a loss through the
+        vocabulary (the others are never read), in a bucketed buffer (False: every packed token;
+        the same logprobs and gradients, slower).
       eval_every: RL steps between held-out evaluations (and after the last step; 0 = never).
       checkpoint_every: RL steps between checkpoints (and after the last step; 0 = never).
       keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
@@ -477,6 +480,7 @@ class TrainerSection:
     dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
     row_buckets: Any = None
     micro_batch_tokens: int = 0
+    loss_only_logits: bool = True
     eval_every: int = 10
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
