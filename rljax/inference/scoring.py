@@ -205,7 +205,7 @@ def score_sequences(
     wanted = None
     if first_scored is not None:
         wanted = np.zeros(size, bool)
-        wanted[dest] = rel >= np.repeat(first_scored, lengths)
+        wanted[dest] = rel >= np.maximum(np.repeat(first_scored, lengths), 1)  # entry 0 is never predicted
     shape = (num_rows // rows_per_batch, rows_per_batch, row_len)
     tokens, positions, segment_ids, temperatures = (
         a.reshape(shape) for a in (tokens, positions, segment_ids, temperatures)

@@ -203,8 +203,10 @@ def test_gathered_logprobs_equal_every_token_and_overflow_is_nan(helpers):
     wanted = np.asarray(mask & shifted_token_mask(seg))
     for groups in (1, 2, 4):
         capacity = logit_capacity(np.asarray(mask), row_groups=groups, min_capacity=1)
-        out = models.sequence_forward(model, tokens, segment_ids=seg, temperature=tau, chunk_size=5,
-                                      logit_mask=mask, logit_capacity=capacity, row_groups=groups)  # fmt: skip
+        out = models.sequence_forward(
+            model, tokens, segment_ids=seg, temperature=tau, chunk_size=5, logit_mask=mask,
+            logit_capacity=capacity, row_groups=groups,
+        )  # fmt: skip
         for got, ref in ((out.logprobs, every.logprobs), (out.entropy, every.entropy)):
             np.testing.assert_allclose(np.asarray(got)[wanted], np.asarray(ref)[wanted], **LOGPROB_TOL)
             assert not np.any(np.asarray(got)[~wanted])
