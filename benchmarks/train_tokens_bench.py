@@ -22,9 +22,11 @@ them alike. A child builds the run's model and train state (:class:`rljax.run.ru
 trains once on every captured mini-batch (compilation), then times ``--steps`` rounds over all of
 them with :meth:`rljax.run.run.Run.train` (the trainer's own call). Reported per variant (median
 over repeats, min-max): tokens the decoder computes (packed positions, padding included), rows the
-LM head computes (per optimizer step), train-step seconds (median per mini-batch), the first round
-(compilation) seconds, XLA's compiled memory of the step (``memory/step_bytes``: arguments +
-outputs - donated + temporaries) and the child process's peak RSS.
+LM head computes (per optimizer step), train-step seconds (median per mini-batch) and its CPU
+seconds (the process's user + system time: on a machine other work loads, the steadier figure of
+the two), the first round (compilation) seconds, XLA's compiled memory of the step
+(``memory/step_bytes``: arguments + outputs - donated + temporaries) and the child process's peak
+RSS.
 
 Usage::
 
@@ -191,12 +193,13 @@ def child(recipe: str, samples_path: str, overrides: dict[str, Any], steps: int)
         start = time.perf_counter()
         rows = [run.train(b, algorithm=algorithm) for b in batches]
         first_s = time.perf_counter() - start
-        times = []
+        times, cpu = [], []
         for _ in range(steps):
             for b in batches:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run.train(b, algorithm=algorithm)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         run.state = dataclasses.replace(run.state, config=run.train_configs[algorithm])
         head = [lm_head_rows(run, b) for b in batches]
     return {
@@ -207,6 +210,7 @@ def child(recipe: str, samples_path: str, overrides: dict[str, Any], steps: int)
         "loss_tokens": float(np.mean([np.count_nonzero(b.loss_mask) for b in batches])),
         "lm_head_rows": float(np.mean(head)),
         "step_s": float(np.median(times)),
+        "step_cpu_s": float(np.median(cpu)),
         "first_s": first_s,
         "step_bytes": max(r.get("memory/step_bytes", float("nan")) for r in rows),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
@@ -245,19 +249,22 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
         f"\nmini-batches per round {first['batches']}, shapes {first['shapes']}; per mini-batch: "
         f"{first['real_tokens']:.0f} real tokens, {first['loss_tokens']:.0f} with a loss\n"
     )
-    print(
-        "| variant | decoder tokens | LM-head rows | step s | first round s | XLA step GiB | peak RSS GiB |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    reference = np.median([r["step_s"] for r in next(iter(results.values()))])
+    header = "| variant | decoder tokens | LM-head rows | step s | step CPU s | first round s | XLA step GiB "
+    print(header + "| peak RSS GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = next(iter(results.values()))
     for name, rows in results.items():
         column = functools.partial(column_of, rows)
-        speedup = reference / np.median([r["step_s"] for r in rows])
+        ratio = {
+            k: np.median([r[k] for r in base]) / np.median([r[k] for r in rows])
+            for k in ("step_s", "step_cpu_s")
+        }
         cells = [
             name,
             f"{rows[0]['decoder_tokens']:.0f}",
             f"{rows[0]['lm_head_rows']:.0f}",
-            f"{column('step_s')} ({speedup:.2f}x)",
+            f"{column('step_s')} ({ratio['step_s']:.2f}x)",
+            f"{column('step_cpu_s')} ({ratio['step_cpu_s']:.2f}x)",
             column("first_s", fmt="{:.0f}"),
             column("step_bytes", 2**30),
             column("peak_rss_bytes", 2**30),
@@ -306,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[name].append(run_child(args, name, overrides))
             row = results[name][-1]
             rss = row["peak_rss_bytes"] / 2**30
-            print(f"  round {r}: {name}: step {row['step_s']:.2f} s, first round {row['first_s']:.0f} s, "
-                  f"peak RSS {rss:.2f} GiB, loss {row['loss']:+.5f}", flush=True)  # fmt: skip
+            print(f"  round {r}: {name}: step {row['step_s']:.2f} s ({row['step_cpu_s']:.1f} CPU s), first "
+                  f"round {row['first_s']:.0f} s, XLA {row['step_bytes'] / 2**30:.2f} GiB, peak RSS "
+                  f"{rss:.2f} GiB, loss {row['loss']:+.5f}", flush=True)  # fmt: skip
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.repeats > 0:
         print_table(results)

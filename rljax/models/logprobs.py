@@ -65,7 +65,8 @@ class _HeadSpec(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Residuals:
-    """What the backward reads: the inputs, and which of them are being differentiated (static)."""
+    """What the backward reads: the inputs, the forward's normalizers, and which inputs are being
+    differentiated (static)."""
 
     hidden: jax.Array
     w: jax.Array
@@ -74,6 +75,8 @@ class _Residuals:
     targets: jax.Array
     tau: jax.Array
     floor: jax.Array | None
+    lse: jax.Array  # float32 [G, C]: each row's log-normalizer (the forward's)
+    cut: jax.Array | None  # [G, C]: the support's lowest logit (with a floor)
     need_hidden: bool = dataclasses.field(metadata=dict(static=True))
     need_w: bool = dataclasses.field(metadata=dict(static=True))
     need_lora: bool = dataclasses.field(metadata=dict(static=True))
@@ -96,28 +99,47 @@ def _chunk_logits(spec: _HeadSpec, h: jax.Array, w: jax.Array, a: jax.Array | No
     return z / tau[:, None]
 
 
-def log_normalizer(z: chex.Array, floor: chex.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The softmax normalizer of each row of ``z [n, V]``, over the row's support.
+def log_normalizer(
+    z: chex.Array, floor: chex.Array | None = None
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """The softmax normalizer of each row of ``z [n, V]`` over the row's support: the one place the
+    LM head decides which logits a distribution covers (both of its passes read what it returns).
 
     The support is every entry (``floor`` None) or the entries ``z_v >= floor`` (``floor [n]``: a
     sampler that kept only the top-k / top-p tokens samples from the softmax renormalised over
-    them; a floor above the row's maximum keeps the maximum). With ``m = max_v z_v`` and
-    ``e_v = exp(z_v - m)`` on the support (0 off it), ``s = sum_v e_v``: returns ``(lse, e, s)``
-    with ``lse = m + log s`` (so ``p = e / s`` and ``log p_v = z_v - lse``). Both passes of the LM
-    head compute their probabilities here, and nowhere else.
+    them); a floor above the row's maximum keeps the maximum. With ``m = max_v z_v`` and
+    ``e_v = exp(z_v - m)`` on the support (0 off it), ``s = sum_v e_v``: returns
+    ``(lse, cut, e, s)`` with ``lse = m + log s`` (so ``p = e / s``, ``log p_v = z_v - lse``) and
+    ``cut`` the lowest logit in the support (None without a floor), which
+    :func:`support_probabilities` takes to rebuild ``p`` from ``lse`` alone.
 
-    >>> lse, e, s = log_normalizer(jnp.log(jnp.array([[1., 2., 5.]])), jnp.log(jnp.array([2.])))
+    >>> lse, cut, e, s = log_normalizer(jnp.log(jnp.array([[1., 2., 5.]])), jnp.log(jnp.array([2.])))
     >>> round(float(jnp.exp(lse[0])), 4), [round(float(x), 2) for x in e[0] / s[0]]
     (7.0, [0.0, 0.29, 0.71])
     """
     chex.assert_rank(z, 2)
     m = jnp.max(z, axis=-1)
     e = jnp.exp(z - m[:, None])
+    cut = None
     if floor is not None:
         chex.assert_shape(floor, (z.shape[0],))
-        e = jnp.where(z >= jnp.minimum(floor, m)[:, None], e, 0.0)
+        cut = jnp.minimum(floor, m)
+        e = jnp.where(z >= cut[:, None], e, 0.0)
     s = jnp.sum(e, axis=-1)
-    return m + jnp.log(s), e, s
+    return m + jnp.log(s), cut, e, s
+
+
+def support_probabilities(z: chex.Array, lse: chex.Array, cut: chex.Array | None) -> jax.Array:
+    """``p_v = exp(z_v - lse)`` on the support (``z_v >= cut``), 0 off it: the probabilities of
+    :func:`log_normalizer`'s distribution from its ``lse`` and ``cut`` (one exponential, no reduction).
+
+    >>> z = jnp.log(jnp.array([[1., 2., 5.]]))
+    >>> lse, cut, _, _ = log_normalizer(z, jnp.log(jnp.array([2.])))
+    >>> [round(float(x), 2) for x in support_probabilities(z, lse, cut)[0]]
+    [0.0, 0.29, 0.71]
+    """
+    p = jnp.exp(z - lse[:, None])
+    return p if cut is None else jnp.where(z >= cut[:, None], p, 0.0)
 
 
 def _valid_targets(targets: jax.Array, vocab: int) -> jax.Array:
@@ -128,16 +150,17 @@ def _valid_targets(targets: jax.Array, vocab: int) -> jax.Array:
 
 def _forward_chunk(spec: _HeadSpec, w: jax.Array, a: jax.Array | None, b: jax.Array | None,
                    h: jax.Array, targets: jax.Array, tau: jax.Array,
-                   floor: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
-    """``(logp [n, K], entropy [n] or None)`` of one chunk."""
+                   floor: jax.Array | None) -> tuple[jax.Array, ...]:  # fmt: skip
+    """``(logp [n, K], entropy [n] or None, lse [n], cut [n] or None)`` of one chunk."""
     z = _chunk_logits(spec, h, w, a, b, tau)
-    lse, e, s = log_normalizer(z, floor)
+    lse, cut, e, s = log_normalizer(z, floor)
     tgt = _valid_targets(targets, z.shape[-1])
     logp = jnp.take_along_axis(z, tgt, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
-    if not spec.with_entropy:
-        return logp, None
-    y = jnp.where(e > 0, z - jnp.max(z, axis=-1, keepdims=True), 0.0)  # 0 * (-inf) never happens
-    return logp, jnp.log(s) - jnp.sum(e * y, axis=-1) / s  # -sum p log p = log s - E_p[z - m]
+    entropy = None
+    if spec.with_entropy:  # -sum p log p = log s - E_p[z - m], with m = lse - log s
+        y = jnp.where(e > 0, z - (lse - jnp.log(s))[:, None], 0.0)
+        entropy = jnp.log(s) - jnp.sum(e * y, axis=-1) / s
+    return logp, entropy, lse, cut
 
 
 def _to_chunks(x: jax.Array, spec: _HeadSpec, fill: Any = 0) -> jax.Array:
@@ -157,7 +180,8 @@ def _from_chunks(x: jax.Array, groups: int, rows: int) -> jax.Array:
 
 def _forward_chunks(spec: _HeadSpec, hidden: jax.Array, w: jax.Array, a: jax.Array | None,
                     b: jax.Array | None, targets: jax.Array, tau: jax.Array,
-                    floor: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+                    floor: jax.Array | None) -> tuple[jax.Array | None, ...]:  # fmt: skip
+    """``(logp, entropy, lse, cut)`` of every row (``[G, C, ...]``)."""
     groups, rows = hidden.shape[:2]
     xs = (
         _to_chunks(hidden, spec),
@@ -165,9 +189,8 @@ def _forward_chunks(spec: _HeadSpec, hidden: jax.Array, w: jax.Array, a: jax.Arr
         _to_chunks(tau, spec, 1.0),
         None if floor is None else _to_chunks(floor, spec),
     )
-    logp, entropy = jax.lax.map(lambda x: _forward_chunk(spec, w, a, b, *x), xs)
-    logp = _from_chunks(logp, groups, rows)
-    return logp, None if entropy is None else _from_chunks(entropy, groups, rows)
+    out = jax.lax.map(lambda x: _forward_chunk(spec, w, a, b, *x), xs)
+    return tuple(None if x is None else _from_chunks(x, groups, rows) for x in out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -175,21 +198,23 @@ def _lm_head(spec: _HeadSpec, hidden: jax.Array, w: jax.Array, a: jax.Array | No
              targets: jax.Array, tau: jax.Array,
              floor: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
     """``(logp [G, C, K], entropy [G, C] or None)`` of the rows of ``hidden [G, C, hidden]``."""
-    return _forward_chunks(spec, hidden, w, a, b, targets, tau, floor)
+    return _forward_chunks(spec, hidden, w, a, b, targets, tau, floor)[:2]
 
 
 def _lm_head_fwd(spec: _HeadSpec, *args: Any) -> tuple[tuple[jax.Array, jax.Array | None], _Residuals]:
     hidden, w, a, b, targets, tau, floor = args  # CustomVJPPrimal (value, perturbed) leaves, or None
     value = lambda x: None if x is None else x.value  # noqa: E731
     values = [value(x) for x in args]
-    out = _forward_chunks(spec, *values)
+    logp, entropy, lse, cut = _forward_chunks(spec, *values)
     residuals = _Residuals(
         *values,
+        lse=lse,
+        cut=cut,
         need_hidden=hidden.perturbed,
         need_w=w.perturbed,
         need_lora=a is not None and (a.perturbed or b.perturbed),
     )
-    return out, residuals
+    return (logp, entropy), residuals
 
 
 def _is_zero(ct: Any) -> bool:
@@ -198,23 +223,28 @@ def _is_zero(ct: Any) -> bool:
 
 def _backward_chunk(spec: _HeadSpec, res: _Residuals, carry: tuple[Any, Any, Any],
                     x: tuple[Any, ...]) -> tuple[tuple[Any, Any, Any], jax.Array | None]:  # fmt: skip
-    """One chunk of the backward: the logits' cotangent ``dz``, then ``dh = dz W^T`` (+ the adapter's
-    share) and the weights' gradients added into ``carry = (dW, dA, dB)`` (float32)."""
-    h, targets, tau, floor, g_logp, g_ent = x
+    """One chunk of the backward: the cotangent ``dz`` of the raw logits ``h W (+ adapter)``, then
+    ``dh = dz W^T`` (+ the adapter's share) and the weights' gradients added into
+    ``carry = (dW, dA, dB)`` (float32)."""
+    h, targets, tau, lse, cut, g_logp, g_ent = x
     w, a, b = res.w, res.lora_a, res.lora_b
     dw, da, db = carry
     z = _chunk_logits(spec, h, w, a, b, tau)
-    lse, e, s = log_normalizer(z, floor)
-    p = e / s[:, None]
-    dz = jnp.zeros_like(z)
+    p = support_probabilities(z, lse, cut)
+    inv_tau = 1.0 / tau[:, None]  # z = raw / tau
+    dz = None
     if g_logp is not None:  # d logp_k / dz = onehot(target_k) - p
+        g = g_logp * inv_tau
         rows = jnp.arange(z.shape[0])[:, None]
-        dz = dz - jnp.sum(g_logp, axis=-1)[:, None] * p
-        dz = dz.at[rows, _valid_targets(targets, z.shape[-1])].add(g_logp, mode="drop")
+        dz = (
+            (-jnp.sum(g, axis=-1, keepdims=True) * p)
+            .at[rows, _valid_targets(targets, z.shape[-1])]
+            .add(g, mode="drop")
+        )
     if g_ent is not None:  # d entropy / dz = -p (log p - E_p[log p])
         logq = z - lse[:, None]
-        dz = dz - g_ent[:, None] * p * (logq - jnp.sum(p * logq, axis=-1, keepdims=True))
-    dz = dz / tau[:, None]
+        d_ent = (g_ent[:, None] * inv_tau) * p * (jnp.sum(p * logq, axis=-1, keepdims=True) - logq)
+        dz = d_ent if dz is None else dz + d_ent
     dh = _dot(dz, w, (1, 1), spec.precision) if res.need_hidden else None
     if res.need_w:
         dw = dw + _dot(h, dz, (0, 0), spec.precision)
@@ -236,13 +266,15 @@ def _lm_head_bwd(spec: _HeadSpec, res: _Residuals, cts: tuple[Any, Any]) -> tupl
         return none
     hidden, a, b = res.hidden, res.lora_a, res.lora_b
     groups, rows = hidden.shape[:2]
+    chunks = lambda x, fill=0: None if x is None else _to_chunks(x, spec, fill)  # noqa: E731
     xs = (
-        _to_chunks(hidden, spec),
-        _to_chunks(res.targets, spec),
-        _to_chunks(res.tau, spec, 1.0),
-        None if res.floor is None else _to_chunks(res.floor, spec),
-        None if g_logp is None else _to_chunks(g_logp.astype(_F32), spec),
-        None if g_ent is None else _to_chunks(g_ent.astype(_F32), spec),
+        chunks(hidden),
+        chunks(res.targets),
+        chunks(res.tau, 1.0),
+        chunks(res.lse),
+        chunks(res.cut),
+        chunks(None if g_logp is None else g_logp.astype(_F32)),
+        chunks(None if g_ent is None else g_ent.astype(_F32)),
     )
     zeros = lambda x, on: jnp.zeros(x.shape, _F32) if on else None  # noqa: E731
     lora = a is not None and res.need_lora

@@ -24,6 +24,7 @@ from rljax.models.logprobs import (
     log_normalizer,
     logit_capacity,
     shifted_token_mask,
+    support_probabilities,
 )
 from rljax.models.lora import LoRAConfig, apply_lora
 
@@ -97,12 +98,13 @@ def test_head_values_and_gradients_equal_dense_autodiff(lora, with_floor, k):
 def test_support_floor_renormalises_over_the_kept_logits_by_hand():
     # logits log([1, 2, 5]) and floor log(2): the support is {2, 5}, p = (0, 2/7, 5/7).
     z = jnp.log(jnp.array([[1.0, 2.0, 5.0]]))
-    lse, e, s = log_normalizer(z, jnp.log(jnp.array([2.0])))
+    lse, _, e, s = log_normalizer(z, jnp.log(jnp.array([2.0])))
     np.testing.assert_allclose(np.asarray(e[0] / s[0]), [0.0, 2 / 7, 5 / 7], rtol=1e-6)
     np.testing.assert_allclose(float(lse[0]), np.log(7.0), rtol=1e-6)
     # a floor above the maximum keeps the maximum alone
-    lse, e, s = log_normalizer(z, jnp.array([10.0]))
+    lse, cut, e, s = log_normalizer(z, jnp.array([10.0]))
     np.testing.assert_allclose(np.asarray(e[0] / s[0]), [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(np.asarray(support_probabilities(z, lse, cut)[0]), [0.0, 0.0, 1.0])
     h, w = jnp.ones((1, 1, 1)), jnp.log(jnp.array([[1.0, 2.0, 5.0]]))  # h @ w = log([1, 2, 5])
     floor = jnp.log(jnp.array([[2.0]]))
     logp, ent = lm_head_logprobs(h, w, jnp.array([[2]]), jnp.ones((1, 1)), support_floor=floor)
