@@ -2,7 +2,7 @@
 
 The question: trained on the same task with the same reward function, do the env version and
 the agent version both learn, and does the agent version's reward rise on the default task? One
-run trains ``rljax/recipes/smoke.py`` (the default recipe's tool-lookup task on the smoke-sized model)
+run trains ``configs/smoke.py`` (the default recipe's tool-lookup task on the smoke-sized model)
 twice with the same seeds, warm start and steps: once with the env loop, once with
 ``config.envs.lookup.agent`` set to :func:`rljax.agents.lookup_agent.lookup_agent` (the same task
 written as an OpenAI-SDK agent, every call through the run's gateway). It prints ``reward/mean`` per

@@ -37,7 +37,7 @@ The settings (each measured on a 2-core machine):
   found changes that (only restricting the process to one core does, which is what the one-core
   reference run does).
 - ``--engine vllm``: generation on a real vLLM CPU server pinned to the last core (one OpenMP
-  thread; the recipe ``rljax/recipes/vllm_local.py``'s server settings), the trainer pinned to the other
+  thread; the recipe ``configs/vllm_local.py``'s server settings), the trainer pinned to the other
   core(s) after XLA has started its pool (with a one-thread pool the rollout's weight-sync JAX work
   waits behind the train step, and nothing overlaps). Both modes use the same server. The trainer's
   core also runs the client side of the rollouts (HTTP, JSON, environments, weight-sync writes).

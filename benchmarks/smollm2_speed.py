@@ -33,6 +33,18 @@ Usage::
     bash .ci/install_smollm2.sh          # the GGUF file; vLLM from .ci/install_vllm.sh
     python benchmarks/smollm2_speed.py                    # batch 8 x 64 new tokens; train 2 x 512
     python benchmarks/smollm2_speed.py --quick            # batch 4 x 16, 1 timed pass, train 1 x 256
+    python benchmarks/smollm2_speed.py --prefix-tree smollm2_cpu,default   # plain rows vs prefix trees
+
+Prefix trees (``--prefix-tree RECIPES``, only this comparison): for each recipe, one RL step's
+rollouts (the recipe's own model, sampler and environment; ``--warm-start-steps`` overrides its warm
+start, which the ``default`` lookup recipe needs to make multi-turn tool calls) are trained with
+``trainer.prefix_sharing="off"`` and ``"auto"`` on the same rollouts, in the same process: the
+mini-batches' rows x ``seq_len`` (the tokens the train step computes), the tokens laid out in them,
+and the seconds of the jitted steps (``Run.train``) of the RL step, wall and CPU (the process's, all
+threads: steadier than wall time on a loaded machine), best of ``--train-steps`` after one step
+that compiles (``--no-train``: the packings only). ``--seq-lens`` adds row lengths to the recipe's;
+``--row-buckets`` sets ``trainer.row_buckets`` (the recipes round rows up to a power of two, which
+can hide the rows trees save).
 
 The machine's CPU (``lscpu``), the date and the load average before and after are printed with
 the table: on a shared machine every figure is a lower bound.
@@ -45,6 +57,7 @@ import asyncio
 import contextlib
 import datetime
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -239,6 +252,71 @@ def bench_train_step(model: Any, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def bench_prefix_tree(
+    recipe: str, args: argparse.Namespace, seq_len: int | None = None
+) -> list[dict[str, Any]]:
+    """Plain rows vs prefix trees on one RL step of ``recipe`` (see the module docstring): one row per
+    ``trainer.prefix_sharing`` setting, both trained on the same rollouts."""
+    from rljax.recipes import default as default_recipe
+    from rljax.recipes import smoke, smollm2_cpu
+    from rljax.run import trainer as trainer_lib
+
+    recipes = {"default": default_recipe, "smollm2_cpu": smollm2_cpu, "smoke": smoke}
+    cfg = recipes[recipe].get_config()
+    cfg.trainer.update(num_steps=1, eval_every=0, checkpoint_every=0, prefix_sharing="off")
+    if seq_len is not None:
+        cfg.trainer.seq_len = seq_len
+    if args.warm_start_steps is not None:
+        cfg.warmstart.num_steps = args.warm_start_steps
+    if args.row_buckets:
+        cfg.trainer.row_buckets = [int(n) for n in args.row_buckets.split(",")]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="smollm2_speed_tree_") as workdir:
+        trainer = trainer_lib.Trainer(cfg, workdir)
+        parts, train_on, run_train = trainer.parts, trainer._train_on, trainer.parts.train
+        calls: list[tuple[float, float, Any]] = []
+        dry = [True]
+
+        def timed_train(batch: Any, **kwargs: Any) -> dict[str, float]:
+            if dry[0]:  # packing only: record the mini-batch, train nothing
+                calls.append((0.0, 0.0, batch))
+                return {}
+            start, cpu = time.perf_counter(), time.process_time()
+            out = run_train(batch, **kwargs)
+            calls.append((time.perf_counter() - start, time.process_time() - cpu, batch))
+            return out
+
+        def step(batch: Any, sharing: bool) -> tuple[float, float, list[Any]]:
+            parts.prefix_sharing = sharing
+            calls.clear()
+            train_on(batch)
+            return sum(c[0] for c in calls), sum(c[1] for c in calls), [c[2] for c in calls]
+
+        def both(batch: Any) -> dict[str, float]:  # the run's one step: every setting on its rollouts
+            # the packings first (printed even if a step below runs out of memory), then the steps:
+            # trees first, since the plain rows are the larger program
+            for sharing in (False, True):
+                packed = step(batch, sharing)[2]
+                rows.append(
+                    dict(recipe=recipe, seq_len=cfg.trainer.seq_len, sharing="auto" if sharing else "off",
+                         rows=sum(int(np.shape(b.tokens)[0]) for b in packed),
+                         computed=sum(int(np.size(b.tokens)) for b in packed),
+                         laid=sum(int(np.count_nonzero(np.asarray(b.segment_ids))) for b in packed))
+                )  # fmt: skip
+                print(f"  {rows[-1]}", flush=True)
+            dry[0] = False
+            for row in rows[::-1] if args.train else ():
+                times = [step(batch, row["sharing"] == "auto")[:2] for _ in range(1 + args.train_steps)]
+                row.update(first_s=times[0][0], step_s=min(t[0] for t in times[1:]),
+                           cpu_s=min(t[1] for t in times[1:]))  # fmt: skip
+                print(f"  {row}", flush=True)
+            return {}
+
+        parts.train, trainer._train_on = timed_train, both
+        trainer.run()
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=None, help="the GGUF file (default: the cached SmolLM2-135M-Instruct)")
@@ -258,6 +336,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the train step")
     p.add_argument("--quick", action="store_true", help="batch 4 x 16 tokens, 1 pass; train 1 x 256, 1 step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefix-tree",
+        default="",
+        help="comma list of recipes (smollm2_cpu, default, smoke): plain rows vs prefix trees",
+    )
+    p.add_argument(
+        "--seq-lens", default="", help="--prefix-tree: comma list of row lengths besides the recipe's"
+    )
+    p.add_argument(
+        "--warm-start-steps", type=int, default=None, help="--prefix-tree: override the warm start"
+    )
+    p.add_argument(
+        "--row-buckets",
+        default="",
+        help="--prefix-tree: trainer.row_buckets (comma list; default the recipe's)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.max_tokens, args.repeats = 4, 16, 1
@@ -265,8 +359,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def prefix_tree_main(args: argparse.Namespace) -> int:
+    """``--prefix-tree``: the plain-vs-tree table of each recipe (and each extra ``--seq-lens``)."""
+    print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; CPU: {cpu_model()}, "
+          f"{os.cpu_count()} logical CPUs; jax {jax.__version__}; load average at start {load_average()}",
+          flush=True)  # fmt: skip
+    rows = []
+    for recipe in [r.strip() for r in args.prefix_tree.split(",") if r.strip()]:
+        for seq_len in [None, *(int(n) for n in args.seq_lens.split(",") if n.strip())]:
+            print(f"{recipe} (seq_len {seq_len or 'of the recipe'}) ...", flush=True)
+            rows += bench_prefix_tree(recipe, args, seq_len)
+    print(f"\nload average at the end {load_average()}\n")
+    print("| recipe | seq_len | prefix_sharing | rows | tokens computed | tokens laid out "
+          "| train step s (best) | CPU s (best) | first step s | computed / off "
+          "| step time / off |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        r = {"step_s": math.nan, "cpu_s": math.nan, "first_s": math.nan, **r}
+        off = next(
+            o for o in rows if (o["recipe"], o["seq_len"], o["sharing"]) == (r["recipe"], r["seq_len"], "off")
+        )
+        print(f"| {r['recipe']} | {r['seq_len']} | {r['sharing']} | {r['rows']} | {r['computed']} "
+              f"| {r['laid']} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['first_s']:.1f} "
+              f"| {r['computed'] / off['computed']:.2f} "
+              f"| {r['step_s'] / off.get('step_s', math.nan):.2f} |")  # fmt: skip
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.prefix_tree:
+        return prefix_tree_main(args)
     path = args.gguf or os.fspath(gguf_fetch.model_cache_dir() / gguf_fetch.SMOLLM2.filename)
     if not os.path.isfile(path):
         print(f"no GGUF file at {path}: run .ci/install_smollm2.sh", file=sys.stderr)

@@ -6,7 +6,7 @@
    Goal: API / in-process <= 1.15x.
 2. sampling: ``SamplingClient.sample`` (``--samples`` completions of ``--new`` tokens) through the API
    vs the embedded sampler's ``generate`` called directly on the same weights. ``--vllm``: the server
-   runs ``rljax/recipes/tinker_vllm.py`` (it launches one local vLLM server; the LoRA client has no
+   runs ``configs/tinker_vllm.py`` (it launches one local vLLM server; the LoRA client has no
    unembedding adapter, so vLLM serves its sampling client) and the direct side sends the same
    requests straight to that vLLM server (rljax's ``VLLMClient``, the session's adapter name).
 
@@ -14,7 +14,7 @@ Both sides run after a warm-up (compilation excluded), ``--reps`` repetitions ea
 in-process, in-process, API, ...: on a shared machine a burst of load then hits both sides alike);
 the best and the median of each side and their ratios are printed.
 
-    python benchmarks/tinker_bench.py                # the tiny default model (rljax/recipes/tinker.py)
+    python benchmarks/tinker_bench.py                # the tiny default model (configs/tinker.py)
     python benchmarks/tinker_bench.py --model30m     # a ~30M-parameter Qwen3-shaped model
     python benchmarks/tinker_bench.py --vllm         # sampling clients served by a local vLLM server
 """

@@ -432,6 +432,7 @@ class StepRecorder:
                     prompt_roles=None if c.prompt.roles is None else list(c.prompt.roles),
                     routed_experts=getattr(c.completion, "routed_experts", None),
                     response_versions=_response_versions(c.completion),
+                    response_support_floors=_support_floors(c.completion),
                 )
             )
         return out
@@ -443,6 +444,13 @@ class StepRecorder:
                 raise ValueError("finish(reward=...) needs a recorded call to put the reward on")
             self._calls[-1].reward = reward
         return self.steps()
+
+
+def _support_floors(completion: Any) -> list[float] | None:
+    """The support floors of a completion's top-k / top-p draws (None: drawn from the whole
+    distribution, or not reported)."""
+    floors = getattr(completion, "support_floors", None)
+    return None if floors is None else list(floors)
 
 
 def _response_versions(completion: Any) -> list[int] | None:

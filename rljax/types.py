@@ -162,6 +162,11 @@ class Step:
         top_k]`` with ``num_tokens = len(prompt_ids) + len(response_ids)`` (vLLM's layout): row p
         holds the experts the sampler routed token p to in each MoE layer (the last token was
         never processed). SkyRL's ``rollout_expert_indices``.
+      response_support_floors: optional, one float per response token: the support floor of its
+        top-k / top-p draw (the token was drawn from the temperature-scaled logits ``z >= floor``;
+        ``-inf``: from the whole distribution). The trainer renormalizes its logprobs over the same
+        support (``Completion.support_floors``); None: every token was drawn from the whole
+        distribution.
     """
 
     prompt_ids: Sequence[int]
@@ -179,6 +184,7 @@ class Step:
     prompt_roles: Sequence[str | None] | None = None
     routed_experts: Any = None
     response_versions: Sequence[int] | None = None
+    response_support_floors: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trajectory_id", TrajectoryID.coerce(self.trajectory_id))
@@ -226,7 +232,7 @@ class PackedBatch:
     padding, where loss_mask is 0) used for sequence-level math across rows;
     ``group_index`` is the dense prompt-group id of that sample. ``old_logprobs``
     are the trainer's logprobs before this batch's first update (equal to
-    ``inference_logprobs`` until the trainer recomputes them). Entry ``t`` of the
+    ``inference_logprobs`` until the trainer recomputes them: ``trainer.old_logprobs``). Entry ``t`` of the
     per-token streams refers to predicting ``tokens[t]`` from ``tokens[<t]``: the
     loss mask is 0 on prompt tokens and padding. ``routed_experts`` (MoE router replay, or None):
     int32 ``[rows, seq_len, num_moe_layers, top_k]``, the experts the sampler routed each token to,
@@ -237,6 +243,23 @@ class PackedBatch:
     ``token_staleness`` (or None): int32 ``trained_version - token_versions`` on response tokens, 0
     elsewhere, set by the trainer for the version it trains
     (:func:`rljax.data.pack.with_token_staleness`); the off-policy correction's staleness mask reads it.
+    ``support_floors`` (or None): float32 top-k / top-p support floor of each response token
+    (``Step.response_support_floors``), ``-inf`` elsewhere; the trainer renormalizes each token's
+    logprob over the logits ``z >= floor`` (the support the sampler drew it from). None when no
+    sample of the batch was drawn from a truncated distribution.
+    ``kl_reference_logprobs`` (or None): float32 logprobs of every token under the frozen reference
+    policy of the objective's KL penalty (``objective.kl_loss_coef``), set by the trainer. (Not to be
+    confused with ``ref_logprobs``: the teacher of the ``ref_kl`` distillation component.)
+
+    Prefix-tree rows (``rljax.data.pack.pack(..., prefix_sharing=True)``; None for plain rows): samples
+    that share a prompt prefix are laid out as a tree in depth-first order, each shared token once.
+    ``parents``: int32 column of each token's parent in its row (-1 at a tree's root and on padding):
+    entry ``t`` of every per-token stream then refers to predicting ``tokens[t]`` from its ancestors,
+    from the hidden state at ``parents[t]``. ``subtree_end``: int32 column of the last token of each
+    token's subtree (``j`` is an ancestor of ``i`` iff ``j <= i <= subtree_end[j]``; 0 on padding).
+    ``positions`` are depths; ``segment_ids`` name the sample that owns each token (a shared token
+    belongs to the first sample through it, and every token of a sample that no earlier sample
+    shares, its response included, is one contiguous run of its segment).
     """
 
     tokens: Any
@@ -257,6 +280,10 @@ class PackedBatch:
     token_rewards: Any = None
     token_versions: Any = None
     token_staleness: Any = None
+    kl_reference_logprobs: Any = None
+    support_floors: Any = None
+    parents: Any = None
+    subtree_end: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Loading the shipped recipes (``rljax/recipes/``) in tests: each call returns a fresh ConfigDict."""
+"""Loading the shipped recipes (``configs/``, imported as ``rljax.recipes``) in tests: each call
+returns a fresh ConfigDict."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The package as a stranger installs it: a wheel built from this tree, installed WITHOUT extras into a
 fresh virtual environment, used from a directory that is not the checkout.
 
-Checks: ``rljax --version``; a 2-step ``rljax train --config=smoke`` that prints no warning a user
-cannot act on; ``import rljax.core`` (and data, models) with the web stack, the Tinker SDK and the
-trackers absent (checked, not assumed); a front door used without its extra stops with one line
-naming the extra.
+Checks: ``rljax --version``; the shipped recipes (``configs/``, as data files); a 2-step
+``rljax train --config=smoke`` that prints no warning a user cannot act on; ``import rljax.core``
+(and data, models) with the web stack, the Tinker SDK and the trackers absent (checked, not
+assumed); a front door used without its extra stops with one line naming the extra.
 """
 
 from __future__ import annotations
@@ -71,6 +71,23 @@ def test_the_core_install_has_no_front_door_dependencies(core_venv, tmp_path):
     assert got["file"].startswith(str(core_venv))  # the installed wheel, not this checkout
     assert got["installed"] == []
     assert got["imported"] == []
+
+
+def test_the_wheel_carries_the_configs(core_venv, tmp_path):
+    """The recipes are the checkout's top-level configs/, shipped once as data files
+    (<prefix>/share/rljax/configs) that the installed rljax.recipes imports."""
+    code = (
+        "import json, rljax.recipes as r\n"
+        "from rljax.recipes import smoke\n"
+        "print(json.dumps({'dir': str(r.CONFIGS_DIR), 'smoke': smoke.__file__,"
+        " 'names': sorted(p.stem for p in r.CONFIGS_DIR.glob('*.py'))}))\n"
+    )
+    r = _run([str(core_venv / "bin" / "python"), "-c", code], tmp_path, 300, _env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    data = core_venv / "share" / "rljax" / "configs"
+    assert got["dir"] == str(data.resolve()) and got["smoke"] == str(data.resolve() / "smoke.py")
+    assert got["names"] == sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
 
 
 def test_version_and_a_two_step_run_from_any_directory(core_venv, tmp_path):

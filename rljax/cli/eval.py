@@ -36,7 +36,8 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from rljax.run.evaluate import evaluate_checkpoint
-from rljax.training.checkpoint import CheckpointCorruptedError
+from rljax.run.preflight import plan_run
+from rljax.training.checkpoint import CheckpointCorruptedError, resolve_checkpoint
 
 _FLAGS = types.SimpleNamespace()  # the flag holders, once define_flags() ran
 
@@ -80,7 +81,17 @@ def main(argv: list[str]) -> None:
             "--checkpoint=DIR is required (a run's workdir, checkpoints/ or checkpoints/step_N)"
         )
     try:
-        record = evaluate_checkpoint(_FLAGS.config.value, _FLAGS.checkpoint.value, step=_FLAGS.step.value)
+        resolve_checkpoint(_FLAGS.checkpoint.value, _FLAGS.step.value)
+        plan = plan_run(_FLAGS.config.value)  # the whole config, before anything is built
+    except (FileNotFoundError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    if not plan.env_tasks.eval:
+        raise app.UsageError(
+            "config.envs: no eval tasks; set config.envs.<name>.num_eval_tasks (task makers) or "
+            "config.envs.<name>.dataset.eval / eval_fraction (dataset files)"
+        )
+    try:
+        record = evaluate_checkpoint(plan.config, _FLAGS.checkpoint.value, step=_FLAGS.step.value)
     except (FileNotFoundError, CheckpointCorruptedError) as e:
         raise app.UsageError(str(e)) from None
     directory, step = pathlib.Path(record["checkpoint"]).parent, record["step"]

@@ -15,7 +15,7 @@ says otherwise; ``--api_key`` (repeatable) makes the server refuse other keys. C
 (``save_state``, ``save_weights_for_sampler``) go to ``<workdir>/tinker/<model_id>/`` and survive a
 restart: ``load_state`` / ``create_sampling_client(model_path=...)`` read them back. Sampling
 clients run on the embedded sampler, or, when the config names vLLM engines
-(``rljax/recipes/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
+(``configs/tinker_vllm.py``), on vLLM servers (base model and adapters without an unembedding
 target; ``rljax.tinker.sampling``).
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import types
 
-from absl import flags
+from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
@@ -69,6 +69,12 @@ def main(argv: list[str]) -> None:
     from rljax.extras import require
 
     require("tinker", "rljax serve")  # before any import of the extra's modules
+    from rljax.run.preflight import plan_run
+
+    try:
+        config = plan_run(_FLAGS.config.value, rollouts=False).config  # checked whole before serving
+    except (FileNotFoundError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
     import uvicorn
 
     from rljax.gateway.limits import uvicorn_options
@@ -86,7 +92,7 @@ def main(argv: list[str]) -> None:
     )
     if _FLAGS.base_model.value:
         options["base_model"] = _FLAGS.base_model.value
-    service = build_service(_FLAGS.config.value, _FLAGS.workdir.value, **options)
+    service = build_service(config, _FLAGS.workdir.value, **options)
     absl_logging.info(
         "serving %s on http://%s:%d", service.options.base_model, _FLAGS.host.value, _FLAGS.port.value
     )

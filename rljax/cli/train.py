@@ -11,15 +11,25 @@ when the config differs from the checkpoint's in a key that changes results, unl
 ``--allow_config_change``); without it an existing run in ``workdir`` is refused rather than
 silently overwritten, unless ``--overwrite`` is given.
 
+Nothing is touched before the whole config is checked (:func:`rljax.run.preflight.plan_run`): a
+mistake in a flag or the config (an unknown key, a wrong type, a value out of range, a missing file
+or recipe, a pip extra not installed) is one line on stderr and exit status 2, and ``--overwrite``
+deletes the old run only after that. ``--dry-run`` prints the resolved config and the model,
+algorithms, envs, engines and devices the run would build, and exits without creating the workdir::
+
+    rljax train --config=smoke --dry-run
+
 Several processes (hosts): start the same command once per process, with the same config and
 ``--workdir`` (a filesystem every host shares), adding ``--coordinator_address=HOST0:PORT
 --num_processes=N --process_id=I`` (or ``--distributed`` alone where JAX detects them: SLURM,
 Open MPI, Kubernetes / GKE, Cloud TPU); ``--cpu_collectives=gloo`` for CPU-only runs::
 
-    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \
+    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \\
         --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=0 --cpu_collectives=gloo &
-    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \
+    rljax train --config=smoke --workdir=/tmp/run --config.mesh.data=8 \\
         --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=1 --cpu_collectives=gloo
+
+Flags may be spelled with dashes or underscores (``--dry-run``, ``--dry_run``).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import pathlib
 import shutil
 import tempfile
 import types
+from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -42,7 +53,7 @@ def define_flags() -> None:
     _FLAGS.config = config_flags.DEFINE_config_file(
         "config",
         None,
-        "An ml_collections config file, or the name of a shipped recipe (rljax/recipes/).",
+        "An ml_collections config file, or the name of a shipped recipe (configs/).",
         lock_config=True,
     )
     _FLAGS.workdir = flags.DEFINE_string(
@@ -52,7 +63,14 @@ def define_flags() -> None:
         "resume", False, "Resume from the latest complete checkpoint in --workdir."
     )
     _FLAGS.overwrite = flags.DEFINE_bool(
-        "overwrite", False, "Delete an existing run in --workdir and start over."
+        "overwrite",
+        False,
+        "Delete an existing run in --workdir and start over (only once the new config is checked).",
+    )
+    _FLAGS.dry_run = flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Check the config whole, print it resolved and what the run would build, and exit (no workdir).",
     )
     _FLAGS.distributed = flags.DEFINE_bool(
         "distributed",
@@ -83,10 +101,15 @@ def define_flags() -> None:
     )
 
 
+def _distributed_asked() -> bool:
+    """Whether the flags ask to join a multi-process run."""
+    given = [f.value is not None for f in (_FLAGS.coordinator, _FLAGS.num_processes, _FLAGS.process_id)]
+    return bool(_FLAGS.distributed.value or any(given))
+
+
 def _initialize_distributed() -> bool:
     """Joins a multi-process run when the flags ask for one (before anything starts JAX's backends)."""
-    given = [f.value is not None for f in (_FLAGS.coordinator, _FLAGS.num_processes, _FLAGS.process_id)]
-    if not (_FLAGS.distributed.value or any(given)):
+    if not _distributed_asked():
         return False
     from rljax.training import distributed
 
@@ -103,14 +126,29 @@ def _initialize_distributed() -> bool:
     return distributed.initialize(config)
 
 
-def _prepare_workdir(
-    workdir: str | None, *, resume: bool, overwrite: bool, multi_process: bool = False
-) -> pathlib.Path:
+def _check_workdir(workdir: str | None, *, resume: bool, overwrite: bool, multi_process: bool) -> None:
+    """The flag rules of ``--workdir`` (nothing is created or deleted here)."""
     if workdir is None:
         if resume:
             raise app.UsageError("--resume needs --workdir (the directory of the run to resume)")
         if multi_process:
             raise app.UsageError("a multi-process run needs --workdir (a directory every process shares)")
+        return
+    path = pathlib.Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise app.UsageError(f"--workdir={workdir} is a file, not a directory")
+    existing = (path / "checkpoints").exists() or (path / "metrics.jsonl").exists()
+    if existing and not (resume or overwrite):
+        raise app.UsageError(
+            f"{path} already holds a run; pass --resume to continue it or --overwrite to start over"
+        )
+
+
+def _prepare_workdir(workdir: str | None, *, resume: bool, multi_process: bool = False) -> pathlib.Path:
+    """The run's directory, made: a new temporary one without ``--workdir``; an existing run in it is
+    deleted unless ``resume`` (only called once the whole config is checked, so ``--overwrite`` never
+    deletes a run for a config that does not start)."""
+    if workdir is None:
         return pathlib.Path(tempfile.mkdtemp(prefix="rljax_run_"))
     path = pathlib.Path(workdir)
     existing = (path / "checkpoints").exists() or (path / "metrics.jsonl").exists()
@@ -119,13 +157,8 @@ def _prepare_workdir(
         import jax
 
         main_process = jax.process_index() == 0
-    if existing and not resume:
-        if not overwrite:
-            raise app.UsageError(
-                f"{path} already holds a run; pass --resume to continue it or --overwrite to start over"
-            )
-        if main_process:  # one process deletes; the others wait at the barrier below
-            shutil.rmtree(path)
+    if existing and not resume and main_process:  # one process deletes; the others wait below
+        shutil.rmtree(path)
     if main_process:
         path.mkdir(parents=True, exist_ok=True)
     if multi_process:
@@ -136,8 +169,36 @@ def _prepare_workdir(
     return path
 
 
+def _plan(config: Any) -> Any:
+    """The whole config checked (:func:`rljax.run.preflight.plan_run`) on the processes and devices this
+    run gets: the trainer's GPUs and memory share are set, and a multi-process run joined, first
+    (before JAX starts its backend)."""
+    from rljax.run.config import parse_run_config
+    from rljax.run.placement import place_trainer
+    from rljax.run.preflight import plan_run
+
+    try:
+        cfg = parse_run_config(config)
+        place_trainer(cfg.engine)
+        _initialize_distributed()
+        import jax
+
+        return plan_run(
+            cfg,
+            process_count=jax.process_count(),
+            device_count=jax.device_count(),
+            resume_from=_FLAGS.workdir.value if _FLAGS.resume.value else None,
+            allow_config_change=_FLAGS.allow_config_change.value,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise app.UsageError(str(e)) from None
+
+
 def main(argv: list[str]) -> None:
-    """Runs ``rljax train`` with the parsed flags (``argv``: what absl left, the program name only)."""
+    """Runs ``rljax train`` with the parsed flags (``argv``: what absl left, the program name only).
+
+    Order: the flags, then the whole config (:func:`_plan`), and only then the workdir (created, or
+    with ``--overwrite`` an old run deleted) and the run; ``--dry-run`` stops before the workdir."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<key>=<value> for overrides")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every file it renames at INFO
@@ -145,22 +206,30 @@ def main(argv: list[str]) -> None:
     config = _FLAGS.config.value
     if config is None:
         raise app.UsageError("--config=<recipe name or config file> is required (e.g. --config=default)")
-    multi_process = _initialize_distributed()
-    workdir = _prepare_workdir(
-        _FLAGS.workdir.value,
-        resume=_FLAGS.resume.value,
-        overwrite=_FLAGS.overwrite.value,
-        multi_process=multi_process,
+    resume = _FLAGS.resume.value
+    multi_process = _distributed_asked()
+    _check_workdir(
+        _FLAGS.workdir.value, resume=resume, overwrite=_FLAGS.overwrite.value, multi_process=multi_process
     )
+    plan = _plan(config)
+    if _FLAGS.dry_run.value:
+        print(plan.describe(), flush=True)
+        print("dry run: the config is valid; nothing was created, deleted or started", flush=True)
+        return
+    workdir = _prepare_workdir(_FLAGS.workdir.value, resume=resume, multi_process=multi_process)
     print(f"workdir: {workdir}", flush=True)
     from rljax.run.trainer import Trainer  # import after flag parsing (fast --help)
 
     trainer = Trainer(
-        config, workdir, resume=_FLAGS.resume.value, allow_config_change=_FLAGS.allow_config_change.value
+        plan.config,
+        workdir,
+        resume=resume,
+        allow_config_change=_FLAGS.allow_config_change.value,
+        tasks=plan.tasks(),
     )
     try:
         history = trainer.run()
-    except FileNotFoundError as e:  # --resume of a workdir without a complete checkpoint
+    except FileNotFoundError as e:  # --resume of a workdir without an intact checkpoint
         raise app.UsageError(str(e)) from None
     if history:
         last = history[-1]

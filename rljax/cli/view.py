@@ -10,9 +10,7 @@ inline (data, script, style): open it from the file system, no server needed. Se
 
 from __future__ import annotations
 
-import sys
-
-from absl import flags
+from absl import app, flags
 
 
 def define_flags() -> None:
@@ -32,10 +30,10 @@ def main(argv: list[str]) -> None:
     del argv
     f = flags.FLAGS
     if not f.workdir:
-        sys.exit("rljax view: --workdir is required")
+        raise app.UsageError("--workdir is required")
     workdir = pathlib.Path(f.workdir)
     if not workdir.is_dir():
-        sys.exit(f"rljax view: --workdir {workdir} is not a directory")
+        raise app.UsageError(f"--workdir {workdir} is not a directory")
     out = pathlib.Path(f.out) if f.out else workdir / "report.html"
     steps = None if f.steps is None else [int(s) for s in f.steps]
     path = write_report(workdir, out, max_trajectories=f.max_trajectories, steps=steps)

@@ -300,11 +300,12 @@ def masked_whiten(x: chex.Array, mask: chex.Array, *, eps: float = 1e-8) -> chex
     return centered * jax.lax.rsqrt(var + eps)
 
 
-def _reverse_scan_rows(step_fn, init, *row_arrays: chex.Array) -> chex.Array:
-    """Runs ``step_fn(carry, columns) -> (carry, out_column)`` from the last column to the first."""
+def _reverse_scan_rows(step_fn, init, *row_arrays: chex.Array) -> Any:
+    """Runs ``step_fn(carry, columns) -> (carry, out_columns)`` from the last column to the first;
+    the outputs (an array or a tuple of arrays) come back as ``[B, L]``."""
     columns = tuple(jnp.swapaxes(a, 0, 1) for a in row_arrays)  # [L, B]
     _, out = jax.lax.scan(step_fn, init, columns, reverse=True)
-    return jnp.swapaxes(out, 0, 1)
+    return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), out)
 
 
 def token_returns(token_rewards: chex.Array, mask: chex.Array, *, gamma: float = 1.0) -> chex.Array:
@@ -355,11 +356,13 @@ def gae(
     values: chex.Array,
     mask: chex.Array,
     segment_ids: chex.Array | None = None,
+    links: chex.Array | None = None,
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> tuple[chex.Array, chex.Array]:
-    """Generalized advantage estimation over trainable positions of each row.
+    """Generalized advantage estimation over trainable positions of each row, optionally
+    continued across rows and samples along ``links``.
 
     With ``t'`` the next position with ``mask = 1`` in the row (``V_{t'} = A_{t'} = 0`` past
     the row end, and, when ``segment_ids`` is given, past the end of the position's segment:
@@ -373,6 +376,15 @@ def gae(
     Masked positions are skipped: their values never enter a ``delta`` (no leakage from
     observation tokens or padding), and both outputs are 0 there.
 
+    ``links`` (int ``[K, 2]``, rows ``(src, dst)`` of flat indices into the row-major ``[B * L]``
+    arrays; rows with a negative entry are ignored) chain pieces of one trajectory that sit in
+    different samples or rows: for each link, ``t' = dst`` for the trained position ``src``, which
+    then no longer bootstraps from the positions after it in its own row. This is the
+    recursion above along the trajectory's trained tokens in time order, whatever the layout
+    (design §2.4). ``src`` and ``dst`` must be trained positions, each ``src`` at most once, and
+    following links must never come back to a position (links go forward in time). The chains
+    are resolved in ``ceil(log2(K + 1))`` pointer-jumping steps over ``K``.
+
     Reference: Schulman et al. 2016, High-Dimensional Continuous Control Using GAE
     (arXiv:1506.02438).
 
@@ -383,6 +395,10 @@ def gae(
     >>> adv, ret = gae(jnp.array([[0.0, 1.0]]), jnp.array([[0.5, 0.25]]), jnp.array([[1, 1]]))
     >>> ret.tolist()
     [[1.0, 1.0]]
+    >>> # one trajectory in two samples (segments 1 and 2): position 1 continues at position 2
+    >>> r, v, m = jnp.array([[0.0, 0.0, 1.0]]), jnp.zeros((1, 3)), jnp.ones((1, 3))
+    >>> gae(r, v, m, jnp.array([[1, 1, 2]]), jnp.array([[1, 2]]))[1].tolist()
+    [[1.0, 1.0, 1.0]]
     """
     chex.assert_rank([token_rewards, values, mask], 2)
     chex.assert_equal_shape([token_rewards, values, mask])
@@ -390,23 +406,101 @@ def gae(
     m = mask.astype(bool)
     segs = jnp.zeros(mask.shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     chex.assert_equal_shape([segs, mask])
-
-    def step(carry, col):
-        next_value, next_adv, next_seg = carry
-        r, v, keep, seg = col
-        same = seg == next_seg  # a new segment (read right to left) starts from zeros
-        next_value = jnp.where(same, next_value, 0.0)
-        next_adv = jnp.where(same, next_adv, 0.0)
-        adv = r + gamma * next_value - v + gamma * lam * next_adv
-        carry = (jnp.where(keep, v, next_value), jnp.where(keep, adv, next_adv), seg)
-        return carry, jnp.where(keep, adv, jnp.zeros_like(adv))
-
-    zeros = jnp.zeros(token_rewards.shape[:1], token_rewards.dtype)
-    init = (zeros, zeros, jnp.zeros(token_rewards.shape[:1], jnp.int32) if segment_ids is None else
-            jnp.full(token_rewards.shape[:1], -1, jnp.int32))  # fmt: skip
-    raw_adv = _reverse_scan_rows(step, init, token_rewards, values.astype(token_rewards.dtype), m, segs)
+    size = mask.shape[0] * mask.shape[1]
+    if links is None:
+        src = dst = jnp.zeros((0,), jnp.int32)
+    else:
+        links = jnp.asarray(links, jnp.int32)
+        chex.assert_rank(links, 2)
+        chex.assert_axis_dimension(links, 1, 2)
+        chex.assert_type(links, int)
+        valid = jnp.all(links >= 0, axis=1) & jnp.all(links < size, axis=1)
+        src = jnp.where(valid, links[:, 0], size)  # out of range: dropped by the scatters below
+        dst = jnp.where(valid, links[:, 1], size)
+    cut = jnp.zeros(size, bool).at[src].set(True, mode="drop").reshape(mask.shape)
+    values = values.astype(token_rewards.dtype)
+    raw_adv, run_end, after = _gae_runs(token_rewards, values, m, segs, cut, gamma=gamma, lam=lam)
+    if links is not None:
+        raw_adv = raw_adv + _linked_bootstrap(raw_adv, values, m, run_end, after, src, dst, gamma, lam)
     returns = (raw_adv + values) * m.astype(values.dtype)
     return masked_whiten(raw_adv, mask), returns
+
+
+def _gae_runs(
+    token_rewards: chex.Array,
+    values: chex.Array,
+    keep: chex.Array,
+    segs: chex.Array,
+    cut: chex.Array,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[chex.Array, chex.Array, chex.Array]:
+    """GAE within runs: a run is a maximal stretch of a segment's trained positions that ends at
+    the segment's last trained position or at a ``cut`` position (a link's ``src``), with no
+    bootstrap past its end. Returns ``[B, L]`` advantages, the flat index of each trained
+    position's run end (-1 off the mask), and the number of trained positions after it in its run."""
+    rows, width = keep.shape
+    flat = jnp.arange(rows * width, dtype=jnp.int32).reshape(rows, width)
+
+    def step(carry, col):
+        next_value, next_adv, next_seg, end, count = carry
+        r, v, k, seg, c, pos = col
+        fresh = (seg != next_seg) | c  # a new run (read right to left) starts from zeros
+        next_value = jnp.where(fresh, 0.0, next_value)
+        next_adv = jnp.where(fresh, 0.0, next_adv)
+        end = jnp.where(fresh, -1, end)
+        count = jnp.where(fresh, 0, count)
+        adv = r + gamma * next_value - v + gamma * lam * next_adv
+        mine = jnp.where(end >= 0, end, pos)
+        carry = (
+            jnp.where(k, v, next_value),
+            jnp.where(k, adv, next_adv),
+            seg,
+            jnp.where(k, mine, end),
+            jnp.where(k, count + 1, count),
+        )
+        return carry, (jnp.where(k, adv, jnp.zeros_like(adv)), jnp.where(k, mine, -1), jnp.where(k, count, 0))
+
+    zeros = jnp.zeros((rows,), token_rewards.dtype)
+    ints = jnp.zeros((rows,), jnp.int32)
+    init = (zeros, zeros, jnp.full((rows,), -1, jnp.int32), ints - 1, ints)
+    return _reverse_scan_rows(step, init, token_rewards, values, keep, segs, cut, flat)
+
+
+def _linked_bootstrap(
+    raw_adv: chex.Array,
+    values: chex.Array,
+    keep: chex.Array,
+    run_end: chex.Array,
+    after: chex.Array,
+    src: chex.Array,
+    dst: chex.Array,
+    gamma: float,
+    lam: float,
+) -> chex.Array:
+    """What the links add to the run-local advantages ``a``: ``(gamma lam)^d_t * E_k`` for a
+    trained position ``t`` with ``d_t`` trained positions after it in its run, whose run ends at
+    the ``src`` of link ``k``, where ``E_k = gamma V_dst + gamma lam A_dst`` is what that ``src``
+    bootstraps from. ``A_dst = a_dst + (gamma lam)^d_dst E_k'`` (``k'`` the link leaving ``dst``'s
+    run) makes ``E`` affine along each chain, ``E_k = b_k + m_k E_k'``, solved by pointer jumping."""
+    size = raw_adv.size
+    num = src.shape[0]
+    a, v, end, d = (x.reshape(-1) for x in (raw_adv, values, run_end, after))
+    link_at = jnp.full((size,), num, jnp.int32).at[src].set(jnp.arange(num, dtype=jnp.int32), mode="drop")
+    gl = gamma * lam
+    on = dst < size
+    at = jnp.minimum(dst, size - 1)
+    b = jnp.where(on, gamma * (v[at] + lam * a[at]), 0.0)
+    mult = jnp.where(on, gamma * lam * jnp.power(gl, d[at]), 0.0)
+    nxt = jnp.where(on & (end[at] >= 0), link_at[jnp.maximum(end[at], 0)], num)
+    b, mult = jnp.append(b, 0.0).astype(a.dtype), jnp.append(mult, 0.0).astype(a.dtype)
+    nxt = jnp.append(nxt, num)  # the terminal entry: E = 0, points to itself
+    for _ in range(max(num, 1).bit_length()):  # 2^steps > num: every chain reaches the terminal
+        b, mult, nxt = b + mult * b[nxt], mult * mult[nxt], nxt[nxt]
+    k = jnp.where(end >= 0, link_at[jnp.maximum(end, 0)], num)
+    out = jnp.where(keep.reshape(-1), jnp.power(gl, d) * b[k], 0.0)
+    return out.reshape(raw_adv.shape).astype(raw_adv.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 Every loss here is elementwise over any shape (``[B, L]`` padded or ``[R, L]`` packed)
 and returns the per-token loss with the shape of ``logp``, masked positions included
-(design §3.2-§3.3, §3.6b). Masks, weights and normalizers are applied by
-:mod:`rljax.core.objective`. Only :func:`gspo` is sequence-level: it takes
-``segment_ids`` (the sample each token belongs to, values in ``[0, num_segments)``)
-and a static ``num_segments``.
+(design §3.2-§3.3, §3.6b); a policy loss returns it as :class:`PolicyLossTerms` ``(loss,
+clipped)`` together with where its trust-region rule cut the token, both from one computation.
+Masks, weights and normalizers are applied by :mod:`rljax.core.objective`. Only :func:`gspo` is
+sequence-level: it takes ``segment_ids`` (the sample each token belongs to, values in
+``[0, num_segments)``) and a static ``num_segments``.
 
 Importance ratios are computed in float32 as ``exp(clip(logp - ref, -20, 20))`` so a
 wild log-ratio never overflows. ``sg`` below is ``jax.lax.stop_gradient``.
@@ -17,10 +18,12 @@ Only :func:`clip_cov` and :func:`kl_cov` use statistics of the whole array passe
 its function, the uniform inputs it reads (fields of :class:`LossInputs`: ``logp, old_logp,
 inference_logp/rollout_logp, adv, mask, segment_ids, num_segments, rng``), its
 hyperparameters with their defaults and its input choices (cispo's ``behavior``: old or
-inference logprobs). A built-in's inputs and defaults are read from its public signature
-below, the one place they are written. Calling a registered loss with one
-:class:`LossInputs` (:func:`policy_loss`) returns ``(per_token_loss, clipped)``: the clip
-indicator of the ``rl/clip_frac`` metric comes out of the loss computation itself. The
+inference logprobs). A built-in is registered as its public function itself: its inputs and
+defaults are read from its signature, the one place they are written (the estimators'
+registry, :mod:`rljax.core.advantages`, reads its functions the same way). Calling a
+registered loss with one :class:`LossInputs` (:func:`policy_loss`) returns ``(per_token_loss,
+clipped)``: the clip indicator of the ``rl/clip_frac`` metric comes out of the loss computation
+itself. The
 objective, :func:`validate_policy_loss` and ``rljax.algorithms`` read the same
 registration, so a loss added with :func:`register_policy_loss` works everywhere a built-in
 one does.
@@ -35,7 +38,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -46,7 +49,8 @@ from rljax.core import registry, segments
 #: Every importance ratio of the core is ``exp(clip(log r, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))``.
 LOG_RATIO_CLIP = 20.0
 _GSPO_LOG_WEIGHT_MAX = 10.0
-_KL_KINDS = ("k1", "abs", "k2", "k3")
+#: The per-token KL estimators of :func:`kl` (Schulman 2020).
+KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
 
 
 def _f32(x: chex.Array) -> jax.Array:
@@ -73,19 +77,37 @@ def _check(floats: list[chex.Array], others: tuple[chex.Array, ...] = ()) -> Non
     chex.assert_equal_shape([*floats, *others])
 
 
-def _clipped_surrogate(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float) -> jax.Array:
-    """``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``."""
-    return -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
+class PolicyLossTerms(NamedTuple):
+    """What every built-in policy loss returns: the per-token loss and where its rule cut it.
+
+    Attributes:
+      loss: the per-token loss, float32, shaped like ``logp`` (masked positions included).
+      clipped: float32 0/1, shaped like ``loss``: 1 where the loss's trust-region rule was active
+        (PPO / GSPO clip branch taken, dual-clip bound taken, CISPO weight clipped, DPPO token
+        dropped, rollout-IS weight zeroed, Clip-Cov token removed); all zeros for losses without
+        such a rule. The objective's ``rl/clip_frac`` is its weighted mean.
+    """
+
+    loss: jax.Array
+    clipped: jax.Array
 
 
-def _surrogate_clipped(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float) -> jax.Array:
-    """1.0 where the PPO clip is active (the clipped branch wins and cuts the gradient)."""
+def _terms(loss: jax.Array, clipped: jax.Array | None = None) -> PolicyLossTerms:
+    cut = jnp.zeros(loss.shape, jnp.float32) if clipped is None else (clipped != 0).astype(jnp.float32)
+    return PolicyLossTerms(loss, cut)
+
+
+def _ppo_surrogate(ratio: jax.Array, adv: jax.Array, eps_low: float, eps_high: float) -> PolicyLossTerms:
+    """``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` and where the clipped branch
+    wins (``A > 0, ratio > 1 + eps_high`` or ``A < 0, ratio < 1 - eps_low``: no gradient there)."""
+    loss = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
     hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-    return hit.astype(jnp.float32)
+    return _terms(loss, hit)
 
 
 # ------------------------------------------------------------------------------------------------
-# Policy losses
+# Policy losses: each returns PolicyLossTerms(loss, clipped); its signature declares its inputs
+# (positional) and hyperparameters with their defaults (keyword-only), read by the registry below.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -96,31 +118,23 @@ def ppo_clip(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """PPO clipped surrogate, per token.
 
     ``r = exp(clip(logp - old_logp, -20, 20))``;
-    ``loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``.
-    Asymmetric ``eps_high`` is DAPO's clip-higher.
+    ``loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; ``clipped`` where the clipped
+    branch wins. Asymmetric ``eps_high`` is DAPO's clip-higher.
 
     References: Schulman et al. 2017, "Proximal Policy Optimization Algorithms";
     Yu et al. 2025, "DAPO" (decoupled clip).
 
     >>> import jax.numpy as jnp
-    >>> loss = ppo_clip(jnp.log(jnp.array([1.5, 0.5])), jnp.zeros(2), jnp.array([1.0, 1.0]))
-    >>> [round(float(x), 4) for x in loss]
-    [-1.2, -0.5]
+    >>> loss, clipped = ppo_clip(jnp.log(jnp.array([1.5, 0.5])), jnp.zeros(2), jnp.array([1.0, 1.0]))
+    >>> [round(float(x), 4) for x in loss], clipped.tolist()
+    ([-1.2, -0.5], [1.0, 0.0])
     """
-    return _ppo_clip_terms(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
-
-
-def _ppo_clip_terms(
-    logp: chex.Array, old_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`ppo_clip`, where its clipped branch is active)."""
     _check([logp, old_logp, adv])
-    r, a = _ratio(logp, old_logp), _f32(adv)
-    return _clipped_surrogate(r, a, eps_low, eps_high), _surrogate_clipped(r, a, eps_low, eps_high)
+    return _ppo_surrogate(_ratio(logp, old_logp), _f32(adv), eps_low, eps_high)
 
 
 def dual_clip(
@@ -131,42 +145,27 @@ def dual_clip(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """Dual-clip PPO: the PPO loss, further bounded by ``-A c`` where ``A < 0``.
 
     ``loss = ppo_clip`` for ``A >= 0``; ``min(-A c, ppo_clip)`` for ``A < 0`` (so a huge
-    ratio on a negative-advantage token cannot produce an unbounded loss).
+    ratio on a negative-advantage token cannot produce an unbounded loss); ``clipped`` where the
+    PPO clip or the dual bound is active.
 
     Reference: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL".
 
     >>> import jax.numpy as jnp
-    >>> loss = dual_clip(jnp.log(jnp.array([10.0, 10.0])), jnp.zeros(2), jnp.array([-1.0, 1.0]))
-    >>> [round(float(x), 4) for x in loss]
-    [3.0, -1.2]
+    >>> loss, clipped = dual_clip(jnp.log(jnp.array([10.0, 10.0])), jnp.zeros(2), jnp.array([-1.0, 1.0]))
+    >>> [round(float(x), 4) for x in loss], clipped.tolist()
+    ([3.0, -1.2], [1.0, 1.0])
     """
-    return _dual_clip_terms(
-        logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
-    )[0]
-
-
-def _dual_clip_terms(
-    logp: chex.Array,
-    old_logp: chex.Array,
-    adv: chex.Array,
-    *,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float,
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`dual_clip`, where the PPO clip or the dual bound ``-A c`` is active)."""
     _check([logp, old_logp, adv])
     if isinstance(clip_ratio_c, (int, float)) and clip_ratio_c <= 1.0:
         raise ValueError(f"dual_clip needs clip_ratio_c > 1 (it bounds the loss at -A*c); got {clip_ratio_c}")
-    r, a = _ratio(logp, old_logp), _f32(adv)
-    base = _clipped_surrogate(r, a, eps_low, eps_high)
+    a = _f32(adv)
+    base, ppo_hit = _ppo_surrogate(_ratio(logp, old_logp), a, eps_low, eps_high)
     bound = (a < 0) & (-a * clip_ratio_c < base)  # the dual bound is below the PPO loss
-    clipped = (_surrogate_clipped(r, a, eps_low, eps_high) > 0) | bound
-    return jnp.where(bound, -a * clip_ratio_c, base), clipped
+    return _terms(jnp.where(bound, -a * clip_ratio_c, base), (ppo_hit > 0) | bound)
 
 
 def _gspo_log_weight(
@@ -187,9 +186,9 @@ def gspo(
     segment_ids: chex.Array,
     num_segments: int,
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-) -> jax.Array:
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> PolicyLossTerms:
     """GSPO: PPO clipping on a sequence-level importance weight, per token.
 
     ``s_j = mean_{t in j, mask}(clip(logp - old_logp, -20, 20))`` for each sequence
@@ -197,35 +196,25 @@ def gspo(
     has the value ``exp(s_j)`` and the gradient of ``logp_t``;
     ``loss = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)``.
 
+    The default clip is the paper's (3e-4 / 4e-4): a sequence weight is the geometric mean of its
+    token ratios, so it stays far closer to 1 than a token ratio and PPO's 0.2 would never clip.
+    The ratio is against the old (proximal) policy, which the trainer recomputes for gspo
+    (``trainer.old_logprobs``, design §3.4): against the sampler's logprobs, float noise of
+    0.01 nats alone would clip about half the sequences.
+
     Reference: Zheng et al. 2025, "Group Sequence Policy Optimization" (token variant,
     GSPO-token); SkyRL ``gspo`` policy loss.
 
     >>> import jax.numpy as jnp
     >>> logp = jnp.log(jnp.array([1.1, 1.1, 2.0]))   # ratios vs old_logp = 0
-    >>> loss = gspo(logp, jnp.zeros(3), jnp.ones(3), jnp.ones(3), jnp.array([0, 0, 1]), 2)
-    >>> [round(float(x), 4) for x in loss]
-    [-1.1, -1.1, -1.2]
+    >>> out = gspo(logp, jnp.zeros(3), jnp.ones(3), jnp.ones(3), jnp.array([0, 0, 1]), 2,
+    ...            eps_low=0.2, eps_high=0.2)
+    >>> [round(float(x), 4) for x in out.loss], out.clipped.tolist()
+    ([-1.1, -1.1, -1.2], [0.0, 0.0, 1.0])
     """
-    return _gspo_terms(
-        logp, old_logp, adv, mask, segment_ids, num_segments, eps_low=eps_low, eps_high=eps_high
-    )[0]
-
-
-def _gspo_terms(
-    logp: chex.Array,
-    old_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    segment_ids: chex.Array,
-    num_segments: int,
-    *,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`gspo`, where its clipped branch is active)."""
     _check([logp, old_logp, adv], (mask, segment_ids))
-    w, a = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments)), _f32(adv)
-    return _clipped_surrogate(w, a, eps_low, eps_high), _surrogate_clipped(w, a, eps_low, eps_high)
+    w = jnp.exp(_gspo_log_weight(logp, old_logp, mask, segment_ids, num_segments))
+    return _ppo_surrogate(w, _f32(adv), eps_low, eps_high)
 
 
 def cispo(
@@ -235,31 +224,26 @@ def cispo(
     *,
     eps_low: float = 1.0,
     eps_high: float = 4.0,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight, per token.
 
     ``r_b = exp(clip(logp - behavior_logp, -20, 20))``;
-    ``loss = -A sg(clip(r_b, 1 - eps_low, 1 + eps_high)) logp``. The behaviour logprobs
-    are the old policy's or the rollout engine's (see :func:`policy_loss`).
+    ``loss = -A sg(clip(r_b, 1 - eps_low, 1 + eps_high)) logp``; ``clipped`` where the weight
+    was clipped. The behaviour logprobs are the old policy's or the rollout engine's (the
+    registered loss's ``behavior`` choice, :func:`policy_loss`).
 
     Reference: MiniMax 2025, "MiniMax-M1" (CISPO).
 
     >>> import jax.numpy as jnp
-    >>> loss = cispo(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.05, 0.5])), jnp.ones(2))
-    >>> [round(float(x), 4) for x in loss]
-    [3.4657, 0.6931]
+    >>> loss, clipped = cispo(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.05, 0.5])), jnp.ones(2))
+    >>> [round(float(x), 4) for x in loss], clipped.tolist()
+    ([3.4657, 0.6931], [1.0, 0.0])
     """
-    return _cispo_terms(logp, behavior_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
-
-
-def _cispo_terms(
-    logp: chex.Array, behavior_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`cispo`, where the importance weight was clipped)."""
     _check([logp, behavior_logp, adv])
     r = _ratio(logp, behavior_logp)
     weight = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high)
-    return -_f32(adv) * jax.lax.stop_gradient(weight) * _f32(logp), (r < 1.0 - eps_low) | (r > 1.0 + eps_high)
+    loss = -_f32(adv) * jax.lax.stop_gradient(weight) * _f32(logp)
+    return _terms(loss, (r < 1.0 - eps_low) | (r > 1.0 + eps_high))
 
 
 def dppo(
@@ -272,11 +256,11 @@ def dppo(
     mask_high: float = 0.2,
     adv_tau: float = 1.0,
     kl_tau: float = 1e-3,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """DPPO (prime-rl default loss): probability-difference trust region plus a KL term.
 
     ``dp = exp(logp) - exp(logp_inf)``; a token is dropped from the policy term where
-    ``A > 0 and dp > mask_high`` or ``A <= 0 and dp < -mask_low``;
+    ``A > 0 and dp > mask_high`` or ``A <= 0 and dp < -mask_low`` (``clipped``);
     ``keep = mask and not dropped``; ``r_inf = exp(clip(logp - logp_inf, -20, 20))``;
     ``loss = -keep adv_tau A r_inf + kl_tau mask log(r_inf)^2``.
 
@@ -284,41 +268,17 @@ def dppo(
 
     >>> import jax.numpy as jnp
     >>> p, q = jnp.array([.5, .5, .9, .1]), jnp.array([.5, .2, .6, .4])
-    >>> loss = dppo(jnp.log(p), jnp.log(q), jnp.array([1.0, 1, -1, -1]), jnp.ones(4))
-    >>> round(float(loss.sum()), 5)
-    0.50293
+    >>> loss, dropped = dppo(jnp.log(p), jnp.log(q), jnp.array([1.0, 1, -1, -1]), jnp.ones(4))
+    >>> round(float(loss.sum()), 5), dropped.tolist()
+    (0.50293, [0.0, 1.0, 0.0, 1.0])
     """
-    return _dppo_terms(
-        logp,
-        inference_logp,
-        adv,
-        mask,
-        mask_low=mask_low,
-        mask_high=mask_high,
-        adv_tau=adv_tau,
-        kl_tau=kl_tau,
-    )[0]
-
-
-def _dppo_terms(
-    logp: chex.Array,
-    inference_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    *,
-    mask_low: float,
-    mask_high: float,
-    adv_tau: float,
-    kl_tau: float,
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`dppo`, where the token left the trust region and was dropped from the policy term)."""
     _check([logp, inference_logp, adv], (mask,))
     on, a = _is_on(mask), _f32(adv)
     dp = jnp.exp(_f32(logp)) - jnp.exp(_f32(inference_logp))
     dropped = ((a > 0) & (dp > mask_high)) | ((a <= 0) & (dp < -mask_low))
     keep = on * (1.0 - dropped.astype(jnp.float32))
     log_r = _log_ratio(logp, inference_logp)
-    return -keep * adv_tau * a * jnp.exp(log_r) + kl_tau * on * jnp.square(log_r), dropped
+    return _terms(-keep * adv_tau * a * jnp.exp(log_r) + kl_tau * on * jnp.square(log_r), dropped)
 
 
 def sapo(
@@ -328,17 +288,17 @@ def sapo(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip, per token.
 
     ``r = exp(clip(logp - old_logp, -20, 20))``; ``tau = tau_pos if A > 0 else tau_neg``;
     ``gate = sigmoid(tau (r - 1)) 4 / tau``; ``loss = -gate A`` (gradient ``-A r
-    sigmoid'(tau(r-1)) 4``, which equals ``-A`` at ``r = 1``).
+    sigmoid'(tau(r-1)) 4``, which equals ``-A`` at ``r = 1``). No hard rule: ``clipped`` is 0.
 
     Reference: Qwen team 2025, "Soft Adaptive Policy Optimization".
 
     >>> import jax.numpy as jnp
-    >>> loss = sapo(jnp.zeros(2), jnp.zeros(2), jnp.array([1.0, -1.0]))
+    >>> loss, _ = sapo(jnp.zeros(2), jnp.zeros(2), jnp.array([1.0, -1.0]))
     >>> [round(float(x), 4) for x in loss]
     [-2.0, 1.9048]
     """
@@ -346,7 +306,7 @@ def sapo(
     a = _f32(adv)
     tau = jnp.where(a > 0, tau_pos, tau_neg)
     gate = jax.nn.sigmoid(tau * (_ratio(logp, old_logp) - 1.0)) * 4.0 / tau
-    return -gate * a
+    return _terms(-gate * a)
 
 
 def rollout_is(
@@ -356,48 +316,41 @@ def rollout_is(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """REINFORCE with a rollout importance weight that is zeroed outside a trust band.
 
     ``r = exp(clip(logp - rollout_logp, -20, 20))``; ``c = r`` if
-    ``1 - eps_low < r < 1 + eps_high`` (open interval) else ``0``;
+    ``1 - eps_low < r < 1 + eps_high`` (open interval) else ``0`` (``clipped``);
     ``loss = -sg(c) A logp``.
 
     Reference: prime-rl / Liu et al. 2025, "When Speed Kills Stability" (masked IS).
 
     >>> import jax.numpy as jnp
-    >>> loss = rollout_is(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.5, 0.1])), jnp.ones(2))
-    >>> [round(float(x), 4) for x in loss]
-    [0.6931, 0.0]
+    >>> loss, zeroed = rollout_is(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.5, 0.1])), jnp.ones(2))
+    >>> [round(float(x), 4) for x in loss], zeroed.tolist()
+    ([0.6931, 0.0], [0.0, 1.0])
     """
-    return _rollout_is_terms(logp, rollout_logp, adv, eps_low=eps_low, eps_high=eps_high)[0]
-
-
-def _rollout_is_terms(
-    logp: chex.Array, rollout_logp: chex.Array, adv: chex.Array, *, eps_low: float, eps_high: float
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`rollout_is`, where the weight was zeroed outside the trust band)."""
     _check([logp, rollout_logp, adv])
     r = _ratio(logp, rollout_logp)
     inside = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
     c = jnp.where(inside, r, 0.0)
-    return -jax.lax.stop_gradient(c) * _f32(adv) * _f32(logp), ~inside
+    return _terms(-jax.lax.stop_gradient(c) * _f32(adv) * _f32(logp), ~inside)
 
 
-def importance_sampling(logp: chex.Array, old_logp: chex.Array, adv: chex.Array) -> jax.Array:
-    """Unclipped importance-sampled policy gradient: ``loss = -r A``, per token.
+def importance_sampling(logp: chex.Array, old_logp: chex.Array, adv: chex.Array) -> PolicyLossTerms:
+    """Unclipped importance-sampled policy gradient: ``loss = -r A``, per token (``clipped`` is 0).
 
     ``r = exp(clip(logp - old_logp, -20, 20))``; the gradient is ``-A r grad(logp)``.
 
     Reference: Sutton & Barto, "Reinforcement Learning", §5.5 (importance sampling).
 
     >>> import jax.numpy as jnp
-    >>> loss = importance_sampling(jnp.log(jnp.array([2.0])), jnp.zeros(1), jnp.ones(1))
-    >>> [round(float(x), 4) for x in loss]
-    [-2.0]
+    >>> out = importance_sampling(jnp.log(jnp.array([2.0])), jnp.zeros(1), jnp.ones(1))
+    >>> [round(float(x), 4) for x in out.loss], out.clipped.tolist()
+    ([-2.0], [0.0])
     """
     _check([logp, old_logp, adv])
-    return -_ratio(logp, old_logp) * _f32(adv)
+    return _terms(-_ratio(logp, old_logp) * _f32(adv))
 
 
 def _masked_mean(x: jax.Array, on: jax.Array) -> jax.Array:
@@ -442,35 +395,6 @@ def _check_fraction(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a fraction in [0, 1]; got {value}")
 
 
-def _clip_cov_selected(
-    logp: chex.Array,
-    old_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    rng: jax.Array | None,
-    *,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio: float,
-    clip_cov_lb: float,
-    clip_cov_ub: float,
-) -> jax.Array:
-    """Boolean: the tokens clip_cov removes from the loss (see :func:`clip_cov`)."""
-    _check_fraction("clip_cov: clip_ratio", clip_ratio)
-    numbers = isinstance(clip_cov_lb, (int, float)) and isinstance(clip_cov_ub, (int, float))
-    if numbers and clip_cov_lb >= clip_cov_ub:
-        raise ValueError(f"clip_cov needs clip_cov_lb < clip_cov_ub; got {clip_cov_lb} >= {clip_cov_ub}")
-    on = _is_on(mask)
-    a = _f32(adv)
-    ppo_hit = _surrogate_clipped(_ratio(logp, old_logp), a, eps_low, eps_high) > 0
-    cov = _covariance(logp, a, on)
-    eligible = (on > 0) & ~ppo_hit & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-    key = _data_key(on, logp, old_logp, adv) if rng is None else rng
-    u = jax.random.uniform(key, jnp.shape(cov), jnp.float32)
-    rank = _ranks(jnp.where(eligible, u, jnp.inf))
-    return eligible & (rank < _count(clip_ratio, on))
-
-
 def clip_cov(
     logp: chex.Array,
     old_logp: chex.Array,
@@ -483,7 +407,7 @@ def clip_cov(
     clip_ratio: float = 2e-4,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """Clip-Cov: PPO clipping plus removal of a random few high-covariance tokens, per token.
 
     With ``on = mask != 0`` and means over the tokens with ``on`` in the array passed in::
@@ -495,10 +419,10 @@ def clip_cov(
         loss_t   = 0 if t in S else ppo_clip(logp, old_logp, A; eps_low, eps_high)_t
 
     ``ppo_clipped`` = the PPO clip branch is active (``A > 0, r > 1 + eps_high`` or
-    ``A < 0, r < 1 - eps_low``). Tokens in ``S`` contribute neither loss nor gradient (as in
-    SkyRL and verl, which multiply the loss by a 0/1 correction); a large positive
-    covariance between log-probability and advantage is what drives the policy entropy
-    down, so cutting those updates keeps entropy from collapsing.
+    ``A < 0, r < 1 - eps_low``); ``clipped`` marks those tokens and ``S``. Tokens in ``S``
+    contribute neither loss nor gradient (as in SkyRL and verl, which multiply the loss by a 0/1
+    correction); a large positive covariance between log-probability and advantage is what drives
+    the policy entropy down, so cutting those updates keeps entropy from collapsing.
 
     **Randomness (Decision).** SkyRL draws ``S`` with ``torch.randperm``. Here ``S`` is the
     ``n_clip`` eligible tokens with the smallest ``uniform(key)`` draw, which is a uniform
@@ -518,63 +442,23 @@ def clip_cov(
     >>> import jax.numpy as jnp
     >>> lp = jnp.log(jnp.array([0.9, 0.5, 0.5, 0.1]))   # on-policy: r = 1, no PPO clipping
     >>> adv = jnp.array([4.0, 1.0, 1.0, -4.0])          # cov = [2.95, 0.13, 0.13, 6.09]
-    >>> loss = clip_cov(lp, lp, adv, jnp.ones(4), clip_ratio=0.25)   # n_clip = 1, eligible: token 0
-    >>> [round(float(x), 4) for x in loss]
-    [0.0, -1.0, -1.0, 4.0]
+    >>> loss, removed = clip_cov(lp, lp, adv, jnp.ones(4), clip_ratio=0.25)   # n_clip = 1: token 0
+    >>> [round(float(x), 4) for x in loss], removed.tolist()
+    ([0.0, -1.0, -1.0, 4.0], [1.0, 0.0, 0.0, 0.0])
     """
-    return _clip_cov_terms(
-        logp,
-        old_logp,
-        adv,
-        mask,
-        rng,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio=clip_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-    )[0]
-
-
-def _clip_cov_terms(
-    logp: chex.Array,
-    old_logp: chex.Array,
-    adv: chex.Array,
-    mask: chex.Array,
-    rng: jax.Array | None,
-    *,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio: float,
-    clip_cov_lb: float,
-    clip_cov_ub: float,
-) -> tuple[jax.Array, jax.Array]:
-    """(:func:`clip_cov`, where the PPO clip is active or the token was removed)."""
     _check([logp, old_logp, adv], (mask,))
-    removed = _clip_cov_selected(
-        logp,
-        old_logp,
-        adv,
-        mask,
-        rng,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio=clip_ratio,
-        clip_cov_lb=clip_cov_lb,
-        clip_cov_ub=clip_cov_ub,
-    )
-    r, a = _ratio(logp, old_logp), _f32(adv)
-    ppo_hit = _surrogate_clipped(r, a, eps_low, eps_high) > 0
-    return jnp.where(removed, 0.0, _clipped_surrogate(r, a, eps_low, eps_high)), ppo_hit | removed
-
-
-def _kl_cov_selected(logp: chex.Array, adv: chex.Array, mask: chex.Array, kl_cov_frac: float) -> jax.Array:
-    """Boolean: the ``max(floor(kl_cov_frac * n), 1)`` masked tokens of largest covariance."""
-    _check_fraction("kl_cov: kl_cov_frac", kl_cov_frac)
-    on = _is_on(mask)
-    cov = _covariance(logp, adv, on)
-    rank = _ranks(jnp.where(on > 0, -cov, jnp.inf))
-    return (on > 0) & (rank < _count(kl_cov_frac, on))
+    _check_fraction("clip_cov: clip_ratio", clip_ratio)
+    numbers = isinstance(clip_cov_lb, (int, float)) and isinstance(clip_cov_ub, (int, float))
+    if numbers and clip_cov_lb >= clip_cov_ub:
+        raise ValueError(f"clip_cov needs clip_cov_lb < clip_cov_ub; got {clip_cov_lb} >= {clip_cov_ub}")
+    on, a = _is_on(mask), _f32(adv)
+    base, ppo_hit = _ppo_surrogate(_ratio(logp, old_logp), a, eps_low, eps_high)
+    cov = _covariance(logp, a, on)
+    eligible = (on > 0) & (ppo_hit == 0) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    key = _data_key(on, logp, old_logp, adv) if rng is None else rng
+    u = jax.random.uniform(key, jnp.shape(cov), jnp.float32)
+    removed = eligible & (_ranks(jnp.where(eligible, u, jnp.inf)) < _count(clip_ratio, on))
+    return _terms(jnp.where(removed, 0.0, base), (ppo_hit > 0) | removed)
 
 
 def kl_cov(
@@ -585,7 +469,7 @@ def kl_cov(
     *,
     kl_cov_frac: float = 0.2,
     ppo_kl_coef: float = 1.0,
-) -> jax.Array:
+) -> PolicyLossTerms:
     """KL-Cov: importance-sampled policy gradient plus a KL penalty on the highest-covariance tokens.
 
     With ``on = mask != 0``, means over the tokens with ``on`` in the array passed in and
@@ -596,8 +480,8 @@ def kl_cov(
         top    = the k tokens with ``on`` of largest cov (ties: lower flat index first)
         loss_t = -A_t r_t + [t in top] ppo_kl_coef |logp_t - old_logp_t|
 
-    There is no ratio clipping: the penalty pulls the high-covariance tokens (which drive
-    the entropy down) back towards the old policy. The selection is deterministic.
+    There is no ratio clipping (``clipped`` is 0): the penalty pulls the high-covariance tokens
+    (which drive the entropy down) back towards the old policy. The selection is deterministic.
 
     **Batch statistics.** The means, ``sum(on)`` and the top-k are taken over the array
     passed in, so with micro-batching they are per micro-batch (as in SkyRL); results then
@@ -609,14 +493,17 @@ def kl_cov(
 
     >>> import jax.numpy as jnp
     >>> lp, old = jnp.log(jnp.array([0.9, 0.5, 0.5, 0.1])), jnp.log(jnp.array([0.6, 0.5, 0.5, 0.2]))
-    >>> loss = kl_cov(lp, old, jnp.array([4.0, 0.0, 0.0, -4.0]), jnp.ones(4), kl_cov_frac=0.25)
+    >>> loss, _ = kl_cov(lp, old, jnp.array([4.0, 0.0, 0.0, -4.0]), jnp.ones(4), kl_cov_frac=0.25)
     >>> [round(float(x), 4) for x in loss]   # token 3 has the largest covariance: + |log(0.1/0.2)|
     [-6.0, 0.0, 0.0, 2.6931]
     """
     _check([logp, old_logp, adv], (mask,))
-    penalized = _kl_cov_selected(logp, adv, mask, kl_cov_frac)
+    _check_fraction("kl_cov: kl_cov_frac", kl_cov_frac)
+    on = _is_on(mask)
+    cov = _covariance(logp, adv, on)
+    penalized = (on > 0) & (_ranks(jnp.where(on > 0, -cov, jnp.inf)) < _count(kl_cov_frac, on))
     pg = -_f32(adv) * _ratio(logp, old_logp)
-    return pg + jnp.where(penalized, ppo_kl_coef * jnp.abs(_f32(logp) - _f32(old_logp)), 0.0)
+    return _terms(pg + jnp.where(penalized, ppo_kl_coef * jnp.abs(_f32(logp) - _f32(old_logp)), 0.0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -766,8 +653,8 @@ def kl(logp: chex.Array, ref_logp: chex.Array, *, kind: str = "k3") -> jax.Array
     """
     chex.assert_type([logp, ref_logp], float)
     chex.assert_equal_shape([logp, ref_logp])
-    if kind not in _KL_KINDS:
-        raise ValueError(f"kl kind must be one of {_KL_KINDS}; got {kind!r}")
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl kind must be one of {KL_KINDS}; got {kind!r}")
     d = _f32(logp) - _f32(ref_logp)
     if kind == "k1":
         return d
@@ -901,8 +788,9 @@ class PolicyLoss:
     Attributes:
       fn: ``fn(*inputs, **hyperparameters)`` returning the per-token loss, or the pair
         ``(loss, clipped)`` with ``clipped`` (bool or 0/1, same shape) where the loss's clip /
-        mask rule was active; a loss that returns only the loss reports no clipped tokens.
-        (A built-in's ``fn`` is the private pair form of its public function.)
+        mask rule was active (e.g. :class:`PolicyLossTerms`, what every built-in returns); a
+        loss that returns only the loss reports no clipped tokens. A built-in's ``fn`` is its
+        public function.
       inputs: the uniform inputs ``fn`` takes positionally, in order, from
         :data:`LOSS_INPUTS` (``logp``; ``old_logp`` = trainer logprobs before the update;
         ``inference_logp`` or its alias ``rollout_logp`` = the sampler's logprobs; ``adv``;
@@ -1001,9 +889,21 @@ class PolicyLoss:
             routes[c.slot] = c.options[value]
         return {**self.defaults, **kw}, routes
 
-    def __call__(self, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
-        """``(per-token loss, float32 0/1 clipped)`` from ``inputs``; ``kwargs`` are the
-        hyperparameters and choices (the registered defaults fill in the rest)."""
+    def inputs_read(self, kwargs: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+        """The uniform inputs a call with ``kwargs`` reads (choices resolved; ``rollout_logp``
+        spelled ``inference_logp``): e.g. whether the loss takes a ratio against the old policy
+        (``old_logp``) or the sampler (``inference_logp``).
+
+        >>> get_policy_loss("cispo").inputs_read({"behavior": "inference"})
+        ('logp', 'inference_logp', 'adv')
+        """
+        _, routes = self.resolve(kwargs)
+        names = (routes.get(i, i) for i in self.inputs)
+        return tuple("inference_logp" if n == "rollout_logp" else n for n in names)
+
+    def __call__(self, inputs: LossInputs, **kwargs: Any) -> PolicyLossTerms:
+        """:class:`PolicyLossTerms` ``(per-token loss, float32 0/1 clipped)`` from ``inputs``;
+        ``kwargs`` are the hyperparameters and choices (the registered defaults fill in the rest)."""
         if not isinstance(inputs, LossInputs):
             raise ValueError(f"policy loss {self.label!r} takes one LossInputs, got {type(inputs).__name__}")
         hyper, routes = self.resolve(kwargs)
@@ -1022,7 +922,7 @@ class PolicyLoss:
                 f"policy loss {self.label!r} returned shapes {loss.shape} (loss) and "
                 f"{clipped.shape} (clipped); both must be logp's shape {jnp.shape(inputs.logp)}"
             )
-        return loss, clipped.astype(jnp.float32)
+        return PolicyLossTerms(loss, clipped.astype(jnp.float32))
 
 
 _POLICY_LOSSES: registry.Registry[PolicyLoss] = registry.Registry("policy loss")
@@ -1085,7 +985,7 @@ def validate_policy_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> 
     get_policy_loss(name).resolve(kwargs)
 
 
-def policy_loss(name: str, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+def policy_loss(name: str, inputs: LossInputs, **kwargs: Any) -> PolicyLossTerms:
     """Calls the registered policy loss ``name``: ``(per-token loss, clipped)``.
 
     Each loss receives the inputs its registration declares (:class:`PolicyLoss`); ``kwargs``
@@ -1104,25 +1004,20 @@ def policy_loss(name: str, inputs: LossInputs, **kwargs: Any) -> tuple[jax.Array
     return get_policy_loss(name)(inputs, **kwargs)
 
 
-def _declared(public: Callable[..., jax.Array]) -> dict[str, Any]:
-    """A built-in's inputs and defaults, read from its public signature (design §3.6b), where
-    they are written once."""
-    inputs, defaults, _ = registry.signature_parts(public, public.__name__)
-    return {"inputs": inputs, "defaults": defaults}
-
-
 _BEHAVIOR = InputChoice("behavior_logp", {"old": "old_logp", "inference": "inference_logp"}, "old")
 
+# Inputs and defaults come from each function's signature (design §3.6b), the one place they are
+# written: the same idiom as the estimators' registry (rljax.core.advantages).
 for _name, _loss in {
-    "ppo_clip": PolicyLoss(_ppo_clip_terms, **_declared(ppo_clip)),
-    "dual_clip": PolicyLoss(_dual_clip_terms, **_declared(dual_clip)),
-    "gspo": PolicyLoss(_gspo_terms, **_declared(gspo)),
-    "cispo": PolicyLoss(_cispo_terms, **_declared(cispo), choices={"behavior": _BEHAVIOR}),
-    "dppo": PolicyLoss(_dppo_terms, **_declared(dppo)),
+    "ppo_clip": PolicyLoss(ppo_clip),
+    "dual_clip": PolicyLoss(dual_clip),
+    "gspo": PolicyLoss(gspo),
+    "cispo": PolicyLoss(cispo, choices={"behavior": _BEHAVIOR}),
+    "dppo": PolicyLoss(dppo),
     "sapo": PolicyLoss(sapo),
-    "rollout_is": PolicyLoss(_rollout_is_terms, **_declared(rollout_is)),
+    "rollout_is": PolicyLoss(rollout_is),
     "importance_sampling": PolicyLoss(importance_sampling),
-    "clip_cov": PolicyLoss(_clip_cov_terms, **_declared(clip_cov)),
+    "clip_cov": PolicyLoss(clip_cov),
     "kl_cov": PolicyLoss(kl_cov),
 }.items():
     register_policy_loss(_name, _loss)

@@ -10,6 +10,11 @@ per-token losses ``l_c``::
 * ``v_ce = ce_weights * loss_mask``, ``l_ce = -logp``;
 * ``v_ref_kl = ref_kl_weights * loss_mask``, ``l_ref_kl`` = :func:`rljax.core.losses.ref_kl`.
 
+With ``kl_coef > 0`` a KL penalty to a frozen reference policy joins the rl term on the same
+weights: ``+ kl_coef * sum_t w_{rl,t} kl(logp_t, ref_t)`` with the configured estimator
+(:func:`rljax.core.losses.kl`, ``batch.kl_reference_logprobs``); it is not multiplied by the TIS
+weight (verl's ``use_kl_loss``, SkyRL's ``use_kl_loss``).
+
 The normalizer ``D`` (the reduction) uses GLOBAL counts over the whole mini-batch (all
 micro-batches, all devices), computed once by :func:`global_counts` and passed in. With
 ``n`` = tokens with ``v != 0``, ``S`` = samples with at least one such token, ``len_j`` =
@@ -51,6 +56,9 @@ from rljax.core import losses, off_policy, segments
 
 #: The objective's per-token terms: the policy loss, cross-entropy, the KL to a reference.
 COMPONENTS: tuple[str, ...] = ("rl", "ce", "ref_kl")
+#: Metrics of :func:`objective` that are maxima, not additive: micro-batches and mini-batches combine
+#: them with ``max`` (:func:`combine_metrics`).
+MAX_METRICS: tuple[str, ...] = ("off_policy/is_ratio_max",)
 #: How per-token losses reduce to a scalar (design §3.5; ``config.objective.reduction``).
 REDUCTIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
 
@@ -88,6 +96,9 @@ class ObjectiveConfig:
         component left out is skipped entirely (no per-token work; its loss, metrics and
         counts are 0) even if the batch carries a weight stream for it, so e.g. a grpo run
         pays nothing for the packer's all-zero ce/ref_kl streams.
+      kl_coef: weight of the KL penalty to a frozen reference policy on rl tokens (0 = none; needs
+        ``batch.kl_reference_logprobs``).
+      kl_kind: its per-token estimator: ``k1``, ``abs``, ``k2`` or ``k3`` (:func:`rljax.core.losses.kl`).
 
     >>> ObjectiveConfig(policy_loss_kwargs={"kl_tau": 0.0}).policy_loss_kwargs
     (('kl_tau', 0.0),)
@@ -101,6 +112,8 @@ class ObjectiveConfig:
     entropy_coef: float = 0.0
     num_groups: int | None = None
     components: tuple[str, ...] = COMPONENTS
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
 
     def __post_init__(self) -> None:
         components = tuple(self.components)
@@ -130,6 +143,59 @@ class ObjectiveConfig:
             raise ValueError(
                 "reduction 'prompt_mean' needs num_groups, a static bound on batch.group_index + 1"
             )
+        if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) or self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be a number >= 0 (0 = no KL penalty); got {self.kl_coef!r}")
+        if self.kl_kind not in losses.KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {losses.KL_KINDS}; got {self.kl_kind!r}")
+
+
+def old_policy_readers(config: ObjectiveConfig) -> tuple[str, ...]:
+    """What in ``config`` reads the old (proximal) policy's logprobs (``batch.old_logprobs``), in words;
+    empty when nothing does. The policy loss does when one of its inputs is ``old_logp`` (ppo_clip,
+    dual_clip, gspo, sapo, cispo with ``behavior="old"``, ...), and so does every off-policy stage
+    that weighs ``old / rollout`` (design §3.4). Without an rl component nothing does.
+
+    >>> old_policy_readers(ObjectiveConfig(policy_loss="ppo_clip"))
+    ("policy loss 'ppo_clip' (its ratio and clip)",)
+    >>> old_policy_readers(ObjectiveConfig())   # dppo compares with the sampler by design
+    ()
+    """
+    if "rl" not in config.components:
+        return ()
+    out = []
+    inputs = losses.get_policy_loss(config.policy_loss).inputs_read(dict(config.policy_loss_kwargs))
+    if "old_logp" in inputs:
+        out.append(f"policy loss {config.policy_loss!r} (its ratio and clip)")
+    if config.off_policy is not None:
+        out += [f"off-policy correction {k}" for k in off_policy.ratio_stages(config.off_policy)]
+    return tuple(out)
+
+
+def rollout_logprob_readers(config: ObjectiveConfig, *, old_from_rollout: bool) -> tuple[str, ...]:
+    """What in ``config`` reads the sampler's logprobs (``batch.inference_logprobs``), in words; a
+    sample without them cannot be trained by such an objective. ``old_from_rollout``: the old
+    logprobs are the sampler's (not recomputed), so their readers count too.
+
+    >>> rollout_logprob_readers(ObjectiveConfig(components=("rl",)), old_from_rollout=False)
+    ("policy loss 'dppo'",)
+    >>> ppo = ObjectiveConfig(policy_loss="ppo_clip", components=("rl",))
+    >>> rollout_logprob_readers(ppo, old_from_rollout=False)
+    ()
+    >>> rollout_logprob_readers(ppo, old_from_rollout=True)
+    ("policy loss 'ppo_clip' (its ratio and clip)",)
+    """
+    out = []
+    if "rl" in config.components:
+        inputs = losses.get_policy_loss(config.policy_loss).inputs_read(dict(config.policy_loss_kwargs))
+        if "inference_logp" in inputs:
+            out.append(f"policy loss {config.policy_loss!r}")
+        if config.off_policy is not None:
+            out += [f"off-policy correction {k}" for k in off_policy.ratio_stages(config.off_policy)]
+    if old_from_rollout:
+        out += [r for r in old_policy_readers(config) if r not in out and not r.startswith("off-policy")]
+    if "ref_kl" in config.components:
+        out.append("the ref_kl component (its trust region against the sampler)")
+    return tuple(out)
 
 
 @jax.tree_util.register_dataclass
@@ -330,6 +396,49 @@ def _weighted_sum(w: jax.Array, loss: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(w != 0, w * loss, 0.0))
 
 
+def combine_metrics(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The metrics of two disjoint parts of a mini-batch as one: sums, except :data:`MAX_METRICS`.
+
+    >>> out = combine_metrics({"loss": 1.0, "off_policy/is_ratio_max": 2.0},
+    ...                       {"loss": 0.5, "off_policy/is_ratio_max": 1.5})
+    >>> {k: float(v) for k, v in out.items()}
+    {'loss': 1.5, 'off_policy/is_ratio_max': 2.0}
+    """
+    return {k: (jnp.maximum(a[k], b[k]) if k in MAX_METRICS else a[k] + b[k]) for k in a}
+
+
+def _kl_penalty(
+    lp: jax.Array,
+    batch: Any,
+    rl_weights: jax.Array | None,
+    rl_raw: jax.Array | None,
+    counts: Counts,
+    config: ObjectiveConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``kl_coef * sum_t w_rl,t kl(logp_t, ref_t)`` and its metrics: ``loss/kl_penalty`` (the term),
+    ``ref_kl/reference_k1`` and ``ref_kl/reference_k3`` (means over the rl tokens of the k1 and k3
+    estimates of ``KL(pi_train || pi_ref)``; additive like every objective metric)."""
+    zero = jnp.zeros((), jnp.float32)
+    if rl_weights is None:
+        return zero, {"loss/kl_penalty": zero, "ref_kl/reference_k1": zero, "ref_kl/reference_k3": zero}
+    why = f"kl_coef={config.kl_coef} (the KL penalty reads the reference policy's logprobs)"
+    ref = _f32(_required(batch, "kl_reference_logprobs", why))
+    chex.assert_equal_shape([ref, lp])
+    penalty = config.kl_coef * _weighted_sum(rl_weights, losses.kl(lp, ref, kind=config.kl_kind))
+    tokens = (rl_raw != 0).astype(jnp.float32)
+    n_rl = _f32(counts.tokens)[0]
+
+    def mean(kind: str) -> jax.Array:
+        return jax.lax.stop_gradient(segments.safe_div(jnp.sum(losses.kl(lp, ref, kind=kind) * tokens), n_rl))
+
+    metrics = {
+        "loss/kl_penalty": jax.lax.stop_gradient(penalty),
+        "ref_kl/reference_k1": mean("k1"),
+        "ref_kl/reference_k3": mean("k3"),
+    }
+    return penalty, metrics
+
+
 def objective(
     logp: chex.Array,
     batch: Any,
@@ -359,8 +468,10 @@ def objective(
       candidate tokens, which were sampled from pi_inference), ``rl/adv_mean``,
       ``rl/adv_sq_mean``, ``ref_kl/k3`` (k3 of KL(pi_train || pi_ref) on ref_kl tokens),
       ``tokens/<component>`` (weighted tokens in this micro-batch, a plain count),
-      ``off_policy/<name>`` (when configured; fractions of rl candidate tokens) and
-      ``entropy`` (mean over loss-mask tokens, when given).
+      ``off_policy/<name>`` (when configured; fractions of rl candidate tokens, and
+      ``off_policy/is_ratio_max``, which micro-batches combine by ``max``: :data:`MAX_METRICS`),
+      ``loss/kl_penalty``, ``ref_kl/reference_k1`` and ``ref_kl/reference_k3`` (with ``kl_coef``)
+      and ``entropy`` (mean over loss-mask tokens, when given).
 
     >>> import numpy as np
     >>> from types import SimpleNamespace
@@ -413,6 +524,10 @@ def objective(
         f"loss/{c}": _weighted_sum(weights[c], per_token[c]) if c in per_token else zero for c in COMPONENTS
     }
     total = sum(metrics[f"loss/{c}"] for c in COMPONENTS)
+    if config.kl_coef != 0.0:
+        penalty, kl_metrics = _kl_penalty(lp, batch, weights.get("rl"), raw["rl"], counts, config)
+        metrics.update(kl_metrics)
+        total = total + penalty
     if entropy is not None:
         ent = _f32(entropy)
         chex.assert_equal_shape([ent, lp])

@@ -65,6 +65,7 @@ DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(
 
 METRIC_NAMES: tuple[str, ...] = (
     "is_ratio_mean",
+    "is_ratio_max",
     "stale_masked_frac",
     "outlier_masked_frac",
     "token_masked_frac",
@@ -72,7 +73,9 @@ METRIC_NAMES: tuple[str, ...] = (
     "sequence_masked_frac",
     "masked_frac",
 )
-"""Keys of the metrics dict :func:`correct` returns (always all of them; 0 for stages that are off)."""
+"""Keys of the metrics dict :func:`correct` returns (always all of them; 0 for stages that are off).
+Each is a count over tokens divided by the normalizer (additive over micro-batches), except
+``is_ratio_max``: the largest ``rho`` of a trainable token (micro-batches combine it by ``max``)."""
 
 _TIS_TYPES = (None, "token", "sequence")
 _SEQUENCE_METRICS = (None, "geometric", "product")
@@ -155,6 +158,18 @@ def is_enabled(config: Any) -> bool:
     )
 
 
+def ratio_stages(config: Any) -> tuple[str, ...]:
+    """The configured stages that read ``rho = old / rollout`` (every stage but the stale token
+    mask), as ``key=value`` strings: each is a no-op when the old logprobs ARE the rollout ones.
+
+    >>> ratio_stages({"tis_ratio_type": "token", "max_token_staleness": 1})
+    ("tis_ratio_type='token'",)
+    """
+    cfg = resolve_config(config)
+    keys = ("tis_ratio_type", "sequence_mask_metric", *_OPTIONAL_THRESHOLDS)
+    return tuple(f"{k}={cfg[k]!r}" for k in keys if cfg[k] is not None)
+
+
 def _outside(x: jax.Array, low: float | None, high: float | None) -> jax.Array:
     """Boolean ``x < low or x > high``; a ``None`` bound is open."""
     out = jnp.zeros(x.shape, bool)
@@ -196,7 +211,8 @@ def correct(
       ``(loss * tis_weight, new_mask, metrics)``: the new mask is float32 0/1 and a subset
       of ``mask``; metrics (:data:`METRIC_NAMES`) are token counts divided by the normalizer:
       ``is_ratio_mean`` sums ``rho`` over ``mask``; ``*_masked_frac`` count tokens each stage
-      removed; ``tis_clipped_frac`` counts surviving tokens whose TIS weight hit its cap.
+      removed; ``tis_clipped_frac`` counts surviving tokens whose TIS weight hit its cap;
+      ``is_ratio_max`` is the largest ``rho`` over ``mask`` (0 when it is empty), not normalized.
 
     >>> import jax.numpy as jnp
     >>> old, roll = jnp.log(jnp.array([.5, .5, .5])), jnp.log(jnp.array([.5, .1, .5]))
@@ -280,4 +296,5 @@ def correct(
         "masked_frac": jnp.sum(m0 - m3),
     }
     metrics = {k: jax.lax.stop_gradient(segments.safe_div(v, denom)) for k, v in counts.items()}
+    metrics["is_ratio_max"] = jax.lax.stop_gradient(jnp.max(jnp.where(m0 > 0, rho, 0.0), initial=0.0))
     return out_loss, m3, metrics

@@ -37,6 +37,7 @@ __all__ = [
     "segment_std",
     "segment_sum",
     "safe_div",
+    "samples_per_token",
     "trajectory_index",
 ]
 
@@ -245,3 +246,30 @@ def segment_min(
     ok = _valid(segment_ids, num_segments, where)
     ids = jnp.where(ok, segment_ids, num_segments)
     return jax.ops.segment_min(jnp.asarray(x).reshape(-1), ids.reshape(-1), num_segments)
+
+
+def samples_per_token(segment_ids: chex.Array, subtree_end: chex.Array | None = None) -> chex.Array:
+    """float32 ``[R, L]``: how many packed samples hold each token (0 on padding).
+
+    Plain packed rows (``subtree_end`` None): 1 on every real token (``segment_ids != 0``).
+    Prefix-tree rows (design §2.6; each sample's owned tokens are one run of its segment id, and
+    ``j``'s subtree is the columns ``[j, subtree_end[j]]``): token ``j`` is on the path of its owner
+    and of every sample whose run starts inside its subtree, so with ``S[c]`` the number of runs
+    starting at columns ``<= c``, ``count[j] = S[subtree_end[j]] - S[j] + 1``. Weighting a mean over
+    tokens by it gives the mean over the samples' tokens that plain packing computes.
+
+    >>> seg = jnp.array([[1, 1, 1, 2, 3, 0]])
+    >>> samples_per_token(seg, jnp.array([[4, 4, 2, 3, 4, 0]])).tolist()
+    [[3.0, 3.0, 1.0, 1.0, 1.0, 0.0]]
+    """
+    chex.assert_rank(segment_ids, 2)
+    seg = jnp.asarray(segment_ids)
+    real = seg != 0
+    if subtree_end is None:
+        return real.astype(jnp.float32)
+    end = jnp.asarray(subtree_end).astype(jnp.int32)
+    chex.assert_equal_shape([seg, end])
+    starts = real & jnp.concatenate([jnp.ones_like(real[:, :1]), seg[:, 1:] != seg[:, :-1]], axis=1)
+    runs = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+    inside = jnp.take_along_axis(runs, jnp.clip(end, 0, seg.shape[1] - 1), axis=1) - runs
+    return jnp.where(real, inside + 1, 0).astype(jnp.float32)

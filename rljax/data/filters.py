@@ -14,7 +14,9 @@ repetition                 ``>= window`` consecutive sampled tokens each have ``
 zero_advantage             all its advantages are 0
 overlong                   ``stop_reason`` is not an allowed one (default: anything but "stop")
 overlong_unrewarded        ``len(response_ids) > max_length`` and its trajectory reward is 0
-zero_variance              every trajectory reward of its prompt group is equal
+zero_variance              what the estimator baselines does not vary in its prompt group:
+                           the trajectory rewards (outcome), or the turn returns at every turn
+                           index (per_step); errored trajectories left out
 staleness                  a trainable token was sampled ``> max_staleness`` versions before the
                            trained version (per token: :meth:`~rljax.types.Step.token_versions`)
 =========================  =====================================================================
@@ -25,9 +27,14 @@ which must neither count as gibberish nor as confident repetition). Every filter
 :func:`apply_filters` call sees the same input batch, so its metrics do not depend on the
 order of the filters. A trajectory's reward is the total reward of its last step (design §2.3).
 
+Errored trajectories (last stop reason in :data:`rljax.types.ERROR_STOP_REASONS`) are left out of
+group spreads, as the estimators leave them out of their baselines (design §2.3.2): a group of
+three successes and one error has zero advantages everywhere, and its spread is 0, not 1.
+
 :class:`DynamicSampler` is DAPO's dynamic sampling (Yu et al., 2025, "DAPO: An Open-Source LLM
 Reinforcement Learning System at Scale", §3.2): it accumulates prompt groups over sampling
-rounds, keeping only groups with nonzero reward variance, until it has enough.
+rounds, keeping only groups whose spread (:func:`group_reward_spread`) is nonzero, until it has
+enough.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from rljax.core.advantages import REWARD_MODES
 from rljax.data.batch import StepBatch
-from rljax.types import Step
+from rljax.data.step_advantages import dense_ids, step_turn_returns
+from rljax.types import ERROR_STOP_REASONS, Step
 
 __all__ = [
     "FILTERS",
@@ -54,13 +63,18 @@ __all__ = [
     "ZeroAdvantageFilter",
     "ZeroVarianceGroupFilter",
     "apply_filters",
+    "errored_steps",
     "group_reward_spread",
+    "informative_groups",
     "make_filter",
     "trajectory_rewards",
 ]
 
 MODES: tuple[str, ...] = ("monitor", "enforce")
 Advantages = Sequence[Any] | np.ndarray | None
+#: A reward mode (design §2.3 / §2.4), or one per algorithm name (``Step.algorithm``; absent names:
+#: "outcome").
+RewardModes = str | Mapping[str, str]
 
 
 # --------------------------------------------------------------------------------------
@@ -114,26 +128,94 @@ def trajectory_rewards(batch: Sequence[Step]) -> np.ndarray:
     return np.array([final[s.trajectory_id] for s in batch], dtype=np.float64)
 
 
-def group_reward_spread(batch: Sequence[Step]) -> np.ndarray:
-    """Per step, ``max - min`` of the trajectory rewards in its prompt group (``instance_id``).
+def errored_steps(batch: Sequence[Step]) -> np.ndarray:
+    """Per step, whether its trajectory errored (its last step's stop reason is in
+    :data:`rljax.types.ERROR_STOP_REASONS`).
+
+    >>> from rljax.types import Step, TrajectoryID as T
+    >>> errored_steps([Step([1], [2], T("a", 0), is_last_step=False),
+    ...                Step([1], [2], T("a", 0), stop_reason="error"), Step([1], [2], T("b", 0))]).tolist()
+    [True, True, False]
+    """
+    bad = {s.trajectory_id for s in batch if s.is_last_step and s.stop_reason in ERROR_STOP_REASONS}
+    return np.fromiter((s.trajectory_id in bad for s in batch), bool, count=len(batch))
+
+
+def _spread_by(values: np.ndarray, cells: list[Any], use: np.ndarray) -> np.ndarray:
+    """Per entry, ``max - min`` of ``values`` over the used entries of its cell (0 without any)."""
+    cell, num = dense_ids(cells)
+    hi = np.full(num, -np.inf)
+    lo = np.full(num, np.inf)
+    np.maximum.at(hi, cell[use], values[use])
+    np.minimum.at(lo, cell[use], values[use])
+    return np.where(np.isfinite(hi), hi - lo, 0.0)[cell]
+
+
+def _mode_of(reward_mode: RewardModes, algorithm: str) -> str:
+    mode = reward_mode if isinstance(reward_mode, str) else reward_mode.get(algorithm, "outcome")
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward_mode must be one of {list(REWARD_MODES)}, got {mode!r}")
+    return mode
+
+
+def group_reward_spread(batch: Sequence[Step], *, reward_mode: RewardModes = "outcome") -> np.ndarray:
+    """Per step, the spread of what the estimator baselines in its prompt group (``instance_id``),
+    errored trajectories left out.
+
+    ``reward_mode="outcome"`` (design §2.3): ``max - min`` of the trajectory rewards.
+    ``"per_step"`` (design §2.4): the largest ``max - min`` of the turn returns ``G_jk`` among the
+    steps at the same turn index ``k``, over the group's turn indices (``gamma_turn = 1``): a group
+    whose final rewards agree but whose earlier turns' returns differ has non-zero advantages and a
+    non-zero spread. A mapping gives each algorithm (``Step.algorithm``) its mode. A group with
+    fewer than two trajectories that did not error has spread 0.
 
     >>> from rljax.types import Step, TrajectoryID as T
     >>> group_reward_spread([Step([1], [2], T("a", 0), reward=1.0), Step([1], [2], T("a", 1)),
     ...                      Step([1], [2], T("b", 0))])
     array([1., 1., 0.])
+    >>> ok = [Step([1], [2], T("a", i), reward=1.0) for i in range(3)]
+    >>> group_reward_spread(ok + [Step([1], [2], T("a", 3), stop_reason="error")]).tolist()
+    [0.0, 0.0, 0.0, 0.0]
     """
-    if len(batch) == 0:
+    n = len(batch)
+    if n == 0:
         return np.zeros((0,), np.float64)
-    rewards = trajectory_rewards(batch)
-    _, group = np.unique(
-        np.array([s.trajectory_id.instance_id for s in batch], dtype=object), return_inverse=True
-    )
-    group = group.reshape(-1)
-    hi = np.full(group.max() + 1, -np.inf)
-    lo = np.full(group.max() + 1, np.inf)
-    np.maximum.at(hi, group, rewards)
-    np.minimum.at(lo, group, rewards)
-    return (hi - lo)[group]
+    use = ~errored_steps(batch)
+    group = [s.trajectory_id.instance_id for s in batch]
+    modes = [_mode_of(reward_mode, s.algorithm) for s in batch]
+    out = np.zeros((n,), np.float64)
+    outcome = np.array([m == "outcome" for m in modes], bool)
+    if outcome.any():
+        last = np.array([s.is_last_step for s in batch], bool)
+        out = np.where(outcome, _spread_by(trajectory_rewards(batch), group, use & last), out)
+    if not outcome.all():
+        returns, turn = step_turn_returns(batch)
+        by_turn = _spread_by(returns.astype(np.float64), list(zip(group, turn.tolist(), strict=True)), use)
+        g, num = dense_ids(group)
+        widest = np.zeros(num)
+        np.maximum.at(widest, g, by_turn)
+        out = np.where(outcome, out, widest[g])
+    return out
+
+
+def informative_groups(
+    batch: Sequence[Step], *, atol: float = 0.0, reward_mode: RewardModes = "outcome"
+) -> dict[str, bool]:
+    """Per prompt group (``instance_id``, first-appearance order), whether its spread
+    (:func:`group_reward_spread`) is ``> atol``: the groups DAPO dynamic sampling keeps.
+
+    >>> from rljax.types import Step, TrajectoryID as T
+    >>> steps = [Step([1], [2], T("a", i), reward=1.0) for i in range(3)]
+    >>> steps += [Step([1], [2], T("a", 3), stop_reason="error"), Step([1], [2], T("b", 0), reward=1.0),
+    ...           Step([1], [2], T("b", 1))]
+    >>> informative_groups(steps)
+    {'a': False, 'b': True}
+    """
+    spread = group_reward_spread(batch, reward_mode=reward_mode)
+    out: dict[str, bool] = {}
+    for s, d in zip(batch, spread, strict=True):
+        out[s.trajectory_id.instance_id] = bool(d > atol)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -347,10 +429,13 @@ class OverlongUnrewardedFilter(Filter):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ZeroVarianceGroupFilter(Filter):
-    """Flags every step of a prompt group whose trajectory rewards are all equal (spread ``<= atol``).
+    """Flags every step of a prompt group whose spread (:func:`group_reward_spread`) is ``<= atol``.
 
     Such a group has zero group-relative advantage everywhere (design §3.1); a group of one
-    trajectory is zero-variance too.
+    trajectory is zero-variance too, and errored trajectories do not count. ``reward_mode`` is the
+    one the advantages were computed with: "outcome" compares trajectory rewards, "per_step" the
+    turn returns at each turn index. A run sets it from each algorithm (it is not a config key of
+    ``trainer.filters``).
 
     >>> from rljax.data.batch import StepBatch
     >>> from rljax.types import Step, TrajectoryID as T
@@ -362,14 +447,20 @@ class ZeroVarianceGroupFilter(Filter):
 
     name: ClassVar[str] = "zero_variance"
     atol: float = 0.0
+    reward_mode: str = "outcome"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (math.isfinite(self.atol) and self.atol >= 0):
             raise ValueError(f"zero_variance filter: atol must be finite and >= 0, got {self.atol!r}")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(
+                f"zero_variance filter: reward_mode must be one of {list(REWARD_MODES)}, "
+                f"got {self.reward_mode!r}"
+            )
 
     def flags(self, batch: Sequence[Step], advantages: Advantages = None) -> np.ndarray:
-        return group_reward_spread(batch) <= self.atol
+        return group_reward_spread(batch, reward_mode=self.reward_mode) <= self.atol
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -380,16 +471,20 @@ class StalenessFilter(Filter):
     Staleness is per token, ``trained_version - version``, from the version of every response
     token (:meth:`rljax.types.Step.token_versions`): a turn that an in-flight weight update crossed
     is judged by its trainable tokens, not by its oldest version alone (in a merged sample the
-    observation tokens, loss mask 0, do not count). ``trained_version`` None: the newest version
-    among the batch's trainable tokens. To mask only the stale tokens of a turn instead of the whole
+    observation tokens, loss mask 0, do not count). ``trained_version`` is the version of the
+    weights the batch trains (a run sets it to the RL step; it is not a config key of
+    ``trainer.filters``); without it the filter raises, since the batch alone cannot say how far
+    behind its newest tokens are. To mask only the stale tokens of a turn instead of the whole
     turn, use the off-policy correction's ``max_token_staleness`` (:mod:`rljax.core.off_policy`).
 
     >>> from rljax.data.batch import StepBatch
     >>> from rljax.types import Step, TrajectoryID as T
     >>> b = StepBatch([Step([1], [2, 3], T("q", 0), policy_version=3, response_versions=[3, 5]),
     ...                Step([1], [2, 3], T("q", 1), policy_version=5)])
-    >>> StalenessFilter(max_staleness=1).flags(b), StalenessFilter(max_staleness=2).flags(b)
-    (array([ True, False]), array([False, False]))
+    >>> StalenessFilter(max_staleness=1, trained_version=5).flags(b)
+    array([ True, False])
+    >>> StalenessFilter(max_staleness=1, trained_version=7).flags(b)  # two steps later
+    array([ True,  True])
     """
 
     name: ClassVar[str] = "staleness"
@@ -407,13 +502,23 @@ class StalenessFilter(Filter):
 
     def token_staleness(self, batch: Sequence[Step]) -> list[np.ndarray]:
         """Per step, int64 ``trained_version - version`` of each response token (0 where untrainable)."""
-        versions = [s.token_versions() for s in batch]
-        trainable = [np.asarray(s.loss_mask) != 0 for s in batch]
         trained = self.trained_version
         if trained is None:
-            newest = [int(v[m].max()) for v, m in zip(versions, trainable, strict=True) if m.any()]
-            trained = max(newest, default=0)
-        return [np.where(m, trained - v, 0) for v, m in zip(versions, trainable, strict=True)]
+            raise ValueError(
+                "staleness filter: trained_version is None; set it to the version of the weights this "
+                "batch trains (a run sets it to the RL step; prepare_samples(trained_version=...))"
+            )
+        versions = [s.token_versions() for s in batch]
+        trainable = [np.asarray(s.loss_mask) != 0 for s in batch]
+        out = [np.where(m, trained - v, 0) for v, m in zip(versions, trainable, strict=True)]
+        pairs = zip(versions, trainable, strict=True)
+        newest = max((int(v[m].max()) for v, m in pairs if m.any()), default=0)
+        if newest > trained:
+            raise ValueError(
+                f"staleness filter: a trainable token was sampled with version {newest}, newer than "
+                f"trained_version={trained}; pass the version of the weights being trained"
+            )
+        return out
 
     def flags(self, batch: Sequence[Step], advantages: Advantages = None) -> np.ndarray:
         return np.array([bool(np.any(x > self.max_staleness)) for x in self.token_staleness(batch)], bool)
@@ -509,7 +614,9 @@ class DynamicSampler:
 
     DAPO dynamic sampling (Yu et al., 2025, §3.2): groups whose trajectory rewards are all
     equal have zero group-relative advantage, so they are discarded and more prompts are
-    sampled until the batch holds ``target_groups`` groups with ``spread > atol``. The loop is
+    sampled until the batch holds ``target_groups`` groups with ``spread > atol``
+    (:func:`group_reward_spread` with ``reward_mode``: errored trajectories left out, per_step
+    algorithms judged by their turn returns). The loop is
     bounded by ``max_rounds``; when it runs out, :meth:`result` raises (``strict=True``) or
     returns the groups it has. Surplus groups of the last round are discarded too. Instance
     ids must be unique across rounds (a repeated prompt would merge two groups).
@@ -529,16 +636,25 @@ class DynamicSampler:
     """
 
     def __init__(
-        self, *, target_groups: int, max_rounds: int, atol: float = 0.0, strict: bool = True
+        self,
+        *,
+        target_groups: int,
+        max_rounds: int,
+        atol: float = 0.0,
+        strict: bool = True,
+        reward_mode: RewardModes = "outcome",
     ) -> None:
         _positive_int("DynamicSampler", "target_groups", target_groups)
         _positive_int("DynamicSampler", "max_rounds", max_rounds)
         if not (math.isfinite(atol) and atol >= 0):
             raise ValueError(f"DynamicSampler: atol must be finite and >= 0, got {atol!r}")
+        for mode in [reward_mode] if isinstance(reward_mode, str) else reward_mode.values():
+            _mode_of(mode, "")
         self.target_groups = target_groups
         self.max_rounds = max_rounds
         self.atol = atol
         self.strict = strict
+        self.reward_mode = reward_mode
         self.reset()
 
     def reset(self) -> None:
@@ -581,9 +697,9 @@ class DynamicSampler:
             groups.setdefault(q, []).append(s)
         self.rounds += 1
         self._vocab_size = self._vocab_size or batch.vocab_size
-        spread = group_reward_spread(batch)
-        keep = {s.trajectory_id.instance_id: bool(d > self.atol) for s, d in zip(batch, spread, strict=True)}
-        rewards = trajectory_rewards([s for s in batch if s.is_last_step])
+        keep = informative_groups(batch, atol=self.atol, reward_mode=self.reward_mode)
+        ok = ~errored_steps(batch)
+        rewards = trajectory_rewards([s for s, o in zip(batch, ok, strict=True) if s.is_last_step and o])
         self.trajectories_seen += rewards.shape[0]
         self._reward_sum += float(rewards.sum())
         for q, steps in groups.items():
@@ -611,7 +727,7 @@ class DynamicSampler:
             "dynamic_sampling/groups_discarded": self.groups_seen - kept,
             "dynamic_sampling/kept_fraction": kept / self.groups_seen if self.groups_seen else 0.0,
             "dynamic_sampling/exhausted": float(kept < self.target_groups),
-            "dynamic_sampling/reward_mean_seen": (
+            "dynamic_sampling/reward_mean_seen": (  # over trajectories that did not error
                 self._reward_sum / self.trajectories_seen if self.trajectories_seen else 0.0
             ),
         }

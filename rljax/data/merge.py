@@ -39,7 +39,9 @@ Decisions (beyond design §2.5):
   ``stop_reason`` (last merged turn) and ``is_last_step`` (holds the trajectory's final turn).
   ``prompt_roles`` is the first turn's, so it stays aligned with the merged sample's prompt;
   the roles of the gap tokens are the tails of the later turns' ``prompt_roles``
-  (:func:`rljax.data.echo.response_roles`).
+  (:func:`rljax.data.echo.response_roles`). Top-k / top-p support floors
+  (``response_support_floors``) are kept when any turn has them: ``-inf`` (nothing cut) on gap
+  tokens and on the tokens of turns drawn from the whole distribution.
 * MoE routing (``routed_experts``, rows = positions): a merged sample's row for position p is
   the routing recorded by the FIRST of its turns that processed p (each later turn contributes the
   rows past what earlier turns covered). That is the routing the sampler's KV cache reflects under
@@ -57,6 +59,7 @@ References: SkyRL ``merge_stepwise_output`` and prime-rl's trajectory interleavi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -200,6 +203,9 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
     # per-token versions only when the merged turns do not all share one version
     multi_version = len({v for i in idx for v in _versions_of(steps[i])}) > 1
     versions = list(first.token_versions()) if multi_version else None
+    # top-k / top-p support floors when any turn has them (-inf: drawn from the whole distribution)
+    truncated = any(steps[i].response_support_floors is not None for i in idx)
+    floors = _support_floors(first) if truncated else None
     covered = len(first.prompt_ids) + len(first.response_ids)
     for i, g in zip(idx[1:], gaps[1:], strict=True):
         s = steps[i]
@@ -210,6 +216,9 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
         if versions is not None:
             versions.extend([int(s.policy_version)] * g)
             versions.extend(s.token_versions().tolist())
+        if floors is not None:
+            floors.extend([-math.inf] * g)
+            floors.extend(_support_floors(s))
         if g:
             prompt = _as_list(s.prompt_ids)
             response.extend(prompt[len(prompt) - g :])
@@ -234,7 +243,15 @@ def _build_sample(steps: Sequence[Step], idx: Sequence[int], gaps: Sequence[int]
         policy_version=min(steps[i].policy_version for i in idx),
         routed_experts=None if routing is None else np.concatenate(routing, axis=0),
         response_versions=versions,
+        response_support_floors=floors,
     )
+
+
+def _support_floors(step: Step) -> list[float]:
+    """A step's support floors, ``-inf`` (nothing cut) for a step without them."""
+    if step.response_support_floors is None:
+        return [-math.inf] * len(step.response_ids)
+    return [float(x) for x in step.response_support_floors]
 
 
 def _versions_of(step: Step) -> set[int]:

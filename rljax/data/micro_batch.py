@@ -10,8 +10,9 @@ time): each shard gets at most ``micro_batch_tokens`` tokens of every micro-batc
 row, even when a row is longer than the budget). The micro-batch shape depends only on
 ``(L, budget, data_parallel)``, and the stacked ``[k, r, L]`` shape takes one value per row
 bucket of the packer (bounded recompiles).
-Padding rows are empty (segment 0, every mask and weight 0, temperature 1, no routed experts), so
-they add nothing to any count, loss or gradient.
+Padding rows are empty (segment 0, every mask and weight 0, temperature 1, no routed experts; in
+prefix-tree batches no parent and ``subtree_end`` 0), so they add nothing to any count, loss or
+gradient. Prefix trees never span rows, so whole rows keep every sample whole.
 
 >>> from rljax.data.pack import pack
 >>> from rljax.types import Step
@@ -31,7 +32,7 @@ from rljax.types import PackedBatch
 __all__ = ["EMPTY_ROW_VALUES", "micro_batch_rows", "pad_rows", "split_by_token_budget"]
 
 #: The value an empty (padding) row holds in each PackedBatch field; fields not listed hold 0.
-EMPTY_ROW_VALUES = {"temperatures": 1.0, "routed_experts": -1}
+EMPTY_ROW_VALUES = {"temperatures": 1.0, "routed_experts": -1, "support_floors": -np.inf, "parents": -1}
 
 
 def micro_batch_rows(*, seq_len: int, micro_batch_tokens: int, data_parallel: int = 1) -> int:

@@ -33,11 +33,24 @@ Decisions (beyond design §2.6):
   TAIL of the response is dropped (the prompt is the conditioning context and is kept
   whole, so the kept tokens' logprobs stay exact); a prompt that leaves no room for a
   response token is still an error. Metrics ``truncated_samples`` / ``truncated_tokens``.
+  ``token_rewards`` on the cut tail's trained tokens are not dropped: they move to the last kept
+  trained token (the cut tokens are then like masked ones, which are not time steps of GAE).
 * ``sample_index`` and ``group_index`` are dense per packed batch (so segment reductions
   use a small static ``num_segments``); :class:`PackLayout` maps them back to the caller's
   step indices and :attr:`PackResult.group_keys` to ``instance_id`` strings.
 * Mini-batches: the number of prompt groups must be a multiple of ``mini_batch_prompts``
   (else ``ValueError``; nothing is dropped silently).
+
+Prefix trees (``prefix_sharing=True``, design §2.6): samples sorted by their shareable prefix
+(prompt tokens, never a sample's last token, with the MoE routing the sampler recorded) are laid
+out as trees in depth-first order, each shared token once; ``parents`` / ``subtree_end`` describe
+the trees, ``positions`` are depths, and a sample's segment id marks the tokens it owns (the first
+sample through a shared token owns it; response tokens are never shared). Trees longer than a row
+are split at their branch points (:func:`prefix_tree_units`); trees are placed FFD like samples, and
+when that needs more (bucketed) rows than plain packing each sample is its own tree. The layout
+then records every sample's columns (``token_index``), so :func:`unpack` and
+:func:`unpack_responses` work unchanged; metrics add ``sample_tokens`` (what plain packing lays
+out) and ``shared_prefix_tokens`` (what sharing saved).
 
 Reference: Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"
 (first-fit-decreasing packing with segment ids); SkyRL PR #1529 (mini-batches of prompts).
@@ -47,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +76,7 @@ __all__ = [
     "first_fit_decreasing",
     "geometric_row_buckets",
     "make_mini_batches",
+    "prefix_tree_units",
     "STREAM_DEFAULTS",
     "check_streams",
     "pack",
@@ -86,6 +100,9 @@ STREAM_DEFAULTS: Mapping[str, float] = {
 }
 #: Optional per-step streams: packed only when given (their PackedBatch field is None otherwise).
 OPTIONAL_STREAMS: Mapping[str, float] = {"token_rewards": 0.0}
+#: Streams whose cut tail is not dropped with truncation: what the cut trained tokens carry moves to
+#: the sample's last kept trained token (a truncated sample keeps its reward).
+_TAIL_FOLDED: tuple[str, ...] = ("token_rewards",)
 
 
 def check_streams(streams: Mapping[str, PerStep]) -> dict[str, PerStep]:
@@ -230,6 +247,11 @@ class PackLayout:
       prompt_lens, response_lens: packed lengths (response after truncation).
       source_index: the sample's index in the caller's steps (the batch, for mini-batches).
       seq_len, num_rows: the packed shape.
+      shared_lens: prefix-tree rows: the leading tokens of each sample that an earlier sample of its
+        tree owns (laid out once, at that sample's columns); None for plain rows (no sharing).
+      token_index: prefix-tree rows: the flat ``[num_rows * seq_len]`` index of every token of every
+        sample (the concatenation in input order, shared tokens included); None for plain rows,
+        where each sample's tokens are the contiguous columns from ``starts``.
     """
 
     rows: np.ndarray
@@ -239,6 +261,8 @@ class PackLayout:
     source_index: np.ndarray
     seq_len: int
     num_rows: int
+    shared_lens: np.ndarray | None = None
+    token_index: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -259,9 +283,44 @@ class PackLayout:
         lengths = self.lengths
         offsets = np.cumsum(lengths) - lengths
         rel = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths)
-        dest = rel + np.repeat(self.rows * self.seq_len + self.starts, lengths)
+        if self.token_index is None:
+            dest = rel + np.repeat(self.rows * self.seq_len + self.starts, lengths)
+        else:
+            dest = self.token_index
         is_response = rel >= np.repeat(self.prompt_lens, lengths)
         return dest, rel, is_response
+
+    def response_starts(self) -> np.ndarray:
+        """int64 ``[num_samples]``: the flat index (``row * seq_len + column``) of each sample's first
+        kept response token. A sample's response tokens are the consecutive flat indices from there,
+        in plain and prefix-tree rows alike (response tokens are never shared). -1 for an empty
+        response in prefix-tree rows.
+
+        >>> from rljax.types import Step
+        >>> steps = [Step([1, 2], [3, 4], ("q", 0)), Step([1, 2], [5], ("q", 1))]
+        >>> pack(steps, seq_len=8).layout.response_starts().tolist()
+        [2, 6]
+        >>> pack(steps, seq_len=8, prefix_sharing=True).layout.response_starts().tolist()
+        [2, 4]
+        """
+        if self.token_index is None:
+            return self.rows * self.seq_len + self.starts + self.prompt_lens
+        lengths = self.lengths
+        first = np.cumsum(lengths) - lengths + self.prompt_lens
+        has = self.response_lens > 0
+        out = np.full(self.num_samples, -1, np.int64)
+        out[has] = self.token_index[first[has]]
+        return out
+
+    def owned(self) -> np.ndarray:
+        """bool, aligned with :meth:`flat_index`: the tokens each sample writes (all of them in plain
+        rows; in prefix-tree rows, all but the leading ``shared_lens`` an earlier sample owns)."""
+        lengths = self.lengths
+        if self.shared_lens is None:
+            return np.ones(int(lengths.sum()), bool)
+        offsets = np.cumsum(lengths) - lengths
+        rel = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths)
+        return rel >= np.repeat(self.shared_lens, lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +350,12 @@ def _response_stream(
     total = int(keep_lens.sum())
     if value is None:
         return np.full(total, default, dtype=np.float32)
-    if _is_scalar(value):
+    fold = name in _TAIL_FOLDED and bool(np.any(keep_lens < resp_lens))
+    if _is_scalar(value) and not fold:
         out = np.full(total, float(value), dtype=np.float32)
     else:
+        if _is_scalar(value):
+            value = [value] * len(steps)
         if len(value) != len(steps):
             raise ValueError(
                 f"{name} has {len(value)} entries but there are {len(steps)} samples; pass one entry "
@@ -304,20 +366,38 @@ def _response_stream(
             keep = int(keep_lens[k])
             if v is None:
                 parts.append(np.full(keep, default, dtype=np.float32))
-            elif _is_scalar(v):
+            elif _is_scalar(v) and keep == resp_lens[k]:
                 parts.append(np.full(keep, float(v), dtype=np.float32))
             else:
-                a = np.asarray(v, dtype=np.float32)
-                if a.shape != (int(resp_lens[k]),):
+                n = int(resp_lens[k])
+                a = np.full(n, float(v), np.float32) if _is_scalar(v) else np.asarray(v, np.float32)
+                if a.shape != (n,):
                     raise ValueError(
                         f"{name} of {_where(steps, source, k)} has shape {a.shape} but the sample has "
-                        f"{int(resp_lens[k])} response tokens; pass one value per response token"
+                        f"{n} response tokens; pass one value per response token"
                     )
-                parts.append(a[:keep])
+                parts.append(_fold_cut_tail(a, steps[k].loss_mask, keep) if fold else a[:keep])
         out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
     if not np.all(np.isfinite(out)):
         bad = int(np.searchsorted(np.cumsum(keep_lens), int(np.argmin(np.isfinite(out))), side="right"))
         raise ValueError(f"{name} of {_where(steps, source, bad)} has a non-finite value (NaN or inf)")
+    return out
+
+
+def _fold_cut_tail(values: np.ndarray, loss_mask: Sequence[int], keep: int) -> np.ndarray:
+    """The first ``keep`` values, the values on the cut tail's trained tokens (loss mask 1) added
+    to the last kept trained token (dropped when no trained token is kept).
+
+    >>> _fold_cut_tail(np.array([0.0, 1.0, 0.0, 2.0, 5.0], np.float32), [1, 1, 0, 1, 0], 2).tolist()
+    [0.0, 3.0]
+    """
+    out = values[:keep].copy()
+    if keep == values.shape[0]:
+        return out
+    mask = np.asarray(loss_mask) != 0
+    kept = np.flatnonzero(mask[:keep])
+    if kept.size:
+        out[kept[-1]] += np.float32(values[keep:][mask[keep:]].sum())
     return out
 
 
@@ -346,6 +426,225 @@ def _routed_experts(
     return out.reshape(num_rows, seq_len, layers, top_k)
 
 
+# --------------------------------------------------------------------------------------
+# Prefix-tree placement
+# --------------------------------------------------------------------------------------
+
+
+def _sharing_keys(steps: Sequence[Step], shareable: np.ndarray) -> list[np.ndarray]:
+    """Per sample, int64 ``[shareable_k, 1 + M * k]``: each shareable token id followed by the MoE
+    routing the sampler recorded for it (-1 without a record; no columns when no step has one). Two
+    samples share a token only when these rows agree up to it: replayed routing stays each sample's."""
+    first = next((s.routed_experts for s in steps if s.routed_experts is not None), None)
+    width = 0 if first is None else int(np.prod(np.shape(first)[1:]))
+    keys = []
+    for s, n in zip(steps, shareable.tolist(), strict=True):
+        key = np.full((n, 1 + width), -1, np.int64)
+        key[:, 0] = np.asarray(s.prompt_ids[:n], np.int64)
+        if width and s.routed_experts is not None:
+            key[:, 1:] = np.asarray(s.routed_experts, np.int64)[:n].reshape(n, width)
+        keys.append(key)
+    return keys
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Rows two key arrays (``_sharing_keys``) share from the start."""
+    m = min(a.shape[0], b.shape[0])
+    same = np.all(a[:m] == b[:m], axis=1)
+    return m if bool(same.all()) else int(np.argmin(same))
+
+
+def prefix_tree_units(lengths: np.ndarray, lcp: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """Cuts samples in depth-first (sorted) order into trees of at most ``capacity`` tokens each.
+
+    ``lengths[i]`` is sample ``i``'s length and ``lcp[i]`` the tokens it shares with sample ``i - 1``
+    (``lcp[0] = 0``; the samples sorted so that the tokens two samples share are ``min(lcp)`` over the
+    samples between them, as for sorted strings). A set of samples laid out as one tree takes
+    ``sum(lengths) - sum(lcp between consecutive members)`` tokens. A range that does not fit is split
+    at its branch point (depth ``d = min(lcp)``): subtrees that fit are grouped first-fit-decreasing
+    into trees of at most ``capacity`` tokens that each repeat the ``d`` shared tokens once, the others
+    are split further; at ``d = 0`` (nothing shared) each subtree is a tree of its own. Every sample
+    fits alone (``lengths <= capacity``), so this ends.
+
+    Returns:
+      the trees, each an ascending int64 array of sample indices.
+
+    Three samples of 6 tokens sharing 4, and one of 3 sharing nothing: as one tree the three take
+    ``4 + 3 * 2 = 10`` tokens; in rows of 9 they become trees of two and one:
+
+    >>> prefix_tree_units(np.array([6, 6, 6, 3]), np.array([0, 4, 4, 0]), capacity=10)
+    [array([0, 1, 2]), array([3])]
+    >>> prefix_tree_units(np.array([6, 6, 6, 3]), np.array([0, 4, 4, 0]), capacity=9)
+    [array([0, 1]), array([2]), array([3])]
+    """
+    lengths = np.asarray(lengths, np.int64)
+    lcp = np.asarray(lcp, np.int64)
+    n = lengths.shape[0]
+    total = np.concatenate([[0], np.cumsum(lengths)])
+    shared = np.concatenate([[0], np.cumsum(lcp)])
+
+    def cost(a: int, b: int) -> int:  # tokens of samples [a, b) as one tree
+        return int(total[b] - total[a] - (shared[b] - shared[a + 1]))
+
+    units: list[np.ndarray] = []
+    pending = [(0, n)] if n else []
+    while pending:
+        a, b = pending.pop()
+        if cost(a, b) <= capacity:
+            units.append(np.arange(a, b))
+            continue
+        inner = lcp[a + 1 : b]
+        depth = int(inner.min())
+        bounds = [a, *(a + 1 + np.flatnonzero(inner == depth)).tolist(), b]
+        children = list(zip(bounds[:-1], bounds[1:], strict=True))
+        if depth == 0:
+            pending.extend(children)
+            continue
+        small = [c for c in children if cost(*c) <= capacity]
+        pending.extend(c for c in children if cost(*c) > capacity)
+        if small:
+            bins, _, _, used = first_fit_decreasing([cost(*c) - depth for c in small], capacity - depth)
+            for p in range(int(used)):
+                units.append(
+                    np.concatenate([np.arange(*small[i]) for i in np.flatnonzero(bins == p).tolist()])
+                )
+    return sorted(units, key=lambda u: int(u[0]))
+
+
+def _next_smaller(values: np.ndarray) -> np.ndarray:
+    """``out[i]`` = the first ``j > i`` with ``values[j] < values[i]`` (``len(values)`` if none)."""
+    out = np.full(values.shape[0], values.shape[0], np.int64)
+    stack: list[int] = []
+    for j, v in enumerate(values.tolist()):
+        while stack and values[stack[-1]] > v:
+            out[stack.pop()] = j
+        stack.append(j)
+    return out
+
+
+def _lay_out_tree(
+    members: np.ndarray,
+    lcp: np.ndarray,
+    lengths: np.ndarray,
+    row: int,
+    start: int,
+    seq_len: int,
+    parents: np.ndarray,
+    ends: np.ndarray,
+) -> list[np.ndarray]:
+    """Writes one tree (``members``: sample indices in depth-first order; ``lcp``: what each shares with the
+    member before it, 0 for the first) in depth-first order from column ``start`` of ``row`` into the
+    flat ``parents`` / ``ends``. Returns each member's token columns in the row (its whole path)."""
+    depth_col = np.zeros(int(lengths[members].max()), np.int64)  # column of each depth on the path
+    paths, firsts, last = [], np.zeros(members.shape[0], np.int64), np.zeros(members.shape[0], np.int64)
+    base, col = row * seq_len, start
+    for i, k in enumerate(members.tolist()):
+        u, n = int(lcp[i]), int(lengths[k])
+        depth_col[u:n] = np.arange(col, col + n - u)
+        parents[base + col : base + col + n - u] = (
+            depth_col[u - 1 : n - 1] if u else np.r_[-1, depth_col[: n - 1]]
+        )
+        paths.append(depth_col[:n].copy())
+        firsts[i], last[i] = col, col + n - u - 1
+        col += n - u
+    # Subtree ends: member i's token at depth d is on the paths of members i..f-1, f the first later
+    # member sharing fewer than d + 1 tokens; walk the members with a smaller lcp (next_smaller chain).
+    nxt = _next_smaller(lcp)
+    m = members.shape[0]
+    for i, k in enumerate(members.tolist()):
+        u, hi = int(lcp[i]), int(lengths[k])
+        end = np.empty(hi - u, np.int64)
+        x = i + 1
+        while x < m:
+            lo = max(int(lcp[x]), u)
+            end[lo - u : hi - u] = last[x - 1]
+            if lcp[x] <= u:
+                break
+            hi, x = int(lcp[x]), int(nxt[x])
+        else:
+            end[: hi - u] = last[m - 1]
+        ends[base + firsts[i] : base + last[i] + 1] = end
+    return paths
+
+
+@dataclasses.dataclass(frozen=True)
+class _TreePlacement:
+    """Prefix-tree rows: the layout, each sample's segment id, the flat ``[num_rows * seq_len]``
+    ``parents`` and ``subtree_end`` columns, the rows used before bucketing and the tokens laid out."""
+
+    layout: PackLayout
+    segments: np.ndarray
+    parents: np.ndarray
+    subtree_end: np.ndarray
+    used_rows: int
+    tokens: int
+
+
+def _place_prefix_tree(
+    steps: Sequence[Step],
+    source: np.ndarray,
+    prompt_lens: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    seq_len: int,
+    row_buckets: Sequence[int] | None,
+    data_parallel: int,
+) -> _TreePlacement:
+    """Prefix-tree placement (design §2.6): samples sorted by their shareable prefix (prompt tokens with
+    their recorded routing, never a sample's last token), cut into trees of at most ``seq_len`` tokens
+    (:func:`prefix_tree_units`), the trees placed FFD into rows and laid out depth-first; segments are
+    numbered per row in column order. Trees bin-pack worse than their samples now and then (fewer but
+    larger items); when plain packing needs fewer (bucketed) rows, every sample is laid out as a tree
+    of its own, so sharing never costs rows and the batch keeps its tree fields (one program)."""
+    n = len(steps)
+    shareable = np.minimum(prompt_lens, lengths - 1)
+    keys = _sharing_keys(steps, shareable)
+    order = np.asarray(sorted(range(n), key=lambda k: (keys[k].tobytes(), k)), np.int64).reshape(n)
+    lcp = np.zeros(n, np.int64)
+    for i in range(1, n):
+        lcp[i] = _common_prefix(keys[order[i - 1]], keys[order[i]])
+    trees = []
+    for unit in prefix_tree_units(lengths[order], lcp, seq_len):
+        # what each member shares with the member before it: the min over the samples between them
+        between = np.minimum.reduceat(lcp[: unit[-1] + 1], unit[:-1] + 1) if unit.shape[0] > 1 else []
+        trees.append((order[unit], np.r_[0, between].astype(np.int64)))
+    sizes = np.array([int(lengths[m].sum() - c.sum()) for m, c in trees], np.int64)
+    tree_rows, tree_starts, _, used = first_fit_decreasing(sizes, seq_len)
+    num_rows = bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel)
+    plain_rows = bucket_rows(
+        int(first_fit_decreasing(lengths, seq_len)[3]), row_buckets=row_buckets, data_parallel=data_parallel
+    )
+    if plain_rows < num_rows:  # bigger trees can bin-pack worse: lay out every sample alone instead
+        trees = [(order[i : i + 1], np.zeros(1, np.int64)) for i in range(n)]
+        sizes = lengths[order]
+        tree_rows, tree_starts, _, used = first_fit_decreasing(sizes, seq_len)
+        num_rows = plain_rows
+    parents = np.full(num_rows * seq_len, -1, np.int32)
+    ends = np.zeros(num_rows * seq_len, np.int32)
+    rows, starts, segments, shared = (np.zeros(n, np.int64) for _ in range(4))
+    paths: list[np.ndarray] = [np.zeros(0, np.int64)] * n
+    count = np.zeros(num_rows, np.int64)
+    for t in np.lexsort((tree_starts, tree_rows)).tolist():
+        (members, member_lcp), r = trees[t], int(tree_rows[t])
+        laid = _lay_out_tree(members, member_lcp, lengths, r, int(tree_starts[t]), seq_len, parents, ends)
+        for k, path, u in zip(members.tolist(), laid, member_lcp.tolist(), strict=True):
+            count[r] += 1
+            rows[k], starts[k], segments[k], shared[k] = r, path[0], count[r], u
+            paths[k] = path + r * seq_len
+    layout = PackLayout(
+        rows=rows,
+        starts=starts,
+        prompt_lens=prompt_lens,
+        response_lens=lengths - prompt_lens,
+        source_index=np.asarray(source, dtype=np.int64),
+        seq_len=seq_len,
+        num_rows=num_rows,
+        shared_lens=shared,
+        token_index=np.concatenate(paths) if n else np.zeros(0, np.int64),
+    )
+    return _TreePlacement(layout, segments, parents, ends, int(used), int(sizes.sum()))
+
+
 def _pack_steps(
     steps: Sequence[Step],
     source: np.ndarray,
@@ -355,6 +654,7 @@ def _pack_steps(
     row_buckets: Sequence[int] | None,
     data_parallel: int,
     truncate: bool,
+    prefix_sharing: bool = False,
 ) -> PackResult:
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 (a prompt token and a response token), got {seq_len}")
@@ -402,19 +702,30 @@ def _pack_steps(
         keep_lens = np.minimum(resp_lens, seq_len - prompt_lens)
     lengths = prompt_lens + keep_lens
 
-    rows, starts, segs, used = first_fit_decreasing(lengths, seq_len)
-    num_rows = bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel)
-    layout = PackLayout(
-        rows=rows,
-        starts=starts,
-        prompt_lens=prompt_lens,
-        response_lens=keep_lens,
-        source_index=np.asarray(source, dtype=np.int64),
-        seq_len=seq_len,
-        num_rows=num_rows,
-    )
+    tree = None
+    if prefix_sharing:
+        tree = _place_prefix_tree(
+            steps, source, prompt_lens, lengths, seq_len=seq_len, row_buckets=row_buckets,
+            data_parallel=data_parallel,
+        )  # fmt: skip
+        layout, segs, used = tree.layout, tree.segments, tree.used_rows
+    else:
+        rows, starts, segs, used = first_fit_decreasing(lengths, seq_len)
+        layout = PackLayout(
+            rows=rows,
+            starts=starts,
+            prompt_lens=prompt_lens,
+            response_lens=keep_lens,
+            source_index=np.asarray(source, dtype=np.int64),
+            seq_len=seq_len,
+            num_rows=bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel),
+        )
+    num_rows = layout.num_rows
     dest, rel, is_response = layout.flat_index()
     resp_dest = dest[is_response]
+    # Each column is written once, by the sample that owns it (every token of plain rows).
+    own = slice(None) if tree is None else layout.owned()
+    own_dest = dest[own]
 
     # Host sequences -> flat arrays: one C-level pass per stream (no per-token Python code).
     token_parts: list[Any] = []
@@ -465,20 +776,28 @@ def _pack_steps(
         name: _response_stream(name, streams.get(name), steps, source, resp_lens, keep_lens, default)
         for name, default in defaults.items()
     }
+
+    def per_sample(values: np.ndarray) -> np.ndarray:  # one value per sample -> its owned tokens
+        return np.repeat(values, lengths)[own]
+
     batch = PackedBatch(
-        tokens=scatter(flat_tokens, dest, np.int32),
-        positions=scatter(rel, dest, np.int32),
-        segment_ids=scatter(np.repeat(segs, lengths), dest, np.int32),
-        sample_index=scatter(np.repeat(np.arange(n), lengths), dest, np.int32),
-        group_index=scatter(np.repeat(group, lengths), dest, np.int32),
+        tokens=scatter(flat_tokens[own], own_dest, np.int32),
+        positions=scatter(rel[own], own_dest, np.int32),
+        segment_ids=scatter(per_sample(segs), own_dest, np.int32),
+        sample_index=scatter(per_sample(np.arange(n)), own_dest, np.int32),
+        group_index=scatter(per_sample(group), own_dest, np.int32),
         loss_mask=scatter(loss_mask, resp_dest, np.float32),
         inference_logprobs=scatter(inference_lp, resp_dest, np.float32),
         old_logprobs=scatter(inference_lp, resp_dest, np.float32),
-        temperatures=scatter(np.repeat(temps, lengths), dest, np.float32, fill=1.0),
+        temperatures=scatter(per_sample(temps), own_dest, np.float32, fill=1.0),
         **{name: scatter(v, resp_dest, np.float32) for name, v in streams.items()},
         routed_experts=_routed_experts(steps, lengths, dest, size, num_rows, seq_len),
         token_versions=scatter(versions, resp_dest, np.int32),
+        support_floors=_support_floors(steps, keep_lens, resp_dest, scatter),
+        parents=None if tree is None else tree.parents.reshape(num_rows, seq_len),
+        subtree_end=None if tree is None else tree.subtree_end.reshape(num_rows, seq_len),
     )
+    laid = total if tree is None else tree.tokens
     metrics = {
         "num_samples": n,
         "num_groups": len(group_keys),
@@ -486,15 +805,34 @@ def _pack_steps(
         "used_rows": int(used),
         "padding_rows": num_rows - int(used),
         "seq_len": seq_len,
-        "real_tokens": total,
+        "sample_tokens": total,
+        "real_tokens": laid,
+        "shared_prefix_tokens": total - laid,
         "capacity_tokens": size,
-        "packing_efficiency": total / size,
+        "packing_efficiency": laid / size,
         "trainable_tokens": int(loss_mask.sum()),
         "truncated_samples": int(over.size) if truncate else 0,
         "truncated_tokens": int((resp_lens - keep_lens).sum()),
         "samples_without_logprobs": without_logprobs,
     }
     return PackResult(batch=batch, layout=layout, metrics=metrics, group_keys=tuple(group_keys))
+
+
+def _support_floors(
+    steps: Sequence[Step], keep_lens: np.ndarray, resp_dest: np.ndarray, scatter: Callable[..., np.ndarray]
+) -> np.ndarray | None:
+    """The top-k / top-p support floors of the response tokens (``-inf`` elsewhere and for steps drawn
+    from the whole distribution); None when no step has any (the trainer then needs no mask)."""
+    if all(s.response_support_floors is None for s in steps):
+        return None
+    parts = (
+        itertools.repeat(-np.inf, int(k))
+        if s.response_support_floors is None
+        else s.response_support_floors[: int(k)]
+        for s, k in zip(steps, keep_lens, strict=True)
+    )
+    flat = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.float32, count=int(keep_lens.sum()))
+    return scatter(flat, resp_dest, np.float32, fill=-np.inf)
 
 
 def pack(
@@ -504,6 +842,7 @@ def pack(
     row_buckets: Sequence[int] | None = None,
     data_parallel: int = 1,
     truncate: bool = False,
+    prefix_sharing: bool = False,
     **streams: PerStep,
 ) -> PackResult:
     """Packs samples FFD into a :class:`~rljax.types.PackedBatch` of shape ``[rows, seq_len]``.
@@ -514,6 +853,8 @@ def pack(
       row_buckets: allowed row counts (default powers of two times ``data_parallel``).
       data_parallel: the row count is a multiple of it; padding rows are fully masked.
       truncate: drop the tail of over-long responses instead of raising ``ValueError``.
+      prefix_sharing: pack samples that share a prompt prefix as prefix trees (design §2.6): each
+        shared token once, the batch's ``parents`` / ``subtree_end`` set (see the module docstring).
       **streams: per-step streams of :data:`STREAM_DEFAULTS` (``advantages, ref_logprobs,
         rl_weights, ce_weights, ref_kl_weights``) aligned to each step's response tokens: None
         (defaults 0, 0, 1, 0, 0), a scalar for all steps, or one entry per step, each a scalar or
@@ -542,6 +883,7 @@ def pack(
         row_buckets=row_buckets,
         data_parallel=data_parallel,
         truncate=truncate,
+        prefix_sharing=prefix_sharing,
     )
 
 
@@ -595,8 +937,11 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     Each dict has ``prompt_ids``, ``response_ids``, ``positions`` (whole sample), the response
     part of every response stream (``loss_mask``, ``advantages``, ``inference_logprobs``,
     ``old_logprobs``, ``ref_logprobs``, ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, and
-    ``token_versions`` / ``token_rewards`` when the batch has them), and the per-sample scalars
+    ``token_versions`` / ``token_rewards`` / ``support_floors`` when the batch has them), and the
+    per-sample scalars
     ``temperature``, ``segment_id``, ``sample_index``, ``group_index``, ``row`` and ``source_index``.
+    Prefix-tree rows give each sample its whole sequence too (its shared prefix read where it was laid
+    out once); the per-sample scalars are read at the sample's last token, which it always owns.
 
     >>> from rljax.types import Step
     >>> r = pack([Step([1, 2], [3, 4], ("q", 0), loss_mask=[1, 0])], seq_len=4)
@@ -605,7 +950,9 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     ([1, 2], [3, 4], [1.0, 0.0])
     """
     dest, _, _ = layout.flat_index()
-    optional = tuple(n for n in (*OPTIONAL_STREAMS, "token_versions") if getattr(packed, n) is not None)
+    optional = tuple(
+        n for n in (*OPTIONAL_STREAMS, "token_versions", "support_floors") if getattr(packed, n) is not None
+    )
     response_streams = _RESPONSE_STREAMS + optional
     gathered = {
         name: np.asarray(getattr(packed, name)).reshape(-1)[dest]
@@ -617,14 +964,15 @@ def unpack(packed: PackedBatch, layout: PackLayout) -> list[dict[str, Any]]:
     out = []
     for k in range(layout.num_samples):
         lo, mid, hi = int(offsets[k]), int(offsets[k] + layout.prompt_lens[k]), int(offsets[k] + lengths[k])
+        last = hi - 1  # owned by the sample in prefix-tree rows too
         sample: dict[str, Any] = {
             "prompt_ids": gathered["tokens"][lo:mid],
             "response_ids": gathered["tokens"][mid:hi],
             "positions": gathered["positions"][lo:hi],
-            "temperature": float(gathered["temperatures"][lo]),
-            "segment_id": int(gathered["segment_ids"][lo]),
-            "sample_index": int(gathered["sample_index"][lo]),
-            "group_index": int(gathered["group_index"][lo]),
+            "temperature": float(gathered["temperatures"][last]),
+            "segment_id": int(gathered["segment_ids"][last]),
+            "sample_index": int(gathered["sample_index"][last]),
+            "group_index": int(gathered["group_index"][last]),
             "row": int(layout.rows[k]),
             "source_index": int(layout.source_index[k]),
         }
@@ -673,6 +1021,7 @@ def make_mini_batches(
     truncate: bool = False,
     shuffle_seed: int | None = None,
     balance_tokens: bool = False,
+    prefix_sharing: bool = False,
     **streams: PerStep,
 ) -> Iterator[PackResult]:
     """Splits a batch into packed mini-batches of exactly ``mini_batch_prompts`` prompt groups.
@@ -682,8 +1031,8 @@ def make_mini_batches(
     is ``num_prompts / mini_batch_prompts`` (SkyRL PR #1529). Groups are taken in order of
     first appearance, or shuffled with ``shuffle_seed``; ``balance_tokens=True`` instead
     assigns groups (largest first) to the mini-batch with the fewest tokens so far, which
-    evens out row counts (fewer shapes, less padding). Streams and packing options are those
-    of :func:`pack` (per-step streams index the whole batch). Each result's
+    evens out row counts (fewer shapes, less padding). Streams and packing options (``prefix_sharing``
+    too) are those of :func:`pack` (per-step streams index the whole batch). Each result's
     ``layout.source_index`` holds batch step indices; metrics add ``num_prompts``,
     ``mini_batch`` and ``num_mini_batches``. Raises ``ValueError`` (eagerly) when the number of
     prompts is not a multiple of ``mini_batch_prompts``.
@@ -743,6 +1092,7 @@ def make_mini_batches(
                 data_parallel=data_parallel,
                 truncate=truncate,
                 streams={name: _select(name, value, idx, n) for name, value in streams.items()},
+                prefix_sharing=prefix_sharing,
             )
             result.metrics.update(num_prompts=len(groups), mini_batch=b, num_mini_batches=num_batches)
             yield result

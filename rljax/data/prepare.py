@@ -40,7 +40,15 @@ import numpy as np
 
 from rljax.algorithms import Algorithm
 from rljax.data.batch import StepBatch
-from rljax.data.filters import Filter, ZeroAdvantageFilter, ZeroVarianceGroupFilter, apply_filters
+from rljax.data.credit import TurnSpans, turn_spans
+from rljax.data.filters import (
+    Filter,
+    StalenessFilter,
+    ZeroAdvantageFilter,
+    ZeroVarianceGroupFilter,
+    apply_filters,
+    errored_steps,
+)
 from rljax.data.merge import MergePlan, merge_metrics, merge_steps, plan_merge
 from rljax.data.pack import STREAM_DEFAULTS
 from rljax.data.step_advantages import compute_step_advantages
@@ -76,6 +84,8 @@ class PreparedSamples:
         trained in (the merge plan's; the identity without merging). Rollout records use it.
       step_advantages: per input step, its per-token advantages before merging.
       step_filtered: per input step, whether an enforcing filter zeroed its loss mask.
+      turn_spans: per sample, where each of its turns' responses lies in it
+        (:func:`rljax.data.credit.turn_spans`); critic algorithms link a trajectory's turns with it.
     """
 
     samples: list[Step]
@@ -89,6 +99,7 @@ class PreparedSamples:
     sample_of_step: tuple[int, ...] = ()
     step_advantages: tuple[np.ndarray, ...] = ()
     step_filtered: tuple[bool, ...] = ()
+    turn_spans: TurnSpans = ()
 
     def streams(self) -> dict[str, list[np.ndarray] | None]:
         """The per-step streams (:data:`~rljax.data.pack.STREAM_DEFAULTS`, plus ``token_rewards``
@@ -190,19 +201,26 @@ def prepare_samples(
     merge: bool = True,
     score: ResponseScorer | None = None,
     observation_filter: Callable[[Step, np.ndarray], np.ndarray] | None = None,
+    trained_version: int | None = None,
 ) -> PreparedSamples:
     """Advantages -> filters -> merge -> component streams for the steps of ``algorithm``.
+
+    Steps of errored trajectories (design §2.3.2) get loss mask 0 first, whatever produced them,
+    so they never count in a normaliser.
 
     Args:
       algorithm: the (validated) algorithm that trains every step of ``batch``.
       batch: its steps.
       filters: design §3.7 filters (enforcing ones zero loss masks; all report metrics). The
         zero-advantage and zero-variance filters only apply to rl algorithms (others have no
-        advantages or group baselines).
+        advantages or group baselines); the zero-variance filter takes the algorithm's
+        ``reward_mode``, and a staleness filter without a ``trained_version`` takes
+        ``trained_version``.
       merge: fold turns that extend each other into one sample (design §2.5). Echo needs it:
         the observation tokens it trains are the gap tokens between merged turns.
       score: the ref_kl reference of the (merged) samples; required for ref_kl algorithms.
       observation_filter: echo's optional narrowing ``fn(sample, candidates) -> mask``.
+      trained_version: the version of the weights this batch trains (the RL step in a run).
 
     >>> from rljax.algorithms import get_algorithm
     >>> steps = [Step([1], [2, 3], ("q", r), reward=float(r)) for r in range(2)]
@@ -213,6 +231,8 @@ def prepare_samples(
     comp = algorithm.action_component
     errored = sum(s.is_last_step and s.stop_reason in ERROR_STOP_REASONS for s in batch)
     metrics: dict[str, float] = {"advantages/errored_excluded": float(errored)} if comp == "rl" else {}
+    if errored:
+        batch = _mask_errored(batch)
     critic = algorithm.needs_critic
     if critic:  # advantages come later, from the critic's values on packed rows
         adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
@@ -229,6 +249,7 @@ def prepare_samples(
         adv = [np.zeros(len(s.response_ids), np.float32) for s in batch]
     if comp != "rl" or critic:  # no advantages (yet) or no group baseline: these would mask every token
         filters = [f for f in filters if not isinstance(f, (ZeroAdvantageFilter, ZeroVarianceGroupFilter))]
+    filters = [_bind_filter(f, algorithm, trained_version) for f in filters]
     unfiltered = batch
     if filters:
         batch, fm = apply_filters(batch, filters, advantages=adv)
@@ -240,6 +261,7 @@ def prepare_samples(
             for a, b in zip(unfiltered, batch, strict=True)
         ),
         "sample_of_step": tuple(range(len(batch))),
+        "turn_spans": turn_spans(batch.steps),
     }
     rewards = token_rewards(batch.steps) if critic else None
     echo = bool(algorithm.observation_ce) and comp == "rl"
@@ -253,6 +275,7 @@ def prepare_samples(
         plan = plan_merge(batch.steps)  # once: merging and carrying arrays along share it
         merged = merge_steps(batch, plan)
         trace["sample_of_step"] = _sample_of_step(plan)
+        trace["turn_spans"] = turn_spans(batch.steps, plan)
         if echo:
             from rljax.data.echo import response_roles
 
@@ -294,6 +317,26 @@ def prepare_samples(
     return PreparedSamples(
         samples, adv, ref_kl_weights=_mask_weights(samples), ref_logprobs=ref, metrics=metrics, **trace
     )
+
+
+def _mask_errored(batch: StepBatch) -> StepBatch:
+    """``batch`` with loss mask 0 on every step of an errored trajectory."""
+    bad = errored_steps(batch)
+    if not any(np.any(np.asarray(s.loss_mask)) for s, b in zip(batch, bad, strict=True) if b):
+        return batch  # the rollout masks them already
+    steps = [
+        s.replace(loss_mask=[0] * len(s.response_ids)) if b else s for s, b in zip(batch, bad, strict=True)
+    ]
+    return batch.derived(steps)  # only loss masks changed: still valid
+
+
+def _bind_filter(f: Filter, algorithm: Algorithm, trained_version: int | None) -> Filter:
+    """The filter as it applies to ``algorithm``'s batch trained at ``trained_version``."""
+    if isinstance(f, ZeroVarianceGroupFilter) and f.reward_mode != algorithm.reward_mode:
+        return dataclasses.replace(f, reward_mode=algorithm.reward_mode)
+    if isinstance(f, StalenessFilter) and f.trained_version is None and trained_version is not None:
+        return dataclasses.replace(f, trained_version=int(trained_version))
+    return f
 
 
 def _sample_of_step(plan: MergePlan) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ from rljax.core import advantages as core_adv
 from rljax.data.validate import validate_steps
 from rljax.types import ERROR_STOP_REASONS, Step
 
-__all__ = ["bucket_size", "compute_step_advantages", "dense_ids"]
+__all__ = ["bucket_size", "compute_step_advantages", "dense_ids", "step_turn_returns"]
 
 _LENGTH_PENALTY_KEYS = ("w_out", "w_in", "w_turn")
 
@@ -370,6 +370,23 @@ def _step_returns(layout: _Layout, gamma_turn: float) -> np.ndarray:
         gamma_turn=float(gamma_turn),
     )
     return np.asarray(g, np.float32)[: layout.n]
+
+
+def step_turn_returns(steps: Sequence[Step], *, gamma_turn: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(G, turn)``: per step (batch order) the turn-level return ``G_jk`` that per_step mode
+    baselines (design §2.4; float32, computed by :func:`rljax.core.advantages.turn_returns` as the
+    estimators see it) and its turn index ``k`` within its trajectory (list order).
+
+    >>> from rljax.types import Step
+    >>> g, k = step_turn_returns([Step([1], [2], ("q", 0), reward=1.0, is_last_step=False),
+    ...                           Step([1], [3], ("q", 0), reward=2.0)])
+    >>> g.tolist(), k.tolist()
+    ([3.0, 2.0], [0, 1])
+    """
+    if not steps:
+        return np.zeros((0,), np.float32), np.zeros((0,), np.int32)
+    layout = _Layout(steps)
+    return _step_returns(layout, gamma_turn), layout.turn.copy()
 
 
 def _per_step(

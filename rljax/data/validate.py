@@ -335,6 +335,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             raise ValueError(f"{w}: policy_version must be an int >= 0, got {s.policy_version!r}")
         if s.response_versions is not None:
             _check_response_versions(s, w)
+        if s.response_support_floors is not None:
+            _check_support_floors(s, w)
 
     owners = list(range(len(tids)))
     _check_token_values(_Flat(prompts, owners, np.int64), "prompt_ids", tids, vocab_size)
@@ -393,6 +395,17 @@ def _check_response_versions(s: Step, where: str) -> None:
             f"{where}: policy_version ({s.policy_version}) must be the oldest of response_versions "
             f"({min(versions)})"
         )
+
+
+def _check_support_floors(s: Step, where: str) -> None:
+    """Support floors: one float per response token, each finite or ``-inf`` (nothing cut)."""
+    floors = list(s.response_support_floors)
+    if len(floors) != len(s.response_ids):
+        raise ValueError(
+            f"{where}: response_support_floors has {len(floors)} entries, response_ids {len(s.response_ids)}"
+        )
+    if not all(_is_real(x) and (math.isfinite(x) or x == -math.inf) for x in floors):
+        raise ValueError(f"{where}: response_support_floors must be finite floats or -inf (nothing cut)")
 
 
 def _check_token_values(flat: _Flat, field: str, tids: list[Any], vocab_size: int | None) -> None:

@@ -98,7 +98,7 @@ from rljax.gateway.protocol import (
     wire_message,
 )
 from rljax.gateway.sessions import Session, SessionRegistry
-from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.inference.engine import Completion, Engine, SamplingParams, reports_sampling_support
 from rljax.recording import StepRecorder
 from rljax.rollout import RolloutConfig, request_seed
 
@@ -402,7 +402,7 @@ class Gateway:
         if seed is None and cfg.seed is not None and session.task is not None:
             seed = request_seed(cfg.seed, session.task.id, session.repetition, session.calls_started)
         try:
-            return SamplingParams(
+            sampling = SamplingParams(
                 temperature=cfg.temperature if req.temperature is None else req.temperature,
                 top_p=cfg.top_p if req.top_p is None else req.top_p,
                 top_k=cfg.top_k if req.top_k is None else req.top_k,
@@ -412,6 +412,17 @@ class Gateway:
             )
         except ValueError as e:
             raise GatewayError(400, str(e)) from None
+        truncated = sampling.top_p < 1.0 or sampling.top_k is not None
+        if truncated and not reports_sampling_support(session.engine):
+            param = "top_p" if sampling.top_p < 1.0 else "top_k"
+            raise GatewayError(
+                400,
+                f"{param} samples from a truncated distribution, and this engine does not report which "
+                "tokens it kept, so the call could not be trained on exactly: leave top_p and top_k unset "
+                "(the rollout's sampling applies), or train with the embedded sampler",
+                param=param,
+            )
+        return sampling
 
     async def complete(
         self,

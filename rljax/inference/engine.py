@@ -92,6 +92,11 @@ class Completion:
         After an in-flight update the embedded sampler recomputes the routing of every processed
         token with the new weights, so the routing is that of the LAST span's version throughout:
         the routing the newest tokens were sampled with.
+      support_floors: engines that sample from a truncated distribution (top-k / top-p) and report
+        its support: one float per id, the support floor of its draw (the token was drawn from the
+        temperature-scaled logits ``z >= floor``; ``-inf`` where nothing was cut), so the trainer can
+        score it on the same support. None: drawn from the whole distribution, or an engine that does
+        not report the support (:func:`reports_sampling_support`).
     """
 
     ids: tuple[int, ...]
@@ -100,6 +105,7 @@ class Completion:
     weight_version: int
     routed_experts: Any = dataclasses.field(default=None, repr=False, compare=False)
     weight_versions: tuple[VersionSpan, ...] = dataclasses.field(default=(), repr=False)
+    support_floors: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         ids = tuple(int(t) for t in self.ids)
@@ -131,6 +137,14 @@ class Completion:
                 f"({spans[0].version})"
             )
         object.__setattr__(self, "weight_versions", spans)
+        if self.support_floors is not None:
+            floors = tuple(float(x) for x in self.support_floors)
+            if len(floors) != len(ids) or any(math.isnan(x) or x == math.inf for x in floors):
+                raise ValueError(
+                    f"Completion.support_floors must hold one float per id ({len(ids)}), none NaN or +inf; "
+                    f"got {len(floors)} values"
+                )
+            object.__setattr__(self, "support_floors", floors)
 
     def token_versions(self) -> list[int]:
         """The weight version that sampled each token of ``ids``."""
@@ -193,3 +207,16 @@ def supports_in_flight_updates(engine: Any) -> bool:
     False
     """
     return bool(getattr(engine, "supports_in_flight_updates", False))
+
+
+def reports_sampling_support(engine: Any) -> bool:
+    """Whether ``engine`` reports the support of top-k / top-p draws (``Completion.support_floors``),
+    so a truncated draw can be trained exactly (the optional attribute ``reports_sampling_support``;
+    absent means False: vLLM does not report it).
+
+    >>> class Old:
+    ...     weight_version = 0
+    >>> reports_sampling_support(Old())
+    False
+    """
+    return bool(getattr(engine, "reports_sampling_support", False))

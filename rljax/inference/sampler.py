@@ -72,6 +72,7 @@ __all__ = [
     "first_argmax",
     "generate_tokens",
     "processed_logprobs",
+    "processed_logprobs_and_floor",
     "sample_by_inversion",
     "sample_from_logprobs",
     "step_uniforms",
@@ -127,6 +128,27 @@ def processed_logprobs(
     >>> [round(float(x), 4) for x in jnp.exp(lp[0])]
     [0.625, 0.375, 0.0]
     """
+    return processed_logprobs_and_floor(logits, temperature, top_k, top_p)[0]
+
+
+def processed_logprobs_and_floor(
+    logits: chex.Array,
+    temperature: chex.Array,
+    top_k: chex.Array,
+    top_p: chex.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`processed_logprobs` and each row's **support floor**: a value between the smallest kept
+    ``z = logits / T`` and the largest dropped one (their midpoint), so the support the token was
+    drawn from is exactly ``{v : z_v >= floor}``, robust to perturbations of ``z`` smaller than half
+    the gap. The trainer renormalizes its own logprobs over the same support
+    (:func:`rljax.models.logprobs.token_logprobs_and_entropy`), so ratios compare like with like.
+    A row that drops nothing (filters off, or they keep every token) has floor ``-inf``.
+
+    >>> lp, floor = processed_logprobs_and_floor(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), jnp.ones(1),
+    ...                                          jnp.array([2]), jnp.ones(1))
+    >>> round(float(floor[0]), 4), round(float((jnp.log(0.3) + jnp.log(0.2)) / 2), 4)
+    (-1.4067, -1.4067)
+    """
     chex.assert_rank([logits, temperature, top_k, top_p], [2, 1, 1, 1])
     chex.assert_equal_shape_prefix([logits, temperature, top_k, top_p], 1)
     z = logits.astype(jnp.float32) / temperature.astype(jnp.float32)[:, None]
@@ -134,8 +156,9 @@ def processed_logprobs(
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab).astype(jnp.int32)
     p = top_p.astype(jnp.float32)
     needs_filter = jnp.any(k < vocab) | jnp.any(p < 1.0)
+    no_floor = jnp.full(z.shape[:1], _NEG_INF, jnp.float32)
 
-    def filtered(z: jax.Array) -> jax.Array:
+    def filtered(z: jax.Array) -> tuple[jax.Array, jax.Array]:
         desc = -jnp.sort(-z, axis=-1)
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
         desc = jnp.where(desc >= kth, desc, _NEG_INF)
@@ -144,10 +167,13 @@ def processed_logprobs(
         keep = (mass_before < p[:, None]) | (p[:, None] >= 1.0)
         num_kept = jnp.maximum(jnp.sum(keep & (desc > _NEG_INF), axis=-1), 1)
         threshold = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)
-        return jnp.where(z >= threshold, z, _NEG_INF)
+        kept = z >= threshold
+        largest_dropped = jnp.max(jnp.where(kept, _NEG_INF, z), axis=-1)
+        floor = jnp.where(largest_dropped > _NEG_INF, 0.5 * (threshold[:, 0] + largest_dropped), _NEG_INF)
+        return jnp.where(kept, z, _NEG_INF), floor
 
-    z = jax.lax.cond(needs_filter, filtered, lambda z: z, z)
-    return jax.nn.log_softmax(z, axis=-1)
+    z, floor = jax.lax.cond(needs_filter, filtered, lambda z: (z, no_floor), z)
+    return jax.nn.log_softmax(z, axis=-1), floor
 
 
 def first_argmax(x: chex.Array) -> jax.Array:
@@ -277,11 +303,12 @@ class _Carry:
     num_tokens: jax.Array
     finish: jax.Array
     routing: Any = None  # MoE: int32 [B, M, layers, k] experts of each fed (generated) token
+    floors: Any = None  # float32 [B, M]: each sampled token's support floor (-inf: no truncation)
 
 
 jax.tree_util.register_dataclass(
     _Carry,
-    data_fields=["step", "logits", "cache", "ids", "logprobs", "num_tokens", "finish", "routing"],
+    data_fields=["step", "logits", "cache", "ids", "logprobs", "num_tokens", "finish", "routing", "floors"],
     meta_fields=[],
 )
 
@@ -301,7 +328,7 @@ def _decode_body(
     record: bool,
 ) -> _Carry:
     """One decode step of every row: sample from ``c.logits``, record, feed the token back."""
-    logp = processed_logprobs(c.logits, temp, top_k, top_p)
+    logp, floor = processed_logprobs_and_floor(c.logits, temp, top_k, top_p)
     u = jax.lax.dynamic_index_in_dim(uniforms, c.step, axis=1, keepdims=False)
     token, token_logp = sample_by_inversion(logp, u, greedy)
     active = c.finish == FINISH_RUNNING
@@ -322,7 +349,10 @@ def _decode_body(
     if record:
         routing = jax.lax.dynamic_update_slice_in_dim(routing, fed.experts.astype(jnp.int32), c.step, axis=1)
     finish = finish.astype(jnp.int32)
-    return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish, routing)
+    floors = jax.lax.dynamic_update_slice_in_dim(
+        c.floors, jnp.where(active, floor, _NEG_INF)[:, None], c.step, axis=1
+    )
+    return _Carry(c.step + 1, next_logits, cache, ids, logprobs, num_tokens, finish, routing, floors)
 
 
 def generate_tokens(
@@ -370,11 +400,12 @@ def generate_tokens(
         entry (each one more copy of the decode step to compile); default one loop.
 
     Returns:
-      ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B], routing)``
-      with ``finish`` in {:data:`FINISH_STOP`, :data:`FINISH_LENGTH`} (0 for idle rows). ``routing``
-      is None for dense models; for MoE models ``(prompt_experts int32 [B, P, layers, k],
-      generated_experts int32 [B, M, layers, k])``: the experts every prompt token and every fed
-      generated token was routed to (router replay, R3).
+      ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B], routing,
+      floors float32 [B, M])`` with ``finish`` in {:data:`FINISH_STOP`, :data:`FINISH_LENGTH`} (0 for
+      idle rows). ``routing`` is None for dense models; for MoE models ``(prompt_experts int32
+      [B, P, layers, k], generated_experts int32 [B, M, layers, k])``: the experts every prompt token
+      and every fed generated token was routed to (router replay, R3). ``floors``: each sampled
+      token's support floor (:func:`processed_logprobs_and_floor`; ``-inf`` where nothing was cut).
     """
     chex.assert_rank([prompt, prompt_segment_ids, stop_ids], 2)
     chex.assert_rank([temperature, top_k, top_p, max_new, seeds], 1)
@@ -403,6 +434,7 @@ def generate_tokens(
         num_tokens=jnp.zeros((batch,), jnp.int32),
         finish=jnp.where(idle, FINISH_LENGTH, FINISH_RUNNING).astype(jnp.int32),
         routing=gen_routing,
+        floors=jnp.full((batch, max_new_tokens), _NEG_INF, jnp.float32),
     )
 
     def cond(c: _Carry, end: int) -> jax.Array:
@@ -419,7 +451,7 @@ def generate_tokens(
             out = dataclasses.replace(out, cache=grow_cache(out.cache, prompt_len + end))
         out = jax.lax.while_loop(functools.partial(cond, end=end), body, out)
     routing = (prompt_routing.experts.astype(jnp.int32), out.routing) if record else None
-    return out.ids, out.logprobs, out.num_tokens, out.finish, routing
+    return out.ids, out.logprobs, out.num_tokens, out.finish, routing, out.floors
 
 
 def decode_segment_ends(
@@ -539,6 +571,7 @@ def _start_program(
         num_tokens=jnp.zeros((batch,), jnp.int32),
         finish=jnp.where(max_new <= 0, FINISH_LENGTH, FINISH_RUNNING).astype(jnp.int32),
         routing=gen_routing,
+        floors=jnp.full((batch, max_new_tokens), _NEG_INF, jnp.float32),
     )
     return carry, (prompt_routing.experts.astype(jnp.int32) if record else None)
 
@@ -815,6 +848,9 @@ class EmbeddedSampler:
         """The version new requests are served with."""
         return self._weights[2]
 
+    #: Completions of top-k / top-p draws carry their support floors (``Completion.support_floors``).
+    reports_sampling_support = True
+
     @property
     def supports_in_flight_updates(self) -> bool:
         """:class:`Engine` attribute: True when built with ``in_flight_updates=True``."""
@@ -968,14 +1004,14 @@ class EmbeddedSampler:
             seeds[i] = self._seed(s)
         switches = [(0, version)]  # (first step, version) of each weight switch
         if self.in_flight_updates:
-            ids, logprobs, num_tokens, finish, routing = self._generate_in_flight(
+            ids, logprobs, num_tokens, finish, routing, floors = self._generate_in_flight(
                 (graphdef, state, version),
                 switches,
                 (tokens, segments, temperature, top_k, top_p, max_new, stop_ids, seeds),
                 new_len,
             )
         else:
-            ids, logprobs, num_tokens, finish, routing = _JITTED_GENERATE(
+            ids, logprobs, num_tokens, finish, routing, floors = _JITTED_GENERATE(
                 graphdef,
                 state,
                 tokens,
@@ -990,8 +1026,8 @@ class EmbeddedSampler:
                 self.pad_id,
                 decode_segment_ends(new_len, self.decode_segments, prompt_len=prompt_len),
             )
-        ids, logprobs, num_tokens, finish, routing = jax.device_get(
-            (ids, logprobs, num_tokens, finish, routing)
+        ids, logprobs, num_tokens, finish, routing, floors = jax.device_get(
+            (ids, logprobs, num_tokens, finish, routing, floors)
         )
         self.num_batches += 1
         self.num_requests += n
@@ -1009,6 +1045,7 @@ class EmbeddedSampler:
                 prompt_rows = routing[0][i, prompt_len - len(prompts[i]) :]
                 routed = np.concatenate([prompt_rows, routing[1][i, : max(k - 1, 0)]], axis=0)
             spans = _row_spans(switches, k)
+            truncated = bool(top_k[i] and top_k[i] < self.vocab_size) or float(top_p[i]) < 1.0
             out.append(
                 Completion(
                     ids=tuple(int(t) for t in ids[i, :k]),
@@ -1017,6 +1054,7 @@ class EmbeddedSampler:
                     weight_version=spans[0].version if spans else version,
                     routed_experts=routed,
                     weight_versions=spans,
+                    support_floors=tuple(float(x) for x in floors[i, :k]) if truncated else None,
                 )
             )
         return out
@@ -1027,7 +1065,7 @@ class EmbeddedSampler:
         switches: list[tuple[int, int]],
         arrays: tuple[np.ndarray, ...],
         new_len: int,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any]:
         """:func:`generate_tokens`'s loop run segment by segment, switching to newer weights between
         segments (cache recomputed, :func:`_recompute_program`); appends each switch to ``switches``."""
         graphdef, state, version = weights
@@ -1067,7 +1105,7 @@ class EmbeddedSampler:
         finally:
             self._set_running(batch_id, None)
         routing = None if prompt_routing is None else (prompt_routing, carry.routing)
-        return carry.ids, carry.logprobs, carry.num_tokens, carry.finish, routing
+        return carry.ids, carry.logprobs, carry.num_tokens, carry.finish, routing, carry.floors
 
     @staticmethod
     def num_compilations() -> int:

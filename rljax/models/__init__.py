@@ -1,5 +1,6 @@
-"""Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE), HF safetensors and GGUF
-I/O, chunked logprobs, KV cache and decode drivers (design §5).
+"""Flax NNX decoder (Qwen2 / Qwen3 / Llama, Qwen2-MoE / Qwen3-MoE, the hybrid Qwen3.5 / Qwen3-Next
+with Gated DeltaNet layers), HF safetensors and GGUF I/O, chunked logprobs, KV cache and decode
+drivers (design §5).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx

@@ -101,19 +101,37 @@ def attention_mask(
     kv_segment_ids: chex.Array,
     q_slots: chex.Array,
     kv_slots: chex.Array,
+    kv_subtree_end: chex.Array | None = None,
 ) -> chex.Array:
-    """Causal AND same-segment mask: ``mask[b,i,j] = (kv_slot_j <= q_slot_i) & (seg_q[b,i] == seg_kv[b,j])``.
+    """Causal AND same-segment mask: ``mask[b,i,j] = (kv_slot_j <= q_slot_i) & (seg_q[b,i] == seg_kv[b,j])``,
+    or the prefix-tree mask when ``kv_subtree_end`` is given.
 
     Slots are indices into the key/value sequence (``arange(L)`` for a packed forward; cache slots
     when decoding). Padding (segment 0) only sees padding, so no real token ever attends to it and
     no softmax row is empty.
 
+    Prefix-tree rows (design §2.6): the tokens of a tree are laid out in depth-first order and
+    ``kv_subtree_end[b, j]`` is the slot of the last token of ``j``'s subtree, so ``j`` is an
+    ancestor of ``i`` (or ``i`` itself) iff ``j <= i <= subtree_end[j]``:
+    ``mask[b,i,j] = (kv_slot_j <= q_slot_i <= kv_subtree_end[b,j]) | (q_slot_i == kv_slot_j)``. Segment
+    ids are not read then (in a tree row they name the sample that owns each token, and a branch
+    attends to the prefix another sample owns); the second term keeps every row non-empty whatever
+    padding holds (a real token's ``subtree_end`` is at least its own slot).
+
     >>> seg = jnp.array([[1, 1, 2]])
     >>> attention_mask(seg, seg, jnp.arange(3), jnp.arange(3)).astype(int).tolist()
     [[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]
+    >>> end = jnp.array([[2, 1, 2]])  # token 0 is the root; tokens 1 and 2 are two branches
+    >>> attention_mask(seg, seg, jnp.arange(3), jnp.arange(3), end).astype(int).tolist()
+    [[[1, 0, 0], [1, 1, 0], [1, 0, 1]]]
     """
     chex.assert_rank([q_segment_ids, kv_segment_ids, q_slots, kv_slots], [2, 2, 1, 1])
     causal = kv_slots[None, :] <= q_slots[:, None]  # [T, S]
+    if kv_subtree_end is not None:
+        chex.assert_equal_shape([kv_segment_ids, kv_subtree_end])
+        inside = q_slots[None, :, None] <= kv_subtree_end[:, None, :]  # [B, T, S]
+        itself = kv_slots[None, :] == q_slots[:, None]
+        return (inside & causal[None]) | itself[None]
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [B, T, S]
     return same & causal[None]
 
@@ -296,6 +314,7 @@ def causal_attention(
     block_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
     kernel: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array] | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> chex.Array:
     """Causal, segment-masked GQA of packed rows over themselves, skipping fully masked key blocks.
 
@@ -323,6 +342,8 @@ def causal_attention(
       kernel: ``kernel(q_block, k_prefix, v_prefix, mask) -> out_block`` computing one block's masked
         attention (``mask bool [B, Tq, S]``); default :func:`grouped_attention` with ``precision``
         (:mod:`rljax.models.attention_backends` passes fused kernels).
+      subtree_end: ``int [B, T]`` for prefix-tree rows (the tree mask of :func:`attention_mask`,
+        which is causal too, so the same key blocks are skipped); None: the segment mask.
 
     Returns:
       ``[B, T, N, D]`` in the dtype of ``q``.
@@ -340,28 +361,35 @@ def causal_attention(
         def kernel(q_: jax.Array, k_: jax.Array, v_: jax.Array, mask: jax.Array) -> jax.Array:
             return grouped_attention(q_, k_, v_, mask, precision=precision)
 
+    if subtree_end is not None:
+        subtree_end = jnp.asarray(subtree_end).astype(jnp.int32)
+        chex.assert_equal_shape([segment_ids, subtree_end])
     if block_size is None or t <= block_size:
         slots = jnp.arange(t, dtype=jnp.int32)
-        mask = attention_mask(segment_ids, segment_ids, slots, slots)
+        mask = attention_mask(segment_ids, segment_ids, slots, slots, subtree_end)
         return kernel(q, k, v, mask)
     if block_size <= 0:
         raise ValueError(f"attention block_size must be a positive int or None, got {block_size}")
 
     if -(-t // block_size) > _LONG_ROW_BLOCKS:
-        return _long_causal_attention(q, k, v, segment_ids, block_size, kernel)
+        return _long_causal_attention(q, k, v, segment_ids, block_size, kernel, subtree_end)
 
-    def block(start: int, end: int) -> Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]:
+    def block(start: int, end: int) -> Callable[..., jax.Array]:
         @jax.checkpoint
-        def attend(q_i: jax.Array, k_all: jax.Array, v_all: jax.Array, seg: jax.Array) -> jax.Array:
+        def attend(q_i: jax.Array, k_all: jax.Array, v_all: jax.Array, seg: jax.Array,
+                   ends: jax.Array | None) -> jax.Array:  # fmt: skip
             # Slicing inside the checkpoint keeps the full k, v (not one prefix per block) as residuals.
             q_slots, kv_slots = jnp.arange(start, end, dtype=jnp.int32), jnp.arange(end, dtype=jnp.int32)
-            mask = attention_mask(seg[:, start:end], seg[:, :end], q_slots, kv_slots)
+            kv_ends = None if ends is None else ends[:, :end]
+            mask = attention_mask(seg[:, start:end], seg[:, :end], q_slots, kv_slots, kv_ends)
             return kernel(q_i, k_all[:, :end], v_all[:, :end], mask)
 
         return attend
 
     outs = [
-        block(start, min(t, start + block_size))(q[:, start : start + block_size], k, v, segment_ids)
+        block(start, min(t, start + block_size))(
+            q[:, start : start + block_size], k, v, segment_ids, subtree_end
+        )
         for start in range(0, t, block_size)
     ]
     return jnp.concatenate(outs, axis=1)
@@ -374,6 +402,7 @@ def _long_causal_attention(
     segment_ids: jax.Array,
     block_size: int,
     kernel: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array],
+    subtree_end: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`causal_attention` of rows longer than ``4 * block_size``: memory linear in ``T``.
 
@@ -393,7 +422,8 @@ def _long_causal_attention(
 
         def attend(q_i: jax.Array, seg_i: jax.Array, slots_i: jax.Array, end: int = end,
                    kv_slots: jax.Array = kv_slots) -> jax.Array:  # fmt: skip
-            mask = attention_mask(seg_i, segment_ids[:, :end], slots_i, kv_slots)
+            kv_ends = None if subtree_end is None else subtree_end[:, :end]
+            mask = attention_mask(seg_i, segment_ids[:, :end], slots_i, kv_slots, kv_ends)
             return kernel(q_i, k[:, :end], v[:, :end], mask)
 
         slots = jnp.arange(start, end, dtype=jnp.int32)

@@ -27,6 +27,18 @@ Every backend computes the same function (the packing convention of design §2.6
 ``mask[b, i, j] = (slot_j <= slot_i) & (seg[b, i] == seg[b, j])``, grouped-query heads
 (query head ``h`` reads key/value head ``h // (N / K)``).
 
+Prefix-tree rows (``subtree_end`` given; design §2.6) take the tree mask
+``(slot_j <= slot_i <= subtree_end[b, j]) | (slot_i == slot_j)`` of
+:func:`rljax.models.attention.attention_mask`, a mask that depends on the data of each row.
+:func:`tree_attention_backend` says which backend computes it: ``xla`` and ``cudnn`` do (the cuDNN
+wrapper hands each block's boolean mask to ``jax.nn.dot_product_attention``, which passes it to cuDNN
+as an additive bias); ``cudnn_ragged`` does not (cuDNN's ragged layout describes each sequence by an
+offset and a length and masks causally within it, so a prefix that several later branches read is no
+such sequence; the tree mask can only reach cuDNN as a dense bias, which is what the ``cudnn`` blocks
+pass) and runs ``cudnn``'s blocks instead; ``splash`` does not (its masks are numpy arrays
+fixed when the kernel is built, and its only per-row input, ``SegmentIds``, tests equality) and runs
+``xla`` instead. Both fallbacks are exact; :func:`self_attention` logs the reason once.
+
 Asking for a backend on a platform without it raises ``ValueError`` naming what would work;
 :func:`fused_causal_attention` with ``implementation="xla"`` runs the cuDNN wrapper's masks and
 blocking on CPU (what the tests compare), and :func:`splash_causal_attention` with
@@ -36,6 +48,7 @@ blocking on CPU (what the tests compare), and :func:`splash_causal_attention` wi
 from __future__ import annotations
 
 import functools
+import logging
 
 import chex
 import jax
@@ -51,6 +64,40 @@ _SPLASH_BLOCK = 512
 #: Runs of equal segment ids per row (samples + trailing padding) the ragged cuDNN kernel is compiled
 #: for; rows with more take the block path. cuDNN's packed backward memory grows with this bound.
 CUDNN_MAX_RUNS = 16
+
+_log = logging.getLogger(__name__)
+_TREE_FALLBACKS = {
+    "cudnn_ragged": (
+        "cudnn",
+        "cuDNN's ragged (THD) kernel masks by sequence offsets and lengths (causal within each), and a "
+        "shared prefix read by several branches is no such sequence; the tree mask has to be a dense bias, "
+        "which the cudnn blocks pass",
+    ),
+    "splash": (
+        "xla",
+        "splash attention's masks are static (built with the kernel) and its per-row SegmentIds only test "
+        "equality, so the data-dependent tree mask cannot be expressed",
+    ),
+}
+_logged_fallbacks: set[str] = set()
+
+
+def tree_attention_backend(backend: str) -> tuple[str, str | None]:
+    """``(backend, reason)``: the resolved backend that computes a prefix-tree mask in place of
+    ``backend`` (itself for ``xla`` and ``cudnn``), and why it differs (None when it does not).
+
+    >>> tree_attention_backend("xla"), tree_attention_backend("splash")[0]
+    (('xla', None), 'xla')
+    >>> tree_attention_backend("cudnn_ragged")[0]
+    'cudnn'
+    """
+    if backend in _TREE_FALLBACKS:
+        return _TREE_FALLBACKS[backend]
+    if backend not in ("xla", "cudnn"):
+        raise ValueError(
+            f"unknown resolved attention backend {backend!r} (expected xla, cudnn, cudnn_ragged or splash)"
+        )
+    return backend, None
 
 
 def resolve_attention(name: str, *, platform: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
@@ -110,6 +157,7 @@ def fused_causal_attention(
     segment_ids: chex.Array,
     block_size: int | None = None,
     implementation: str = "cudnn",
+    subtree_end: chex.Array | None = None,
 ) -> chex.Array:
     """:func:`rljax.models.attention.causal_attention` with each query block computed by
     ``jax.nn.dot_product_attention(implementation=implementation)``.
@@ -125,7 +173,9 @@ def fused_causal_attention(
     [0.0, 2.0, 8.0]
     """
     kernel = functools.partial(dot_product_kernel, implementation=implementation)
-    return causal_attention(q, k, v, segment_ids=segment_ids, block_size=block_size, kernel=kernel)
+    return causal_attention(
+        q, k, v, segment_ids=segment_ids, block_size=block_size, kernel=kernel, subtree_end=subtree_end
+    )
 
 
 def segment_runs(segment_ids: chex.Array, max_runs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -301,10 +351,27 @@ def self_attention(
     backend: str,
     max_block_size: int | None,
     precision: jax.lax.PrecisionLike = None,
+    subtree_end: chex.Array | None = None,
 ) -> chex.Array:
     """The training forward's attention of packed rows over themselves with a resolved ``backend``
-    (``"xla"``, ``"cudnn"``, ``"cudnn_ragged"``, ``"splash"``; see :func:`resolve_attention`)."""
+    (``"xla"``, ``"cudnn"``, ``"cudnn_ragged"``, ``"splash"``; see :func:`resolve_attention`).
+
+    ``subtree_end`` (prefix-tree rows, design §2.6): the tree mask, computed by
+    :func:`tree_attention_backend`'s backend (a fallback is logged once per backend)."""
     t = q.shape[1]
+    if subtree_end is not None:
+        tree_backend, reason = tree_attention_backend(backend)
+        if reason is not None and backend not in _logged_fallbacks:
+            _logged_fallbacks.add(backend)
+            _log.warning("prefix-tree rows: attention %r runs as %r: %s", backend, tree_backend, reason)
+        block = causal_block_size(t, max_block_size=max_block_size)
+        if tree_backend == "cudnn":
+            return fused_causal_attention(
+                q, k, v, segment_ids=segment_ids, block_size=block, subtree_end=subtree_end
+            )
+        return causal_attention(
+            q, k, v, segment_ids=segment_ids, block_size=block, precision=precision, subtree_end=subtree_end
+        )
     if backend == "xla":
         block = causal_block_size(t, max_block_size=max_block_size)
         return causal_attention(q, k, v, segment_ids=segment_ids, block_size=block, precision=precision)

@@ -7,8 +7,13 @@ from a Hugging Face ``config.json`` dict with :meth:`ModelConfig.from_hf_dict` a
 
 Both RoPE spellings are read: the transformers<5 ``rope_theta`` + ``rope_scaling`` fields and the
 transformers>=5 ``rope_parameters`` dict; both are written. Features the decoder does not implement
-(sliding-window layers, yarn/dynamic RoPE, partial rotary, activations other than SiLU) raise a
-``ValueError`` instead of silently computing something else.
+(sliding-window layers, yarn/dynamic RoPE, partial rotary outside the hybrid families, activations
+other than SiLU) raise a ``ValueError`` instead of silently computing something else.
+
+The hybrid families (:data:`HYBRID_MODEL_TYPES`: Qwen3-Next, Qwen3.5 dense and MoE text models) add
+``layer_types`` (which layers are Gated DeltaNet linear attention), the DeltaNet shapes
+(``linear_*``) and ``partial_rotary_factor``; a multimodal Qwen3.5 ``config.json`` is read as its
+``text_config``.
 
 The config is a frozen, hashable dataclass so it can live as static metadata of an NNX module
 (jit caches on it). Fields of the original ``config.json`` that the forward pass does not use
@@ -25,9 +30,30 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "qwen2",
+    "qwen3",
+    "llama",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+)
+#: Families with Gated DeltaNet linear-attention layers next to gated full attention (Qwen3-Next,
+#: Qwen3.5 dense and MoE text models): :mod:`rljax.models.linear_attention`.
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+#: Families whose MLPs may be sparse MoE blocks (qwen3_next: when ``num_experts > 0``).
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
+#: Families whose MoE layers also have a sigmoid-gated shared expert.
+SHARED_EXPERT_MODEL_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+#: Multimodal wrappers whose ``text_config`` rljax loads as the text model (vision tower dropped).
+MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: ``layer_types`` entry of a (gated) full-attention layer.
+FULL_ATTENTION = "full_attention"
+#: ``layer_types`` entry of a Gated DeltaNet (linear-attention) layer.
+LINEAR_ATTENTION = "linear_attention"
 
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
@@ -35,6 +61,9 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 # Keys that ModelConfig owns: they are re-derived on save and never copied from ``extra_json``.
@@ -72,13 +101,20 @@ _OWNED_KEYS = frozenset(
         "decoder_sparse_step",
         "mlp_only_layers",
         "shared_expert_intermediate_size",
+        "full_attention_interval",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
     }
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families).
+    """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families, their MoE variants, or the
+    hybrid Qwen3-Next / Qwen3.5 families).
 
     ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` pairs holding
     ``rope_type`` ("linear" or "llama3") and that type's parameters, so the config stays hashable.
@@ -114,6 +150,13 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
     extra_json: str = dataclasses.field(default="{}", compare=False)
 
     def __post_init__(self) -> None:
@@ -147,10 +190,67 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _check_rope_scaling(dict(self.rope_scaling))
         self._check_moe()
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if not isinstance(self.layer_types, tuple):
+            object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+        linear = (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        )
+        if self.model_type not in HYBRID_MODEL_TYPES:
+            if any(getattr(self, n) for n in linear) or self.partial_rotary_factor != 1.0:
+                raise ValueError(
+                    "linear_* fields and partial_rotary_factor need a hybrid model_type "
+                    f"{HYBRID_MODEL_TYPES}, got {self.model_type!r}"
+                )
+            if any(t != FULL_ATTENTION for t in self.layer_types):
+                raise ValueError(
+                    f"layer_types other than {FULL_ATTENTION!r} need a hybrid model_type {HYBRID_MODEL_TYPES}"
+                )
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"ModelConfig.layer_types must name the mixer of each of the {self.num_layers} layers, "
+                f"got {self.layer_types!r}"
+            )
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if bad:
+            raise ValueError(
+                f"layer_types entries must be {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}, got {bad}"
+            )
+        if LINEAR_ATTENTION in self.layer_types:
+            for name in linear:
+                value = getattr(self, name)
+                if not isinstance(value, int) or value <= 0:
+                    raise ValueError(
+                        f"ModelConfig.{name} must be a positive int for {self.model_type}, got {value!r}"
+                    )
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                    f"linear_num_key_heads ({self.linear_num_key_heads})"
+                )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor!r} must give an even rotary dim in "
+                f"(0, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
 
     def _check_moe(self) -> None:
         if not isinstance(self.mlp_only_layers, tuple):
             object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.model_type == "qwen3_next" and not self.num_experts:  # a dense Qwen3-Next
+            if self.shared_expert_intermediate_size or self.mlp_only_layers:
+                raise ValueError(
+                    "a dense qwen3_next (num_experts=0) takes no shared_expert_intermediate_size or "
+                    "mlp_only_layers"
+                )
+            return
         if self.model_type not in MOE_MODEL_TYPES:
             if self.num_experts or self.shared_expert_intermediate_size:
                 raise ValueError(
@@ -170,9 +270,17 @@ class ModelConfig:
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
                 f"({self.num_experts})"
             )
-        if self.model_type == "qwen2_moe" and self.shared_expert_intermediate_size <= 0:
+        if self.model_type in SHARED_EXPERT_MODEL_TYPES and self.shared_expert_intermediate_size <= 0:
             raise ValueError(
-                "qwen2_moe needs shared_expert_intermediate_size > 0 (every MoE layer has a shared expert)"
+                f"{self.model_type} needs shared_expert_intermediate_size > 0 (every MoE layer has a shared "
+                "expert)"
+            )
+        if self.model_type == "qwen3_5_moe_text" and (
+            self.mlp_only_layers or self.decoder_sparse_step != 1 or not self.norm_topk_prob
+        ):
+            raise ValueError(
+                "qwen3_5_moe_text has an MoE block in every layer with normalized top-k weights: "
+                "mlp_only_layers=(), decoder_sparse_step=1, norm_topk_prob=True"
             )
         if self.model_type == "qwen3_moe" and self.shared_expert_intermediate_size:
             raise ValueError("qwen3_moe has no shared expert; shared_expert_intermediate_size must be 0")
@@ -182,8 +290,40 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
-        """True for the mixture-of-experts families (``qwen2_moe``, ``qwen3_moe``)."""
-        return self.model_type in MOE_MODEL_TYPES
+        """True for the mixture-of-experts families (``qwen2_moe``, ``qwen3_moe``,
+        ``qwen3_5_moe_text``, and ``qwen3_next`` with experts)."""
+        return self.model_type in MOE_MODEL_TYPES and self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True for the families with Gated DeltaNet layers (:data:`HYBRID_MODEL_TYPES`): their full
+        attention has an output gate, partial RoPE and zero-centered q/k norms, and every RMSNorm
+        outside the DeltaNet scales by ``1 + weight``."""
+        return self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def mixer_types(self) -> tuple[str, ...]:
+        """The token mixer of every layer (``"full_attention"`` / ``"linear_attention"``).
+
+        >>> cfg = ModelConfig(model_type="qwen3_5_text", vocab_size=8, hidden_size=8,
+        ...     intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+        ...     qk_norm=True, partial_rotary_factor=0.5, layer_types=("linear_attention", "full_attention"),
+        ...     linear_conv_kernel_dim=4, linear_key_head_dim=4, linear_value_head_dim=4,
+        ...     linear_num_key_heads=1, linear_num_value_heads=2)
+        >>> cfg.mixer_types, cfg.linear_layers, cfg.rotary_dim
+        (('linear_attention', 'full_attention'), (0,), 4)
+        """
+        return self.layer_types or (FULL_ATTENTION,) * self.num_layers
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet (linear-attention) layers."""
+        return tuple(i for i, t in enumerate(self.mixer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of every attention head that RoPE rotates (``head_dim * partial_rotary_factor``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -216,27 +356,29 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Builds a config from a Hugging Face ``config.json`` dict (qwen2 / qwen3 / llama).
+        """Builds a config from a Hugging Face ``config.json`` dict (qwen2 / qwen3 / llama and their MoE
+        variants; qwen3_next, qwen3_5_text, qwen3_5_moe_text; a multimodal ``qwen3_5`` /
+        ``qwen3_5_moe`` wrapper gives its ``text_config``: the vision tower is not loaded).
 
         Raises ``ValueError`` naming the offending field for anything the decoder cannot run exactly.
         """
-        hf = dict(hf)
+        hf = _text_config(dict(hf))
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json model_type {model_type!r} is not supported; rljax runs {SUPPORTED_MODEL_TYPES}"
             )
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if k not in hf
-        ]
+        hybrid = model_type in HYBRID_MODEL_TYPES
+        if model_type == "qwen3_5_moe_text":  # every layer is MoE: no dense MLP width of its own
+            hf.setdefault("intermediate_size", hf.get("moe_intermediate_size"))
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if hf.get(k) is None]
         if missing:
             raise ValueError(f"config.json is missing required field(s) {missing}")
         act = hf.get("hidden_act", "silu")
@@ -244,15 +386,16 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act {act!r} is not supported; the decoder implements SwiGLU ('silu') only"
             )
-        _check_no_sliding_window(hf)
-        if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
-            raise ValueError(
-                "partial_rotary_factor != 1 is not supported; remove it or use a full-rotary model"
-            )
+        if not hybrid:
+            _check_no_sliding_window(hf)
+            if hf.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+                raise ValueError(
+                    "partial_rotary_factor != 1 is not supported; remove it or use a full-rotary model"
+                )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
-        rope_theta, rope_scaling = _read_rope(hf)
+        rope_theta, rope_scaling, partial = _read_rope(hf, hybrid=hybrid)
         attention_bias = bool(hf.get("attention_bias", False))
         if model_type == "qwen2":
             # Qwen2 hard-codes bias on q/k/v and none on o_proj (transformers ignores attention_bias).
@@ -260,7 +403,7 @@ class ModelConfig:
         elif model_type == "qwen2_moe":
             # Qwen2-MoE: q/k/v bias from ``qkv_bias`` (default true), never an o_proj bias.
             qkv_bias, o_bias, qk_norm = bool(hf.get("qkv_bias", True)), False, False
-        elif model_type in ("qwen3", "qwen3_moe"):
+        elif model_type in ("qwen3", "qwen3_moe") or hybrid:
             qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
         else:
             qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, False
@@ -274,13 +417,16 @@ class ModelConfig:
                 num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
                 num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)),
                 moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                # Qwen3.5-MoE's router always renormalizes its top-k weights
+                norm_topk_prob=model_type == "qwen3_5_moe_text" or bool(hf.get("norm_topk_prob", False)),
                 decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
                 shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0))
-                if model_type == "qwen2_moe"
+                if model_type in SHARED_EXPERT_MODEL_TYPES
                 else 0,
             )
+            if model_type == "qwen3_next" and not moe["num_experts"]:
+                moe.update(shared_expert_intermediate_size=0, mlp_only_layers=())
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -301,6 +447,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             extra_json=json.dumps(extra, sort_keys=True),
             **moe,
+            **(_read_hybrid(hf, partial) if hybrid else {}),
         )
 
     def to_hf_dict(self, *, dtype: str = "float32") -> dict[str, Any]:
@@ -310,6 +457,9 @@ class ModelConfig:
         """
         out: dict[str, Any] = json.loads(self.extra_json)
         out.setdefault("architectures", [_ARCHITECTURES[self.model_type]])
+        rope_parameters = {"rope_type": self.rope_type, "rope_theta": self.rope_theta} | (
+            {} if self.rope_scaling is None else dict(self.rope_scaling)
+        )
         out.update(
             model_type=self.model_type,
             vocab_size=self.vocab_size,
@@ -325,8 +475,7 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             rope_theta=self.rope_theta,
             rope_scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
-            rope_parameters={"rope_type": self.rope_type, "rope_theta": self.rope_theta}
-            | ({} if self.rope_scaling is None else dict(self.rope_scaling)),
+            rope_parameters=rope_parameters,
             torch_dtype=dtype,
         )
         if self.model_type == "qwen2":
@@ -350,22 +499,47 @@ class ModelConfig:
             out.update(attention_bias=self.qkv_bias)
         if self.model_type == "llama":
             out.update(mlp_bias=self.mlp_bias)
+        if self.is_hybrid:
+            self._hybrid_to_hf(out)
         if self.is_moe:
             out.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
                 moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
             )
-            if self.model_type == "qwen2_moe":
+            if self.model_type != "qwen3_5_moe_text":  # its config class has none of these fields
+                out.update(
+                    norm_topk_prob=self.norm_topk_prob,
+                    decoder_sparse_step=self.decoder_sparse_step,
+                    mlp_only_layers=list(self.mlp_only_layers),
+                )
+            if self.model_type in SHARED_EXPERT_MODEL_TYPES:
                 out.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        elif self.model_type == "qwen3_next":  # dense: no MoE block in any layer
+            out.update(num_experts=0, mlp_only_layers=[])
         return out
+
+    def _hybrid_to_hf(self, out: dict[str, Any]) -> None:
+        """The hybrid families' fields of ``config.json`` (layer types, DeltaNet shapes, partial RoPE)."""
+        out.update(
+            layer_types=list(self.mixer_types),
+            partial_rotary_factor=self.partial_rotary_factor,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim or 4,
+            linear_key_head_dim=self.linear_key_head_dim or 128,
+            linear_value_head_dim=self.linear_value_head_dim or 128,
+            linear_num_key_heads=self.linear_num_key_heads or 16,
+            linear_num_value_heads=self.linear_num_value_heads or 32,
+        )
+        out["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        out.pop("rope_scaling")
+        out.pop("rope_theta")
+        if self.model_type == "qwen3_5_moe_text":
+            out.pop("intermediate_size")
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies ``[head_dim // 2]`` (float64 numpy; a static constant of the model).
+    """RoPE inverse frequencies ``[rotary_dim // 2]`` (float64 numpy; a static constant of the model;
+    ``rotary_dim = head_dim`` but in the hybrid families' partial RoPE).
 
     Default (Su et al. 2021, RoFormer): ``inv_freq_i = theta^(-2i/d)``.
     ``linear`` (position interpolation, Chen et al. 2023): ``inv_freq / factor``.
@@ -380,7 +554,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
     >>> rope_inverse_frequencies(cfg).tolist()
     [1.0, 0.1]
     """
-    d = config.head_dim
+    d = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if config.rope_scaling is None:
         return inv_freq
@@ -398,8 +572,13 @@ def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-def _read_rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """Reads (rope_theta, rope_scaling) from either the legacy or the transformers>=5 fields."""
+def _read_rope(
+    hf: Mapping[str, Any], *, hybrid: bool = False
+) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
+    """Reads ``(rope_theta, rope_scaling, partial_rotary_factor)`` from either the legacy or the
+    transformers>=5 fields. Hybrid families: partial rotary (default 0.25, as transformers') and
+    the multimodal RoPE sections of Qwen3.5 are accepted; with the text's single position per token
+    every section rotates by the same position, which is plain RoPE."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"rope_parameters / rope_scaling must be a dict or null, got {params!r}")
@@ -409,13 +588,58 @@ def _read_rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.pop("partial_rotary_factor", 1.0) not in (1, 1.0):
+    default_partial = hf.get("partial_rotary_factor", 0.25 if hybrid else 1.0)
+    partial = float(params.pop("partial_rotary_factor", default_partial) or 1.0)
+    if hybrid:
+        params.pop("mrope_section", None)
+        params.pop("mrope_interleaved", None)
+    elif partial != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported; remove it or use a full-rotary model")
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     scaling = {"rope_type": rope_type, **params}
     _check_rope_scaling(scaling)
-    return theta, tuple(sorted(scaling.items()))
+    return theta, tuple(sorted(scaling.items())), partial
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's (:data:`MULTIMODAL_WRAPPERS`) ``text_config`` as a text model's config
+    (its tied-embedding flag and special token ids inherited); any other dict unchanged."""
+    wrapper = hf.get("model_type")
+    if wrapper not in MULTIMODAL_WRAPPERS:
+        return hf
+    if not isinstance(hf.get("text_config"), Mapping):
+        raise ValueError(f"a {wrapper} config.json needs a text_config dict, got {hf.get('text_config')!r}")
+    text = dict(hf["text_config"])
+    text["model_type"] = MULTIMODAL_WRAPPERS[wrapper]
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
+
+
+def _read_hybrid(hf: Mapping[str, Any], partial: float) -> dict[str, Any]:
+    """The hybrid families' ModelConfig fields: layer types (``layer_types``, else every
+    ``full_attention_interval``-th layer full attention, as transformers), DeltaNet shapes."""
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
+    if hf.get("attn_output_gate", True) is False:
+        raise ValueError("attn_output_gate=false is not supported; Qwen3-Next / Qwen3.5 attention is gated")
+    defaults = dict(
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+    )
+    return dict(
+        layer_types=tuple(str(t) for t in layer_types),
+        partial_rotary_factor=partial,
+        **{k: int(hf.get(k) or v) for k, v in defaults.items()},
+    )
 
 
 def _check_rope_scaling(scaling: Mapping[str, Any]) -> None:

@@ -120,6 +120,7 @@ def context_attention(
     precision: jax.lax.PrecisionLike = None,
     implementation: str | None = None,
     collective: str = "all_gather",
+    subtree_end: chex.Array | None = None,
 ) -> jax.Array:
     """Causal, segment-masked GQA of load-balanced rows split over the ``context`` axis.
 
@@ -129,6 +130,11 @@ def context_attention(
     output. ``implementation``: None = XLA einsums (:func:`grouped_attention`, ``chunk_size``
     query blocks); ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention`` with that
     implementation on the same blocks and masks.
+
+    ``subtree_end`` (``int [B, L]``, load-balanced like ``segment_ids``; natural-order slots as
+    values): prefix-tree rows (design §2.6). It travels with the keys (gathered, or passed around the
+    ring) and every block takes the tree mask of :func:`rljax.models.attention.attention_mask`; the
+    tree mask is causal, so the blocks either collective skips hold no visible key under it either.
     """
     shards = mesh.shape[CONTEXT_AXIS]
     length = q.shape[1]
@@ -139,27 +145,33 @@ def context_attention(
             return grouped_attention(q_i, k_i, v_i, mask, precision=precision)
         return jax.nn.dot_product_attention(q_i, k_i, v_i, mask=mask[:, None], implementation=implementation)
 
-    def attend(q_chunk: jax.Array, seg_chunk: jax.Array, first: jax.Array, keys: int, k_nat, v_nat, seg_nat):
+    tree = subtree_end is not None
+
+    def attend(q_chunk: jax.Array, seg_chunk: jax.Array, first: jax.Array, keys: int, k_nat, v_nat, seg_nat,
+               end_nat) -> jax.Array:  # fmt: skip
         kv_slots = jnp.arange(keys, dtype=jnp.int32)
         q_slots = first + jnp.arange(m, dtype=jnp.int32)
         k_p, v_p, s_p = k_nat[:, :keys], v_nat[:, :keys], seg_nat[:, :keys]
+        e_p = end_nat[:, :keys] if tree else None
 
         def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> jax.Array:
-            return kernel(q_b, k_p, v_p, attention_mask(seg_b, s_p, slots_b, kv_slots))
+            return kernel(q_b, k_p, v_p, attention_mask(seg_b, s_p, slots_b, kv_slots, e_p))
 
         return _in_query_blocks(block, q_chunk, seg_chunk, q_slots, chunk_size)
 
-    def local(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array) -> jax.Array:
+    def local(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array,
+              end_l: jax.Array | None = None) -> jax.Array:  # fmt: skip
         i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
         gather = jax.tree.map(
             lambda a: unbalance(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), shards),
-            (k_l, v_l, seg_l),
+            (k_l, v_l, seg_l, end_l),
         )
         early = attend(q_l[:, :m], seg_l[:, :m], i * m, length // 2, *gather)
         late = attend(q_l[:, m:], seg_l[:, m:], (2 * shards - 1 - i) * m, length, *gather)
         return jnp.concatenate([early, late], axis=1)
 
-    def local_ring(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array) -> jax.Array:
+    def local_ring(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array,
+                   end_l: jax.Array | None = None) -> jax.Array:  # fmt: skip
         i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
         chunk = jnp.arange(m, dtype=jnp.int32)
 
@@ -169,32 +181,36 @@ def context_attention(
         def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
             return a[:, :m], a[:, m:]
 
-        def attend_part(q_c, seg_c, slots_c, k_c, v_c, kv_seg, kv_slots):  # (out, lse) of a query chunk
+        # (out, lse) of a query chunk
+        def attend_part(q_c, seg_c, slots_c, k_c, v_c, kv_seg, kv_end, kv_slots):  # fmt: skip
             def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-                mask = attention_mask(seg_b, kv_seg, slots_b, kv_slots)
+                mask = attention_mask(seg_b, kv_seg, slots_b, kv_slots, kv_end)
                 return grouped_attention_lse(q_b, k_c, v_c, mask, precision=precision)
 
             return _in_query_blocks(block, q_c, seg_c, slots_c, chunk_size)
 
         (q_e, q_z), (s_e, s_z), (t_e, t_z) = halves(q_l), halves(seg_l), slots(i)
+        e_e = end_l[:, :m] if tree else None
         # this device's own keys: the early chunk sees its early chunk, the late one both chunks
-        acc_e = attend_part(q_e, s_e, t_e, k_l[:, :m], v_l[:, :m], s_e, t_e)
-        acc_z = attend_part(q_z, s_z, t_z, k_l, v_l, seg_l, jnp.concatenate([t_e, t_z]))
-        kv = (k_l, v_l, seg_l)
+        acc_e = attend_part(q_e, s_e, t_e, k_l[:, :m], v_l[:, :m], s_e, e_e, t_e)
+        acc_z = attend_part(q_z, s_z, t_z, k_l, v_l, seg_l, end_l, jnp.concatenate([t_e, t_z]))
+        kv = (k_l, v_l, seg_l, end_l)  # end_l: None without a tree (an empty pytree)
         ring = [(d, (d + 1) % shards) for d in range(shards)]
         for step in range(1, shards):
             kv = jax.lax.ppermute(kv, CONTEXT_AXIS, ring)  # now the keys of device j = i - step
             j = (i - step) % shards
-            (k_je, k_jz), (v_je, v_jz), (s_je, s_jz) = (halves(a) for a in kv)
+            (k_je, k_jz), (v_je, v_jz), (s_je, s_jz) = (halves(a) for a in kv[:3])
+            e_je, e_jz = halves(kv[3]) if tree else (None, None)
             t_je, t_jz = slots(j)
             # j's early chunk precedes this device's late chunk: always visible
-            acc_z = merge_attention(acc_z, attend_part(q_z, s_z, t_z, k_je, v_je, s_je, t_je))
+            acc_z = merge_attention(acc_z, attend_part(q_z, s_z, t_z, k_je, v_je, s_je, e_je, t_je))
             # j < i: early queries see j's early chunk (j's late chunk lies after both of ours);
             # j > i: late queries see j's late chunk (its early one lies after our early chunk)
             pick = functools.partial(_select, j < i)
             part = attend_part(
                 pick(q_e, q_z), pick(s_e, s_z), pick(t_e, t_z),
-                pick(k_je, k_jz), pick(v_je, v_jz), pick(s_je, s_jz), pick(t_je, t_jz),
+                pick(k_je, k_jz), pick(v_je, v_jz), pick(s_je, s_jz), pick(e_je, e_jz) if tree else None,
+                pick(t_je, t_jz),
             )  # fmt: skip
             acc_e = jax.tree.map(pick, merge_attention(acc_e, part), acc_e)
             acc_z = jax.tree.map(pick, acc_z, merge_attention(acc_z, part))
@@ -211,13 +227,16 @@ def context_attention(
         )
     spec4 = PartitionSpec(None, CONTEXT_AXIS, None, None)
     spec2 = PartitionSpec(None, CONTEXT_AXIS)
+    args = (q, k, v, segment_ids.astype(jnp.int32))
+    if tree:
+        args += (jnp.asarray(subtree_end).astype(jnp.int32),)
     return jax.shard_map(
         local if collective == "all_gather" else local_ring,
         mesh=mesh,
-        in_specs=(spec4, spec4, spec4, spec2),
+        in_specs=(spec4, spec4, spec4) + (spec2,) * (len(args) - 3),
         out_specs=spec4,
         axis_names={CONTEXT_AXIS},
-    )(q, k, v, segment_ids.astype(jnp.int32))
+    )(*args)
 
 
 def _select(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -9,7 +9,9 @@ Pre-norm transformer (Llama architecture, Touvron et al. 2023)::
 
 Qwen2 adds biases on q/k/v; Qwen3 adds a per-head RMSNorm on q and k before RoPE. The MoE
 families replace the MLP of the layers in ``config.moe_layers`` by a routed mixture of experts
-(:mod:`rljax.models.moe`).
+(:mod:`rljax.models.moe`). The hybrid families (Qwen3.5, Qwen3-Next) mix tokens in the layers of
+``config.linear_layers`` with a Gated DeltaNet (:mod:`rljax.models.linear_attention`) and in the
+others with :class:`GatedAttention`; their norms scale by ``1 + weight``.
 Packed rows: attention is causal and never crosses ``segment_ids`` (0 = padding); ``positions``
 restart per sample (default: derived from ``segment_ids``). Parameters are stored in
 ``param_dtype`` and computed in ``dtype`` (float32 default; bfloat16 option); norms, softmax and
@@ -39,7 +41,7 @@ from rljax.models.attention import (
     to_cache_layout,
 )
 from rljax.models.attention_backends import ATTENTION_BACKENDS, resolve_attention, self_attention
-from rljax.models.config import ModelConfig, rope_inverse_frequencies
+from rljax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, rope_inverse_frequencies
 from rljax.models.context import (
     CONTEXT_COLLECTIVES,
     constrain_tokens,
@@ -49,8 +51,10 @@ from rljax.models.context import (
     pad_for_context,
     unbalance,
 )
+from rljax.models.delta_rule import last_valid_segment
 from rljax.models.kv_cache import KVCache
 from rljax.models.layers import _INIT_STD, MLP, Linear, RMSNorm
+from rljax.models.linear_attention import GatedDeltaNet
 from rljax.models.moe import Routing, SparseMoeBlock
 
 DEFAULT_ATTENTION_CHUNK_SIZE = 1024
@@ -153,15 +157,10 @@ class Attention(nnx.Module):
         backend: str = "xla",
         context: jax.sharding.AbstractMesh | None = None,
         context_collective: str = "all_gather",
+        subtree_end: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, *rope)
-        k = apply_rotary(k, *rope)
+        q, k, v, gate = self.project(x, rope)
         if layer_cache is None and context is not None:
             new_cache = None
             if backend == "splash":
@@ -184,6 +183,7 @@ class Attention(nnx.Module):
                 if backend in ("cudnn", "cudnn_ragged") and context_collective == "all_gather"
                 else None,
                 collective=context_collective,
+                subtree_end=subtree_end,
             )
         elif layer_cache is None:
             new_cache = None
@@ -195,6 +195,7 @@ class Attention(nnx.Module):
                 backend=backend,
                 max_block_size=chunk_size,
                 precision=self.precision,
+                subtree_end=subtree_end,
             )
         else:
             # One in-place write per array, then attention straight from the updated cache buffers.
@@ -217,7 +218,97 @@ class Attention(nnx.Module):
                 chunk_size=chunk_size,
                 precision=self.precision,
             )
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
+        return self.output(out.reshape(b, t, self.num_heads * self.head_dim), gate), new_cache
+
+    def project(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """Rotated queries ``[B, T, heads, D]``, keys and values ``[B, T, kv_heads, D]`` of ``x``, and
+        the output gate (None: this attention has none)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v, None
+
+    def output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """The output projection of the heads' concatenated outputs ``[B, T, heads * D]``."""
+        return self.o_proj(out)
+
+
+class GatedAttention(Attention):
+    """The full attention of Qwen3-Next / Qwen3.5: grouped-query attention with a per-head output
+    gate, zero-centered q/k RMSNorms and partial RoPE.
+
+    ``q_proj`` also yields the gate::
+
+        [q_h | gate_h] = x W_q   (per head h, 2 * head_dim columns)
+        out = o_proj(attention(rope(norm(q)), rope(norm(k)), v) * sigmoid(gate))
+
+    RoPE rotates the first ``rotary_dim`` dims of each head and passes the rest through (the
+    ``(cos, sin)`` tables are ``[B, T, rotary_dim / 2]``). The math of transformers'
+    ``Qwen3NextAttention``; Qiu et al. 2025, "Gated Attention for Large Language Models" (the
+    head-specific sigmoid gate after attention).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        precision: jax.lax.PrecisionLike,
+        rngs: nnx.Rngs,
+    ) -> None:
+        c = config
+        kw = dict(use_bias=c.qkv_bias, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.q_proj = Linear(
+            c.hidden_size, 2 * c.num_heads * c.head_dim, logical_axes=("embed", "heads"), **kw
+        )
+        self.k_proj = Linear(
+            c.hidden_size, c.num_kv_heads * c.head_dim, logical_axes=("embed", "kv_heads"), **kw
+        )
+        self.v_proj = Linear(
+            c.hidden_size, c.num_kv_heads * c.head_dim, logical_axes=("embed", "kv_heads"), **kw
+        )
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, logical_axes=("heads", "embed"), **kw)
+        nkw = dict(eps=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, zero_centered=True)
+        self.q_norm = RMSNorm(c.head_dim, **nkw)
+        self.k_norm = RMSNorm(c.head_dim, **nkw)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.precision = precision
+
+    def project(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        b, t, _ = x.shape
+        q, gate = jnp.split(self.q_proj(x).reshape(b, t, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        return apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope), v, gate.reshape(b, t, -1)
+
+    def output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+        gated = out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return self.o_proj(gated.astype(out.dtype))
+
+
+def apply_partial_rotary(x: chex.Array, cos: chex.Array, sin: chex.Array) -> jax.Array:
+    """:func:`rljax.models.attention.apply_rotary` on the first ``2 * cos.shape[-1]`` dims of each
+    head of ``x [B, T, N, D]``; the other dims pass through (partial RoPE).
+
+    >>> from rljax.models.attention import rope_table
+    >>> cos, sin = rope_table(jnp.array([[1]]), jnp.array([jnp.pi / 2]))
+    >>> x = jnp.array([[[[1.0, 2.0, 3.0, 4.0]]]])
+    >>> [round(float(v), 4) for v in apply_partial_rotary(x, cos, sin)[0, 0, 0]]
+    [-2.0, 1.0, 3.0, 4.0]
+    """
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return jnp.concatenate([apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
 
 
 class Block(nnx.Module):
@@ -225,6 +316,10 @@ class Block(nnx.Module):
 
     ``sparse``: the MLP is a :class:`rljax.models.moe.SparseMoeBlock`; the block then also returns
     its router ``(logits, experts)`` (else ``None``) and accepts ``routed_experts`` (replay).
+    ``mixer``: the token mixer, ``"full_attention"`` (``self_attn``: :class:`Attention`, or
+    :class:`GatedAttention` in the hybrid families) or ``"linear_attention"`` (``linear_attn``:
+    :class:`rljax.models.linear_attention.GatedDeltaNet`). The hybrid families' norms are
+    zero-centered (``1 + weight``).
     """
 
     def __init__(
@@ -237,11 +332,19 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
         sparse: bool = False,
         moe_impl: str = "auto",
+        mixer: str = FULL_ATTENTION,
     ) -> None:
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
-        self.self_attn = Attention(config, precision=precision, rngs=rngs, **kw)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kw)
+        norm_kw = dict(eps=config.rms_norm_eps, zero_centered=config.is_hybrid, **kw)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        self.linear = mixer == LINEAR_ATTENTION
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, precision=precision, rngs=rngs, **kw)
+        elif config.is_hybrid:
+            self.self_attn = GatedAttention(config, precision=precision, rngs=rngs, **kw)
+        else:
+            self.self_attn = Attention(config, precision=precision, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
         if sparse:
             self.mlp = SparseMoeBlock(config, precision=precision, impl=moe_impl, rngs=rngs, **kw)
         else:
@@ -251,7 +354,8 @@ class Block(nnx.Module):
     def __call__(
         self, x: jax.Array, *, routed_experts: jax.Array | None = None, **attn_kwargs
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, tuple[jax.Array, jax.Array] | None]:
-        attn_out, new_cache = self.self_attn(self.input_layernorm(x), **attn_kwargs)
+        mixer = self.linear_attn if self.linear else self.self_attn
+        attn_out, new_cache = mixer(self.input_layernorm(x), **attn_kwargs)
         x = x + attn_out
         if self.sparse:
             y, logits, experts = self.mlp(self.post_attention_layernorm(x), routed_experts=routed_experts)
@@ -260,7 +364,8 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Causal LM for the Qwen2 / Qwen3 / Llama families.
+    """Causal LM for the Qwen2 / Qwen3 / Llama families, their MoE variants and the hybrid Qwen3.5 /
+    Qwen3-Next models.
 
     Args:
       config: the architecture.
@@ -295,6 +400,10 @@ class Decoder(nnx.Module):
     Context parallelism: under an ambient mesh with a ``context`` axis (:mod:`rljax.models.context`)
     :meth:`hidden_states` splits every row's tokens over it (load-balanced) and returns them in
     natural order.
+
+    Prefix-tree rows (design §2.6): :meth:`hidden_states` takes ``subtree_end`` (every layer is
+    attention or per-token, so a token's hidden state depends on its ancestors only and a tree row
+    computes each sample exactly); ``prefix_tree_rows`` declares it to the trainer.
 
     >>> cfg = ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True)
@@ -346,11 +455,17 @@ class Decoder(nnx.Module):
         moe_layers = set(config.moe_layers)
         self.layers = nnx.List(
             [
-                Block(config, rngs=rngs, sparse=i in moe_layers, moe_impl=moe_impl, **kw)
-                for i in range(config.num_layers)
+                Block(config, rngs=rngs, sparse=i in moe_layers, moe_impl=moe_impl, mixer=mixer, **kw)
+                for i, mixer in enumerate(config.mixer_types)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            eps=config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            zero_centered=config.is_hybrid,
+        )
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -391,6 +506,15 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed_tokens[...], ids, axis=0, mode="fill", fill_value=jnp.nan)
         return jnp.where((segment_ids != 0)[..., None], x, 0).astype(self.dtype)
 
+    @property
+    def prefix_tree_rows(self) -> bool:
+        """Whether the forward computes prefix-tree rows exactly (``hidden_states(...,
+        subtree_end=...)``): True when every layer is attention or per-token. Gated DeltaNet layers
+        (Qwen3.5 / Qwen3-Next) carry a state along the token order, which a depth-first tree row
+        would thread through sibling branches, so a hybrid model says False and
+        ``trainer.prefix_sharing="auto"`` leaves sharing off for it."""
+        return not self.config.linear_layers
+
     def hidden_states(
         self,
         tokens: chex.Array,
@@ -399,12 +523,18 @@ class Decoder(nnx.Module):
         segment_ids: chex.Array | None = None,
         routed_experts: chex.Array | None = None,
         with_routing: bool = False,
+        subtree_end: chex.Array | None = None,
     ) -> DecoderOutput:
         """Final-normed hidden states of a packed batch: ``DecoderOutput(hidden [B, L, hidden], routing)``.
 
         ``hidden`` is in the compute dtype. ``segment_ids`` default: all ones (one sample per row);
         ``positions`` default: restart at 0 in every segment
         (:func:`rljax.models.attention.segment_positions`).
+
+        Prefix-tree rows (design §2.6): ``subtree_end`` (int ``[B, L]``, the column of the last token
+        of each token's subtree) makes token ``i`` attend to ``j`` iff ``j <= i <= subtree_end[j]``
+        (its ancestors and itself) instead of the segment mask; pass ``positions`` (the depths), as
+        the default restarts per segment. ``segment_ids`` then only mark padding (0).
 
         MoE models: ``with_routing`` (static) also returns the router statistics of the
         ``M = len(config.moe_layers)`` sparse layers, a :class:`rljax.models.moe.Routing` with
@@ -414,15 +544,25 @@ class Decoder(nnx.Module):
         """
         chex.assert_rank(tokens, 2)
         segment_ids, positions = _packing_defaults(tokens, segment_ids, positions)
+        if subtree_end is not None:
+            subtree_end = jnp.asarray(subtree_end).astype(jnp.int32)
+            chex.assert_equal_shape([tokens, subtree_end])
         routed_experts = self._check_routed(tokens, routed_experts)
         backend = resolve_attention(getattr(self, "attention", "auto"), dtype=self.dtype)
         mesh = context_mesh()
+        if mesh is not None and self.config.linear_layers:
+            raise ValueError(
+                f"context parallelism (mesh.context = {mesh.shape['context']}) is not supported for "
+                f"{self.config.model_type}: its Gated DeltaNet layers carry a recurrent state along the row "
+                "that context shards would have to hand on in order; use mesh.context = 1 (rows up to the "
+                "sequence length a device holds) for this model"
+            )
         length = tokens.shape[1]
         if mesh is not None:  # context parallelism: pad to 2C chunks, load-balanced order (module doc)
             shards = mesh.shape["context"]
-            tokens, segment_ids, positions, routed_experts = (
+            tokens, segment_ids, positions, routed_experts, subtree_end = (
                 None if a is None else load_balance(pad_for_context(a, shards), shards)
-                for a in (tokens, segment_ids, positions, routed_experts)
+                for a in (tokens, segment_ids, positions, routed_experts, subtree_end)
             )
         rope = self._rope(positions)
 
@@ -437,6 +577,7 @@ class Decoder(nnx.Module):
                 backend=backend,
                 context=mesh,
                 context_collective=getattr(self, "context_attention", "all_gather"),
+                subtree_end=subtree_end,
             )
             if mesh is not None:
                 out = constrain_tokens(out, mesh)
@@ -511,29 +652,45 @@ class Decoder(nnx.Module):
         )
         rope = self._rope(positions)
         x = self._embed(tokens, segment_ids)
-        keys, values, routers = [], [], []
-        for i, block in enumerate(self.layers):
+        keys, values, windows, states, routers = [], [], [], [], []
+        for block in self.layers:
             routed = None
             if block.sparse and routed_experts is not None:
                 routed = routed_experts[:, :, len(routers)]
-            x, (k, v), router = block(
+            extra = {}
+            if block.linear:  # Gated DeltaNet: the rows' conv window and recurrent state
+                j = len(windows)
+                layer_cache = (cache.conv_windows[j], cache.recurrent_states[j])
+                extra = dict(cache_segment=cache.linear_segment)
+            else:
+                j = len(keys)
+                layer_cache = (cache.keys[j], cache.values[j])
+            x, new_layer_cache, router = block(
                 x,
                 routed_experts=routed,
                 positions=positions,
                 segment_ids=segment_ids,
                 rope=rope,
-                layer_cache=(cache.keys[i], cache.values[i]),
+                layer_cache=layer_cache,
                 cache_segment_ids=cache_segment_ids,
                 cache_index=cache.index,
                 chunk_size=self.attention_chunk_size,
+                **extra,
             )
-            keys.append(k)
-            values.append(v)
+            for out, new in zip((windows, states) if block.linear else (keys, values), new_layer_cache,
+                                strict=True):  # fmt: skip
+                out.append(new)
             if router is not None:
                 routers.append(router)
-        new_cache = KVCache(
+        linear_segment = cache.linear_segment
+        if windows:
+            linear_segment = last_valid_segment(segment_ids, linear_segment)
+        new_cache = cache.replace(
             keys=tuple(keys),
             values=tuple(values),
+            conv_windows=tuple(windows),
+            recurrent_states=tuple(states),
+            linear_segment=linear_segment,
             segment_ids=cache_segment_ids,
             lengths=cache.lengths + jnp.sum(valid, axis=1),
             index=cache.index + tokens.shape[1],

@@ -2,13 +2,19 @@
 
 The mapping between HF tensor names and rljax parameter paths is the table :data:`HF_NAME_MAP`
 (``{i}`` = layer index). HF ``nn.Linear`` weights are ``[out, in]`` and rljax kernels ``[in, out]``,
-so those entries are transposed on the way in and out. MoE expert weights are stored per expert
+so those entries are transposed on the way in and out (the Gated DeltaNet's ``conv1d.weight`` keeps
+HF's ``[C, 1, K]``). MoE expert weights are stored per expert
 in HF checkpoints (:data:`HF_EXPERT_NAME_MAP`, ``mlp.experts.{e}.gate_proj.weight``) and stacked
 ``[E, in, out]`` in rljax. What :func:`save_pretrained` writes loads
 in transformers and vLLM: tied embeddings are saved once (no ``lm_head.weight``) with
 ``tie_word_embeddings: true`` in ``config.json``. :func:`save_tokenizer_files` and
 :func:`save_generation_config` complete such a directory into one a server can chat with (the
 tokenizer with its chat template, and the token ids that end a generation).
+
+Qwen3-Next / Qwen3.5 (:mod:`rljax.models.linear_attention`): text models are loaded and saved
+(``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``); a multimodal
+Qwen3.5 checkpoint loads as its text model (``model.language_model.*``), its vision tower and the
+multi-token-prediction heads (``mtp.*``) are not loaded, and what rljax saves is the text model.
 """
 
 from __future__ import annotations
@@ -72,6 +78,18 @@ HF_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
         True,
     ),
     ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.kernel", True),
+    # Gated DeltaNet layers (qwen3_5_text / qwen3_5_moe_text; qwen3_next fuses qkvz and ba).
+    ("model.layers.{i}.linear_attn.in_proj_qkv.weight", "layers.{i}.linear_attn.in_proj_qkv.kernel", True),
+    ("model.layers.{i}.linear_attn.in_proj_z.weight", "layers.{i}.linear_attn.in_proj_z.kernel", True),
+    ("model.layers.{i}.linear_attn.in_proj_b.weight", "layers.{i}.linear_attn.in_proj_b.kernel", True),
+    ("model.layers.{i}.linear_attn.in_proj_a.weight", "layers.{i}.linear_attn.in_proj_a.kernel", True),
+    ("model.layers.{i}.linear_attn.in_proj_qkvz.weight", "layers.{i}.linear_attn.in_proj_qkvz.kernel", True),
+    ("model.layers.{i}.linear_attn.in_proj_ba.weight", "layers.{i}.linear_attn.in_proj_ba.kernel", True),
+    ("model.layers.{i}.linear_attn.conv1d.weight", "layers.{i}.linear_attn.conv1d.weight", False),
+    ("model.layers.{i}.linear_attn.dt_bias", "layers.{i}.linear_attn.dt_bias", False),
+    ("model.layers.{i}.linear_attn.A_log", "layers.{i}.linear_attn.A_log", False),
+    ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.linear_attn.norm.weight", False),
+    ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.linear_attn.out_proj.kernel", True),
     ("model.norm.weight", "norm.weight", False),
     ("lm_head.weight", "lm_head.kernel", True),
 )
@@ -86,6 +104,42 @@ HF_EXPERT_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
 
 # Checkpoint entries that carry no parameters of their own and are skipped on load.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+#: Name prefixes of a checkpoint's parts that rljax does not load: a multimodal Qwen3.5's vision tower
+#: and the multi-token-prediction heads of Qwen3-Next / Qwen3.5.
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+#: A multimodal Qwen3.5 stores its text model under this prefix (``model.`` in a text checkpoint).
+_LANGUAGE_MODEL_PREFIX = "model.language_model."
+
+
+def _text_model_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``tensors`` named as a text model's: a multimodal checkpoint's ``model.language_model.``
+    prefix becomes ``model.``, the vision tower and MTP heads (:data:`IGNORED_PREFIXES`) are
+    dropped, and fused expert stacks (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout) are split per expert.
+
+    >>> sd = {"model.language_model.norm.weight": np.ones(2), "mtp.fc.weight": np.ones(2)}
+    >>> sorted(_text_model_tensors(sd))
+    ['model.norm.weight']
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if name.startswith(_LANGUAGE_MODEL_PREFIX):
+            name = "model." + name[len(_LANGUAGE_MODEL_PREFIX) :]
+        if name.startswith(IGNORED_PREFIXES):
+            continue
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            half = arr.shape[1] // 2
+            for e in range(arr.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = arr[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = arr[e, half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(arr.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = arr[e]
+        else:
+            out[name] = arr
+    return out
 
 
 def _path_str(path: tuple) -> str:
@@ -196,6 +250,7 @@ def from_hf_state_dict(
         )
     )
     names = hf_name_map(abstract)
+    tensors = _text_model_tensors(tensors)
     ignored = {k for k in tensors if k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         ignored.add("lm_head.weight")  # transformers ties it to the embedding and ignores the stored copy

@@ -19,6 +19,12 @@ cache without any transpose or copy; inside a ``lax.while_loop`` (or a jit with 
 XLA updates the buffers in place, and a step costs one read of the cache instead of several copies
 (test_models_decode_perf.py checks the compiled program).
 
+Linear-attention layers (Qwen3-Next / Qwen3.5, :mod:`rljax.models.linear_attention`) keep no keys or
+values: each keeps, per row, its recurrent state (float32 ``[B, Hv, Dk, Dv]``) and the window of its
+convolution's last ``K - 1`` inputs (``[B, K - 1, C]``), whose size does not grow with the sequence;
+``linear_segment`` is the segment of the last valid token they have seen (a token of another segment
+restarts them). ``keys`` / ``values`` then hold the full-attention layers only, in layer order.
+
 Capacity: ``index + T`` must stay ``<= max_length``. Under ``jit`` the index is traced and cannot be
 checked (``dynamic_update_slice`` would clamp), so callers size the cache for prompt + new tokens;
 outside ``jit`` it is checked and a ``ValueError`` is raised.
@@ -45,12 +51,18 @@ class KVCache:
     """Per-layer keys/values ``[B*K, S, D]`` plus the slot bookkeeping shared by all layers.
 
     Attributes:
-      keys, values: tuples (one entry per layer) of ``[batch * num_kv_heads, max_length, head_dim]``
-        arrays in the cache layout (:func:`rljax.models.attention.to_cache_layout`; use
-        :meth:`layer_keys` / :meth:`layer_values` for ``[B, S, K, D]`` views).
+      keys, values: tuples (one entry per full-attention layer) of
+        ``[batch * num_kv_heads, max_length, head_dim]`` arrays in the cache layout
+        (:func:`rljax.models.attention.to_cache_layout`; use :meth:`layer_keys` /
+        :meth:`layer_values` for ``[B, S, K, D]`` views).
       segment_ids: ``int32 [B, S]`` segment of each slot; ``EMPTY_SLOT`` (-1) where unwritten.
       lengths: ``int32 [B]`` valid (non-padding) tokens written per row = next default position.
       index: ``int32 []`` next slot to write (the same for every row).
+      conv_windows, recurrent_states: tuples (one entry per linear-attention layer) of the
+        convolution windows ``[B, K - 1, C]`` and the float32 recurrent states ``[B, Hv, Dk, Dv]``;
+        empty for models without such layers.
+      linear_segment: ``int32 [B]`` segment of the last valid token the linear layers have seen
+        (``EMPTY_SLOT`` before any); None for models without them.
     """
 
     keys: tuple[jax.Array, ...]
@@ -58,6 +70,9 @@ class KVCache:
     segment_ids: jax.Array
     lengths: jax.Array
     index: jax.Array
+    conv_windows: tuple[jax.Array, ...] = ()
+    recurrent_states: tuple[jax.Array, ...] = ()
+    linear_segment: jax.Array | None = None
 
     @property
     def max_length(self) -> int:
@@ -112,12 +127,29 @@ def init_cache(
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}")
     shape = (batch_size * config.num_kv_heads, max_length, config.head_dim)
+    num_linear = len(config.linear_layers)
+    num_attention = config.num_layers - num_linear
+    linear: dict = {}
+    if num_linear:
+        c = config
+        channels = (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim
+        )
+        window = (batch_size, c.linear_conv_kernel_dim - 1, channels)
+        state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        linear = dict(
+            conv_windows=tuple(jnp.zeros(window, dtype) for _ in range(num_linear)),
+            recurrent_states=tuple(jnp.zeros(state, jnp.float32) for _ in range(num_linear)),
+            linear_segment=jnp.full((batch_size,), EMPTY_SLOT, jnp.int32),
+        )
     return KVCache(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-        values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_attention)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(num_attention)),
         segment_ids=jnp.full((batch_size, max_length), EMPTY_SLOT, jnp.int32),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
+        **linear,
     )
 
 

@@ -1,4 +1,5 @@
-"""The decoder's building blocks: RMSNorm, Linear (kernels stored ``[in, out]``), the SwiGLU MLP.
+"""The decoder's building blocks: RMSNorm (and the gated one of the Gated DeltaNet), Linear (kernels
+stored ``[in, out]``), the SwiGLU MLP.
 
 Shared by the dense decoder (:mod:`rljax.models.decoder`) and the mixture-of-experts blocks
 (:mod:`rljax.models.moe`). Parameters are stored in ``param_dtype`` and computed in ``dtype``;
@@ -13,7 +14,7 @@ from flax import nnx
 
 from rljax.models.config import ModelConfig
 
-__all__ = ["MLP", "Linear", "RMSNorm"]
+__all__ = ["MLP", "GatedRMSNorm", "Linear", "RMSNorm"]
 
 _INIT_STD = 0.02
 
@@ -21,20 +22,46 @@ _INIT_STD = 0.02
 class RMSNorm(nnx.Module):
     """``y = w * x / sqrt(mean(x^2) + eps)`` over the last axis (Zhang & Sennrich 2019), in float32.
 
+    ``zero_centered`` (Qwen3-Next / Qwen3.5, Gemma): the scale is ``1 + w`` (``w`` starts at 0, as
+    stored in their checkpoints), applied in float32 before the cast to the compute dtype.
+
     >>> y = RMSNorm(2, eps=0.0, dtype=jnp.float32, param_dtype=jnp.float32)(jnp.array([3.0, 4.0]))
     >>> [round(float(v), 4) for v in y]
     [0.8485, 1.1314]
+    >>> z = RMSNorm(2, eps=0.0, dtype=jnp.float32, param_dtype=jnp.float32, zero_centered=True)
+    >>> bool(jnp.array_equal(z(jnp.array([3.0, 4.0])), y))
+    True
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+    def __init__(
+        self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype, zero_centered: bool = False
+    ) -> None:
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
         self.dtype = dtype
+        self.zero_centered = zero_centered
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         return y.astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm then a SiLU gate: ``y = (w * x / sqrt(mean(x^2) + eps)) * silu(z)`` (the output norm of
+    the Gated DeltaNet, Yang et al. 2024; transformers' ``Qwen3NextRMSNormGated``), gate in float32.
+
+    >>> norm = GatedRMSNorm(2, eps=0.0, dtype=jnp.float32, param_dtype=jnp.float32)
+    >>> [round(float(v), 4) for v in norm(jnp.array([3.0, 4.0]), jnp.array([0.0, 50.0]))]  # silu(50) = 50
+    [0.0, 56.5685]
+    """
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:  # type: ignore[override]
+        y = super().__call__(x).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        return y.astype(self.dtype)
 
 
 class Linear(nnx.Module):

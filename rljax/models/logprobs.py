@@ -20,7 +20,10 @@ gather stays on the device that holds the rows.
 Alignment (design §5): entry ``t`` of the output is ``log p(tokens[t] | tokens[<t])`` within its
 segment, computed from the hidden state at ``t - 1`` with logits divided by the temperature of
 token ``t``. Entry 0 of each row, the first token of each segment, padding (segment 0) and tokens
-outside ``logit_mask`` are 0.
+outside ``logit_mask`` are 0. Prefix-tree rows (design §2.6) name the predecessor of each token
+explicitly (``parents``: the column of the token's parent, whose hidden state predicts it, which for
+the first token of a branch is not ``t - 1``); :func:`predecessor_columns` covers both layouts, and
+the gather reads each wanted token's hidden state from its predecessor's column.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from jax.custom_derivatives import SymbolicZero
 if TYPE_CHECKING:
     from rljax.models.decoder import Decoder, UnembeddingLoRA
     from rljax.models.moe import Routing
+    from rljax.types import PackedBatch
 
 #: Rows (per row group) per chunk of the LM head (bounds the ``[chunk, vocab]`` logits held).
 DEFAULT_CHUNK_SIZE = 512
@@ -76,7 +80,6 @@ class _Residuals:
     tau: jax.Array
     floor: jax.Array | None
     lse: jax.Array  # float32 [G, C]: each row's log-normalizer (the forward's)
-    cut: jax.Array | None  # [G, C]: the support's lowest logit (with a floor)
     need_hidden: bool = dataclasses.field(metadata=dict(static=True))
     need_w: bool = dataclasses.field(metadata=dict(static=True))
     need_lora: bool = dataclasses.field(metadata=dict(static=True))
@@ -99,47 +102,58 @@ def _chunk_logits(spec: _HeadSpec, h: jax.Array, w: jax.Array, a: jax.Array | No
     return z / tau[:, None]
 
 
+def support_mask(z: chex.Array, floor: chex.Array | None, targets: chex.Array) -> jax.Array | None:
+    """bool ``[n, V]``: the entries of each row of ``z [n, V]`` a top-k / top-p sampler kept,
+    ``z_v >= floor`` (``floor [n]``; ``-inf`` keeps every entry), with the row's drawn token
+    ``targets [n, 1]`` always in it (it was drawn, so it was kept); None without a floor (every
+    entry). The one place the LM head decides which logits a distribution covers.
+
+    >>> support_mask(jnp.log(jnp.array([[1., 2., 5.]])), jnp.log(jnp.array([2.])), jnp.array([[0]]))
+    Array([[ True,  True,  True]], dtype=bool)
+    """
+    if floor is None:
+        return None
+    chex.assert_rank(z, 2)
+    chex.assert_shape(floor, (z.shape[0],))
+    chex.assert_shape(targets, (z.shape[0], 1))
+    return (z >= floor[:, None]) | (jnp.arange(z.shape[-1])[None, :] == targets)
+
+
 def log_normalizer(
-    z: chex.Array, floor: chex.Array | None = None
-) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
-    """The softmax normalizer of each row of ``z [n, V]`` over the row's support: the one place the
-    LM head decides which logits a distribution covers (both of its passes read what it returns).
+    z: chex.Array, support: chex.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The softmax normalizer of each row of ``z [n, V]`` over the row's ``support`` (bool
+    ``[n, V]``, :func:`support_mask`; None: every entry; each row must keep one entry).
 
-    The support is every entry (``floor`` None) or the entries ``z_v >= floor`` (``floor [n]``: a
-    sampler that kept only the top-k / top-p tokens samples from the softmax renormalised over
-    them); a floor above the row's maximum keeps the maximum. With ``m = max_v z_v`` and
-    ``e_v = exp(z_v - m)`` on the support (0 off it), ``s = sum_v e_v``: returns
-    ``(lse, cut, e, s)`` with ``lse = m + log s`` (so ``p = e / s``, ``log p_v = z_v - lse``) and
-    ``cut`` the lowest logit in the support (None without a floor), which
-    :func:`support_probabilities` takes to rebuild ``p`` from ``lse`` alone.
+    With ``m = max_v z_v`` and ``e_v = exp(z_v - m)`` on the support (0 off it), ``s = sum_v e_v``:
+    returns ``(lse, e, s)`` with ``lse = m + log s`` (so ``p = e / s``, ``log p_v = z_v - lse``).
+    Both passes of the LM head read this ``lse`` (:func:`support_probabilities`).
 
-    >>> lse, cut, e, s = log_normalizer(jnp.log(jnp.array([[1., 2., 5.]])), jnp.log(jnp.array([2.])))
+    >>> z = jnp.log(jnp.array([[1., 2., 5.]]))
+    >>> lse, e, s = log_normalizer(z, jnp.array([[False, True, True]]))
     >>> round(float(jnp.exp(lse[0])), 4), [round(float(x), 2) for x in e[0] / s[0]]
     (7.0, [0.0, 0.29, 0.71])
     """
     chex.assert_rank(z, 2)
-    m = jnp.max(z, axis=-1)
+    m = jnp.max(z if support is None else jnp.where(support, z, -jnp.inf), axis=-1)
     e = jnp.exp(z - m[:, None])
-    cut = None
-    if floor is not None:
-        chex.assert_shape(floor, (z.shape[0],))
-        cut = jnp.minimum(floor, m)
-        e = jnp.where(z >= cut[:, None], e, 0.0)
+    if support is not None:
+        e = jnp.where(support, e, 0.0)
     s = jnp.sum(e, axis=-1)
-    return m + jnp.log(s), cut, e, s
+    return m + jnp.log(s), e, s
 
 
-def support_probabilities(z: chex.Array, lse: chex.Array, cut: chex.Array | None) -> jax.Array:
-    """``p_v = exp(z_v - lse)`` on the support (``z_v >= cut``), 0 off it: the probabilities of
-    :func:`log_normalizer`'s distribution from its ``lse`` and ``cut`` (one exponential, no reduction).
+def support_probabilities(z: chex.Array, lse: chex.Array, support: chex.Array | None) -> jax.Array:
+    """``p_v = exp(z_v - lse)`` on the ``support``, 0 off it: the probabilities of
+    :func:`log_normalizer`'s distribution from its ``lse`` (one exponential, no reduction).
 
     >>> z = jnp.log(jnp.array([[1., 2., 5.]]))
-    >>> lse, cut, _, _ = log_normalizer(z, jnp.log(jnp.array([2.])))
-    >>> [round(float(x), 2) for x in support_probabilities(z, lse, cut)[0]]
+    >>> support = jnp.array([[False, True, True]])
+    >>> [round(float(x), 2) for x in support_probabilities(z, log_normalizer(z, support)[0], support)[0]]
     [0.0, 0.29, 0.71]
     """
     p = jnp.exp(z - lse[:, None])
-    return p if cut is None else jnp.where(z >= cut[:, None], p, 0.0)
+    return p if support is None else jnp.where(support, p, 0.0)
 
 
 def _valid_targets(targets: jax.Array, vocab: int) -> jax.Array:
@@ -151,16 +165,16 @@ def _valid_targets(targets: jax.Array, vocab: int) -> jax.Array:
 def _forward_chunk(spec: _HeadSpec, w: jax.Array, a: jax.Array | None, b: jax.Array | None,
                    h: jax.Array, targets: jax.Array, tau: jax.Array,
                    floor: jax.Array | None) -> tuple[jax.Array, ...]:  # fmt: skip
-    """``(logp [n, K], entropy [n] or None, lse [n], cut [n] or None)`` of one chunk."""
+    """``(logp [n, K], entropy [n] or None, lse [n])`` of one chunk."""
     z = _chunk_logits(spec, h, w, a, b, tau)
-    lse, cut, e, s = log_normalizer(z, floor)
     tgt = _valid_targets(targets, z.shape[-1])
+    lse, e, s = log_normalizer(z, support_mask(z, floor, tgt))
     logp = jnp.take_along_axis(z, tgt, axis=-1, mode="fill", fill_value=jnp.nan) - lse[:, None]
     entropy = None
     if spec.with_entropy:  # -sum p log p = log s - E_p[z - m], with m = lse - log s
         y = jnp.where(e > 0, z - (lse - jnp.log(s))[:, None], 0.0)
         entropy = jnp.log(s) - jnp.sum(e * y, axis=-1) / s
-    return logp, entropy, lse, cut
+    return logp, entropy, lse
 
 
 def _to_chunks(x: jax.Array, spec: _HeadSpec, fill: Any = 0) -> jax.Array:
@@ -181,13 +195,13 @@ def _from_chunks(x: jax.Array, groups: int, rows: int) -> jax.Array:
 def _forward_chunks(spec: _HeadSpec, hidden: jax.Array, w: jax.Array, a: jax.Array | None,
                     b: jax.Array | None, targets: jax.Array, tau: jax.Array,
                     floor: jax.Array | None) -> tuple[jax.Array | None, ...]:  # fmt: skip
-    """``(logp, entropy, lse, cut)`` of every row (``[G, C, ...]``)."""
+    """``(logp, entropy, lse)`` of every row (``[G, C, ...]``)."""
     groups, rows = hidden.shape[:2]
     xs = (
         _to_chunks(hidden, spec),
         _to_chunks(targets, spec),
         _to_chunks(tau, spec, 1.0),
-        None if floor is None else _to_chunks(floor, spec),
+        None if floor is None else _to_chunks(floor, spec, -jnp.inf),
     )
     out = jax.lax.map(lambda x: _forward_chunk(spec, w, a, b, *x), xs)
     return tuple(None if x is None else _from_chunks(x, groups, rows) for x in out)
@@ -205,11 +219,10 @@ def _lm_head_fwd(spec: _HeadSpec, *args: Any) -> tuple[tuple[jax.Array, jax.Arra
     hidden, w, a, b, targets, tau, floor = args  # CustomVJPPrimal (value, perturbed) leaves, or None
     value = lambda x: None if x is None else x.value  # noqa: E731
     values = [value(x) for x in args]
-    logp, entropy, lse, cut = _forward_chunks(spec, *values)
+    logp, entropy, lse = _forward_chunks(spec, *values)
     residuals = _Residuals(
         *values,
         lse=lse,
-        cut=cut,
         need_hidden=hidden.perturbed,
         need_w=w.perturbed,
         need_lora=a is not None and (a.perturbed or b.perturbed),
@@ -226,21 +239,18 @@ def _backward_chunk(spec: _HeadSpec, res: _Residuals, carry: tuple[Any, Any, Any
     """One chunk of the backward: the cotangent ``dz`` of the raw logits ``h W (+ adapter)``, then
     ``dh = dz W^T`` (+ the adapter's share) and the weights' gradients added into
     ``carry = (dW, dA, dB)`` (float32)."""
-    h, targets, tau, lse, cut, g_logp, g_ent = x
+    h, targets, tau, floor, lse, g_logp, g_ent = x
     w, a, b = res.w, res.lora_a, res.lora_b
     dw, da, db = carry
     z = _chunk_logits(spec, h, w, a, b, tau)
-    p = support_probabilities(z, lse, cut)
+    tgt = _valid_targets(targets, z.shape[-1])
+    p = support_probabilities(z, lse, support_mask(z, floor, tgt))
     inv_tau = 1.0 / tau[:, None]  # z = raw / tau
     dz = None
     if g_logp is not None:  # d logp_k / dz = onehot(target_k) - p
         g = g_logp * inv_tau
         rows = jnp.arange(z.shape[0])[:, None]
-        dz = (
-            (-jnp.sum(g, axis=-1, keepdims=True) * p)
-            .at[rows, _valid_targets(targets, z.shape[-1])]
-            .add(g, mode="drop")
-        )
+        dz = (-jnp.sum(g, axis=-1, keepdims=True) * p).at[rows, tgt].add(g, mode="drop")
     if g_ent is not None:  # d entropy / dz = -p (log p - E_p[log p])
         logq = z - lse[:, None]
         d_ent = (g_ent[:, None] * inv_tau) * p * (jnp.sum(p * logq, axis=-1, keepdims=True) - logq)
@@ -271,8 +281,8 @@ def _lm_head_bwd(spec: _HeadSpec, res: _Residuals, cts: tuple[Any, Any]) -> tupl
         chunks(hidden),
         chunks(res.targets),
         chunks(res.tau, 1.0),
+        chunks(res.floor, -jnp.inf),
         chunks(res.lse),
-        chunks(res.cut),
         chunks(None if g_logp is None else g_logp.astype(_F32)),
         chunks(None if g_ent is None else g_ent.astype(_F32)),
     )
@@ -328,10 +338,10 @@ def lm_head_logprobs(
       precision: matmul precision.
       unembedding_lora: the output projection's LoRA adapter (None: none).
       with_entropy: compute the entropies (static; False returns None).
-      support_floor: ``float [G, C]`` or None: each row's softmax is renormalised over the logits
-        ``z_v >= floor`` (the top-k / top-p support a sampler drew from; :func:`log_normalizer`).
-        A target below its floor gets ``z[target] - lse`` all the same (finite; its probability
-        under the renormalised distribution is 0).
+      support_floor: ``float [G, C]`` or None: each row's softmax, logprob and entropy are those of
+        the distribution renormalised over the logits ``z_v >= floor`` and the target (the top-k /
+        top-p support a sampler drew the target from, :func:`support_mask`; ``-inf`` keeps every
+        token). One target per row.
 
     Returns:
       ``(logp, entropy)``: float32 ``[G, C]`` (``[G, C, K]``) and ``[G, C]`` (or None).
@@ -356,6 +366,8 @@ def lm_head_logprobs(
     floor = None if support_floor is None else jnp.asarray(support_floor, _F32)
     if floor is not None:
         chex.assert_equal_shape([floor, temperature])
+        if tgt.shape[-1] != 1:
+            raise ValueError(f"support_floor applies to one target per row, got {tgt.shape[-1]} per row")
     lora = unembedding_lora
     logp, entropy = _lm_head(
         spec, hidden, unembedding, None if lora is None else lora.a, None if lora is None else lora.b,
@@ -373,11 +385,15 @@ def token_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.PrecisionLike = None,
     unembedding_lora: UnembeddingLoRA | None = None,
+    support_floor: chex.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of ``targets`` and entropy under ``softmax(hidden @ unembedding / temperature)``.
 
     :func:`lm_head_logprobs` of one row group: ``hidden [N, H]``, ``targets int [N]`` (or
-    ``[N, K]``), ``temperature float [N]``; returns float32 ``(logp [N] (or [N, K]), entropy [N])``.
+    ``[N, K]``), ``temperature float [N]``, ``support_floor float [N]`` or None (each row's top-k /
+    top-p support floor, ``Step.response_support_floors``: the distribution renormalised over the
+    logits at or above it and the target; single targets only); returns float32
+    ``(logp [N] (or [N, K]), entropy [N])``.
 
     >>> h = jnp.eye(2); w = jnp.log(jnp.array([[1., 3.], [1., 1.]]))
     >>> lp, ent = token_logprobs_and_entropy(h, w, jnp.array([1, 0]), jnp.ones(2), chunk_size=1)
@@ -391,6 +407,7 @@ def token_logprobs_and_entropy(
     logp, entropy = lm_head_logprobs(
         hidden[None], unembedding, targets[None], temperature[None], chunk_size=chunk_size,
         precision=precision, unembedding_lora=unembedding_lora,
+        support_floor=None if support_floor is None else jnp.asarray(support_floor)[None],
     )  # fmt: skip
     return logp[0], entropy[0]
 
@@ -409,6 +426,42 @@ def shifted_token_mask(segment_ids: chex.Array) -> chex.Array:
     chex.assert_rank(segment_ids, 2)
     same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     return jnp.concatenate([jnp.zeros_like(same[:, :1]), same], axis=1)
+
+
+def predecessor_columns(segment_ids: chex.Array, parents: chex.Array | None = None) -> jax.Array:
+    """int32 ``[B, L]``: the column whose hidden state predicts each token, -1 where none does.
+
+    Plain packed rows (``parents`` None): ``t - 1`` when token ``t`` has an in-segment predecessor
+    (:func:`shifted_token_mask`), else -1. Prefix-tree rows (design §2.6): ``parents`` itself (the
+    column of each token's parent; -1 at a tree's root), -1 on padding (``segment_ids == 0``).
+
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 2, 0]])).tolist()
+    [[-1, 0, -1, 2, -1]]
+    >>> predecessor_columns(jnp.array([[1, 1, 2, 0]]), jnp.array([[-1, 0, 0, -1]])).tolist()
+    [[-1, 0, 0, -1]]
+    """
+    chex.assert_rank(segment_ids, 2)
+    segment_ids = jnp.asarray(segment_ids)
+    if parents is not None:
+        parents = jnp.asarray(parents).astype(jnp.int32)
+        chex.assert_equal_shape([segment_ids, parents])
+        return jnp.where(segment_ids != 0, parents, -1)
+    t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+    return jnp.where(shifted_token_mask(segment_ids), t - 1, -1)
+
+
+def packing_kwargs(batch: PackedBatch) -> dict[str, jax.Array | None]:
+    """The packing arguments of a forward over a :class:`rljax.types.PackedBatch`:
+    ``positions``, ``segment_ids`` and, for prefix-tree rows, ``parents`` and ``subtree_end`` (None
+    for plain rows), as :func:`sequence_forward` and :func:`rljax.models.value.values` take them.
+    Every forward of a packed batch passes all four, so a tree batch is computed as a tree.
+    """
+    return dict(
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        parents=getattr(batch, "parents", None),
+        subtree_end=getattr(batch, "subtree_end", None),
+    )
 
 
 def capacity_ladder(total: int, *, min_capacity: int = MIN_LOGIT_CAPACITY) -> list[int]:
@@ -512,14 +565,18 @@ def sequence_forward(
     logit_mask: chex.Array | None = None,
     logit_capacity: int | None = None,
     row_groups: int = 1,
-    support_floor: chex.Array | None = None,
+    support_floors: chex.Array | None = None,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> ForwardOutput:
     """Per-token logprobs (and entropies, MoE routing) of a packed batch from ONE forward pass (jitted).
 
-    ``logp[b, t] = log softmax(logits(h[b, t-1]) / tau[b, t])[tokens[b, t]]`` and ``entropy[b, t]``
-    is the entropy ``-sum_v p_v log p_v`` of that same temperature-scaled distribution; both are 0
-    at ``t = 0``, at the first token of every segment, on padding (``segment_ids == 0``) and
-    outside ``logit_mask``. Logits are computed ``chunk_size`` rows at a time by the chunked LM head
+    ``logp[b, t] = log softmax(logits(h[b, c]) / tau[b, t])[tokens[b, t]]`` with ``c`` the column
+    that predicts token ``t`` (:func:`predecessor_columns`: ``t - 1`` in plain rows, the parent in
+    prefix-tree rows) and ``entropy[b, t]`` the entropy ``-sum_v p_v log p_v`` of that same
+    temperature-scaled distribution; both are 0 where no column predicts the token (``t = 0``, the
+    first token of every segment, a tree's root, padding ``segment_ids == 0``) and outside
+    ``logit_mask``. Logits are computed ``chunk_size`` rows at a time by the chunked LM head
     (:func:`lm_head_logprobs`).
 
     Logits only where they are needed: with ``logit_mask``, only the hidden states that predict its
@@ -551,8 +608,13 @@ def sequence_forward(
       logit_capacity: slots per row group of the gathered buffer (static; with ``logit_mask``).
       row_groups: row groups gathered separately (static; the data-parallel shards of the rows,
         so each gathers its own rows), dividing ``B``.
-      support_floor: ``float [B, L]`` or None: renormalise each token's distribution over the
-        temperature-scaled logits ``>=`` its floor (:func:`log_normalizer`).
+      support_floors: ``float [B, L]`` or None: token ``t``'s top-k / top-p support floor
+        (``PackedBatch.support_floors``; ``-inf``: the whole distribution): its logprob and entropy
+        are renormalised over the support the sampler drew it from (:func:`support_mask`).
+      parents, subtree_end: prefix-tree rows (design §2.6), ``int32 [B, L]`` both or neither: the
+        column of each token's parent (-1 at a root) and of the last token of its subtree. Token
+        ``t`` attends to its ancestors and ``logp[b, t]`` comes from the hidden state at
+        ``parents[b, t]``; ``positions`` must be the depths.
 
     Returns:
       a :class:`ForwardOutput` ``(logprobs, entropy, routing)``.
@@ -573,6 +635,8 @@ def sequence_forward(
     chex.assert_rank(tokens, 2)
     batch, length = tokens.shape
     _check_groups(batch, row_groups)
+    if (parents is None) != (subtree_end is None):
+        raise ValueError("prefix-tree rows need both parents and subtree_end (or neither, for plain rows)")
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
     segment_ids = jnp.asarray(segment_ids)
@@ -589,6 +653,7 @@ def sequence_forward(
         segment_ids=segment_ids,
         routed_experts=routed_experts,
         with_routing=with_routing,
+        subtree_end=subtree_end,
     )
     hidden, routing = forward.hidden, forward.routing
     if length < 2:
@@ -602,14 +667,17 @@ def sequence_forward(
         unembedding_lora=model.unembedding_lora(),
         with_entropy=with_entropy,
     )
-    valid = shifted_token_mask(segment_ids)
-    floor = None if support_floor is None else jnp.asarray(support_floor, _F32)
-    if logit_mask is None:
+    cols = predecessor_columns(segment_ids, parents)
+    valid = cols >= 0
+    floor = None if support_floors is None else jnp.asarray(support_floors, _F32)
+    if logit_mask is None and parents is None:
         logp, entropy = _every_token(head, hidden, tokens, temperature, floor, row_groups)
-    else:
-        want = valid & (jnp.asarray(logit_mask) != 0)
-        capacity = batch // row_groups * length if logit_capacity is None else logit_capacity
-        logp, entropy = _wanted_tokens(head, hidden, tokens, temperature, floor, want, row_groups, capacity)
+    else:  # tree rows read each token's predictor through its column, like wanted tokens
+        want = valid if logit_mask is None else valid & (jnp.asarray(logit_mask) != 0)
+        everything = logit_mask is None or logit_capacity is None
+        capacity = batch // row_groups * length if everything else logit_capacity
+        logp, entropy = _wanted_tokens(head, hidden, tokens, temperature, floor, want, cols, row_groups,
+                                       capacity)  # fmt: skip
     keep = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
     return ForwardOutput(keep(logp), None if entropy is None else keep(entropy), routing)
 
@@ -628,24 +696,27 @@ def _every_token(head: Any, hidden: jax.Array, tokens: jax.Array, temperature: j
 
 
 def _wanted_tokens(head: Any, hidden: jax.Array, tokens: jax.Array, temperature: jax.Array,
-                   floor: jax.Array | None, want: jax.Array, row_groups: int,
+                   floor: jax.Array | None, want: jax.Array, cols: jax.Array, row_groups: int,
                    capacity: int) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
-    """The head on the wanted tokens only (gathered per row group, scattered back); ``[B, L]`` out,
-    NaN at wanted tokens beyond the capacity."""
+    """The head on the wanted tokens only (gathered per row group, scattered back; each token's
+    hidden state from its predecessor column ``cols``); ``[B, L]`` out, NaN at wanted tokens beyond
+    the capacity."""
     batch, length = tokens.shape
     slots, slot, overflow = _gather_plan(want, row_groups, capacity)
     used = slots >= 0
-    src = jnp.maximum(slots, 1)  # the token a slot predicts; its hidden state is the one before it
+    src = jnp.maximum(slots, 0)  # the token a slot predicts (flat index in its group)
+    # how many columns back each token's predictor sits in its row (1 in plain rows)
+    back_by = jnp.arange(length, dtype=jnp.int32)[None, :] - jnp.maximum(cols, 0)
 
-    def take(x: jax.Array, shift: int, fill: Any) -> jax.Array:
+    def take(x: jax.Array, idx: jax.Array, fill: Any) -> jax.Array:
         flat = x.reshape(row_groups, batch // row_groups * length, *x.shape[2:])
-        idx = (src - shift).reshape(*src.shape, *(1,) * (x.ndim - 2))
+        idx = idx.reshape(*idx.shape, *(1,) * (x.ndim - 2))
         got = jnp.take_along_axis(flat, idx, axis=1)
         return jnp.where(used.reshape(idx.shape), got, fill)
 
-    h = take(hidden, 1, 0)
-    logp, entropy = head(h, targets=take(tokens, 0, 0), temperature=take(temperature, 0, 1.0),
-                         support_floor=None if floor is None else take(floor, 0, -jnp.inf))  # fmt: skip
+    h = take(hidden, src - take(back_by, src, 0), 0)
+    logp, entropy = head(h, targets=take(tokens, src, 0), temperature=take(temperature, src, 1.0),
+                         support_floor=None if floor is None else take(floor, src, -jnp.inf))  # fmt: skip
 
     def back(x: jax.Array) -> jax.Array:  # [G, capacity] -> [B, L]
         padded = jnp.concatenate([x, jnp.zeros((row_groups, 1), x.dtype)], axis=1)
@@ -666,11 +737,14 @@ def sequence_logprobs(
     routed_experts: chex.Array | None = None,
     logit_mask: chex.Array | None = None,
     logit_capacity: int | None = None,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> jax.Array:
     """float32 ``[B, L]``: entry t = ``log p(tokens[t] | tokens[<t])`` within its segment (design §5).
 
     Same arguments as :func:`sequence_forward` (entry 0, segment starts, padding and tokens outside
-    ``logit_mask`` are 0; logits divided by the temperature of the token being predicted).
+    ``logit_mask`` are 0; logits divided by the temperature of the token being predicted;
+    prefix-tree rows with ``parents`` and ``subtree_end``).
 
     >>> from flax import nnx
     >>> from rljax.models import Decoder, ModelConfig
@@ -691,4 +765,6 @@ def sequence_logprobs(
         with_entropy=False,
         logit_mask=logit_mask,
         logit_capacity=logit_capacity,
+        parents=parents,
+        subtree_end=subtree_end,
     ).logprobs

@@ -16,8 +16,10 @@ Files: :func:`save_adapter` / :func:`load_adapter` write and read PEFT's ``adapt
 :func:`merge_lora` folds an adapter into plain weights (``W + (alpha/r) A B``).
 
 Targets are module names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-``down_proj``) of the dense projections, ``lm_head`` (the output projection, see below), and for MoE
-models the stacked experts
+``down_proj``) of the dense projections (and, in Qwen3.5 / Qwen3-Next, ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a`` or Qwen3-Next's ``in_proj_qkvz``, ``in_proj_ba``, and ``out_proj`` of the
+Gated DeltaNet layers; their full attention's ``q_proj`` also yields the output gate, as in HF),
+``lm_head`` (the output projection, see below), and for MoE models the stacked experts
 (:class:`rljax.models.moe.Experts`) by PEFT's parameter names of transformers' fused experts:
 ``experts.gate_up_proj`` (gate and up share one ``A``, as in the fused ``[E, 2I, H]`` HF tensor) and
 ``experts.down_proj``; ``experts`` means both. Per expert ``e`` (PEFT's ``ParamWrapper``)::
@@ -72,6 +74,8 @@ __all__ = [
     "ADAPTER_WEIGHTS_FILE",
     "DEFAULT_TARGETS",
     "EXPERT_TARGETS",
+    "LINEAR_ATTENTION_TARGETS",
+    "MODULE_TARGETS",
     "LoRAConfig",
     "LoRAParam",
     "apply_lora",
@@ -88,6 +92,19 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 #: Modules that get adapters by default: every attention and MLP projection.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The Gated DeltaNet projections of Qwen3.5 (``in_proj_qkv/z/b/a``) and Qwen3-Next (``in_proj_qkvz``,
+#: ``in_proj_ba``), and their output projection (:mod:`rljax.models.linear_attention`).
+LINEAR_ATTENTION_TARGETS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "in_proj_qkvz",
+    "in_proj_ba",
+    "out_proj",
+)
+#: Every Linear module target (PEFT ``target_modules``).
+MODULE_TARGETS = DEFAULT_TARGETS + LINEAR_ATTENTION_TARGETS
 #: PEFT ``target_parameters`` of the stacked MoE experts (transformers' fused ``Qwen*MoeExperts``), in
 #: their registration order (PEFT nests the wrappers in that order); ``"experts"`` targets both.
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
@@ -108,6 +125,7 @@ class LoRAConfig:
     the policy's logprobs, which stochastic dropout would make inconsistent).
 
     ``targets``: any of :data:`DEFAULT_TARGETS` (dense projections, incl. qwen2_moe's shared expert),
+    :data:`LINEAR_ATTENTION_TARGETS` (the Gated DeltaNet projections of Qwen3.5 / Qwen3-Next),
     :data:`UNEMBED_TARGET` (``"lm_head"``: the output projection, tied or not) and
     :data:`EXPERT_TARGETS` (MoE expert stacks: ``experts.gate_up_proj`` adapts gate and up with
     one shared ``A`` per expert, ``experts.down_proj`` the down projection; ``mlp.experts.*`` as PEFT
@@ -135,11 +153,11 @@ class LoRAConfig:
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
         object.__setattr__(self, "targets", _normalize_targets(self.targets))
-        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS) - set(EXPERT_TARGETS) - {UNEMBED_TARGET})
+        unknown = sorted(set(self.targets) - set(MODULE_TARGETS) - set(EXPERT_TARGETS) - {UNEMBED_TARGET})
         if unknown or not self.targets:
             raise ValueError(
                 "LoRAConfig.targets must be a non-empty subset of "
-                f"{DEFAULT_TARGETS + (UNEMBED_TARGET,) + EXPERT_TARGETS} "
+                f"{MODULE_TARGETS + (UNEMBED_TARGET,) + EXPERT_TARGETS} "
                 f"(or {EXPERTS!r} for both expert stacks), got {unknown}"
             )
         if self.dropout != 0.0:
@@ -156,7 +174,7 @@ class LoRAConfig:
     @property
     def module_targets(self) -> tuple[str, ...]:
         """The dense (Linear) targets, PEFT's ``target_modules``."""
-        return tuple(t for t in self.targets if t in DEFAULT_TARGETS)
+        return tuple(t for t in self.targets if t in MODULE_TARGETS)
 
     @property
     def unembed(self) -> bool:
@@ -183,7 +201,7 @@ def _normalize_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
 def _targeted(model: nnx.Module, targets: Sequence[str]) -> list[tuple[tuple, Linear]]:
     """The Linears of ``model`` named by the dense targets among ``targets`` (never ``lm_head``: its
     adapter is :class:`UnembedAdapter`)."""
-    targets = [t for t in targets if t in DEFAULT_TARGETS]
+    targets = [t for t in targets if t in MODULE_TARGETS]
     out = []
     for path, module in nnx.iter_graph(model):
         if (
@@ -354,7 +372,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     # A copy with its own Variables (merge alone would share them with ``model``, whose kernels an
     # in-place write would then change too).
     merged = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
-    for _, lin in _targeted(merged, DEFAULT_TARGETS):
+    for _, lin in _targeted(merged, MODULE_TARGETS):
         if getattr(lin, "lora_a", None) is None:
             continue
         delta = (lin.lora_a[...].astype(jnp.float32) @ lin.lora_b[...].astype(jnp.float32)) * lin.lora_scale
@@ -509,7 +527,7 @@ def _config_targets(meta: dict, d: pathlib.Path) -> tuple[str, ...]:
     expert ``target_parameters`` (``[mlp.]experts.gate_up_proj``, ``[...]down_proj``)."""
     targets = meta.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: keep the module names it matches
-        targets = [t for t in (*DEFAULT_TARGETS, UNEMBED_TARGET)
+        targets = [t for t in (*MODULE_TARGETS, UNEMBED_TARGET)
                    if re.fullmatch(targets, t) or re.search(targets, f".{t}")]  # fmt: skip
     experts = []
     for name in meta.get("target_parameters") or []:

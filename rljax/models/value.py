@@ -32,6 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 from rljax.models.decoder import Decoder
 from rljax.models.hf_io import from_pretrained, save_pretrained
+from rljax.models.logprobs import predecessor_columns
 
 __all__ = ["VALUE_HEAD_FILE", "ValueModel", "load_value_model", "save_value_model", "values"]
 
@@ -60,6 +61,12 @@ class ValueModel(nnx.Module):
         """The backbone's :class:`~rljax.models.config.ModelConfig`."""
         return self.backbone.config
 
+    @property
+    def prefix_tree_rows(self) -> bool:
+        """Whether :func:`values` computes prefix-tree rows exactly: the backbone's
+        ``prefix_tree_rows`` (:class:`rljax.models.Decoder` declares it)."""
+        return bool(getattr(self.backbone, "prefix_tree_rows", False))
+
 
 def values(
     model: ValueModel,
@@ -67,16 +74,29 @@ def values(
     *,
     positions: chex.Array | None = None,
     segment_ids: chex.Array | None = None,
+    parents: chex.Array | None = None,
+    subtree_end: chex.Array | None = None,
 ) -> jax.Array:
     """Per-token values ``[B, L]`` (float32): entry t from the hidden state at t - 1; 0 at the first
-    token of every segment and on padding (``segment_ids == 0``)."""
+    token of every segment and on padding (``segment_ids == 0``).
+
+    Prefix-tree rows (design §2.6; ``parents`` and ``subtree_end``, as
+    :func:`rljax.models.logprobs.sequence_forward` takes them): entry t from the hidden state of
+    token t's parent (:func:`rljax.models.logprobs.predecessor_columns`), 0 at a root."""
     tokens = jnp.asarray(tokens)
-    h = model.backbone.hidden_states(tokens, positions=positions, segment_ids=segment_ids).hidden
+    if (parents is None) != (subtree_end is None):
+        raise ValueError("prefix-tree rows need both parents and subtree_end (or neither, for plain rows)")
+    h = model.backbone.hidden_states(
+        tokens, positions=positions, segment_ids=segment_ids, subtree_end=subtree_end
+    ).hidden
     v = (h.astype(jnp.float32) @ model.value_kernel[...].astype(jnp.float32))[..., 0] + model.value_bias[...][
         0
     ]
-    shifted = jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
     seg = jnp.ones(tokens.shape, jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
+    if parents is not None:
+        cols = predecessor_columns(seg, parents)
+        return jnp.where(cols >= 0, jnp.take_along_axis(v, jnp.maximum(cols, 0), axis=1), 0.0)
+    shifted = jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
     prev = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
     valid = (seg != 0) & (prev == seg)  # same sample as the previous token
     return jnp.where(valid, shifted, 0.0)

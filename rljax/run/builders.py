@@ -7,6 +7,7 @@ merging, opsd tasks without demonstrations) are raised here, before anything run
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -14,9 +15,12 @@ from flax import nnx
 
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.chat import toy_tokenizer
-from rljax.core.objective import ObjectiveConfig
+from rljax.core.losses import get_policy_loss
+from rljax.core.objective import ObjectiveConfig, old_policy_readers
 from rljax.extras import require
 from rljax.models import Decoder, ModelConfig, from_gguf, from_pretrained, gguf_tokenizer, is_gguf_path
+from rljax.models.gguf_io import load_gguf_config
+from rljax.models.hf_io import load_config
 from rljax.run.config import ModelSection, ObjectiveSection, RunConfig, TokenizerSection
 from rljax.run.tasks import EnvTasks
 
@@ -25,8 +29,11 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "check_extras",
+    "check_objective",
     "check_run",
+    "model_config",
     "objective_config",
+    "old_logprobs_choice",
     "process_batch",
     "required_extras",
 ]
@@ -83,6 +90,23 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
               precision=precision)  # fmt: skip
     if cfg.hf_path:
         return (from_gguf if is_gguf_path(cfg.hf_path) else from_pretrained)(cfg.hf_path, **kw)
+    return Decoder(model_config(cfg, vocab_size=vocab_size), rngs=nnx.Rngs(seed), **kw)
+
+
+def model_config(cfg: ModelSection, *, vocab_size: int) -> ModelConfig:
+    """The :class:`~rljax.models.ModelConfig` of the policy :func:`build_model` builds, without any
+    weight: ``cfg.hf_path``'s (its ``config.json``, or a ``.gguf`` file's metadata) or ``cfg.init``'s
+    (``vocab_size`` 0 = the tokenizer's ``vocab_size``). Errors name the config key."""
+    if cfg.hf_path:
+        path = pathlib.Path(cfg.hf_path)
+        if not path.exists():
+            raise ValueError(f"config.model.hf_path: no such file or directory {cfg.hf_path!r}")
+        try:
+            return load_gguf_config(path) if is_gguf_path(path) else load_config(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(
+                f"config.model.hf_path: cannot read the model config of {cfg.hf_path!r}: {e}"
+            ) from None
     fields = dict(cfg.init)
     if not fields.get("vocab_size"):
         fields["vocab_size"] = int(vocab_size)
@@ -94,7 +118,7 @@ def build_model(cfg: ModelSection, *, vocab_size: int, seed: int) -> nnx.Module:
         raise ValueError(
             f"config.model.init.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {vocab_size} ids"
         )
-    return Decoder(mcfg, rngs=nnx.Rngs(seed), **kw)
+    return mcfg
 
 
 def objective_config(
@@ -118,7 +142,67 @@ def objective_config(
         off_policy=dict(cfg.off_policy) or None,
         entropy_coef=cfg.entropy_coef,
         components=tuple(algorithm.components),  # skip the packer's all-zero streams of other components
+        kl_coef=cfg.kl_loss_coef if "rl" in algorithm.components else 0.0,
+        kl_kind=cfg.kl_estimator,
     )
+
+
+def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str]:
+    """``("recompute" | "inference", why)``: where an algorithm's old (proximal) logprobs come from
+    under ``config.trainer.old_logprobs = mode`` (design §3.4). "auto" recomputes exactly when
+    something in ``objective`` reads the old policy (:func:`rljax.core.objective.old_policy_readers`).
+
+    >>> old_logprobs_choice("auto", ObjectiveConfig(policy_loss="ppo_clip", components=("rl",)))
+    ('recompute', "auto: the old policy is read by policy loss 'ppo_clip' (its ratio and clip)")
+    >>> old_logprobs_choice("auto", ObjectiveConfig(components=("rl",)))[1]
+    "auto: nothing reads the old policy (policy loss 'dppo' compares with the sampler by design)"
+    """
+    if mode != "auto":
+        return mode, "trainer.old_logprobs"
+    readers = old_policy_readers(objective)
+    if readers:
+        return "recompute", f"auto: the old policy is read by {', '.join(readers)}"
+    if "rl" not in objective.components:
+        return "inference", "auto: no policy-gradient term"
+    return "inference", (
+        f"auto: nothing reads the old policy (policy loss {objective.policy_loss!r} compares with the "
+        "sampler by design)"
+    )
+
+
+def check_objective(cfg: RunConfig, algorithms: AlgorithmConfig) -> None:
+    """Objective rules that need the algorithms: a policy loss whose ratio is already taken against
+    the sampler (dppo, rollout_is, cispo with ``behavior="inference"``) would apply the behaviour ratio
+    twice with truncated importance sampling (SkyRL refuses the pair too); top-k / top-p sampling on an
+    engine that does not report the support it drew from (vLLM) cannot be scored on that support, so
+    an objective that compares train and sampler logprobs (rl, ref_kl) refuses it."""
+    r = cfg.rollout
+    truncated = r.top_p < 1.0 or r.top_k is not None
+    compared = [a.name for a in algorithms.algorithms if {"rl", "ref_kl"} & set(a.components)]
+    if truncated and cfg.engine.kind == "vllm" and compared:
+        key = "top_p" if r.top_p < 1.0 else "top_k"
+        raise ValueError(
+            f"config.rollout.{key}: {getattr(r, key)!r} samples from a truncated distribution, and vLLM "
+            "does not report which tokens it kept, so the trainer cannot score each token on the support "
+            f"it was drawn from (every ratio of {compared} would carry the kept mass as a bias): use "
+            "top_p=1.0 and top_k=None with vLLM, or the embedded sampler (engine.kind='embedded'), which "
+            "records the support and trains on it exactly"
+        )
+    tis = cfg.objective.off_policy.get("tis_ratio_type")
+    if tis is None:
+        return
+    for a in algorithms.algorithms:
+        if "rl" not in a.components:
+            continue
+        loss = get_policy_loss(a.policy_loss or "dppo")
+        if "inference_logp" in loss.inputs_read(dict(a.policy_loss_kwargs)):
+            raise ValueError(
+                f"config.objective.off_policy.tis_ratio_type: {tis!r} multiplies the loss by old / rollout, "
+                f"but algorithm {a.name!r}'s policy loss {a.policy_loss or 'dppo'!r} already weighs each "
+                "token by the ratio to the sampler's logprobs: the behaviour ratio would count twice. "
+                "Drop tis_ratio_type, or use a loss whose ratio is against the old policy (ppo_clip, "
+                "gspo, cispo with behavior='old')"
+            )
 
 
 def process_batch(prompts_per_step: int, process_count: int) -> int:
@@ -166,6 +250,7 @@ def check_run(
     shares from every process's stream). ``env_tasks`` None: a run built without rollouts (export),
     whose env rules do not apply.
     """
+    check_objective(cfg, algorithms)
     if cfg.model.router_replay != "off" and not model_config.moe_layers:
         raise ValueError(
             f"config.model.router_replay={cfg.model.router_replay!r} replays MoE routing, but the "

@@ -1,12 +1,12 @@
 """The run configuration: typed, frozen, parsed once from an ml_collections config.
 
-:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``rljax/recipes/*.py``, overridden by
+:func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
 ``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
 place that knows the keys, their types and their defaults: a missing key takes the default of its
 dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
 key no component reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len:
 expected an int >= 1, got 'long'``. :func:`default_config` renders the same defaults as a
-``ConfigDict``; ``rljax/recipes/default.py`` is exactly that, and the other recipes start from it.
+``ConfigDict``; ``configs/default.py`` is exactly that, and the other recipes start from it.
 
 The trainer's parts read only these typed values, never the raw config.
 
@@ -26,19 +26,23 @@ their class defaults are the run's defaults (one default per knob). Cross-field 
 >>> try:
 ...     parse_run_config({"trainer": {"num_stpes": 3}})
 ... except ValueError as e:
-...     print(str(e)[:46])
-config.trainer.num_stpes: unknown key; known k
+...     print(str(e)[:64])
+config.trainer.num_stpes: unknown key; did you mean 'num_steps'?
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rljax.core import off_policy
+from rljax.core.losses import KL_KINDS
 from rljax.core.objective import REDUCTIONS
 from rljax.data.filters import make_filter
 from rljax.envs.loader import split_import_string
@@ -57,6 +61,7 @@ from rljax.training.sharding import MeshConfig
 from rljax.training.warmstart import WarmStartConfig
 
 __all__ = [
+    "CLIENT_KEYS_SET_ELSEWHERE",
     "DTYPES",
     "DynamicSamplingSection",
     "ENGINE_DTYPES",
@@ -65,6 +70,7 @@ __all__ = [
     "EvalSection",
     "MATMUL_PRECISIONS",
     "ModelSection",
+    "OLD_LOGPROBS",
     "ObjectiveSection",
     "REMAT_POLICIES",
     "RESULT_NEUTRAL_KEYS",
@@ -74,9 +80,12 @@ __all__ = [
     "SYNC_ON_MISMATCH",
     "TokenizerSection",
     "TrainerSection",
+    "client_keys",
     "config_differences",
     "config_record",
     "default_config",
+    "device_list",
+    "did_you_mean",
     "parse_run_config",
 ]
 
@@ -93,6 +102,8 @@ MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
 #: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
 SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
 MODES: tuple[str, ...] = ("sync", "async", "fully_async")
+#: ``config.trainer.old_logprobs`` values (design §3.4).
+OLD_LOGPROBS: tuple[str, ...] = ("auto", "recompute", "inference")
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 
@@ -325,6 +336,17 @@ class EngineSection:
         behaviour; tokens after the switch attend to old-weights keys and values). Meant for
         ``trainer.mode="fully_async"``. LoRA with ``lora_sync="adapter"`` on vLLM takes ``"off"``
         only: a request keeps the adapter it names, so each turn is sampled by one adapter version.
+      server_devices: vllm, launched servers: the GPUs of each server, one entry per server (e.g.
+        ``("1",)`` or ``("4,5", "6,7")``: indices into the GPUs this process sees), given to it as
+        ``CUDA_VISIBLE_DEVICES``; empty = every server sees the trainer's GPUs
+        (:mod:`rljax.run.placement`).
+      trainer_devices: the trainer's GPUs (``"0"``, ``"0,1,2,3"``; indices as above), set as JAX's
+        ``jax_cuda_visible_devices`` by ``rljax train`` before JAX starts; empty = every GPU no
+        launched server holds (all of them without ``server_devices``).
+      trainer_memory_fraction: the share of each GPU's memory JAX preallocates
+        (``XLA_PYTHON_CLIENT_MEM_FRACTION``, set by ``rljax train`` before JAX starts); 0 = JAX's
+        default (75%). Lower it when a vLLM server shares the trainer's GPU, so that
+        ``server.gpu_memory_utilization`` of the GPU is still free when the server starts.
     """
 
     kind: str = "embedded"
@@ -350,6 +372,9 @@ class EngineSection:
     all_down_timeout_s: float = 600.0
     max_restarts: int = 5
     in_flight_updates: str = "off"
+    server_devices: tuple = ()
+    trainer_devices: str = ""
+    trainer_memory_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +408,14 @@ class ObjectiveSection:
         metric is logged anyway).
       router_z_loss_coef: coefficient of the router z-loss of MoE routers (0 = off; the metric is logged
         anyway).
+      kl_loss_coef: weight of a KL penalty to a frozen reference policy on the rl tokens, added to the
+        loss (verl's and SkyRL's ``use_kl_loss`` with ``kl_loss_coef``; 0 = none). Logged as
+        ``loss/kl_penalty``, ``ref_kl/reference_k1`` and ``ref_kl/reference_k3``.
+      kl_estimator: the penalty's per-token estimator of ``KL(pi || pi_ref)``, one of ``k1``, ``k2``,
+        ``k3`` (verl's ``low_var_kl``, the default) or ``abs`` (:func:`rljax.core.losses.kl`).
+      kl_reference: the reference policy: ``""`` (default) = the policy's own weights when RL starts
+        (after the warm start), held by the trainer and checkpointed with the run; or an HF checkpoint
+        directory (full training only: a LoRA run's reference is its base with the initial adapter).
     """
 
     reduction: str = "token_mean"
@@ -391,6 +424,9 @@ class ObjectiveSection:
     max_len: int | None = None
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_reference: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +446,9 @@ class DynamicSamplingSection:
 
 #: Values of ``config.trainer.on_save_error``.
 ON_SAVE_ERROR = ("stop", "continue")
+#: ``trainer.prefix_sharing``: "auto" packs samples that share a prompt prefix as prefix trees (design
+#: §2.6) wherever that computes exactly what plain packing does; "off" never does.
+PREFIX_SHARING = ("auto", "off")
 
 DEFAULT_TABLE_KEYS = (
     "reward/mean",
@@ -442,6 +481,15 @@ class TrainerSection:
         failing.
       merge: merge the turns of a trajectory whose prompts extend each other into one sample (design
         §2.5).
+      old_logprobs: where the old (proximal) policy's logprobs of an RL step come from (design §3.4):
+        ``"recompute"``: the trainer's own, from the weights at the start of the step (one forward
+        without gradients over every mini-batch before the first update); ``"inference"``: the
+        sampler's (then every off-policy correction that weighs old / rollout would be a no-op, and
+        configuring one is an error); ``"auto"`` (default): recompute exactly when something in an
+        algorithm's objective reads the old policy (a ratio-based correction, or a policy loss whose
+        ratio is taken against the old policy: ppo_clip, dual_clip, gspo, sapo, cispo, ...), not for
+        losses that compare with the sampler by design (dppo, rollout_is). The run prints what it
+        chose, and why, when it starts.
       filters: sample filters, e.g. ``(dict(name="overlong", mode="enforce"), dict(name="gibberish"))``
         (:data:`rljax.data.filters.FILTERS`).
       dynamic_sampling: DAPO dynamic sampling (:class:`DynamicSamplingSection`).
@@ -452,6 +500,10 @@ class TrainerSection:
       loss_only_logits: the train step projects only the tokens that carry a loss through the
         vocabulary (the others are never read), in a bucketed buffer (False: every packed token;
         the same logprobs and gradients, slower).
+      prefix_sharing: ``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO
+        group's prompt, turns whose prompts share a prefix without extending each other) as prefix
+        trees, each shared token computed once (design §2.6), whenever the policy model computes
+        tree rows exactly (logged at the start); ``"off"``: plain packing.
       eval_every: RL steps between held-out evaluations (and after the last step; 0 = never).
       checkpoint_every: RL steps between checkpoints (and after the last step; 0 = never).
       keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
@@ -476,11 +528,13 @@ class TrainerSection:
     seq_len: int = 384
     truncate: bool = True  # drop the tail of (rare) over-long samples; counted in pack metrics
     merge: bool = True
+    old_logprobs: str = "auto"
     filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
     dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
     row_buckets: Any = None
     micro_batch_tokens: int = 0
     loss_only_logits: bool = True
+    prefix_sharing: str = "auto"  # "auto": shared prompt prefixes packed as trees where exact; "off"
     eval_every: int = 10
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
@@ -578,6 +632,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: Filter fields a run sets itself (filter name -> (field, where its value comes from)).
+_RUN_SET_FILTER_KEYS: dict[str, tuple[str, str]] = {
+    "zero_variance": ("reward_mode", "each algorithm's reward_mode"),
+    "staleness": ("trained_version", "the RL step being trained"),
+}
+
+
 def _fail(path: str, message: str) -> ValueError:
     return ValueError(f"{path}: {message}")
 
@@ -665,7 +726,9 @@ def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
         if key in RUN_SET_FIELDS.get(cls, ()):
             raise _fail(f"{path}.{key}", "set by the run (config.algorithm / config.env_algorithms)")
         if key not in names:
-            raise _fail(f"{path}.{key}", f"unknown key; known keys of {path}: {names}")
+            raise _fail(
+                f"{path}.{key}", f"unknown key; {did_you_mean(key, names)}known keys of {path}: {names}"
+            )
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
     try:
         return cls(**kwargs)
@@ -676,10 +739,24 @@ def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
         raise _fail(path, str(e)) from None
 
 
+def did_you_mean(key: str, known: Any) -> str:
+    """``"did you mean 'x'? "`` for the known name closest to a mistyped ``key`` (empty if none is close).
+
+    >>> did_you_mean("num_stpes", ["num_steps", "seq_len"])
+    "did you mean 'num_steps'? "
+    >>> did_you_mean("zzz", ["num_steps"])
+    ''
+    """
+    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -> None:
     for key in mapping:
         if key not in known:
-            raise _fail(f"{path}.{key}", f"unknown key; {what} accepts {sorted(known)}")
+            raise _fail(
+                f"{path}.{key}", f"unknown key; {did_you_mean(key, known)}{what} accepts {sorted(known)}"
+            )
 
 
 def _dataclass_fields(cls: type) -> list[str]:
@@ -696,6 +773,93 @@ def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
         raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
 
 
+#: Keyword arguments of :class:`rljax.inference.vllm.VLLMClient` that ``config.engine.client`` may not
+#: set, with where the run takes them from.
+CLIENT_KEYS_SET_ELSEWHERE: Mapping[str, str] = {
+    "urls": "config.engine.urls (or engine.num_servers launched servers)",
+    "sync": "config.engine.sync (SyncConfig fields)",
+    "stall_timeout_s": "config.engine.stall_timeout_s",
+    "all_down_timeout_s": "config.engine.all_down_timeout_s",
+    "kv_cache": "config.engine.in_flight_updates",
+    "transport": "nothing: the run's client talks HTTP to the servers",
+    "clock": "nothing: the run's client uses the monotonic clock",
+}
+
+
+def client_keys() -> list[str]:
+    """The keys ``config.engine.client`` accepts: :class:`~rljax.inference.vllm.VLLMClient`'s keyword
+    arguments less those the run sets (:data:`CLIENT_KEYS_SET_ELSEWHERE`)."""
+    from rljax.inference.vllm.client import VLLMClient
+
+    params = inspect.signature(VLLMClient.__init__).parameters
+    return sorted(
+        k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in CLIENT_KEYS_SET_ELSEWHERE
+    )
+
+
+def _check_client(client: Mapping[str, Any]) -> None:
+    """``config.engine.client``'s keys (typos fail here, not after the vLLM servers started)."""
+    known = client_keys()
+    for key in client:
+        if key in CLIENT_KEYS_SET_ELSEWHERE:
+            raise _fail(
+                f"config.engine.client.{key}", f"set by the run; use {CLIENT_KEYS_SET_ELSEWHERE[key]}"
+            )
+        if key not in known:
+            raise _fail(
+                f"config.engine.client.{key}",
+                f"unknown key; {did_you_mean(key, known)}VLLMClient accepts {known}",
+            )
+
+
+def device_list(value: Any, path: str) -> tuple[int, ...]:
+    """GPU indices of a ``server_devices`` entry or of ``trainer_devices``: ``"0,1"``, ``1``, ``(0, 1)``.
+
+    >>> device_list("4, 5", "x"), device_list(3, "x"), device_list((0, 1), "x")
+    ((4, 5), (3,), (0, 1))
+    """
+    items = str(value).split(",") if isinstance(value, (str, int)) else value
+    try:
+        out = tuple(int(str(i).strip()) for i in items)
+    except (TypeError, ValueError):
+        out = ()
+    if isinstance(value, bool) or not out or min(out) < 0 or len(set(out)) != len(out):
+        raise _fail(path, f"expected distinct GPU indices >= 0 such as '0' or '0,1', got {value!r}")
+    return out
+
+
+def _check_placement(e: EngineSection) -> None:
+    """``engine.server_devices`` / ``trainer_devices`` / ``trainer_memory_fraction`` (rljax.run.placement)."""
+    if e.trainer_devices:
+        device_list(e.trainer_devices, "config.engine.trainer_devices")
+    if not 0 <= e.trainer_memory_fraction < 1:
+        raise _fail(
+            "config.engine.trainer_memory_fraction",
+            f"expected a share in [0, 1) (0 = JAX's default), got {e.trainer_memory_fraction!r}",
+        )
+    if not e.server_devices:
+        return
+    key = "config.engine.server_devices"
+    if e.kind != "vllm" or e.urls:
+        raise _fail(key, "places launched vLLM servers: it needs engine.kind='vllm' and no engine.urls")
+    if len(e.server_devices) != e.num_servers:
+        raise _fail(
+            key,
+            f"has {len(e.server_devices)} entries for engine.num_servers={e.num_servers}: one per server",
+        )
+    if "CUDA_VISIBLE_DEVICES" in dict(e.server.get("env") or {}):
+        raise _fail("config.engine.server.env", "sets CUDA_VISIBLE_DEVICES; give engine.server_devices only")
+    tensor_parallel = e.server.get("tensor_parallel_size", 1)
+    for i, entry in enumerate(e.server_devices):
+        devices = device_list(entry, f"{key}[{i}]")
+        if isinstance(tensor_parallel, int) and len(devices) < tensor_parallel:
+            raise _fail(
+                f"{key}[{i}]",
+                f"{entry!r} holds {len(devices)} GPU(s); engine.server.tensor_parallel_size="
+                f"{tensor_parallel} needs that many",
+            )
+
+
 def critic_config(section: CriticSection) -> Any:
     """The hashable :class:`rljax.training.critic.CriticConfig` of ``config.critic``."""
     return section.hyperparameters()
@@ -710,6 +874,29 @@ def _check_import_strings(name: str, env: EnvSection) -> None:
         split_import_string(env.tasks, where=f"config.envs.{name}.tasks")
         if env.dataset:
             raise _fail(f"config.envs.{name}.tasks", "tasks come from the dataset; drop one of them")
+
+
+def _check_old_logprobs(cfg: RunConfig) -> None:
+    """``trainer.old_logprobs`` and the objective's KL penalty keys."""
+    t, o = cfg.trainer, cfg.objective
+    _one_of("config.trainer.old_logprobs", t.old_logprobs, OLD_LOGPROBS)
+    stages = off_policy.ratio_stages(o.off_policy) if o.off_policy else ()
+    if t.old_logprobs == "inference" and stages:
+        raise _fail(
+            f"config.objective.off_policy.{stages[0].partition('=')[0]}",
+            f"{stages[0]} weighs old / rollout logprobs, but trainer.old_logprobs='inference' makes the old "
+            "logprobs the rollout ones (the ratio is exactly 1, the correction never acts): set "
+            "trainer.old_logprobs='recompute' (or 'auto'), or drop the key",
+        )
+    if o.kl_loss_coef < 0:
+        raise _fail("config.objective.kl_loss_coef", f"must be >= 0 (0 = none), got {o.kl_loss_coef}")
+    _one_of("config.objective.kl_estimator", o.kl_estimator, KL_KINDS)
+    if o.kl_reference and cfg.lora is not None:
+        raise _fail(
+            "config.objective.kl_reference",
+            "a LoRA run's KL reference is its base model with the initial adapter (its weights when RL "
+            "starts): leave kl_reference empty",
+        )
 
 
 def _validate(cfg: RunConfig) -> RunConfig:
@@ -745,10 +932,8 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _one_of("config.engine.in_flight_updates", cfg.engine.in_flight_updates, ("off", "recompute", "keep"))
     if cfg.engine.in_flight_updates == "keep" and cfg.engine.kind != "vllm":
         raise _fail("config.engine.in_flight_updates", "'keep' needs vLLM servers (engine.kind='vllm')")
-    if "sync" in cfg.engine.client:
-        raise _fail(
-            "config.engine.client.sync", "set the weight sync in config.engine.sync (SyncConfig fields)"
-        )
+    _check_client(cfg.engine.client)
+    _check_placement(cfg.engine)
     _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
     if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
         raise _fail(
@@ -781,6 +966,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "newest), or lora_sync='merged' to switch full merged weights in flight",
         )
     _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
+    _check_old_logprobs(cfg)
     for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
         _at_least(f"config.trainer.{key}", getattr(t, key), 1)
     # num_steps=0: the warm start only (and a step-0 checkpoint)
@@ -799,6 +985,7 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "config.trainer.stall_timeout_s", f"expected seconds >= 0 (0 = off), got {t.stall_timeout_s!r}"
         )
     _one_of("config.trainer.on_save_error", t.on_save_error, ON_SAVE_ERROR)
+    _one_of("config.trainer.prefix_sharing", t.prefix_sharing, PREFIX_SHARING)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
         raise _fail(
             "config.trainer.mini_batch_prompts",
@@ -812,6 +999,12 @@ def _validate(cfg: RunConfig) -> RunConfig:
             make_filter(str(f["name"]), **{k: v for k, v in f.items() if k != "name"})
         except (TypeError, ValueError) as e:
             raise _fail(f"config.trainer.filters[{i}]", str(e)) from None
+        run_set = _RUN_SET_FILTER_KEYS.get(str(f["name"]))
+        if run_set is not None and run_set[0] in f:
+            raise _fail(
+                f"config.trainer.filters[{i}].{run_set[0]}",
+                f"set by the run ({run_set[1]}); remove it, got {f[run_set[0]]!r}",
+            )
     for path, overrides in (
         ("config.warmstart.optimizer", cfg.warmstart.optimizer),
         ("config.critic.optimizer", cfg.critic.optimizer),
@@ -905,7 +1098,7 @@ def parse_run_config(config: Any) -> RunConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# The defaults as a ConfigDict (rljax/recipes/default.py) and the comparison used by --resume
+# The defaults as a ConfigDict (configs/default.py) and the comparison used by --resume
 # ------------------------------------------------------------------------------------------------
 
 #: Fields that can be given object values on the command line (lists, dicts, None-or-value).
@@ -919,6 +1112,7 @@ _OBJECT_FIELDS = {
     "report.sinks",
     "report.wandb.tags",
     "engine.urls",
+    "engine.server_devices",
     "engine.max_model_len",
     "objective.max_len",
     "rollout.top_k",
@@ -945,7 +1139,7 @@ def _to_config(value: Any, path: str) -> Any:
 
 
 def default_config() -> Any:
-    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``rljax/recipes/default.py``).
+    """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``configs/default.py``).
 
     Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
     fields, so ``--config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"`` works (a Python
@@ -980,6 +1174,9 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
     "engine.stall_timeout_s",
     "engine.all_down_timeout_s",
     "engine.max_restarts",
+    "engine.server_devices",
+    "engine.trainer_devices",
+    "engine.trainer_memory_fraction",
     "engine.server.log_path",
     "engine.server.startup_timeout_s",
     "engine.server.port",

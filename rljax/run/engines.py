@@ -29,7 +29,13 @@ from rljax.run.worker import Worker
 from rljax.training.checkpoint import fault_point
 from rljax.training.distributed import process_share
 
-__all__ = ["EngineSet", "lora_server_args", "process_urls", "resolve_frozen_models"]
+__all__ = [
+    "EngineSet",
+    "launched_server_configs",
+    "lora_server_args",
+    "process_urls",
+    "resolve_frozen_models",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,30 @@ def lora_server_args(server: dict[str, Any], rank: int) -> dict[str, Any]:
     return {**server, "extra_args": extra, "env": env}
 
 
+def launched_server_configs(
+    engine: EngineSection, model_dir: str, server: Mapping[str, Any], *, visible: Sequence[str] | None = None
+) -> list[Any]:
+    """The :class:`~rljax.inference.vllm.ServerConfig` of each of the ``engine.num_servers`` servers
+    launched on ``model_dir``: the ``server`` fields, and each server's GPUs
+    (``engine.server_devices`` as ``CUDA_VISIBLE_DEVICES``, :func:`rljax.run.placement.server_device_env`)
+    added to its environment. ``visible``: the GPUs this process sees (default:
+    :func:`rljax.run.placement.visible_gpus`).
+
+    >>> e = EngineSection(kind="vllm", num_servers=2, server_devices=("1", "2"))
+    >>> configs = launched_server_configs(e, "/m", {"env": {"A": "1"}}, visible=["0", "1", "2"])
+    >>> [dict(c.env) for c in configs]
+    [{'A': '1', 'CUDA_VISIBLE_DEVICES': '1'}, {'A': '1', 'CUDA_VISIBLE_DEVICES': '2'}]
+    """
+    from rljax.inference.vllm import ServerConfig
+    from rljax.run.placement import server_device_env
+
+    env = dict(server.get("env") or {})
+    return [
+        ServerConfig(model=model_dir, **{**server, "env": {**env, **devices}})
+        for devices in server_device_env(engine, visible)
+    ]
+
+
 def process_urls(urls: Sequence[str]) -> list[str]:
     """This process's share of ``engine.urls``: a multi-process run splits the servers among its
     processes (each process rolls out, syncs and verifies only its own), so there must be at least
@@ -94,6 +124,17 @@ def process_urls(urls: Sequence[str]) -> list[str]:
             "each process its own servers (at least one each), or leave urls empty to launch them per host"
         )
     return [urls[i] for i in process_share(len(urls))]
+
+
+def _without_adapters(model: Any) -> Any:
+    """A copy of ``model`` whose LoRA adapters are all zero: the base model's function."""
+    from flax import nnx
+
+    from rljax.models.lora import LoRAParam
+
+    base = nnx.clone(model)
+    nnx.update(base, jax.tree.map(jax.numpy.zeros_like, nnx.state(base, LoRAParam)))
+    return base
 
 
 def _written(model: Any) -> bool:
@@ -167,7 +208,7 @@ class EngineSet:
         return self.policy
 
     def _start_vllm(self, model: Any, lora_rank: int | None = None) -> Any:
-        from rljax.inference.vllm import ServerConfig, ServerGroup, VLLMClient
+        from rljax.inference.vllm import ServerGroup, VLLMClient
         from rljax.models import save_pretrained
 
         e = self.config
@@ -183,7 +224,7 @@ class EngineSet:
                 server = lora_server_args(server, max(model.lora_config.rank, lora_rank or 0))
             elif lora_rank:
                 server = lora_server_args(server, lora_rank)
-            configs = [ServerConfig(model=model_dir, **server) for _ in range(e.num_servers)]
+            configs = launched_server_configs(e, model_dir, server)
             if e.in_flight_updates != "off":  # the version-labelled generate route
                 from rljax.inference.vllm.pause import in_flight_server_config
 
@@ -223,11 +264,14 @@ class EngineSet:
         probe = expected = None
         if e.sync.verify:
             probe = weight_sync.config_probe(e.sync, model.config.vocab_size)
-            expected = model.expected if _written(model) else weight_sync.trainer_logprobs(model, probe)
+            # the servers serve the base: adapters (adapter syncs) are loaded and verified on top
+            base = model if _written(model) or not self._adapter_sync(model) else _without_adapters(model)
+            expected = model.expected if _written(model) else weight_sync.trainer_logprobs(base, probe)
             probe = model.probe if _written(model) else probe
         dtype = model.dtype if _written(model) else getattr(model, "param_dtype", "float32")
-        # A launched server restarts on the initial weights: nothing to reload until the first sync.
-        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype))
+        # A launched server restarts on the initial weights: nothing to reload until the first sync
+        # (each sync, in-flight switches included, records its weights and version).
+        client.current = CurrentWeights(None, probe, expected, e.sync.tolerance(dtype), client.weight_version)
 
     def served(self, model: Any) -> Any:
         """``model`` as the policy engine serves it (cast to :attr:`dtype`). A LoRA model keeps its

@@ -41,7 +41,7 @@ from flax import nnx
 
 from rljax import algorithms as algos
 from rljax.chat import make_renderer
-from rljax.core.objective import ObjectiveConfig
+from rljax.core.objective import ObjectiveConfig, combine_metrics
 from rljax.data.micro_batch import micro_batch_rows, split_by_token_budget
 from rljax.data.pack import PackResult
 from rljax.envs.base import Task
@@ -56,10 +56,10 @@ from rljax.run.builders import (
     check_extras,
     check_run,
     objective_config,
+    old_logprobs_choice,
 )
 from rljax.run.config import (
     RunConfig,
-    config_differences,
     config_record,
     critic_config,
     parse_run_config,
@@ -82,20 +82,68 @@ from rljax.training.step import (
     loss_and_grads,
     merge_model,
     mini_batch_counts,
+    policy_logprobs,
     train_mini_batch,
     train_step,
     with_logit_capacity,
 )
 
-__all__ = ["BEHAVIOR", "CRITIC", "LORA_BASE", "POLICY", "Run", "mini_batch_groups"]
+__all__ = [
+    "BEHAVIOR",
+    "CRITIC",
+    "LORA_BASE",
+    "POLICY",
+    "REFERENCE",
+    "Run",
+    "mini_batch_groups",
+    "resolve_prefix_sharing",
+]
 
 logger = logging.getLogger(__name__)
 
 
 #: Checkpoint items of the state tree (``params/<item>``): the trained policy parameters (a LoRA
-#: run: its adapters), a LoRA run's base when the warm start trained it, PPO's critic, and the
-#: behaviour parameters async rollouts still need (``behavior/<version>``).
-POLICY, LORA_BASE, CRITIC, BEHAVIOR = "policy", "lora_base", "critic", "behavior"
+#: run: its adapters), a LoRA run's base when the warm start trained it, PPO's critic, the
+#: behaviour parameters async rollouts still need (``behavior/<version>``), and the KL penalty's
+#: reference policy when it is the run's own initial weights.
+POLICY, LORA_BASE, CRITIC, BEHAVIOR, REFERENCE = "policy", "lora_base", "critic", "behavior", "reference"
+
+
+def resolve_prefix_sharing(setting: str, model: Any, *, critic: Any = None) -> bool:
+    """Whether ``trainer.prefix_sharing=setting`` packs this run's mini-batches as prefix trees (design
+    §2.6), logged with the reason: ``"auto"`` does when the policy (and PPO's critic, a
+    :class:`rljax.models.value.ValueModel`) declare that
+    they compute tree rows exactly (``prefix_tree_rows``, :class:`rljax.models.Decoder`); an attention
+    backend that cannot take the tree mask runs the exact one that can
+    (:func:`rljax.models.attention_backends.tree_attention_backend`), which is logged too.
+
+    >>> from rljax.models.tiny import tiny_model
+    >>> resolve_prefix_sharing("auto", tiny_model()), resolve_prefix_sharing("off", tiny_model())
+    (True, False)
+    """
+    from rljax.models.attention_backends import resolve_attention, tree_attention_backend
+
+    if setting == "off":
+        return False
+    for name, m in (("policy", model), ("critic", critic)):
+        if m is not None and not getattr(m, "prefix_tree_rows", False):
+            logger.warning(
+                "trainer.prefix_sharing=%r: off (the %s model %s does not compute prefix-tree rows; its "
+                "layers may carry state along the token order)", setting, name, type(m).__name__,
+            )  # fmt: skip
+            return False
+    backend = resolve_attention(
+        getattr(model, "attention", "auto"), dtype=getattr(model, "dtype", jnp.float32)
+    )
+    tree_backend, reason = tree_attention_backend(backend)
+    if reason is None:
+        logger.info("trainer.prefix_sharing=%r: on (attention %r)", setting, backend)
+    else:
+        logger.warning(
+            "trainer.prefix_sharing=%r: on; tree rows run attention %r instead of %r: %s",
+            setting, tree_backend, backend, reason,
+        )  # fmt: skip
+    return True
 
 
 def mini_batch_groups(num_groups: int, mini_batch_prompts: int, algorithm: str) -> int:
@@ -179,10 +227,23 @@ class Run:
             device_count=jax.device_count(),
         )
         self.train_configs = {a.name: self._train_config(a) for a in self.algorithms.algorithms}
+        #: algorithm -> ("recompute" | "inference", why): where its old (proximal) logprobs come from
+        self.old_logprobs = {
+            name: old_logprobs_choice(cfg.trainer.old_logprobs, tc.objective)
+            for name, tc in self.train_configs.items()
+        }
+        #: the KL penalty's frozen reference policy (structured like the state's params), once set
+        self.reference_params: Any = None
+        self.reference_in_checkpoint = (
+            any(tc.objective.kl_coef for tc in self.train_configs.values()) and not cfg.objective.kl_reference
+        )
         self.mesh = cfg.mesh.make() if cfg.uses_mesh else None
         self.data_parallel = 1 if self.mesh is None else train_sharding.batch_parallelism(self.mesh)
         self.critic_config = critic_config(cfg.critic)
         self.critic = self._build_critic(model) if self.algorithms.needs_critic else None
+        self.prefix_sharing = resolve_prefix_sharing(
+            cfg.trainer.prefix_sharing, model, critic=None if self.critic is None else self.critic.model
+        )
         self.state = TrainState.create(
             model, self.train_configs[self.algorithms.default.name], mesh=self.mesh, with_optimizer=optimizer
         )
@@ -324,9 +385,13 @@ class Run:
                              critic_skipped=self.critic.skipped)  # fmt: skip
         if self.base_in_checkpoint:  # the warm start trained the base: not what the config builds
             params[LORA_BASE] = self.state.frozen
+        if self.reference_in_checkpoint:  # the policy at RL step 0: nothing else can rebuild it
+            params[REFERENCE] = self.state.params if self.reference_params is None else self.reference_params
         return {"params": params, "opt_state": opt_state}
 
     def _load_state_tree(self, params: Mapping[str, Any], opt_state: Mapping[str, Any]) -> None:
+        if self.reference_in_checkpoint:
+            self.reference_params = params[REFERENCE]
         self.state = dataclasses.replace(
             self.state,
             params=params[POLICY],
@@ -381,6 +446,13 @@ class Run:
                 "to resume; start a new run (drop --resume) or point --workdir at the run to continue"
             )
         behavior = {v: self.state.params for v in self.scheduler.needed_versions(step)}
+        stored = stored_abstract(self.ckpt_dir, step, "params") or {}
+        if self.reference_in_checkpoint and REFERENCE not in stored:
+            raise ValueError(
+                f"--resume: checkpoint step_{step} holds no KL reference policy (it was trained without "
+                "objective.kl_loss_coef), so the penalty's reference (the weights when RL started) is "
+                "gone; set objective.kl_reference to an HF checkpoint directory, or start a new run"
+            )
         r = ckpt.restore(self.ckpt_dir, **self.state_tree(behavior), step=step, verify=False)  # verified
         if not allow_config_change:
             self._check_resumed_config(r.config, step)
@@ -392,18 +464,9 @@ class Run:
         return step
 
     def _check_resumed_config(self, saved: Any, step: int) -> None:
-        if not saved:
-            return
-        try:
-            diffs = config_differences(parse_run_config(saved), self.cfg)
-        except ValueError as e:  # a checkpoint of an older layout: say so instead of guessing
-            raise ValueError(f"--resume: the checkpoint's config does not parse ({e})") from None
-        if diffs:
-            raise ValueError(
-                f"--resume: the config differs from the one checkpoint step {step} was trained with in "
-                f"keys that change results: {'; '.join(diffs)}. Resume with the same config, start a new "
-                "run, or pass --allow_config_change to continue anyway"
-            )
+        from rljax.run.preflight import check_resumed_config
+
+        check_resumed_config(saved, self.cfg, step)
 
     def load_policy(self, directory: str | pathlib.Path, step: int, *, verify: bool = True) -> None:
         """Puts the policy weights of checkpoint ``step`` of ``directory`` into this run (the state's
@@ -438,6 +501,63 @@ class Run:
         row.update(memory)
         return row
 
+    def with_policy_logprobs(self, batch: Any, *, algorithm: str) -> Any:
+        """``batch`` (a packed mini-batch of host arrays) with the logprobs ``algorithm``'s objective
+        reads from other policies than the one being trained: ``old_logprobs`` recomputed under the
+        current weights when the algorithm recomputes them (:attr:`old_logprobs`; call it for every
+        mini-batch of an RL step BEFORE the step's first update, so they are the proximal policy's,
+        design §3.4) and ``kl_reference_logprobs`` under :attr:`reference_params` with a KL penalty.
+        Each is one jitted forward without gradients, micro-batched and sharded like the train step.
+        Both are the trainable tokens' only (0 elsewhere, as the packer writes old logprobs): the
+        objective reads no other, and with ``trainer.loss_only_logits`` no other meets the vocabulary."""
+        tcfg = self.train_configs[algorithm]
+        recompute = self.old_logprobs[algorithm][0] == "recompute"
+        penalty = tcfg.objective.kl_coef != 0.0
+        if not (recompute or penalty):
+            return batch
+        if penalty and self.reference_params is None:
+            raise ValueError("the KL penalty's reference policy is not set (Run.set_reference)")
+        self.state = dataclasses.replace(self.state, config=tcfg)
+        _, placed = self._place(batch)
+        rows, length = np.shape(batch.tokens)
+
+        def host(logp: Any) -> np.ndarray:  # micro-batches (padded with empty rows) back to [R, L]
+            return np.asarray(host_local_copy(logp), np.float32).reshape(-1, length)[:rows]
+
+        changes = {}
+        with self._context_scope():
+            if recompute:
+                trained = np.asarray(batch.loss_mask) != 0
+                changes["old_logprobs"] = np.where(trained, host(policy_logprobs(self.state, placed)), 0.0)
+            if penalty:
+                ref = policy_logprobs(self.state, placed, self.reference_params)
+                changes["kl_reference_logprobs"] = host(ref)
+        return batch.replace(**changes)
+
+    def set_reference(self) -> None:
+        """Fixes the KL penalty's reference policy (when an algorithm has one): the current weights
+        (``objective.kl_reference`` empty: call it when RL starts) or the HF checkpoint it names, placed
+        like the policy's parameters."""
+        if not any(tc.objective.kl_coef for tc in self.train_configs.values()):
+            return
+        path = self.cfg.objective.kl_reference
+        if not path:
+            self.reference_params = self.snapshot()
+            return
+        model = build_model(dataclasses.replace(self.cfg.model, hf_path=path), vocab_size=self.model_vocab,
+                            seed=self.cfg.seed)  # fmt: skip
+        params = nnx.state(model, nnx.Param)
+        same = jax.tree.structure(self.state.params) == jax.tree.structure(params) and [
+            np.shape(x) for x in jax.tree.leaves(self.state.params)
+        ] == [np.shape(x) for x in jax.tree.leaves(params)]
+        if not same:
+            raise ValueError(
+                f"config.objective.kl_reference={path!r}: its weights do not have the policy's structure "
+                "and shapes (a reference must be the same architecture as the policy)"
+            )
+        shardings = jax.tree.map(lambda x: x.sharding, self.state.params)
+        self.reference_params = jax.device_put(jax.tree.map(jnp.asarray, params), shardings)
+
     def forward_backward(
         self, batch: Any, *, algorithm: str | None = None, objective: ObjectiveConfig | None = None
     ) -> dict[str, float]:
@@ -456,7 +576,7 @@ class Run:
         pending = (grads, metrics)
         if self._pending is not None:
             total, summed = self._pending
-            pending = (jax.tree.map(jnp.add, total, grads), {k: summed[k] + metrics[k] for k in metrics})
+            pending = (jax.tree.map(jnp.add, total, grads), combine_metrics(summed, metrics))
         self._pending = pending
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
@@ -479,18 +599,19 @@ class Run:
         return np.asarray(host_local_copy(out), np.float32)
 
     def critic_mini_batches(
-        self, mini_batches: list[PackResult], rl_step: int
+        self, mini_batches: list[PackResult], rl_step: int, links: Sequence[np.ndarray] | None = None
     ) -> tuple[list[PackResult], list[dict[str, float]]]:
         """PPO: old values and GAE advantages of every mini-batch (all before any update), then one
-        critic step per mini-batch. Returns the mini-batches carrying their advantages for the
-        policy steps (none during the critic warm-up, ``rl_step < critic.warmup_steps``) and the
-        critic steps' metric rows."""
+        critic step per mini-batch. ``links``: per mini-batch, the links of its trajectories' turns
+        (:func:`rljax.data.credit.turn_links`; None: none). Returns the mini-batches carrying their
+        advantages for the policy steps (none during the critic warm-up, ``rl_step <
+        critic.warmup_steps``) and the critic steps' metric rows."""
         cc = self.critic_config
         staged = []
-        for mb in mini_batches:
+        for k, mb in enumerate(mini_batches):
             placed = self._shard(mb.batch)
             old_values = critic_values(self.critic, placed)
-            advantages, returns = ppo_advantages(old_values, placed, cc)
+            advantages, returns = ppo_advantages(old_values, placed, cc, None if links is None else links[k])
             staged.append((mb, placed, old_values, advantages, returns))
         out, rows = [], []
         for mb, placed, old_values, advantages, returns in staged:
@@ -672,9 +793,7 @@ _jit_apply_gradients = jax.jit(apply_gradients)
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_packed_logprobs(graphdef: nnx.GraphDef, params: Any, frozen: Any, batch: Any) -> jax.Array:
     from rljax.models import sequence_logprobs
+    from rljax.models.logprobs import packing_kwargs
 
     model = merge_model(graphdef, params, frozen)
-    return sequence_logprobs(
-        model, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        temperature=batch.temperatures,
-    )  # fmt: skip
+    return sequence_logprobs(model, batch.tokens, temperature=batch.temperatures, **packing_kwargs(batch))

@@ -285,7 +285,11 @@ class RolloutScheduler:
         """
         ds = self.dynamic_sampling
         sampler = DynamicSampler(
-            target_groups=num_prompts, max_rounds=ds.max_rounds, atol=ds.atol, strict=ds.strict
+            target_groups=num_prompts,
+            max_rounds=ds.max_rounds,
+            atol=ds.atol,
+            strict=ds.strict,
+            reward_mode=self.reward_modes,
         )
         train = self.env_tasks.train
         start = time.perf_counter() - first.metrics["wall_time_s"]
@@ -304,6 +308,12 @@ class RolloutScheduler:
         batch, metrics = sampler.result()
         wall = time.perf_counter() - start
         return RolloutResult(batch, {**rollout_metrics(records, wall), **metrics}, records)
+
+    @property
+    def reward_modes(self) -> dict[str, str]:
+        """Each algorithm's reward mode by name: what dynamic sampling's group spread compares
+        (:func:`rljax.data.filters.group_reward_spread`)."""
+        return {a.name: a.reward_mode for a in self.algorithms.algorithms}
 
     # -- results ---------------------------------------------------------------------------------------
     def result(self, step: int) -> tuple[RolloutResult, dict[str, float]]:

@@ -25,14 +25,32 @@ train it. Two rules keep every deadline, so nothing is ever dropped for stalenes
   groups (induction over steps; ``StreamState.choose`` documents it), so the bound is a
   guarantee, not an expectation.
 
+Repeated tasks. A task has at most one live group (running, or finished and not yet trained): a
+task id is a prompt group downstream (advantages, filters, packing and records group by it), so one
+step cannot train two groups of one task. The task iterator hands every task out again each epoch,
+so the stream can draw a task whose earlier group is still live (near an epoch boundary; with few
+tasks per ``prompts_per_step``, often). That draw is **deferred**, not started: it keeps its draw
+number, waits in ``StreamState.pending`` and starts first once its task's group has trained, while
+the stream draws on (:meth:`StreamState.start_next`). A task has at most one deferred draw; a
+further draw of it meanwhile is skipped (``async/draws_skipped``): the task's groups take longer
+than the iterator's pace, it trains as often as they allow, and the backlog stays bounded (a
+draw per task). Deferring rather than keying groups by draw number keeps the task id the group key
+everywhere, and keeps the rules above exact: the live groups' tasks being distinct, any ``B``
+complete groups form a step, so a due group can always be taken (two live groups of one task, both
+due, could never train in one step: the stream would wait forever). When every task has a live
+group nothing starts until a step trains one. With many more train tasks than ``(k + 1) * B`` (per
+process) a deferral is rare (a task comes up again while its group is live only near an epoch
+boundary) and a skip rarer still (it takes a whole epoch of draws while one group is live).
+
 A group found stale anyway (a safety net: it never happens under the two rules) is dropped,
 counted in ``async/groups_dropped_stale`` and its prompt drawn again first; it is never trained.
 With dynamic sampling, a group without reward variance is dropped as it finishes
 (``async/groups_dropped_no_variance``; DAPO's rule, the prompt is consumed).
 
 Resume: groups in flight are re-drawn, not checkpointed. A checkpoint at step ``n`` holds the task
-iterator's position and the draws not yet trained (running or finished but not taken, with their
-draw numbers); ``--resume`` starts those again first, on ``theta_n``, then continues the iterator.
+iterator's position and the draws not yet trained (deferred, running or finished but not taken,
+with their draw numbers); ``--resume`` starts those again first (deferring any whose task is live
+again), on ``theta_n``, then continues the iterator.
 No prompt is lost and none is trained twice; which groups finish first depends on timing, so a
 resumed run is not bit-for-bit the uninterrupted one (sync and async modes are).
 
@@ -46,8 +64,8 @@ their deadlines and the bound holds for the whole batch.
 * **Draws.** Process ``p`` owns the train tasks ``train[p::P]`` (:func:`owned_tasks`) and draws
   them epoch by epoch with its own seeded :class:`~rljax.run.tasks.TaskIterator`; its ``i``-th draw
   is number ``i * P + p`` (:func:`draw_number`), unique in the run, and its request seeds derive
-  from that number. No task is ever drawn by two processes, so a step's gathered groups never share
-  a task id (a task id is a group). The draw order differs from a one-process run's.
+  from that number. No task is ever drawn by two processes and each process defers its own repeats,
+  so a step's gathered groups never share a task id. The draw order differs from a one-process run's.
 * **Steps.** :meth:`StreamingScheduler.take` (main thread, every process, in step order) chooses this
   process's ``B_p`` groups on its own loop, then gathers every process's share
   (:func:`~rljax.training.distributed.allgather_objects`, process order, each in draw order) into one
@@ -69,7 +87,6 @@ their deadlines and the bound holds for the whole batch.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import math
 import time
@@ -78,7 +95,7 @@ from typing import Any
 
 import numpy as np
 
-from rljax.data.filters import group_reward_spread
+from rljax.data.filters import informative_groups
 from rljax.envs.base import Task
 from rljax.rollout import RolloutResult, _raise_all_errored, merge_rollout_results
 from rljax.run.builders import process_batch
@@ -93,6 +110,7 @@ __all__ = [
     "StreamingScheduler",
     "combine_stream_metrics",
     "draw_number",
+    "newest_token_version",
     "owned_tasks",
     "staleness_metrics",
 ]
@@ -111,7 +129,8 @@ class Draw:
 @dataclasses.dataclass
 class Group:
     """One prompt group of the stream: its draw, the version it started on, and, when it finished,
-    the version served then and its rollout."""
+    the version it finished on (the served one, or a newer one an in-flight switch already sampled
+    some of its tokens with) and its rollout."""
 
     draw: Draw
     start_version: int
@@ -135,6 +154,11 @@ class StreamState:
       num_steps: RL steps of the run (no group is started that no step would train).
       next_step: the next step to consume (a resumed run: the checkpoint's step).
 
+    Its state: ``running`` (draw number -> group), ``ready`` (finished, not yet trained),
+    ``pending`` (draws not started: deferred while their task's group is live, dropped stale, or
+    resumed from a checkpoint), and the counts ``dropped_stale``, ``dropped_no_variance`` and
+    ``draws_skipped``.
+
     >>> s = StreamState(batch=2, max_staleness=1, num_steps=10)
     >>> s.admission_room(version=0)   # (0 + 1 + 1 - 0) * 2 groups may start on version 0
     4
@@ -147,15 +171,21 @@ class StreamState:
         self.next_step = int(next_step)
         self.running: dict[int, Group] = {}
         self.ready: list[Group] = []
-        self.requeue: collections.deque[Draw] = collections.deque()
+        self.pending: list[Draw] = []  # drawn, not started: deferred, dropped stale or resumed
         self.dropped_stale = 0
         self.dropped_no_variance = 0
+        self.draws_skipped = 0  # drawn while their task had a live group and a pending draw
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
     def live(self) -> int:
         """Groups started and not yet trained or dropped."""
         return len(self.running) + len(self.ready)
+
+    @property
+    def live_tasks(self) -> set[str]:
+        """The task ids of the live groups (distinct: a task has at most one live group)."""
+        return {*(g.task_id for g in self.running.values()), *(g.task_id for g in self.ready)}
 
     def deadline(self, group: Group) -> int:
         """The last step that may train ``group``."""
@@ -169,13 +199,56 @@ class StreamState:
         return max(cap - self.live, 0)
 
     # -- the stream's events ----------------------------------------------------------------------------
-    def admit(self, draw: Draw, *, version: int, now: float) -> Group:
-        """Records that ``draw`` starts on ``version`` (call only with :meth:`admission_room` > 0)."""
+    def admit(self, draw: Draw, *, version: int, now: float) -> Group | None:
+        """Records that ``draw`` starts on ``version`` (call only with :meth:`admission_room` > 0), or,
+        while a group of its task is live, defers it and returns None: it waits in ``pending``
+        (:meth:`next_pending` gives it back once that group has trained or been dropped), unless a
+        draw of its task already waits there; then it is skipped (counted in ``draws_skipped``)."""
         if self.admission_room(version=version) <= 0:
             raise RuntimeError("admit() without admission room: the capacity rule would break")
+        if draw.task.id in self.live_tasks:
+            if any(d.task.id == draw.task.id for d in self.pending):
+                self.draws_skipped += 1
+            else:
+                self.pending.append(draw)
+            return None
         group = Group(draw, start_version=int(version), started=float(now))
         self.running[draw.number] = group
         return group
+
+    def next_pending(self) -> Draw | None:
+        """The first pending draw (in the order they were queued) whose task has no live group,
+        removed from ``pending``; None when there is none."""
+        live = self.live_tasks
+        for i, draw in enumerate(self.pending):
+            if draw.task.id not in live:
+                return self.pending.pop(i)
+        return None
+
+    def start_next(
+        self, new_draw: Callable[[], Draw], *, num_tasks: int, version: int, now: float
+    ) -> Group | None:
+        """Starts the next group on ``version``, or returns None when none may start now.
+
+        A pending draw whose task is free starts first. Otherwise new draws are taken in order
+        (``new_draw()``: the task iterator's next task, numbered) until one starts, each whose task
+        is live deferred or skipped (:meth:`admit`). None when there is no admission room, or when
+        all ``num_tasks`` tasks (the ones ``new_draw`` draws from) have a live group: nothing may
+        start until a step trains one. While one is free a new draw reaches it within two epochs
+        (every task comes up once per epoch).
+        """
+        if self.admission_room(version=version) <= 0:
+            return None
+        draw = self.next_pending()
+        if draw is not None:
+            return self.admit(draw, version=version, now=now)
+        if len(self.live_tasks) >= num_tasks:
+            return None
+        for _ in range(2 * num_tasks):
+            group = self.admit(new_draw(), version=version, now=now)
+            if group is not None:
+                return group
+        raise RuntimeError(f"no draw of {2 * num_tasks} reached one of the free tasks (num_tasks is wrong)")
 
     def finish(
         self, number: int, result: RolloutResult, *, version: int, now: float, keep: bool = True
@@ -196,19 +269,21 @@ class StreamState:
     def _drop_stale(self, group: Group) -> None:
         self.dropped_stale += 1
         d = group.draw
-        self.requeue.append(Draw(d.task, d.number, d.attempt + 1))
+        self.pending.insert(0, Draw(d.task, d.number, d.attempt + 1))  # drawn again first
 
     def choose(self, step: int) -> list[Group] | None:
         """The groups step ``step`` trains, or None while the finished ones allow no safe choice.
 
-        ``B`` finished groups in earliest-deadline order (then finishing order), one per task id,
-        such that afterwards every later step ``n`` has at most ``(n - step) * B`` live groups due by
-        ``n``: for each ``n >= step``, at least ``need_n = c_n - (n - step) * B`` of the chosen ones
-        are due by ``n`` (``c_n``: live groups due by ``n``). Earliest-deadline order maximizes the
-        chosen ones due by every ``n`` at once, so if it fails no choice of finished groups succeeds.
+        The first ``B`` finished groups in earliest-deadline order (then finishing order), if
+        afterwards every later step ``n`` has at most ``(n - step) * B`` live groups due by ``n``: for
+        each ``n >= step``, at least ``need_n = c_n - (n - step) * B`` of the chosen ones are due by
+        ``n`` (``c_n``: live groups due by ``n``). Earliest-deadline order maximizes the chosen ones
+        due by every ``n`` at once, so if it fails no choice of finished groups succeeds.
         Why a choice always exists once enough groups finish: before step ``m``, ``c_n <= (n - m +
         1) * B`` for every ``n`` (admission keeps it for the newest deadline, consumption for the
         others), so ``need_n <= min(B, c_n)``, which the first ``B`` live groups in deadline order meet.
+        The live groups hold distinct tasks (:meth:`admit` defers a draw whose task is live), so
+        any ``B`` of them form a step: no constraint between groups can leave a due one untakeable.
 
         Finished groups already past their deadline are dropped first (see :meth:`finish`).
         """
@@ -218,16 +293,9 @@ class StreamState:
             self.ready.remove(g)
             self._drop_stale(g)
         order = sorted(self.ready, key=lambda g: (self.deadline(g), g.finished, g.draw.number))
-        chosen: list[Group] = []
-        ids: set[str] = set()
-        for g in order:
-            if len(chosen) == self.batch:
-                break
-            if g.task_id not in ids:
-                chosen.append(g)
-                ids.add(g.task_id)
-        if len(chosen) < self.batch:
+        if len(order) < self.batch:
             return None
+        chosen = order[: self.batch]
         deadlines = [self.deadline(g) for g in [*self.ready, *self.running.values()]]
         chosen_d = [self.deadline(g) for g in chosen]
         for n in range(step, step + self.k + 1):
@@ -243,9 +311,9 @@ class StreamState:
         self.next_step += 1
 
     def outstanding(self) -> list[Draw]:
-        """Draws not yet trained (queued again, running, finished), in draw order: what a resumed run
+        """Draws not yet trained (pending, running, finished), in draw order: what a resumed run
         draws first."""
-        draws = [*self.requeue, *(g.draw for g in self.running.values()), *(g.draw for g in self.ready)]
+        draws = [*self.pending, *(g.draw for g in self.running.values()), *(g.draw for g in self.ready)]
         return sorted(draws, key=lambda d: d.number)
 
 
@@ -280,6 +348,18 @@ def staleness_metrics(
         "async/staleness_inflight_mean": float(fly.mean()),
         "async/staleness_queue_mean": float((every - fly).mean()),
     }
+
+
+def newest_token_version(batch: Sequence[Any], *, frozen: frozenset[str] = frozenset()) -> int:
+    """The newest weight version of any response token in ``batch`` (steps of frozen samplers left
+    out); -1 when there is none.
+
+    >>> from rljax.types import Step
+    >>> newest_token_version([Step([1], [5, 6], ("a", 0), response_versions=[3, 4], policy_version=3)])
+    4
+    """
+    newest = [int(s.token_versions().max()) for s in batch if s.algorithm not in frozen and s.response_ids]
+    return max(newest, default=-1)
 
 
 def trained_tokens(batch: Sequence[Any]) -> int:
@@ -324,6 +404,8 @@ _SUMMED = (
     "async/groups_queued",
     "async/groups_dropped_stale",
     "async/groups_dropped_no_variance",
+    "async/draws_pending",
+    "async/draws_skipped",
     "async/rollout_tokens_per_s",
 )
 _AVERAGED = ("async/engine_idle_fraction", "async/inflight_updates")
@@ -397,7 +479,7 @@ class StreamingScheduler(RolloutScheduler):
         self._tasks: set[asyncio.Task] = set()
         self._frozen = frozenset(a.name for a in self.algorithms.algorithms if a.sampling == "frozen")
         self._window = _Window()
-        self._dropped_seen = (0, 0)  # stale / no-variance drops reported in earlier rows
+        self._counts_reported = (0, 0, 0)  # stale / no-variance drops and skipped draws reported before
 
     # -- versions ---------------------------------------------------------------------------------------
     def needed_versions(self, step: int) -> list[int]:
@@ -488,12 +570,8 @@ class StreamingScheduler(RolloutScheduler):
                     await self.engines.serve(version, self.to_model(served))
                     self.served_version = version
                     self._changed.set()
-                while (
-                    not self._closing
-                    and self.served_version >= 0
-                    and self.state.admission_room(version=self.served_version) > 0
-                ):
-                    self._admit()
+                while not self._closing and self.served_version >= 0 and self._admit():
+                    pass
                 self._wake.clear()
                 if self.published <= self.served_version and not self._closing:
                     await self._wake.wait()
@@ -501,21 +579,28 @@ class StreamingScheduler(RolloutScheduler):
             self._error = e
             self._changed.set()
 
-    def _admit(self) -> None:
+    def _new_draw(self) -> Draw:
+        """This process's next draw from its task iterator, numbered (:func:`draw_number`)."""
+        number = draw_number(self.next_draw, self.process_index, self.process_count)
+        self.next_draw += 1
+        return Draw(self.tasks.take(1)[0], number)
+
+    def _admit(self) -> bool:
+        """Starts the next group on the served version (:meth:`StreamState.start_next`); False when
+        none may start now."""
         state = self.state
-        if state.requeue:
-            draw = state.requeue.popleft()
-        else:
-            number = draw_number(self.next_draw, self.process_index, self.process_count)
-            draw = Draw(self.tasks.take(1)[0], number)
-            self.next_draw += 1
         was_busy = bool(state.running)
-        group = state.admit(draw, version=self.served_version, now=self.clock())
+        group = state.start_next(
+            self._new_draw, num_tasks=len(self.tasks.tasks), version=self.served_version, now=self.clock()
+        )
+        if group is None:
+            return False
         if not was_busy:
             self._window.mark(self.clock(), busy=True)
         task = asyncio.get_running_loop().create_task(self._run_group(group))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _run_group(self, group: Group) -> None:
         d = group.draw
@@ -534,10 +619,13 @@ class StreamingScheduler(RolloutScheduler):
             return
         keep = True
         if self.dynamic_sampling is not None:
-            spread = group_reward_spread(result.batch)
-            keep = bool(spread.size) and bool(spread.max() > self.dynamic_sampling.atol)
+            atol = self.dynamic_sampling.atol
+            keep = any(informative_groups(result.batch, atol=atol, reward_mode=self.reward_modes).values())
         now = self.clock()
-        self.state.finish(d.number, result, version=self.served_version, now=now, keep=keep)
+        # An engine that takes up a version in flight samples with it before serve() returns (and
+        # served_version moves): the group finished on the newest version any of its tokens has.
+        finished_on = max(self.served_version, newest_token_version(result.batch, frozen=self._frozen))
+        self.state.finish(d.number, result, version=finished_on, now=now, keep=keep)
         self._window.tokens += int(result.metrics["response_tokens"])
         if not self.state.running:
             self._window.mark(now, busy=False)
@@ -591,13 +679,15 @@ class StreamingScheduler(RolloutScheduler):
         now = self.clock()
         window = self._window.close(now, busy=bool(self.state.running))
         state = self.state
-        seen_stale, seen_nv = self._dropped_seen
-        self._dropped_seen = (state.dropped_stale, state.dropped_no_variance)
+        seen_stale, seen_nv, seen_skipped = self._counts_reported
+        self._counts_reported = (state.dropped_stale, state.dropped_no_variance, state.draws_skipped)
         metrics = {
             "async/groups_inflight": float(len(state.running)),
             "async/groups_queued": float(len(state.ready)),
             "async/groups_dropped_stale": float(state.dropped_stale - seen_stale),
             "async/groups_dropped_no_variance": float(state.dropped_no_variance - seen_nv),
+            "async/draws_pending": float(len(state.pending)),
+            "async/draws_skipped": float(state.draws_skipped - seen_skipped),
             "async/engine_idle_fraction": window["idle_fraction"],
             "async/rollout_tokens_per_s": window["tokens_per_s"],
             "async/inflight_updates": window["inflight_updates"],
@@ -649,7 +739,7 @@ class StreamingScheduler(RolloutScheduler):
                     f"the checkpoint's stream holds task {task_id!r}, which the run no longer has "
                     "(the task list changed since the checkpoint was written)"
                 )
-            self.state.requeue.append(Draw(by_id[task_id], int(number), int(attempt)))
+            self.state.pending.append(Draw(by_id[task_id], int(number), int(attempt)))
 
     def _own_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """This process's entry of a checkpoint's stream state (a one-process checkpoint: all of it)."""

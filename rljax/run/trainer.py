@@ -58,6 +58,7 @@ Reference: the SkyRL / prime-rl trainer loops (async off-policy rollouts bounded
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import os
@@ -70,7 +71,9 @@ import jax
 import numpy as np
 
 from rljax import algorithms as algos
+from rljax.core.objective import MAX_METRICS, rollout_logprob_readers
 from rljax.data.batch import StepBatch
+from rljax.data.credit import turn_links
 from rljax.data.filters import make_filter
 from rljax.data.pack import make_mini_batches, with_token_staleness
 from rljax.data.prepare import load_observation_filter, prefixed, prepare_samples, split_by_algorithm
@@ -89,13 +92,13 @@ from rljax.training import checkpoint as ckpt
 from rljax.training.distributed import is_main_process
 from rljax.training.step import TrainState
 
-__all__ = ["TaskIterator", "Trainer", "build_model", "build_tokenizer", "train"]
+__all__ = ["TaskIterator", "Trainer", "build_model", "build_tokenizer", "check_rollout_logprobs", "train"]
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs an RL post-training job described by an ``ml_collections`` config (see rljax/recipes/default.py).
+    """Runs an RL post-training job described by an ``ml_collections`` config (see configs/default.py).
 
     Args:
       config: the run config (a ConfigDict or nested dict; keys and defaults:
@@ -163,17 +166,19 @@ class Trainer:
         The batch is split by algorithm; each part is prepared (advantages, filters, merge,
         reference scores, streams: :func:`rljax.data.prepare.prepare_samples`) and packed into
         mini-batches of ``trainer.mini_batch_prompts`` whole prompt groups (shuffled by a seed from
-        the checkpointed RNG), and each mini-batch is one optimizer step (:meth:`Run.train`).
-        Returns the step's training metrics: preparation metrics, advantage means, the mean of each
-        optimizer step's metrics (``<key>/<algorithm>`` too when the run mixes algorithms) and the
-        number of optimizer steps.
+        the checkpointed RNG). Then every mini-batch gets the logprobs of the other policies its
+        objective reads (the old policy's, recomputed under the step's starting weights before any
+        update, and the KL reference's: :meth:`Run.with_policy_logprobs`), and each mini-batch is
+        one optimizer step (:meth:`Run.train`). Returns the step's training metrics: preparation
+        metrics, advantage means, the mean of each optimizer step's metrics (``<key>/<algorithm>``
+        too when the run mixes algorithms) and the number of optimizer steps.
         """
         parts, multi = self.parts, self.multi_algorithm
         metrics: dict[str, float] = {}
-        train_rows: list[dict[str, float]] = []
         critic_rows: list[dict[str, float]] = []
         shuffle_seed = int(parts.np_rng.integers(0, 2**31 - 1))
         self.trace = PreparationTrace(self.rl_step + 1)  # which sample each step trained in (records)
+        planned: list[tuple[str, list[Any]]] = []
         for name, part in split_by_algorithm(batch).items():
             alg = _algorithm_named(self.parts.algorithms, name)
             prep = prepare_samples(
@@ -183,6 +188,10 @@ class Trainer:
                 merge=self.cfg.trainer.merge,
                 score=parts.references.for_algorithm(alg),
                 observation_filter=self.observation_filters[alg.name],
+                trained_version=self.rl_step,
+            )
+            check_rollout_logprobs(
+                name, prep.samples, parts.train_configs[name].objective, old=parts.old_logprobs[name][0]
             )
             metrics.update(prefixed(prep.metrics, name, multi=multi))
             self.trace.add(part.steps, prep)
@@ -195,20 +204,48 @@ class Trainer:
                 data_parallel=parts.data_parallel,
                 truncate=self.cfg.trainer.truncate,
                 shuffle_seed=shuffle_seed,
+                prefix_sharing=parts.prefix_sharing,
                 **prep.streams(),
             )
-            if alg.needs_critic:
-                mini_batches, rows = parts.critic_mini_batches(list(mini_batches), self.rl_step)
+            if alg.needs_critic:  # GAE runs along each trajectory's turns, whichever samples hold them
+                mini_batches = list(mini_batches)
+                links = [turn_links(prep.samples, prep.turn_spans, mb.layout) for mb in mini_batches]
+                mini_batches, rows = parts.critic_mini_batches(mini_batches, self.rl_step, links)
                 critic_rows += [_suffixed(r, name if multi else None) for r in rows]
+            planned.append((name, list(mini_batches)))
+        # every mini-batch's old (proximal) logprobs under theta_n, before the step's first update
+        start = time.perf_counter()
+        planned = [(name, [self._with_policy_logprobs(mb, name) for mb in mbs]) for name, mbs in planned]
+        metrics["time/policy_logprobs_s"] = time.perf_counter() - start  # old and reference logprobs
+        train_rows = self._train_mini_batches(planned, metrics)
+        metrics.update(_mean_rows(train_rows))
+        metrics.update(_mean_rows(critic_rows))
+        metrics["optimizer_steps"] = float(len(train_rows))
+        if critic_rows:
+            metrics["critic/optimizer_steps"] = float(len(critic_rows))
+        return metrics
+
+    def _with_policy_logprobs(self, mb: Any, algorithm: str) -> Any:
+        return dataclasses.replace(mb, batch=self.parts.with_policy_logprobs(mb.batch, algorithm=algorithm))
+
+    def _train_mini_batches(
+        self, planned: Sequence[tuple[str, Sequence[Any]]], metrics: dict[str, float]
+    ) -> list[dict[str, float]]:
+        """One optimizer step per packed mini-batch, algorithm by algorithm; adds each algorithm's
+        advantage means to ``metrics`` and returns the optimizer steps' metric rows."""
+        train_rows: list[dict[str, float]] = []
+        multi = self.multi_algorithm
+        for name, mini_batches in planned:
             adv_sums = np.zeros(3)
             for mb in mini_batches:
                 packed = mb.batch
                 if self.cfg.objective.off_policy.get("max_token_staleness") is not None:
                     # the stale-token mask needs each token's distance from the weights trained here
                     packed = with_token_staleness(packed, self.rl_step)
-                row = parts.train(packed, algorithm=name)
+                row = self.parts.train(packed, algorithm=name)
                 row["pack/rows"] = float(mb.batch.tokens.shape[0])
                 row["pack/efficiency"] = float(mb.metrics.get("packing_efficiency", math.nan))
+                row["pack/shared_prefix_tokens"] = float(mb.metrics.get("shared_prefix_tokens", 0))
                 train_rows.append(_suffixed(row, name if multi else None))
                 adv_sums += advantage_sums(mb.batch)
             if adv_sums[2]:
@@ -217,12 +254,7 @@ class Trainer:
                     "advantage/abs_mean": adv_sums[1] / adv_sums[2],
                 }
                 metrics.update(_suffixed(adv, name if multi else None))
-        metrics.update(_mean_rows(train_rows))
-        metrics.update(_mean_rows(critic_rows))
-        metrics["optimizer_steps"] = float(len(train_rows))
-        if critic_rows:
-            metrics["critic/optimizer_steps"] = float(len(critic_rows))
-        return metrics
+        return train_rows
 
     def _eval_result(self, step: int, future: concurrent.futures.Future) -> dict[str, float]:
         result: RolloutResult = self.parts.scheduler.gather(future.result())
@@ -374,6 +406,7 @@ class Trainer:
         if resumed is None:
             self._warm_start()
             start = 0
+            parts.set_reference()  # the KL penalty's reference: the weights RL starts from
             parts.sync_weights(0)
             if t.checkpoint_every:
                 self.sinks.flush()  # the warm start's rows
@@ -381,11 +414,22 @@ class Trainer:
         else:
             start = resumed
             print(f"resumed from step {resumed} ({parts.ckpt_dir})", flush=True)
+            if not parts.reference_in_checkpoint:
+                parts.set_reference()  # a reference from an HF directory (none restored)
+        self._print_old_logprobs()
         parts.sync_weights(start)
         parts.start_engines(start)
         self._beat(f"engines started on version {start}")
         parts.scheduler.start(start)
         return start, checkpoint_s
+
+    def _print_old_logprobs(self) -> None:
+        """The start line that says where each algorithm's old (proximal) logprobs come from, and why."""
+        choices = self.parts.old_logprobs
+        parts = [f"{mode} ({why})" if len(choices) == 1 else f"{name}: {mode} ({why})"
+                 for name, (mode, why) in choices.items()]  # fmt: skip
+        if is_main_process():
+            print(f"old logprobs: {'; '.join(parts)}", flush=True)
 
     def _finish_step(
         self,
@@ -437,6 +481,36 @@ class Trainer:
         return time.perf_counter() - start
 
 
+def check_rollout_logprobs(algorithm: str, samples: Sequence[Any], objective: Any, *, old: str) -> None:
+    """Refuses trainable samples without the sampler's logprobs when ``objective`` reads them (packed as
+    0.0, every ratio would silently become ``p``). ``old``: where the old logprobs come from
+    ("recompute" or "inference"; with "inference" their readers need the sampler's logprobs too).
+
+    >>> from rljax.core.objective import ObjectiveConfig
+    >>> from rljax.types import Step
+    >>> s = [Step([1], [2], ("q", 0))]  # no response_logprobs
+    >>> ppo = ObjectiveConfig(policy_loss="ppo_clip", components=("rl",))
+    >>> check_rollout_logprobs("a", s, ppo, old="recompute")  # ppo_clip reads the recomputed ones
+    >>> check_rollout_logprobs("a", s, ObjectiveConfig(components=("rl",)), old="recompute")
+    Traceback (most recent call last):
+    ...
+    ValueError: 1 trainable sample(s) of algorithm 'a' have no response_logprobs (...), but policy loss ...
+    """
+    missing = [s for s in samples if s.response_logprobs is None and any(s.loss_mask)]
+    if not missing:
+        return
+    readers = rollout_logprob_readers(objective, old_from_rollout=old == "inference")
+    if readers:
+        s = missing[0]
+        raise ValueError(
+            f"{len(missing)} trainable sample(s) of algorithm {algorithm!r} have no response_logprobs "
+            f"(e.g. trajectory {s.trajectory_id.instance_id}#{s.trajectory_id.repetition_id}), but "
+            f"{', '.join(readers)} read(s) the sampler's logprobs: record them in every Step (the "
+            "engines do), or use trainer.old_logprobs='recompute' with a loss whose ratio is against "
+            "the old policy"
+        )
+
+
 def _algorithm_named(algorithms: algos.AlgorithmConfig, name: str) -> algos.Algorithm:
     for a in algorithms.algorithms:
         if a.name == name:
@@ -450,8 +524,13 @@ def _suffixed(row: Mapping[str, float], suffix: str | None) -> dict[str, float]:
 
 
 def _mean_rows(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Per key, the mean over the rows that have it."""
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in sorted({k for r in rows for k in r})}
+    """Per key, the mean over the rows that have it; the maximum for a maximum (``MAX_METRICS``, also
+    with an algorithm's ``/<name>`` suffix)."""
+
+    def reduce(key: str) -> Callable[..., Any]:
+        return np.max if any(key == m or key.startswith(m + "/") for m in MAX_METRICS) else np.mean
+
+    return {k: float(reduce(k)([r[k] for r in rows if k in r])) for k in sorted({k for r in rows for k in r})}
 
 
 def advantage_sums(batch: Any) -> np.ndarray:

@@ -132,13 +132,13 @@ def token_losses(
         return jnp.where(mask.reshape(*mask.shape, *(1,) * (logp.ndim - 2)) > 0, per_token, 0.0)
     q, adv = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "importance_sampling":
-        per_token = core.importance_sampling(logp, q, adv)
+        per_token = core.importance_sampling(logp, q, adv).loss
     elif loss_fn == "ppo":
         lo, hi = inputs["clip_low_threshold"], inputs["clip_high_threshold"]
-        per_token = core.ppo_clip(logp, q, adv, eps_low=1.0 - lo, eps_high=hi - 1.0)
+        per_token = core.ppo_clip(logp, q, adv, eps_low=1.0 - lo, eps_high=hi - 1.0).loss
     elif loss_fn == "cispo":
         lo, hi = inputs["clip_low_threshold"], inputs["clip_high_threshold"]
-        per_token = core.cispo(logp, q, adv, eps_low=1.0 - lo, eps_high=hi - 1.0)
+        per_token = core.cispo(logp, q, adv, eps_low=1.0 - lo, eps_high=hi - 1.0).loss
     elif loss_fn == "dro":
         per_token = -(logp * adv - 0.5 * config["beta"] * jnp.square(logp - q))
     elif loss_fn == "gspo":
@@ -146,7 +146,7 @@ def token_losses(
         in_ratio = mask * inputs["sequence_ratio_mask"]
         per_token = core.gspo(
             logp, q, adv, in_ratio, segment_ids, num_segments, eps_low=1.0 - lo, eps_high=hi - 1.0
-        )
+        ).loss
     else:  # check_config rejects the others first
         raise ValueError(f"unknown loss_fn {loss_fn!r}")
     return jnp.where(mask > 0, per_token, 0.0)

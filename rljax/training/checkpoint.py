@@ -123,6 +123,7 @@ __all__ = [
     "fault_point",
     "latest_intact_step",
     "latest_step",
+    "read_config",
     "read_extra",
     "resolve_checkpoint",
     "restore",
@@ -1203,15 +1204,33 @@ def read_extra(directory: PathLike, *, step: int | None = None) -> dict[str, Any
     >>> read_extra(d)
     {'reward/mean': 0.25}
     """
+    return _read_json_item(directory, step, "extra")
+
+
+def read_config(directory: PathLike, *, step: int | None = None) -> Any:
+    """The config saved with step ``step`` (default: :func:`latest_step`), as :func:`restore` returns
+    it; only the ``config`` files are read and verified.
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save(d, 1, params={"w": jnp.ones(1)}, opt_state=(), config={"seed": 3})
+    >>> read_config(d)
+    {'seed': 3}
+    """
+    return _decode_config(_read_json_item(directory, step, "config"))
+
+
+def _read_json_item(directory: PathLike, step: int | None, item: str) -> Any:
     root = pathlib.Path(directory).absolute()
     step = latest_step(root) if step is None else _check_step(step)
     if step is None or not _is_committed(root / f"step_{step}"):
         raise FileNotFoundError(f"no complete checkpoint {'' if step is None else f'step_{step} '}in {root}")
     path = root / f"step_{step}"
-    verified = _verify_path(path, items=("extra",))
+    verified = _verify_path(path, items=(item,))
     with _reading(path, verified):
-        out = _checkpointer().restore(path, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
-    return out["extra"]
+        out = _checkpointer().restore(path, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+    return out[item]
 
 
 def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[pathlib.Path, int]:

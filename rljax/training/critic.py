@@ -3,14 +3,19 @@
 For one PPO mini-batch ``B`` (packed rows; merged multi-turn samples, observation tokens masked)::
 
     V_old  = values(critic, B)                             at sampling time (before any update)
-    A, R   = gae(B.token_rewards, V_old, B.loss_mask, gamma, lam, segment_ids)
+    A, R   = gae(B.token_rewards, V_old, B.loss_mask, gamma, lam, segment_ids, links)
     A      = masked_whiten(A) if whiten else R - V_old      (policy advantages; R = returns)
     policy <- train_step(policy, B | advantages = A)        (ppo_clip, the usual objective)
     critic <- AdamW(grad  sum_t m_t value_loss(V_t, V_old_t, R_t; value_clip) / sum_t m_t)
 
 ``values`` line up with the per-token streams (entry ``t`` = the critic's estimate of the return
 from the state that predicts ``tokens[t]``); masked positions are not time steps of the GAE and
-packed samples never bootstrap from each other (:func:`rljax.core.advantages.gae`). The value
+packed samples never bootstrap from each other (:func:`rljax.core.advantages.gae`), except along
+``links`` (:func:`rljax.data.credit.turn_links`): each turn of a trajectory bootstraps from the
+next turn's first trained token wherever that sits, so the returns are those of the trajectory's
+trained tokens in time order, merged or not (design §2.4). Prefix-tree rows (design §2.6) are exact
+too: a value comes from the hidden state of the token's parent, and the trainable tokens of a sample
+are its own, in order. The value
 loss has its own normaliser: the trained tokens of the whole mini-batch (``global_tokens``), so
 micro-batches add up. The critic is a :class:`rljax.models.value.ValueModel` held in a
 :class:`rljax.training.step.TrainState` (its own optimizer; the state's objective is unused).
@@ -29,6 +34,7 @@ from flax import nnx
 
 from rljax.core.advantages import gae
 from rljax.core.losses import explained_variance, value_clipped_tokens, value_loss
+from rljax.models.logprobs import packing_kwargs
 from rljax.models.value import values as model_values
 from rljax.training.step import TrainState, apply_gradients, context_scope
 from rljax.types import PackedBatch
@@ -97,7 +103,7 @@ class CriticSection(CriticConfig):
 
 def _values(params: nnx.State, graphdef: nnx.GraphDef, batch: PackedBatch) -> jax.Array:
     model = nnx.merge(graphdef, params)
-    return model_values(model, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
+    return model_values(model, batch.tokens, **packing_kwargs(batch))
 
 
 @jax.jit
@@ -109,11 +115,13 @@ def critic_values(state: TrainState, batch: PackedBatch) -> jax.Array:
 
 
 def ppo_advantages(
-    old_values: jax.Array, batch: PackedBatch, config: CriticConfig
+    old_values: jax.Array, batch: PackedBatch, config: CriticConfig, links: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """``(advantages, returns)`` ``[R, L]`` of a packed batch by GAE over its trained tokens.
 
-    ``old_values``: :func:`critic_values` at sampling time; rewards: ``batch.token_rewards``.
+    ``old_values``: :func:`critic_values` at sampling time; rewards: ``batch.token_rewards``;
+    ``links``: int32 ``[K, 2]`` from :func:`rljax.data.credit.turn_links` (None: every sample
+    on its own).
     Advantages are whitened over the batch's trained tokens when ``config.whiten_advantages``,
     else ``returns - old_values``; both are 0 off the loss mask.
 
@@ -131,9 +139,7 @@ def ppo_advantages(
     mask = jnp.asarray(batch.loss_mask) != 0
     rewards = jnp.asarray(batch.token_rewards, jnp.float32)
     v = jnp.asarray(old_values, jnp.float32)
-    whitened, returns = gae(
-        rewards, v, mask, gamma=config.gamma, lam=config.lam, segment_ids=batch.segment_ids
-    )
+    whitened, returns = gae(rewards, v, mask, batch.segment_ids, links, gamma=config.gamma, lam=config.lam)
     raw = jnp.where(mask, returns - v, 0.0)
     return (whitened if config.whiten_advantages else raw), returns
 

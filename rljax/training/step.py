@@ -52,8 +52,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, ForwardOutput, logit_capacity, sequence_forward
+from rljax.core.objective import MAX_METRICS, Counts, ObjectiveConfig, global_counts, objective
+from rljax.core.segments import samples_per_token
+from rljax.models.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    ForwardOutput,
+    logit_capacity,
+    packing_kwargs,
+    sequence_forward,
+)
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -67,9 +74,9 @@ __all__ = [
     "TrainState",
     "apply_gradients",
     "loss_and_grads",
-    "loss_logprobs",
     "merge_model",
     "mini_batch_counts",
+    "policy_logprobs",
     "split_micro_batches",
     "stack_micro_batches",
     "train_mini_batch",
@@ -380,8 +387,10 @@ def _policy_forward(
     with_entropy: bool,
     with_routing: bool,
 ) -> ForwardOutput:
-    """The policy's :func:`~rljax.models.logprobs.sequence_forward` of one (micro-)batch: logprobs of
-    its loss tokens (every token without ``loss_only_logits``), router replay when configured."""
+    """The policy's :func:`~rljax.models.logprobs.sequence_forward` of one (micro-)batch, exactly as
+    the train step computes it: logprobs of its loss tokens (every token without
+    ``loss_only_logits``), temperature-scaled, over each token's support, router replay when
+    configured, prefix-tree rows as trees."""
     tokens = jnp.asarray(batch.tokens)
     chex.assert_rank(tokens, 2)
     moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
@@ -389,16 +398,16 @@ def _policy_forward(
     return sequence_forward(
         model,
         tokens,
-        positions=batch.positions,
-        segment_ids=batch.segment_ids,
         temperature=1.0 if batch.temperatures is None else batch.temperatures,
         chunk_size=config.chunk_size,
         routed_experts=batch.routed_experts if moe and config.router_replay else None,
+        support_floors=batch.support_floors,  # top-k / top-p draws: the support they came from
         with_entropy=with_entropy,
         with_routing=with_routing and moe,
         logit_mask=batch.loss_mask if gather else None,
         logit_capacity=config.logit_capacity if gather else None,
         row_groups=groups,
+        **packing_kwargs(batch),  # prefix-tree rows: the tree mask, each token from its parent
     )
 
 
@@ -434,8 +443,10 @@ def _add_routing(
     config: TrainConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """MoE auxiliary losses and routing metrics of one (micro-)batch, weighted by its share of the
-    mini-batch's trained tokens (so micro-batch sums are token-weighted averages)."""
-    real = jnp.asarray(batch.segment_ids) != 0
+    mini-batch's trained tokens (so micro-batch sums are token-weighted averages). Each token counts
+    once per sample that holds it (:func:`rljax.core.segments.samples_per_token`), so prefix-tree rows
+    give the averages of plain rows."""
+    real = samples_per_token(batch.segment_ids, getattr(batch, "subtree_end", None))
     share = jnp.sum(jnp.asarray(batch.loss_mask) != 0) / jnp.maximum(counts.loss_tokens, 1.0)
     share = share.astype(jnp.float32)
     stats = routing_metrics(routing, real)
@@ -447,7 +458,7 @@ def _add_routing(
     out.update({k: jax.lax.stop_gradient(v) * share for k, v in stats.items()})
     if batch.routed_experts is not None:
         recorded = jnp.asarray(batch.routed_experts)
-        has_record = real & jnp.all(recorded >= 0, axis=(-2, -1))
+        has_record = real * jnp.all(recorded >= 0, axis=(-2, -1))
         chosen = top_k_experts(jax.lax.stop_gradient(routing.logits), model_config.num_experts_per_tok)
         flips = flip_fraction(chosen, recorded, has_record)
         out["routing/flip_fraction"] = flips * share
@@ -484,34 +495,47 @@ def loss_and_grads(
     return _constrain(state, grads, like="params"), metrics
 
 
-@jax.jit
-def _loss_logprobs(state: TrainState, batch: PackedBatch) -> jax.Array:
-    def one(micro: PackedBatch) -> jax.Array:
-        model = merge_model(state.graphdef, state.params, state.frozen)
-        groups = row_groups(state, np.shape(micro.tokens)[0])
-        return _policy_forward(
-            model, micro, state.config, groups, with_entropy=False, with_routing=False
-        ).logprobs
+def policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State | None = None) -> jax.Array:
+    """Per-token logprobs of a packed (mini-)batch under ``params`` (default: the state's), computed
+    exactly as :func:`train_step` computes the logprobs it trains (the same forward, temperatures,
+    support floors, router replay, prefix-tree layout, mesh and context split, and with
+    ``loss_only_logits`` the same gathered LM head: the loss tokens' logprobs, 0 elsewhere) but
+    without gradients: the old (proximal) policy's logprobs of an RL step (design §3.4), or a
+    reference policy's. ``params`` must have the structure of ``state.params`` (the state's frozen
+    weights complete the model).
 
-    with context_scope(state.mesh):
-        return jax.lax.map(one, batch) if np.ndim(batch.tokens) == 3 else one(batch)
-
-
-def loss_logprobs(state: TrainState, batch: PackedBatch) -> jax.Array:
-    """The policy's logprobs of ``batch``'s loss tokens (0 elsewhere), forward only: what the train
-    step's objective sees, from the same gathered LM head, without a gradient (e.g. to recompute
-    old logprobs before a mini-batch's first update). ``batch`` is ``[R, L]`` or stacked
-    ``[k, R, L]`` micro-batches (then ``[k, R, L]`` out, one micro-batch alive at a time); jitted.
+    ``batch`` is ``[R, L]`` or ``[k, R, L]`` stacked micro-batches (one micro-batch of activations
+    alive at a time, as in :func:`train_mini_batch`); the result has ``batch.tokens``' shape.
+    Jitted; nothing is donated. The loss-token buffer's size is chosen from ``batch`` on the host
+    (:func:`with_logit_capacity`).
 
     >>> from rljax.data.pack import pack
-    >>> from rljax.models.tiny import tiny_model
+    >>> from rljax.models import Decoder, ModelConfig
     >>> from rljax.types import Step
-    >>> batch = pack([Step([1, 2, 3], [4, 5], ("q", 0))], seq_len=8).batch
-    >>> lp = loss_logprobs(TrainState.create(tiny_model()), batch)
-    >>> (np.asarray(lp[0]) < 0).astype(int).tolist()
-    [0, 0, 0, 1, 1, 0, 0, 0]
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8).batch
+    >>> logp = policy_logprobs(state, batch)
+    >>> logp.shape, (np.asarray(logp[0]) < 0).astype(int).tolist()
+    ((1, 8), [0, 0, 1, 1, 0, 0, 0, 0])
     """
-    return _loss_logprobs(with_logit_capacity(state, batch), batch)
+    params = state.params if params is None else params
+    return _policy_logprobs(with_logit_capacity(state, batch), batch, params)
+
+
+@jax.jit
+def _policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State) -> jax.Array:
+    def one(micro: PackedBatch) -> jax.Array:
+        groups = row_groups(state, np.shape(micro.tokens)[0])
+        with context_scope(state.mesh):
+            model = state.model_of(params)
+            out = _policy_forward(model, micro, state.config, groups, with_entropy=False, with_routing=False)
+            return out.logprobs
+
+    if jnp.ndim(batch.tokens) == 3:
+        return jax.lax.map(one, batch)
+    return one(batch)
 
 
 def context_scope(mesh: Mesh | None) -> contextlib.AbstractContextManager:
@@ -638,7 +662,8 @@ def train_mini_batch(
 
     total, stacked = jax.lax.scan(accumulate, zeros, micro_batches)
     grads = jax.tree.map(lambda t, p: t.astype(p.dtype), total, state.params)
-    metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), stacked)  # objective metrics are additive
+    # objective metrics are additive over micro-batches, except the maxima (MAX_METRICS)
+    metrics = {k: (jnp.max if k in MAX_METRICS else jnp.sum)(m, axis=0) for k, m in stacked.items()}
     return apply_gradients(state, grads, metrics)
 
 

@@ -12,7 +12,7 @@ import pytest
 import rljax
 from rljax.cli import common, main
 
-RECIPES = pathlib.Path(rljax.__file__).parent / "recipes"
+RECIPES = pathlib.Path(__file__).resolve().parents[2] / "configs"  # the one copy of the recipes
 
 
 def test_version_agrees_with_the_package_metadata(capsys):
@@ -55,8 +55,19 @@ def test_recipe_names_are_the_shipped_files():
         (["--config.trainer.num_steps=2"], ["--config.trainer.num_steps=2"]),  # overrides untouched
     ],
 )
-def test_config_names_resolve_to_recipe_files(args, want):
+def test_config_names_resolve_to_recipe_files(args, want, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "my.py").write_text("")
+    (tmp_path / "dir" / "x.py").write_text("")
     assert common.resolve_config_args(["rljax train", *args]) == ["rljax train", *want]
+
+
+@pytest.mark.parametrize("value", ["missing.py", "./dir/missing.py", "/no/such/dir/x.py"])
+def test_a_config_path_that_does_not_exist_is_named(value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"^--config={value}: no config file '{value}'"):
+        common.resolve_config_args(["rljax train", f"--config={value}"])
 
 
 def test_an_existing_file_named_like_a_recipe_wins(tmp_path, monkeypatch):

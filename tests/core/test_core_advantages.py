@@ -582,3 +582,94 @@ class StepHelpersTest(parameterized.TestCase):
             jnp.array([0.0, 1.0, 10.0]), jnp.array([0, 0, 0]), jnp.array([0, 1, 2]), 1, 4, gamma_turn=0.5
         )
         np.testing.assert_allclose(got, [0.5 + 2.5, 1.0 + 5.0, 10.0])
+
+
+# ------------------------------------------------------------------------------------------
+# gae along links: one trajectory's turns spread over samples and rows
+# ------------------------------------------------------------------------------------------
+def random_linked_layout(seed, rows=4, width=24, num_links=16):
+    """Trajectories of 1-4 turns, each turn a stretch of response tokens (some masked); a
+    trajectory's turns go into 1-3 samples in time order (a sample may skip turns that another
+    sample holds, as interleaved sub-agents do), each sample a segment with a masked prompt and
+    masked gap tokens between its turns, placed in rows in a shuffled order. Returns the packed
+    arrays, the links (last trained token of each turn -> first trained token of the next turn
+    with trained tokens, padded with -1) and each trajectory's trained flat positions in time order."""
+    rng = np.random.default_rng(seed)
+    rew = rng.normal(size=(rows, width)).astype(np.float32)
+    values = rng.normal(size=(rows, width)).astype(np.float32)
+    mask = np.zeros((rows, width), np.int32)
+    segs = np.zeros((rows, width), np.int32)
+    fill = [0] * rows
+    chains, links = [], []
+    for _ in range(8):
+        lengths = rng.integers(1, 4, int(rng.integers(1, 5)))
+        turns = [(rng.random(n) < 0.75).astype(np.int32) for n in lengths]
+        owner = rng.integers(0, int(rng.integers(1, 4)), len(turns))  # not sorted: samples interleave
+        samples = [[k for k in range(len(turns)) if owner[k] == s] for s in np.unique(owner)]
+        rng.shuffle(samples)
+        where = {}  # turn -> its trained flat positions
+        placed = True
+        for sample in samples:
+            prompt = int(rng.integers(1, 3))
+            gaps = [int(rng.integers(0, 3)) if i else 0 for i in range(len(sample))]
+            need = prompt + sum(gaps) + sum(len(turns[k]) for k in sample)
+            row = next((r for r in range(rows) if fill[r] + need <= width), None)
+            if row is None:
+                placed = False
+                break
+            col, seg_id = fill[row] + prompt, int(segs[row].max()) + 1
+            segs[row, fill[row] : fill[row] + need] = seg_id
+            for k, gap in zip(sample, gaps, strict=True):
+                col += gap
+                mask[row, col : col + len(turns[k])] = turns[k]
+                where[k] = [row * width + col + j for j in np.flatnonzero(turns[k])]
+                col += len(turns[k])
+            fill[row] += need
+        if not placed:
+            break
+        order = [p for k in range(len(turns)) for p in where[k]]
+        chains.append(order)
+        trained = [where[k] for k in range(len(turns)) if where[k]]
+        links += [(a[-1], b[0]) for a, b in zip(trained, trained[1:], strict=False)]
+    assert len(links) <= num_links
+    links = np.array(links + [(-1, -1)] * (num_links - len(links)), np.int32).reshape(num_links, 2)
+    return rew, values, mask, segs, links, chains
+
+
+def ref_linked_gae(rew, values, chains, gamma, lam):
+    """float64: GAE along each trajectory's trained positions in time order."""
+    r, v = np.asarray(rew, np.float64).reshape(-1), np.asarray(values, np.float64).reshape(-1)
+    raw = np.zeros_like(r)
+    for order in chains:
+        next_v = next_a = 0.0
+        for p in reversed(order):
+            next_a = r[p] + gamma * next_v - v[p] + gamma * lam * next_a
+            next_v = v[p]
+            raw[p] = next_a
+    return raw.reshape(rew.shape)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.8), (0.7, 0.0)])
+def test_gae_along_links_equals_gae_over_each_trajectory_in_time_order(gamma, lam):
+    fn = jax.jit(functools.partial(adv.gae, gamma=gamma, lam=lam))
+    across_rows = backward = 0
+    for seed in range(6):
+        rew, values, mask, segs, links, chains = random_linked_layout(seed)
+        src, dst = links[links[:, 0] >= 0].T
+        assert src.size >= 3  # several links per case
+        across_rows += int(np.sum(src // rew.shape[1] != dst // rew.shape[1]))
+        backward += int(np.sum(dst < src))
+        a, ret = fn(*(jnp.asarray(x) for x in (rew, values, mask, segs, links)))
+        raw = ref_linked_gae(rew, values, chains, gamma, lam)
+        np.testing.assert_allclose(ret, np.where(mask, raw + values, 0.0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a, ref_whiten(raw, mask), rtol=1e-4, atol=1e-5)
+    assert across_rows and backward  # links to other rows and to earlier positions occur
+
+
+def test_gae_without_links_or_with_padding_links_is_unchanged():
+    rew, values, mask, segs, links, _ = random_linked_layout(0)
+    fn = jax.jit(functools.partial(adv.gae, gamma=0.9, lam=0.8))
+    plain = fn(*(jnp.asarray(x) for x in (rew, values, mask, segs)))
+    padded = fn(*(jnp.asarray(x) for x in (rew, values, mask, segs)), -jnp.ones((4, 2), jnp.int32))
+    for x, y in zip(plain, padded, strict=True):  # the same up to float32 rounding of the sums
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)

@@ -20,6 +20,16 @@ def clipped_tokens(name, logp, old, inf, adv, mask, segment_ids=None, num_segmen
     return losses.policy_loss(name, inputs, **kw)[1]
 
 
+def loss_of(fn):
+    """``fn`` returning its per-token loss alone (policy losses return ``PolicyLossTerms(loss, clipped)``)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        return fn(*args, **kw).loss
+
+    return call
+
+
 # ------------------------------------------------------------------------------------------------
 # float64 numpy references (written from design §3.2-§3.3, independent of the code under test)
 # ------------------------------------------------------------------------------------------------
@@ -48,7 +58,8 @@ def np_dual_clip(lp, old, a, eps_low=0.2, eps_high=0.2, c=3.0):
     return np.where(dual, -a * c, value), np.where(dual, 0.0, grad)
 
 
-def np_gspo(lp, old, a, mask, seg, eps_low=0.2, eps_high=0.2):
+def np_gspo(lp, old, a, mask, seg, eps_low=3e-4, eps_high=4e-4):
+    """GSPO-token with the paper's default clip (Zheng et al. 2025: 3e-4 / 4e-4)."""
     value, grad = np.zeros_like(lp), np.zeros_like(lp)
     flat = [x.reshape(-1) for x in (lp, old, a, mask, seg)]
     out_v, out_g = value.reshape(-1), grad.reshape(-1)
@@ -199,7 +210,7 @@ class SpecValuesTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_dppo_reference(self):
         lp, inf, a = f32(np.log(P_TRAIN), np.log(P_INF), ADV)
-        loss = self.variant(losses.dppo)(lp, inf, a, jnp.ones(4))
+        loss = self.variant(loss_of(losses.dppo))(lp, inf, a, jnp.ones(4))
         np.testing.assert_allclose(loss, [-1.0, 8.39589e-4, 1.5001644, 1.92181e-3], rtol=1e-5)
         np.testing.assert_allclose(jnp.sum(loss), 0.5029258, rtol=1e-6)
 
@@ -220,28 +231,28 @@ class SpecValuesTest(chex.TestCase):
 
 # name -> (jax fn taking float32 arrays, numpy reference, which inputs: indices into random_inputs)
 ELEMENTWISE = {
-    "ppo_clip": (losses.ppo_clip, np_ppo, (0, 1, 4)),
+    "ppo_clip": (loss_of(losses.ppo_clip), np_ppo, (0, 1, 4)),
     "ppo_clip_asym": (
-        functools.partial(losses.ppo_clip, eps_low=0.1, eps_high=0.28),
+        functools.partial(loss_of(losses.ppo_clip), eps_low=0.1, eps_high=0.28),
         functools.partial(np_ppo, eps_low=0.1, eps_high=0.28),
         (0, 1, 4),
     ),
-    "dual_clip": (losses.dual_clip, np_dual_clip, (0, 1, 4)),
-    "cispo": (losses.cispo, np_cispo, (0, 1, 4)),
+    "dual_clip": (loss_of(losses.dual_clip), np_dual_clip, (0, 1, 4)),
+    "cispo": (loss_of(losses.cispo), np_cispo, (0, 1, 4)),
     "cispo_tight": (
-        functools.partial(losses.cispo, eps_low=0.2, eps_high=0.3),
+        functools.partial(loss_of(losses.cispo), eps_low=0.2, eps_high=0.3),
         functools.partial(np_cispo, eps_low=0.2, eps_high=0.3),
         (0, 1, 4),
     ),
-    "dppo": (losses.dppo, np_dppo, (0, 2, 4, 5)),
+    "dppo": (loss_of(losses.dppo), np_dppo, (0, 2, 4, 5)),
     "dppo_kwargs": (
-        functools.partial(losses.dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
+        functools.partial(loss_of(losses.dppo), mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
         functools.partial(np_dppo, mask_low=0.1, mask_high=0.3, adv_tau=0.5, kl_tau=0.1),
         (0, 2, 4, 5),
     ),
-    "sapo": (losses.sapo, np_sapo, (0, 1, 4)),
-    "rollout_is": (losses.rollout_is, np_rollout_is, (0, 2, 4)),
-    "importance_sampling": (losses.importance_sampling, np_is, (0, 1, 4)),
+    "sapo": (loss_of(losses.sapo), np_sapo, (0, 1, 4)),
+    "rollout_is": (loss_of(losses.rollout_is), np_rollout_is, (0, 2, 4)),
+    "importance_sampling": (loss_of(losses.importance_sampling), np_is, (0, 1, 4)),
     "ref_kl": (losses.ref_kl, np_ref_kl, (0, 2, 3, 5)),
 }
 
@@ -271,27 +282,33 @@ class ElementwiseLossTest(chex.TestCase):
 
     def test_bf16_inputs_give_float32(self):
         lp, old, _, _, adv, _, _ = random_inputs(0)
-        out = losses.ppo_clip(*[jnp.asarray(x, jnp.bfloat16) for x in (lp, old, adv)])
+        out = loss_of(losses.ppo_clip)(*[jnp.asarray(x, jnp.bfloat16) for x in (lp, old, adv)])
         self.assertEqual(out.dtype, jnp.float32)
 
     def test_extreme_log_ratios_stay_finite(self):
         lp = jnp.array([0.0, -200.0, 0.0])
         old = jnp.array([-200.0, 0.0, 0.0])
         adv = jnp.array([1.0, -1.0, 1.0])
-        for fn in (losses.ppo_clip, losses.sapo, losses.importance_sampling, losses.cispo, losses.rollout_is):
+        for fn in (
+            loss_of(losses.ppo_clip),
+            loss_of(losses.sapo),
+            loss_of(losses.importance_sampling),
+            loss_of(losses.cispo),
+            loss_of(losses.rollout_is),
+        ):
             out = fn(lp, old, adv)
             self.assertTrue(bool(jnp.all(jnp.isfinite(out))), fn.__name__)
             self.assertTrue(bool(jnp.all(jnp.isfinite(grad_of(fn, lp, old, adv)))), fn.__name__)
         want = -np.exp(np.float32(20.0))
-        np.testing.assert_allclose(losses.importance_sampling(lp, old, adv)[0], want, rtol=1e-6)
+        np.testing.assert_allclose(loss_of(losses.importance_sampling)(lp, old, adv)[0], want, rtol=1e-6)
 
     def test_shape_mismatch_raises(self):
         with self.assertRaises(AssertionError):
-            losses.ppo_clip(jnp.zeros(3), jnp.zeros(4), jnp.zeros(3))
+            loss_of(losses.ppo_clip)(jnp.zeros(3), jnp.zeros(4), jnp.zeros(3))
 
     def test_dual_clip_rejects_c_at_most_one(self):
         with self.assertRaisesRegex(ValueError, "clip_ratio_c > 1"):
-            losses.dual_clip(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), clip_ratio_c=1.0)
+            loss_of(losses.dual_clip)(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), clip_ratio_c=1.0)
 
 
 class GspoTest(chex.TestCase):
@@ -300,7 +317,7 @@ class GspoTest(chex.TestCase):
         for seed, kw in ((0, {}), (1, {"eps_low": 0.05, "eps_high": 0.05}), (2, {"eps_high": 0.5})):
             lp, old, _, _, adv, mask, seg = random_inputs(seed)
             want_value, want_grad = np_gspo(lp, old, adv, mask, seg, **kw)
-            fn = functools.partial(losses.gspo, num_segments=4, **kw)
+            fn = functools.partial(loss_of(losses.gspo), num_segments=4, **kw)
             jl, jo, ja = f32(lp, old, adv)
             got = self.variant(fn)(jl, jo, ja, mask, seg)
             np.testing.assert_allclose(got, want_value, **TOL)
@@ -311,16 +328,18 @@ class GspoTest(chex.TestCase):
     def test_masked_tokens_do_not_change_sequence_weight(self):
         lp, old, _, _, adv, mask, seg = [jnp.asarray(x) for x in random_inputs(3)]
         lp, old, adv = f32(lp, old, adv)
-        base = losses.gspo(lp, old, adv, mask, seg, 4)
-        moved = losses.gspo(lp, jnp.where(mask > 0, old, old - 5.0), adv, mask, seg, 4)
+        base = loss_of(losses.gspo)(lp, old, adv, mask, seg, 4)
+        moved = loss_of(losses.gspo)(lp, jnp.where(mask > 0, old, old - 5.0), adv, mask, seg, 4)
         np.testing.assert_allclose(base, moved, rtol=1e-6)
 
     def test_log_weight_clamped_at_ten(self):
         lp = jnp.zeros(2)
-        out = losses.gspo(lp, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1)
+        out = loss_of(losses.gspo)(
+            lp, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1
+        )
         np.testing.assert_allclose(out, np.exp(10.0) * np.ones(2), rtol=1e-6)
         grad = grad_of(
-            lambda x: losses.gspo(
+            lambda x: loss_of(losses.gspo)(
                 x, jnp.full(2, -15.0), -jnp.ones(2), jnp.ones(2), jnp.zeros(2, jnp.int32), 1
             ),
             lp,
@@ -330,7 +349,7 @@ class GspoTest(chex.TestCase):
     def test_vmap_over_rows(self):
         lp, old, _, _, adv, mask, seg = random_inputs(4)
         jl, jo, ja = f32(lp, old, adv)
-        fn = functools.partial(losses.gspo, num_segments=4)
+        fn = functools.partial(loss_of(losses.gspo), num_segments=4)
         # Row-wise, a segment id shared by two rows denotes two different sequences.
         rows = [np_gspo(*(x[i : i + 1] for x in (lp, old, adv, mask, seg)))[0] for i in range(3)]
         want = np.concatenate(rows)
@@ -426,16 +445,16 @@ class AdapterTest(chex.TestCase):
         hyperparameter value where it has one, so the routing of keywords is exercised too)."""
         lp, old, inf, adv, mask, seg = self.j
         public = {
-            "ppo_clip": lambda **kw: losses.ppo_clip(lp, old, adv, **kw),
-            "dual_clip": lambda **kw: losses.dual_clip(lp, old, adv, **kw),
-            "gspo": lambda **kw: losses.gspo(lp, old, adv, mask, seg, 4, **kw),
-            "cispo": lambda **kw: losses.cispo(lp, old, adv, **kw),
-            "dppo": lambda **kw: losses.dppo(lp, inf, adv, mask, **kw),
-            "sapo": lambda **kw: losses.sapo(lp, old, adv, **kw),
-            "rollout_is": lambda **kw: losses.rollout_is(lp, inf, adv, **kw),
-            "importance_sampling": lambda **kw: losses.importance_sampling(lp, old, adv, **kw),
-            "clip_cov": lambda **kw: losses.clip_cov(lp, old, adv, mask, **kw),
-            "kl_cov": lambda **kw: losses.kl_cov(lp, old, adv, mask, **kw),
+            "ppo_clip": lambda **kw: loss_of(losses.ppo_clip)(lp, old, adv, **kw),
+            "dual_clip": lambda **kw: loss_of(losses.dual_clip)(lp, old, adv, **kw),
+            "gspo": lambda **kw: loss_of(losses.gspo)(lp, old, adv, mask, seg, 4, **kw),
+            "cispo": lambda **kw: loss_of(losses.cispo)(lp, old, adv, **kw),
+            "dppo": lambda **kw: loss_of(losses.dppo)(lp, inf, adv, mask, **kw),
+            "sapo": lambda **kw: loss_of(losses.sapo)(lp, old, adv, **kw),
+            "rollout_is": lambda **kw: loss_of(losses.rollout_is)(lp, inf, adv, **kw),
+            "importance_sampling": lambda **kw: loss_of(losses.importance_sampling)(lp, old, adv, **kw),
+            "clip_cov": lambda **kw: loss_of(losses.clip_cov)(lp, old, adv, mask, **kw),
+            "kl_cov": lambda **kw: loss_of(losses.kl_cov)(lp, old, adv, mask, **kw),
         }
         self.assertEqual(set(public), BUILTIN_LOSSES)
         for name, fn in public.items():
@@ -590,7 +609,7 @@ class AdapterTest(chex.TestCase):
         want = {
             "ppo_clip": ppo_hit(r_old, adv),
             "dual_clip": ppo_hit(r_old, adv) | ((adv < 0) & (-3 * adv < ppo_value)),
-            "gspo": ppo_hit(w, adv),
+            "gspo": ppo_hit(w, adv, 3e-4, 4e-4),  # the paper's default clip
             "cispo": (r_old < 0.0) | (r_old > 5.0),
             "dppo": ((adv > 0) & (dp > 0.2)) | ((adv <= 0) & (dp < -0.2)),
             "sapo": np.zeros_like(lp, bool),
@@ -613,7 +632,7 @@ def test_ppo_clipped_tokens_have_zero_gradient(seed, eps_low, eps_high):
     jl, jo, ja = f32(lp, old, adv)
     kw = dict(eps_low=eps_low, eps_high=eps_high)
     clipped = np.asarray(clipped_tokens("ppo_clip", jl, jo, jo, ja, mask, **kw))
-    grad = np.asarray(grad_of(functools.partial(losses.ppo_clip, **kw), jl, jo, ja))
+    grad = np.asarray(grad_of(functools.partial(loss_of(losses.ppo_clip), **kw), jl, jo, ja))
     np.testing.assert_array_equal(grad[clipped == 1], 0.0)
     want = -adv * np_ratio(lp, old)
     np.testing.assert_allclose(grad[clipped == 0], want[clipped == 0], rtol=1e-5, atol=1e-6)
@@ -666,15 +685,15 @@ class CovLossesTest(chex.TestCase):
     def test_kl_cov_hand_values(self):
         lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
         # default kl_cov_frac=0.2: k = max(int(0.8), 1) = 1 -> token 3 (cov 6.09) gets +|log(.1/.2)|
-        got = self.variant(losses.kl_cov)(lp, old, a, jnp.ones(4))
+        got = self.variant(loss_of(losses.kl_cov))(lp, old, a, jnp.ones(4))
         np.testing.assert_allclose(got, [-6.0, -1.0, -1.0, 2.6931472], rtol=1e-6)
         # kl_cov_frac=0.5: k = 2 -> tokens 3 and 0 (cov 2.95); ppo_kl_coef scales the penalty
-        fn = functools.partial(losses.kl_cov, kl_cov_frac=0.5, ppo_kl_coef=2.0)
+        fn = functools.partial(loss_of(losses.kl_cov), kl_cov_frac=0.5, ppo_kl_coef=2.0)
         got = self.variant(fn)(lp, old, a, jnp.ones(4))
         np.testing.assert_allclose(got, [-6.0 + 0.8109302, -1.0, -1.0, 2.0 + 1.3862944], rtol=1e-6)
         # token 3 masked out: means over tokens 0-2 give cov = [0.7837, 0.1959, 0.1959], k = 1 -> token 0;
         # the masked token keeps its plain -A r value (the objective drops it) and no penalty
-        got = self.variant(losses.kl_cov)(lp, old, a, jnp.array([1.0, 1, 1, 0]))
+        got = self.variant(loss_of(losses.kl_cov))(lp, old, a, jnp.array([1.0, 1, 1, 0]))
         np.testing.assert_allclose(got, [-6.0 + 0.4054651, -1.0, -1.0, 2.0], rtol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -682,10 +701,10 @@ class CovLossesTest(chex.TestCase):
         lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
         on = jnp.ones(4)
         # on-policy (r = 1, no PPO clip): only token 0 has 1 < cov < 5; n_clip = max(int(4 * 2e-4), 1) = 1
-        got = self.variant(losses.clip_cov)(lp, lp, a, on)
+        got = self.variant(loss_of(losses.clip_cov))(lp, lp, a, on)
         np.testing.assert_allclose(got, [0.0, -1.0, -1.0, 4.0], rtol=1e-6)
         # clip_cov_ub=7 makes token 3 eligible too; clip_ratio=0.5 -> n_clip = 2 removes both
-        fn = functools.partial(losses.clip_cov, clip_ratio=0.5, clip_cov_ub=7.0)
+        fn = functools.partial(loss_of(losses.clip_cov), clip_ratio=0.5, clip_cov_ub=7.0)
         np.testing.assert_allclose(self.variant(fn)(lp, lp, a, on), [0.0, -1.0, -1.0, 0.0], rtol=1e-6)
         # off-policy: tokens 0 (A > 0, r = 1.5) and 3 (A < 0, r = 0.5) are PPO-clipped, hence never
         # removed: plain PPO [-1.2 * 4, -1, -1, 0.8 * 4]
@@ -701,7 +720,7 @@ class CovLossesTest(chex.TestCase):
             lp, old, _, _, adv, mask, _ = random_inputs(seed, extreme=False)
             for kw in ({}, {"kl_cov_frac": 0.5, "ppo_kl_coef": 0.3}):
                 value, grad = np_kl_cov(lp, old, adv, mask, **kw)
-                fn = functools.partial(losses.kl_cov, **kw)
+                fn = functools.partial(loss_of(losses.kl_cov), **kw)
                 jl, jo, ja = f32(lp, old, adv)
                 np.testing.assert_allclose(self.variant(fn)(jl, jo, ja, jnp.asarray(mask)), value, **TOL)
                 g = self.variant(jax.grad(lambda x: jnp.sum(fn(x, jo, ja, jnp.asarray(mask)))))(jl)  # noqa: B023
@@ -718,7 +737,7 @@ class CovLossesTest(chex.TestCase):
             )
             self.assertGreater(eligible.sum(), 2)
             ppo_value, ppo_grad = np_ppo(lp, old, adv)
-            fn = functools.partial(losses.clip_cov, **kw)
+            fn = functools.partial(loss_of(losses.clip_cov), **kw)
             jl, jo, ja = f32(lp, old, adv)
             m = jnp.asarray(mask)
             want = np.where(eligible, 0.0, ppo_value)
@@ -738,7 +757,7 @@ class CovLossesTest(chex.TestCase):
         self.assertGreater(eligible.sum(), n_clip + 5)
         jl, jo, ja = f32(lp, old, adv)
         m = jnp.asarray(mask)
-        fn = self.variant(functools.partial(losses.clip_cov, **kw))
+        fn = self.variant(functools.partial(loss_of(losses.clip_cov), **kw))
         ppo_value = np_ppo(lp, old, adv)[0]
 
         def removed(rng):
@@ -756,14 +775,16 @@ class CovLossesTest(chex.TestCase):
         # rng=None: a key hashed from the inputs -> deterministic, and the same with and without jit
         default = removed(None)
         self.assertEqual(int(default.sum()), n_clip)
-        np.testing.assert_array_equal(default, np.asarray(losses.clip_cov(jl, jo, ja, m, **kw)) == 0)
+        np.testing.assert_array_equal(default, np.asarray(loss_of(losses.clip_cov)(jl, jo, ja, m, **kw)) == 0)
         np.testing.assert_array_equal(default, removed(None))
 
     def test_clip_cov_subset_is_uniform(self):
         """Over many keys every eligible token is removed with probability n_clip / #eligible."""
         lp, a = f32(np.log(HAND_P), HAND_A)
         lp, a = jnp.tile(lp, 3), jnp.tile(a, 3)  # 12 tokens: 3 copies of token 0 eligible (1 < cov < 5)
-        fn = jax.jit(jax.vmap(lambda k: losses.clip_cov(lp, lp, a, jnp.ones(12), k, clip_ratio=1 / 12)))
+        fn = jax.jit(
+            jax.vmap(lambda k: loss_of(losses.clip_cov)(lp, lp, a, jnp.ones(12), k, clip_ratio=1 / 12))
+        )
         keys = jax.random.split(jax.random.PRNGKey(0), 3000)
         freq = np.mean(np.asarray(fn(keys)) == 0, axis=0)  # n_clip = 1 of 3 eligible
         np.testing.assert_allclose(freq[[0, 4, 8]], 1 / 3, atol=5 * np.sqrt(2 / 9 / 3000))
@@ -772,18 +793,22 @@ class CovLossesTest(chex.TestCase):
     def test_value_checks(self):
         lp, a = f32(np.log(HAND_P), HAND_A)
         with self.assertRaisesRegex(ValueError, "clip_cov_lb < clip_cov_ub"):
-            losses.clip_cov(lp, lp, a, jnp.ones(4), clip_cov_lb=5.0, clip_cov_ub=1.0)
+            loss_of(losses.clip_cov)(lp, lp, a, jnp.ones(4), clip_cov_lb=5.0, clip_cov_ub=1.0)
         with self.assertRaisesRegex(ValueError, r"clip_ratio must be a fraction in \[0, 1\]"):
-            losses.clip_cov(lp, lp, a, jnp.ones(4), clip_ratio=2.0)
+            loss_of(losses.clip_cov)(lp, lp, a, jnp.ones(4), clip_ratio=2.0)
         with self.assertRaisesRegex(ValueError, "kl_cov_frac must be a fraction"):
-            losses.kl_cov(lp, lp, a, jnp.ones(4), kl_cov_frac=-0.1)
+            loss_of(losses.kl_cov)(lp, lp, a, jnp.ones(4), kl_cov_frac=-0.1)
 
     def test_all_masked_gives_plain_values(self):
         lp, old, a = f32(np.log(HAND_P), np.log(HAND_OLD), HAND_A)
         zero = jnp.zeros(4)
-        np.testing.assert_allclose(losses.kl_cov(lp, old, a, zero), [-6.0, -1.0, -1.0, 2.0], rtol=1e-6)
         np.testing.assert_allclose(
-            losses.clip_cov(lp, old, a, zero), np_ppo(np.log(HAND_P), np.log(HAND_OLD), HAND_A)[0], rtol=1e-6
+            loss_of(losses.kl_cov)(lp, old, a, zero), [-6.0, -1.0, -1.0, 2.0], rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            loss_of(losses.clip_cov)(lp, old, a, zero),
+            np_ppo(np.log(HAND_P), np.log(HAND_OLD), HAND_A)[0],
+            rtol=1e-6,
         )
 
 

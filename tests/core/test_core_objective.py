@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from rljax.core import losses
 from rljax.core import objective as obj
-from rljax.core.objective import Counts, ObjectiveConfig, global_counts, objective
+from rljax.core.objective import Counts, ObjectiveConfig, combine_metrics, global_counts, objective
 from rljax.types import PackedBatch
 
 R, L, G = 8, 16, 5
@@ -121,7 +121,8 @@ def np_policy(name, kw, lp, old, inf, adv, cand, sample_of):
             sel = sample_of == key
             m = sel & (cand > 0)
             w = np.exp(min(np.clip(lp[m] - old[m], -20, 20).mean() if m.any() else 0.0, 10.0))
-            u, c = w * adv[sel], np.clip(w, 0.8, 1.2) * adv[sel]
+            lo, hi = kw.get("eps_low", 3e-4), kw.get("eps_high", 4e-4)  # the paper's default clip
+            u, c = w * adv[sel], np.clip(w, 1 - lo, 1 + hi) * adv[sel]
             value[sel], grad[sel] = -np.minimum(u, c), np.where(u <= c, -adv[sel] * w, 0.0)
         return value, grad
     if name in ("kl_cov", "clip_cov"):  # batch statistics over the rl candidate tokens of this array
@@ -492,7 +493,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
 
     owner = np.array(data.draw(st.lists(st.integers(0, k - 1), min_size=R, max_size=R)))
     total_loss, total_grad = 0.0, np.zeros((R, L))
-    total_metrics = dict.fromkeys(metrics, 0.0)
+    total_metrics = dict.fromkeys(metrics, 0.0)  # every metric sums, except the maxima: they max
     summed_counts = None
     for part in range(k):
         rows = np.nonzero(owner == part)[0]
@@ -506,8 +507,7 @@ def test_micro_batches_sum_to_whole_batch(seed, k, combo, data):
         total_loss += float(m_loss)
         total_grad[rows] += np.asarray(m_grad)[: len(rows)]
         assert not np.any(np.asarray(m_grad)[len(rows) :])  # padding rows get no gradient
-        for key in total_metrics:
-            total_metrics[key] += float(m_metrics[key])
+        total_metrics = {k: float(v) for k, v in combine_metrics(total_metrics, m_metrics).items()}
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), summed_counts, counts)
     np.testing.assert_allclose(total_loss, float(loss), rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(total_grad, grad, rtol=2e-5, atol=1e-7)
@@ -673,10 +673,51 @@ def test_stale_tokens_leave_the_rl_loss_through_batch_token_staleness():
     )  # fmt: skip
     cfg = ObjectiveConfig(off_policy={"max_token_staleness": 1})
     loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)
-    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one))
+    per_token = np.asarray(losses.dppo(lp, batch.inference_logprobs, batch.advantages, one).loss)
     np.testing.assert_allclose(float(loss), per_token[0, [0, 2, 3]].sum() / 3, rtol=1e-6)
     assert float(metrics["off_policy/stale_masked_frac"]) == 0.25
     with pytest.raises(ValueError, match="per-token staleness"):
         objective(
             lp, SimpleNamespace(**{**vars(batch), "token_staleness": None}), global_counts(batch, cfg), cfg
         )
+
+
+@pytest.mark.parametrize(
+    ("kind", "want"),
+    [
+        # d = log(pi / pi_ref) on the 3 rl tokens: log 2, 0, log(1/2); k1 = d, k3 = r - log r - 1 with
+        # r = pi_ref / pi = [1/2, 1, 2]: [0.5 - log .5 - 1, 0, 2 - log 2 - 1]
+        ("k1", (np.log(2.0) + 0.0 + np.log(0.5)) / 3),
+        ("k2", (0.5 * np.log(2.0) ** 2 + 0.0 + 0.5 * np.log(0.5) ** 2) / 3),
+        ("k3", ((0.5 - np.log(0.5) - 1) + 0.0 + (2.0 - np.log(2.0) - 1)) / 3),
+        ("abs", (np.log(2.0) + 0.0 + np.log(2.0)) / 3),
+    ],
+)
+def test_kl_penalty_to_a_reference_hand_values(kind, want):
+    """beta * token_mean of the chosen estimator over the rl tokens (the 4th token is masked), on
+    top of the policy loss, with its gradient -beta d k / d logp only through the trained logprobs."""
+    p, ref = np.array([[0.4, 0.3, 0.2, 0.9]]), np.array([[0.2, 0.3, 0.4, 0.1]])
+    lp = jnp.asarray(np.log(p), jnp.float32)
+    mask = np.array([[1.0, 1, 1, 0]], np.float32)
+    batch = SimpleNamespace(
+        loss_mask=mask, segment_ids=np.ones((1, 4), int), group_index=np.zeros((1, 4)),
+        advantages=np.zeros((1, 4), np.float32), rl_weights=None, ce_weights=None, ref_kl_weights=None,
+        ref_logprobs=None, old_logprobs=None, inference_logprobs=np.asarray(lp),
+        kl_reference_logprobs=np.log(ref).astype(np.float32),
+    )  # fmt: skip
+    beta = 0.1
+    cfg = ObjectiveConfig(policy_loss="ppo_clip", components=("rl",), kl_coef=beta, kl_kind=kind)
+    loss, metrics = objective(lp, batch, global_counts(batch, cfg), cfg)  # zero advantages: KL only
+    np.testing.assert_allclose(float(loss), beta * want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss/kl_penalty"]), beta * want, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["ref_kl/reference_k1"]), (np.log(2) + np.log(0.5)) / 3, atol=1e-6
+    )
+    grad = jax.grad(lambda x: objective(x, batch, global_counts(batch, cfg), cfg)[0])(lp)
+    assert float(grad[0, 3]) == 0.0  # masked
+    d = np.log(p[0, :3]) - np.log(ref[0, :3])
+    dk = {"k1": np.ones(3), "k2": d, "k3": 1 - np.exp(-d), "abs": np.where(d >= 0, 1.0, -1.0)}[kind]
+    np.testing.assert_allclose(np.asarray(grad[0, :3]), beta * dk / 3, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="kl_reference_logprobs is None but kl_coef"):
+        objective(lp, SimpleNamespace(**{**vars(batch), "kl_reference_logprobs": None}),
+                  global_counts(batch, cfg), cfg)  # fmt: skip

@@ -46,7 +46,7 @@ class StageTest(chex.TestCase):
         self.assertEqual(m.dtype, jnp.float32)
         self.assertEqual(set(met), set(off_policy.METRIC_NAMES))
         for k in off_policy.METRIC_NAMES:
-            self.assertEqual(float(met[k]), 3.0 if k == "is_ratio_mean" else 0.0, k)
+            self.assertEqual(float(met[k]), 3.0 if k in ("is_ratio_mean", "is_ratio_max") else 0.0, k)
         self.assertFalse(off_policy.is_enabled(None))
 
     def test_outlier_rejects_whole_sequence(self):
@@ -298,6 +298,7 @@ def np_correct(loss, old, roll, mask, seg, cfg, staleness=None):
     metrics.update(
         is_ratio_mean=(rho * m0).sum() / n, tis_clipped_frac=clipped / n, masked_frac=(m0.sum() - m.sum()) / n
     )
+    metrics["is_ratio_max"] = rho[m0 > 0].max() if (m0 > 0).any() else 0.0  # the largest, not a fraction
     return loss * weight, m, metrics
 
 

@@ -266,7 +266,7 @@ def test_apply_filters_composition():
             _s("a", 1, [1, 2, 3], reward=0.0),  # overlong_unrewarded (L=2)
             _s("b", 0, [1], reward=1.0),  # zero variance (group of one)
             _s("c", 0, [1, 2, 3], mask=[0, 1, 1], reward=1.0, stop_reason="abort"),
-            _s("c", 1, [1], reward=0.0),
+            _s("c", 1, [1], reward=0.0),  # zero variance: the aborted c#0 is not a peer
         ]
     )
     fs = [
@@ -275,13 +275,13 @@ def test_apply_filters_composition():
         flt.ZeroVarianceGroupFilter(),
     ]
     out, m = flt.apply_filters(batch, fs)
-    assert [list(s.loss_mask) for s in out] == [[0, 0], [1, 1, 1], [0], [0, 0, 0], [1]]
+    assert [list(s.loss_mask) for s in out] == [[0, 0], [1, 1, 1], [0], [0, 0, 0], [0]]
     assert m["filters/overlong/flagged"] == 2 and m["filters/overlong/flagged_tokens"] == 4
     assert (
         m["filters/overlong_unrewarded/flagged"] == 1 and m["filters/overlong_unrewarded/flagged_tokens"] == 3
     )
-    assert m["filters/zero_variance/fraction"] == pytest.approx(1 / 5)
-    assert m["filters/masked_steps"] == 3 and m["filters/masked_tokens"] == 2 + 1 + 2
+    assert m["filters/zero_variance/fraction"] == pytest.approx(3 / 5)
+    assert m["filters/masked_steps"] == 4 and m["filters/masked_tokens"] == 2 + 1 + 2 + 1
     out2, m2 = flt.apply_filters(batch, fs[::-1])
     assert out2.steps == out.steps and m2 == m  # every filter sees the input batch
     assert [list(s.loss_mask) for s in batch][3] == [0, 1, 1]  # input untouched
@@ -345,8 +345,6 @@ def test_staleness_filter_reads_the_version_of_every_trainable_token():
     assert [x.tolist() for x in f.token_staleness(batch)] == [[2, 0, 0], [1, 0, 1], [0, 0]]
     assert f.flags(batch).tolist() == [True, False, False]
     assert flt.StalenessFilter(max_staleness=2, trained_version=7).flags(batch).tolist() == [False] * 3
-    # trained_version None: the newest trainable version in the batch (7 here)
-    assert flt.StalenessFilter(max_staleness=1).flags(batch).tolist() == [True, False, False]
     out, metrics = flt.apply_filters(batch, [f])
     assert [list(s.loss_mask) for s in out] == [[0, 0, 0], [1, 0, 1], [1, 1]]
     assert metrics["filters/staleness/flagged"] == 1 and metrics["filters/masked_tokens"] == 3
@@ -413,3 +411,137 @@ def test_dynamic_sampler_atol_and_errors():
         flt.DynamicSampler(target_groups=0, max_rounds=1)
     with pytest.raises(ValueError, match="max_rounds must be an int >= 1"):
         flt.DynamicSampler(target_groups=1, max_rounds=0)
+
+
+# --------------------------------------------------------------------------------------
+# what the estimator sees: errored trajectories, per_step returns, the trained version
+# --------------------------------------------------------------------------------------
+def _errored(q, r, n=2):
+    """An errored trajectory as the rollout records it: loss mask 0, reward 0, stop reason "error"."""
+    return _s(q, r, [5] * n, mask=[0] * n, reward=0.0, stop_reason="error")
+
+
+def test_an_errored_trajectory_is_no_peer_in_the_spread():
+    # 3 successes + 1 error: every advantage is 0 (the error is out of the baseline), so is the spread
+    batch = StepBatch([_s("a", i, [1, 2], reward=1.0) for i in range(3)] + [_errored("a", 3)])
+    assert flt.group_reward_spread(batch).tolist() == [0.0] * 4
+    assert flt.ZeroVarianceGroupFilter().flags(batch).tolist() == [True] * 4
+    assert flt.informative_groups(batch) == {"a": False}
+    # a success and a failure stay informative next to an error; a lone survivor does not
+    mixed = StepBatch([_s("b", 0, [1], reward=1.0), _s("b", 1, [1]), _errored("b", 2), _errored("c", 0)])
+    mixed = StepBatch([*mixed.steps, _s("c", 1, [1], reward=1.0)])
+    assert flt.group_reward_spread(mixed).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert flt.informative_groups(mixed) == {"b": True, "c": False}
+
+
+def test_dynamic_sampling_discards_a_group_made_uniform_by_an_error():
+    ds = flt.DynamicSampler(target_groups=1, max_rounds=3)
+    ok = [_s("a", i, [1], reward=1.0) for i in range(3)]
+    assert ds.add(StepBatch([*ok, _errored("a", 3)])) is False  # not informative: sample again
+    assert ds.add(StepBatch([_s("b", 0, [1], reward=1.0), _s("b", 1, [1]), _errored("b", 2)])) is True
+    batch, m = ds.result()
+    assert {s.trajectory_id.instance_id for s in batch} == {"b"}
+    assert m["dynamic_sampling/groups_discarded"] == 1
+    assert m["dynamic_sampling/reward_mean_seen"] == pytest.approx(4 / 5)  # the 2 errors are no reward
+
+
+def test_zero_variance_leaves_no_uniform_group_in_the_token_mean():
+    """Two groups, 2 tokens per trajectory: a = 3 successes + 1 error (all advantages 0), b = a success
+    and a failure. With the zero-variance filter only b's 4 tokens are in token_mean's denominator,
+    so the loss is b's alone (a's 6 tokens made it 0.4 of that)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rljax.algorithms import get_algorithm
+    from rljax.core.objective import ObjectiveConfig, global_counts, objective
+    from rljax.data.pack import pack
+    from rljax.data.prepare import prepare_samples
+
+    lp = [-0.5, -0.5]
+    a = [_s("a", i, [1, 2], reward=1.0, lp=lp) for i in range(3)]
+    a.append(_s("a", 3, [3, 4], mask=[0, 0], lp=lp, stop_reason="error"))
+    b = [_s("b", 0, [1, 2], reward=1.0, lp=lp), _s("b", 1, [1, 2], lp=lp)]
+    config = ObjectiveConfig(policy_loss="ppo_clip", reduction="token_mean", components=("rl",))
+    prep = prepare_samples(get_algorithm("grpo"), StepBatch(a + b), filters=[flt.ZeroVarianceGroupFilter()])
+    batch = pack(prep.samples, seq_len=8, advantages=prep.advantages).batch
+    counts = jax.jit(global_counts, static_argnums=1)(batch, config)
+    assert float(counts.tokens[0]) == 4.0
+    # logp = old + 0.1 A: ratio exp(0.1 A) inside the clip, so the token loss is -ratio * A; b has
+    # A = +-0.5 on 2 tokens each: loss = -(2 e^0.05 0.5 - 2 e^-0.05 0.5) / 4
+    logp = jnp.asarray(batch.inference_logprobs) + 0.1 * jnp.asarray(batch.advantages)
+    loss = jax.jit(objective, static_argnums=3)(logp, batch, counts, config)[0]
+    assert float(loss) == pytest.approx(-(math.exp(0.05) - math.exp(-0.05)) / 4, rel=1e-5)
+
+
+def _two_turns(q, r, first, final):
+    return [
+        _s(q, r, [1], reward=first, is_last_step=False),
+        _s(q, r, [2], reward=final),
+    ]
+
+
+def test_per_step_spread_reads_the_turn_returns():
+    # equal final rewards, different first-turn rewards: the per_step returns at turn 0 are 1.5 vs 0.5,
+    # so per_step advantages are not 0 and the group must not count as uniform
+    batch = StepBatch(
+        _two_turns("a", 0, 1.0, 0.5) + _two_turns("a", 1, 0.0, 0.5) + _two_turns("b", 0, 1.0, 0.5)
+    )
+    assert flt.group_reward_spread(batch).tolist() == [0.0] * 6  # outcome: final rewards only
+    assert flt.group_reward_spread(batch, reward_mode="per_step").tolist() == [1.0] * 4 + [0.0] * 2
+    assert flt.informative_groups(batch, reward_mode={"grpo": "per_step"}) == {"a": True, "b": False}
+    zv = flt.ZeroVarianceGroupFilter(reward_mode="per_step")
+    assert zv.flags(batch).tolist() == [False] * 4 + [True] * 2
+    ds = flt.DynamicSampler(target_groups=1, max_rounds=1, reward_mode={"grpo": "per_step"})
+    assert ds.add(batch) is True and {s.trajectory_id.instance_id for s in ds.result()[0]} == {"a"}
+    with pytest.raises(ValueError, match="reward_mode must be one of"):
+        flt.ZeroVarianceGroupFilter(reward_mode="turns")
+
+
+def test_prepare_samples_applies_zero_variance_with_the_algorithms_reward_mode():
+    from rljax.algorithms import get_algorithm
+    from rljax.data.prepare import prepare_samples
+
+    batch = StepBatch(_two_turns("a", 0, 1.0, 0.5) + _two_turns("a", 1, 0.0, 0.5))
+    per_step = get_algorithm("grpo", reward_mode="per_step")
+    prep = prepare_samples(per_step, batch, filters=[flt.ZeroVarianceGroupFilter()], merge=False)
+    assert [float(a[0]) for a in prep.advantages] == [0.5, 0.0, -0.5, 0.0]  # turn 0 varies
+    assert [list(s.loss_mask) for s in prep.samples] == [[1]] * 4  # so nothing is filtered
+    outcome = prepare_samples(get_algorithm("grpo"), batch, filters=[flt.ZeroVarianceGroupFilter()])
+    assert outcome.metrics["filters/masked_steps"] == 4  # outcome advantages are all 0 here
+
+
+def test_staleness_is_measured_against_the_trained_version():
+    """At RL step 5, turns sampled with versions 4 and 3 are 1 and 2 versions stale (the newest
+    version in the batch, 4, would call them 0 and 1)."""
+    from rljax.algorithms import get_algorithm
+    from rljax.data.prepare import prepare_samples
+
+    batch = StepBatch([_s("q", 0, [1], policy_version=4, reward=1.0), _s("q", 1, [2], policy_version=3)])
+    f = flt.StalenessFilter(max_staleness=1)
+    prep = prepare_samples(get_algorithm("grpo"), batch, filters=[f], trained_version=5)
+    assert [list(s.loss_mask) for s in prep.samples] == [[1], [0]]
+    assert prep.metrics["filters/staleness/flagged"] == 1
+    bound = flt.StalenessFilter(max_staleness=1, trained_version=5)
+    assert [x.tolist() for x in bound.token_staleness(batch)] == [[1], [2]]
+    with pytest.raises(ValueError, match="trained_version is None"):
+        f.flags(batch)  # the batch alone cannot say how stale it is
+    with pytest.raises(ValueError, match="newer than trained_version=3"):
+        flt.StalenessFilter(max_staleness=1, trained_version=3).flags(batch)
+
+
+def test_prepare_samples_masks_errored_trajectories_that_arrive_with_a_loss_mask():
+    """A source other than the rollout (a custom env loop, a dataset) may hand in an errored
+    trajectory with loss mask 1: it gets advantage 0 and must not count in any normaliser either."""
+    from rljax.algorithms import get_algorithm
+    from rljax.data.prepare import prepare_samples
+
+    steps = [
+        _s("a", 0, [1, 2], reward=1.0),
+        _s("a", 1, [1, 2]),
+        _s("a", 2, [3], is_last_step=False),
+        _s("a", 2, [4, 5], stop_reason="abort"),
+    ]
+    for name in ("grpo", "sft"):
+        prep = prepare_samples(get_algorithm(name, teacher="t") if name == "sft" else get_algorithm(name),
+                               StepBatch(steps), merge=False)  # fmt: skip
+        assert [list(s.loss_mask) for s in prep.samples] == [[1, 1], [1, 1], [0], [0, 0]]

@@ -243,6 +243,23 @@ def test_truncate_drops_response_tail_and_reports():
         pack(steps, seq_len=3, truncate=True)
 
 
+def test_truncate_moves_the_cut_token_rewards_to_the_last_kept_trained_token():
+    # sample b keeps 2 of 5 response tokens (mask 1, 0): the cut trained tokens' rewards (2 + 4;
+    # 8 sits on a masked token and is not a time step's reward) go to the kept trained token 0
+    steps = [
+        Step([1], [2], ("a", 0)),
+        Step([1, 2, 3], [4, 5, 6, 7, 8], ("b", 0), loss_mask=[1, 0, 1, 0, 1]),
+        Step([1, 2, 3], [4, 5, 6], ("c", 0), loss_mask=[0, 0, 1]),  # nothing trained is kept
+    ]
+    rewards = [[3.0], [0.5, 1.0, 2.0, 8.0, 4.0], [0.0, 0.0, 1.0]]
+    r = pack(steps, seq_len=5, truncate=True, token_rewards=rewards, advantages=[[9.0], [1.0] * 5, [1.0] * 3])
+    out = unpack(r.batch, r.layout)
+    assert [o["token_rewards"].tolist() for o in out] == [[3.0], [6.5, 1.0], [0.0, 0.0]]
+    assert [o["advantages"].tolist() for o in out] == [[9.0], [1.0, 1.0], [1.0, 1.0]]  # others are cut
+    scalar = pack(steps[1:2], seq_len=5, truncate=True, token_rewards=[1.0])  # one value per token
+    assert unpack(scalar.batch, scalar.layout)[0]["token_rewards"].tolist() == [3.0, 1.0]
+
+
 def test_empty_prompt_and_bad_streams_are_errors():
     with pytest.raises(ValueError, match="empty prompt"):
         pack([Step([], [2], ("a", 0))], seq_len=4)

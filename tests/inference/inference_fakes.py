@@ -9,8 +9,16 @@
 ``mode`` breaks the answer in one way ("mismatch", "missing", "badjson", "nonfinite", "wrong_prompt",
 "bad_finish", "two_choices", "missing_prompt_token", "offset_scores", "http500", "http400", "close",
 "unhealthy").
-Dev-mode routes (/pause, /resume, /reset_prefix_cache, /collective_rpc) answer 200 and are logged
-(``fail_paths`` / ``rpc_methods`` make them fail).
+Dev-mode routes (/pause, /resume, /reset_prefix_cache, /collective_rpc, /update_weight_version)
+answer 200 and are logged (``fail_paths`` / ``rpc_methods`` make them fail).
+
+vLLM's weight bookkeeping, as far as the tests need it: every successful reload
+(``/collective_rpc``) counts one in ``reloads``; ``/update_weight_version`` sets ``label``
+("default" until then); ``/inference/v1/generate`` answers the generation rule with ONE
+weight-version span carrying ``label`` (the scale-out route). With ``honour_pause``, a generation
+that arrives between ``/pause`` and ``/resume`` waits for the resume, as vLLM queues requests
+added while paused; ``served`` records ``(path, prompt, reloads, label)`` of every generation at
+the moment it is generated, so a test knows which weights produced each answer.
 
 Run in-process (:class:`FakeVLLM`, a thread) or as a process: :func:`write_vllm_shim` writes a fake
 ``vllm.entrypoints.openai.api_server`` module so :class:`rljax.inference.vllm.VLLMServer` can launch
@@ -20,8 +28,10 @@ it with the test's own python (settings via ``FAKE_VLLM_*`` environment variable
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +68,14 @@ class FakeVLLM:
         # its worker has no such method (e.g. a server started without rljax's worker extension).
         self.rpc_methods: set[str] | None = None
         self.calls: list[tuple[float, str, dict | None]] = []  # (time, path, body)
+        self.reloads = 0  # successful /collective_rpc reloads
+        self.label = "default"  # the engine's weight-version label (/update_weight_version)
+        self.honour_pause = False  # generations arriving while paused wait for /resume
+        self.paused = False
+        self.pauses = 0  # /pause requests applied (counted once the engine is paused)
+        self.served: list[tuple[str, list[int], int, str]] = []  # (path, prompt, reloads, label)
+        self._resumed = threading.Condition()
+        self._connections: list[socket.socket] = []
         self.in_flight = 0
         self.max_in_flight = 0
         # When set to an Event, completions wait for it (up to 30 s) before answering, so tests
@@ -66,7 +84,8 @@ class FakeVLLM:
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self))
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        # stop() waits for the serving loop's next poll: 0.05 s, not the default 0.5 s per fake
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def url(self) -> str:
@@ -84,8 +103,13 @@ class FakeVLLM:
         return self
 
     def stop(self) -> None:
+        """Stops serving and drops every open connection (as a process that dies does)."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            for connection in self._connections:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> FakeVLLM:
         return self.start()
@@ -129,12 +153,32 @@ def completion_body(request: dict, mode: str) -> tuple[int, bytes]:
     return 200, raw
 
 
+GENERATE_PATH = "/inference/v1/generate"
+GENERATION_PATHS = ("/v1/completions", GENERATE_PATH)
+
+
+def generate_body(request: dict, label: str) -> tuple[int, bytes]:
+    """(status, body bytes) the fake answers to an ``/inference/v1/generate`` request: the
+    generation rule, one weight-version span labelled ``label``."""
+    prompt = [int(t) for t in request["token_ids"]]
+    ids, logprobs = expected_generation(prompt, int(request["sampling_params"]["max_tokens"]))
+    content = [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]
+    choice = {"index": 0, "token_ids": ids, "logprobs": {"content": content}, "finish_reason": "length",
+              "weight_versions": [{"version": label, "start": 0, "end": len(ids)}]}  # fmt: skip
+    return 200, json.dumps({"choices": [choice]}).encode()
+
+
 def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *args: object) -> None:  # keep test output clean
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with server._lock:
+                server._connections.append(self.connection)
 
         def _send(self, status: int, raw: bytes) -> None:
             self.send_response(status)
@@ -156,7 +200,9 @@ def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             body = json.loads(raw) if raw else None
             path = self.path
             server.calls.append((time.monotonic(), path, body))
-            if path != "/v1/completions":
+            if path in GENERATION_PATHS and body is None:
+                return  # the client gave up on it before sending the body (e.g. its server went down)
+            if path not in GENERATION_PATHS:
                 time.sleep(server.admin_delay_s)
                 method = (body or {}).get("method") if path == "/collective_rpc" else None
                 if path.split("?")[0] in server.fail_paths:
@@ -170,6 +216,7 @@ def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                     )
                     self._send(500, json.dumps({"error": {"message": message, "code": 500}}).encode())
                 else:
+                    self._admin(path, body, method)
                     self._send(200, json.dumps({"status": "ok"}).encode())
                 return
             with server._lock:
@@ -183,10 +230,32 @@ def _make_handler(server: FakeVLLM) -> type[BaseHTTPRequestHandler]:
                     self.close_connection = True
                     self.connection.shutdown(2)  # drop the connection without an answer
                     return
-                self._send(*completion_body(body, server.mode))
+                with server._resumed:  # vLLM queues a request added while paused until /resume
+                    server._resumed.wait_for(lambda: not (server.honour_pause and server.paused), timeout=30)
+                    prompt = body["prompt"] if path == "/v1/completions" else body["token_ids"]
+                    server.served.append((path, list(prompt), server.reloads, server.label))
+                if path == GENERATE_PATH:
+                    self._send(*generate_body(body, server.label))
+                else:
+                    self._send(*completion_body(body, server.mode))
             finally:
                 with server._lock:
                     server.in_flight -= 1
+
+        def _admin(self, path: str, body: dict | None, method: str | None) -> None:
+            """The state an admin route changes (it answered 200)."""
+            route = path.split("?")[0]
+            with server._resumed:
+                if route == "/pause":
+                    server.paused = True
+                    server.pauses += 1
+                elif route == "/resume":
+                    server.paused = False
+                    server._resumed.notify_all()
+                elif route == "/update_weight_version":
+                    server.label = str(body["new_version"])
+                elif method is not None and "reload" in method:
+                    server.reloads += 1
 
     return Handler
 

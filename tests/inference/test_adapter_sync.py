@@ -28,8 +28,11 @@ from flax import nnx
 from rljax import models
 from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import (
+    CurrentWeights,
     RequestRejectedError,
     ServerConfig,
+    ServerSupervisor,
+    SupervisorConfig,
     SyncConfig,
     VLLMClient,
     VLLMServer,
@@ -78,6 +81,8 @@ class FakeLoRAServers:
         self.adapters: dict[str, dict[str, models.Decoder]] = {u: {} for u in urls}
         self.ignore_adapters: set[str] = set()  # servers that serve the base whatever they loaded
         self.no_lora: set[str] = set()  # servers started without --enable-lora
+        self.unhealthy: set[str] = set()  # servers whose GET /health answers 503
+        self.served_by: list[tuple[str, str]] = []  # (server, model) of every generate request
         self.completion_models: list[str] = []  # generate requests, in order
         self.probe_models: list[str] = []  # the adapter named by each sync's decode probe
         self.hold: asyncio.Event | None = None  # when set, generate requests wait for it
@@ -89,6 +94,8 @@ class FakeLoRAServers:
         url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         body = json.loads(request.content or b"{}")
         path = request.url.path
+        if path == "/health":
+            return httpx.Response(503 if url in self.unhealthy else 200)
         if path == asy.LOAD_PATH:
             if url in self.no_lora:
                 return httpx.Response(404, json={"detail": "Not Found"})
@@ -120,6 +127,7 @@ class FakeLoRAServers:
             self.probe_models.append(name)
         else:
             self.completion_models.append(name)
+            self.served_by.append((url, name))
             if self.hold is not None:
                 await self.hold.wait()
         new = [(sum(ids) + k) % 64 for k in range(body["max_tokens"])]
@@ -241,6 +249,55 @@ def test_the_previous_adapter_is_unloaded_after_its_requests_finish(tmp_path):
     assert completion.weight_version == 1  # sampled by adapter v1, recorded as v1
     assert report.unloaded == "base-lora-v1" and report.drained
     assert all(set(a) == {"base-lora-v2"} for a in fake.adapters.values())
+
+
+async def until(condition, *, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"condition not met in {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
+def test_a_restored_server_gets_the_current_adapter_verified_by_its_decode_probe(tmp_path):
+    """Two adapter syncs under a supervisor; then server 0 goes out of service and comes back as a
+    restarted vLLM does: the base weights, no adapter. Before it serves again it must load the
+    adapter of the LAST sync and decode its probe as the verified servers did; then requests
+    naming that adapter are served by it with the trainer's logprobs of v2."""
+    fake = FakeLoRAServers(small_base)
+    one, two = with_adapter(small_base, 1), with_adapter(small_base, 2)
+    probe = np.arange(1, 25)
+    prompt = [3, 1, 4, 1, 5]
+    fast = SupervisorConfig(health_interval_s=0.2, health_timeout_s=1.0, health_failures=2, backoff_s=0.1)
+
+    async def main():
+        client = make_client(fake)
+        supervisor = ServerSupervisor(client, [None, None], fast)
+        # what a run records at start: the base weights the servers start with, verified by the probe
+        client.current = CurrentWeights(None, probe, logprobs(small_base(), probe.tolist()), 1e-4)
+        async with client:
+            await client.update_adapter(one, version=1, directory=os.fspath(tmp_path))
+            await client.update_adapter(two, version=2, directory=os.fspath(tmp_path))
+            fake.unhealthy.add(URLS[0])
+            await until(lambda: client.servers[0].down, timeout_s=20.0)
+            fake.adapters[URLS[0]] = {}  # restarted: the base weights only
+            probes_before = len(fake.probe_models)
+            fake.unhealthy.discard(URLS[0])
+            await until(lambda: not client.servers[0].down, timeout_s=20.0)
+            replayed = fake.probe_models[probes_before:]
+            outs = await asyncio.gather(
+                *(client.generate(prompt, SamplingParams(max_tokens=3)) for _ in range(6))
+            )
+            return outs, replayed, [e.kind for e in supervisor.events if e.server == 0]
+
+    outs, replayed, kinds = run(main())
+    assert kinds == ["down", "up"] and replayed == ["base-lora-v2"]  # loaded, then its probe replayed
+    assert set(fake.adapters[URLS[0]]) == {"base-lora-v2"}
+    assert any(url == URLS[0] and name == "base-lora-v2" for url, name in fake.served_by)  # it served
+    for completion in outs:
+        want = logprobs(two, prompt + list(completion.ids))[len(prompt) :]
+        np.testing.assert_allclose(completion.logprobs, want, atol=1e-6)
+        assert completion.weight_version == 2
 
 
 # ------------------------------------------------------------------------------------------------

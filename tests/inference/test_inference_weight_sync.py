@@ -6,6 +6,7 @@
 import asyncio
 import os
 
+import httpx
 import inference_fakes as fk
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ from rljax.inference.vllm import (
     SyncConfig,
     VLLMClient,
     WeightSyncError,
+    WrittenWeights,
     probe_sequence,
     write_checkpoint,
 )
@@ -270,3 +272,67 @@ def test_sync_config_validation():
         SyncConfig(on_mismatch="ignore")
     with pytest.raises(ValueError, match="reload_rpc"):
         SyncConfig(reload_rpc="load_model")
+
+
+class HoldFirstGeneration(httpx.AsyncBaseTransport):
+    """Real HTTP, except that the FIRST generation is held in transit (sent by the client, not yet
+    at the server) until ``release()`` is true: the latest a request sent before a sync can arrive."""
+
+    def __init__(self, release) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.release = release
+        self.holding = self.held = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions" and not self.held:
+            self.held = self.holding = True
+            while not self.release():
+                await asyncio.sleep(0.005)
+            self.holding = False
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("pause_mode", ["wait", "abort"])
+def test_a_request_sent_just_before_a_sync_is_labelled_with_the_weights_that_generated_it(
+    pause_mode, tmp_path
+):
+    """A generation leaves the client as version 0, then a sync begins. Released at the latest
+    moment (once the fake server is paused, or once the sync waits for it), it must come back
+    labelled with the weights that generated it: the fake records how many reloads it had at that
+    moment (version v == v reloads). "wait" syncs pause only after it was answered (v0, sent once);
+    with "abort" it reaches the paused server, runs after the reload, and is sent again (v1)."""
+    clients: list[VLLMClient] = []
+    with fk.FakeVLLM() as fake:
+        fake.honour_pause = True  # a generation arriving while paused runs after /resume, as in vLLM
+        transport = HoldFirstGeneration(lambda: fake.pauses > 0 or getattr(clients[0], "draining", False))
+        written = WrittenWeights(
+            os.fspath(tmp_path),
+            np.arange(1, 9),
+            np.asarray(fk.expected_scores(list(range(1, 9)))),
+            "float32",
+            None,
+        )
+
+        async def main():
+            sync = SyncConfig(pause_mode=pause_mode, probe_length=8)
+            async with VLLMClient([fake.url], transport=transport, sync=sync) as client:
+                clients.append(client)
+                sent = asyncio.create_task(client.generate([1, 2], SamplingParams(max_tokens=3)))
+                while not transport.holding:
+                    await asyncio.sleep(0.005)
+                assert await client.update_weights_from(written, version=1) == 1
+                return await sent
+
+        out = run(main())
+    generated = [reloads for path, prompt, reloads, _ in fake.served if prompt == [1, 2]]
+    assert out.weight_version == generated[-1]  # the label is the version that generated it
+    assert generated == ([0] if pause_mode == "wait" else [1, 1])
+    assert list(out.ids) == fk.expected_generation([1, 2], 3)[0]
+
+
+def test_keep_pause_mode_is_refused_for_a_client_that_labels_whole_completions():
+    with pytest.raises(ValueError, match="pause_mode='keep'.*InFlightVLLMClient"):
+        VLLMClient(["http://127.0.0.1:1"], sync=SyncConfig(pause_mode="keep"))

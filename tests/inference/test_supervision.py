@@ -33,6 +33,7 @@ from rljax.inference.vllm import (
     free_port,
 )
 from rljax.inference.vllm.client import assemble_stream
+from rljax.inference.vllm.pause import InFlightVLLMClient
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "fault_matrix.py")
 FAST = SupervisorConfig(health_interval_s=0.2, health_timeout_s=1.0, health_failures=2, backoff_s=0.1)
@@ -314,3 +315,91 @@ def test_server_lost_during_a_sync_is_dropped_from_it(tmp_path):
     assert version == 1 and current == os.fspath(tmp_path / "v1")
     assert rpc_dirs(b) == [os.fspath(tmp_path / "v1")] and rpc_dirs(a) == []
     assert kinds[0] == "down"
+
+
+def generated_labels(fake) -> list[str]:
+    """The version label each generation of ``fake`` was sampled under (the fake's own record)."""
+    return [label for path, _, _, label in fake.served if path == fk.GENERATE_PATH]
+
+
+@pytest.mark.slow
+def test_in_flight_switches_are_recorded_and_a_restored_server_serves_them_with_their_label(tmp_path):
+    # Two in-flight switches (v1, v2) on both servers; then server 0 dies and comes back on its
+    # initial weights with vLLM's "default" label. The supervisor must restore the weights of the
+    # LAST switch and label the server v2, so its tokens say v2 (the fake tags them with its label).
+    a, b = fk.FakeVLLM().start(), fk.FakeVLLM().start()
+    port = int(a.url.rsplit(":", 1)[1])
+    try:
+
+        async def main():
+            client = InFlightVLLMClient([a.url, b.url], backoff_s=0.01, cooldown_s=0.5)
+            ServerSupervisor(client, [None, None], FAST)
+            async with client:
+                for v in (1, 2):
+                    assert await client.update_weights_from(written(tmp_path / f"v{v}"), version=v) == v
+                a.stop()
+                await wait_for(lambda: client.servers[0].down, what="server 0 out of service")
+                back = fk.FakeVLLM(port=port).start()
+                await wait_for(lambda: not client.servers[0].down, what="server 0 back")
+                outs = await asyncio.gather(
+                    *(client.generate([i + 1], SamplingParams(max_tokens=2)) for i in range(6))
+                )
+                return outs, back, client.current
+
+        outs, back, current = asyncio.run(main())
+    finally:
+        b.stop()
+    try:
+        assert all(o.token_versions() == [2, 2] for o in outs)
+        assert generated_labels(back) and set(generated_labels(back)) == {"2"}  # it served, as v2
+        assert rpc_dirs(back) == [os.fspath(tmp_path / "v2")] and back.label == "2"
+        assert current.directory == os.fspath(tmp_path / "v2") and current.version == 2
+    finally:
+        back.stop()
+
+
+@pytest.mark.slow
+def test_in_flight_switch_skips_a_server_out_of_service(tmp_path):
+    # Server 0 is out of service (its /health answers 503, its other routes still answer): the
+    # switch must not touch it (no pause, reload or relabel); it gets v1 and its label when restored.
+    with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
+
+        async def main():
+            client = InFlightVLLMClient([a.url, b.url], backoff_s=0.01)
+            ServerSupervisor(client, [None, None], FAST)
+            async with client:
+                a.mode = "unhealthy"
+                await wait_for(lambda: client.servers[0].down, what="server 0 out of service")
+                version = await client.update_weights_from(written(tmp_path / "v1"), version=1)
+                out = await client.generate([1], SamplingParams(max_tokens=2))
+                a.mode = "ok"  # back: restored with v1 and its label before serving
+                await wait_for(lambda: not client.servers[0].down, what="server 0 back")
+                return version, out
+
+        version, out = asyncio.run(main())
+    switch_pause = "/pause?mode=keep&clear_cache=true"
+    assert version == 1 and out.token_versions() == [1, 1]
+    assert a.count(switch_pause) == 0 and b.count(switch_pause) == 1  # the switch: server 1 only
+    assert a.count("/pause?mode=wait") == 1  # server 0: the restore's reload
+    assert rpc_dirs(b) == rpc_dirs(a) == [os.fspath(tmp_path / "v1")]
+    assert a.label == b.label == "1"
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2])
+def test_stop_returns_when_a_poke_lands_with_the_cancellation(turns):
+    # A request fails (it pokes the health loop) just as the client closes: the loop's wait must
+    # end on the cancellation, not swallow it (Python 3.11's wait_for did: stop() then hung).
+    with fk.FakeVLLM() as fake:
+
+        async def main():
+            client = VLLMClient([fake.url])
+            supervisor = ServerSupervisor(client, [None], SupervisorConfig(health_interval_s=30.0))
+            async with client:
+                await wait_for(lambda: bool(supervisor._poke._waiters), what="the loop waits for a poke")
+                supervisor.poke(0)
+                for _ in range(turns):  # the poke's wake-up may or may not have run
+                    await asyncio.sleep(0)
+                await asyncio.wait_for(supervisor.stop(), timeout=5.0)
+            return supervisor._task
+
+        assert asyncio.run(main()) is None

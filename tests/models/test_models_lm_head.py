@@ -24,6 +24,7 @@ from rljax.models.logprobs import (
     log_normalizer,
     logit_capacity,
     shifted_token_mask,
+    support_mask,
     support_probabilities,
 )
 from rljax.models.lora import LoRAConfig, apply_lora
@@ -38,8 +39,9 @@ def _dense(h, w, a, b, scale, targets, tau, floor):
         z = z + scale * jnp.einsum("gcr,rv->gcv", jnp.einsum("gch,hr->gcr", h, a), b)
     z = z / tau[..., None]
     support = z > -jnp.inf
-    if floor is not None:  # a target below the floor keeps its logit over the support's normalizer
-        support = z >= jnp.minimum(floor, z.max(-1))[..., None]
+    if floor is not None:  # the logits at or above the floor, and the target (it was drawn)
+        drawn = jnp.arange(z.shape[-1]) == targets[..., :1]
+        support = (z >= floor[..., None]) | drawn
     lse = jax.nn.logsumexp(jnp.where(support, z, -jnp.inf), axis=-1, keepdims=True)
     logq = jnp.where(support, z - lse, 0.0)
     entropy = -jnp.sum(jnp.exp(logq) * logq * support, axis=-1)
@@ -96,23 +98,31 @@ def test_head_values_and_gradients_equal_dense_autodiff(lora, with_floor, k):
 
 
 def test_support_floor_renormalises_over_the_kept_logits_by_hand():
-    # logits log([1, 2, 5]) and floor log(2): the support is {2, 5}, p = (0, 2/7, 5/7).
+    # logits log([1, 2, 5]), floor log(2), target 2: the support is {1, 2}, p = (0, 2/7, 5/7).
     z = jnp.log(jnp.array([[1.0, 2.0, 5.0]]))
-    lse, _, e, s = log_normalizer(z, jnp.log(jnp.array([2.0])))
+    support = support_mask(z, jnp.log(jnp.array([2.0])), jnp.array([[2]]))
+    assert np.asarray(support).tolist() == [[False, True, True]]
+    lse, e, s = log_normalizer(z, support)
     np.testing.assert_allclose(np.asarray(e[0] / s[0]), [0.0, 2 / 7, 5 / 7], rtol=1e-6)
     np.testing.assert_allclose(float(lse[0]), np.log(7.0), rtol=1e-6)
-    # a floor above the maximum keeps the maximum alone
-    lse, cut, e, s = log_normalizer(z, jnp.array([10.0]))
-    np.testing.assert_allclose(np.asarray(e[0] / s[0]), [0.0, 0.0, 1.0])
-    np.testing.assert_allclose(np.asarray(support_probabilities(z, lse, cut)[0]), [0.0, 0.0, 1.0])
+    # a floor above the maximum keeps the drawn token alone
+    support = support_mask(z, jnp.array([10.0]), jnp.array([[1]]))
+    lse, e, s = log_normalizer(z, support)
+    np.testing.assert_allclose(np.asarray(e[0] / s[0]), [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(np.asarray(support_probabilities(z, lse, support)[0]), [0.0, 1.0, 0.0])
     h, w = jnp.ones((1, 1, 1)), jnp.log(jnp.array([[1.0, 2.0, 5.0]]))  # h @ w = log([1, 2, 5])
     floor = jnp.log(jnp.array([[2.0]]))
     logp, ent = lm_head_logprobs(h, w, jnp.array([[2]]), jnp.ones((1, 1)), support_floor=floor)
     p = np.array([2 / 7, 5 / 7])
     np.testing.assert_allclose(float(logp[0, 0]), np.log(5 / 7), rtol=1e-6)
     np.testing.assert_allclose(float(ent[0, 0]), -np.sum(p * np.log(p)), rtol=1e-6)
-    below, _ = lm_head_logprobs(h, w, jnp.array([[0]]), jnp.ones((1, 1)), support_floor=floor)
-    np.testing.assert_allclose(float(below[0, 0]), np.log(1 / 7), rtol=1e-6)  # finite: log(e^z / 7)
+    # a drawn token below its floor stays in the support: {0, 1, 2}, p = (1, 2, 5) / 8
+    below, ent = lm_head_logprobs(h, w, jnp.array([[0]]), jnp.ones((1, 1)), support_floor=floor)
+    np.testing.assert_allclose(float(below[0, 0]), np.log(1 / 8), rtol=1e-6)
+    p = np.array([1, 2, 5]) / 8
+    np.testing.assert_allclose(float(ent[0, 0]), -np.sum(p * np.log(p)), rtol=1e-6)
+    with pytest.raises(ValueError, match="one target per row"):
+        lm_head_logprobs(h, w, jnp.array([[[0, 1]]]), jnp.ones((1, 1)), support_floor=floor)
 
 
 def _jaxpr_shapes(fn, *args):

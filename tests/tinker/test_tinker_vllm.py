@@ -1,6 +1,6 @@
 """Tinker sampling clients served by a REAL vLLM (CPU) server, driven by the real ``tinker`` SDK.
 
-One Tinker server per module (``rljax/recipes/tinker_vllm.py``: it launches ONE vLLM server on the base
+One Tinker server per module (``configs/tinker_vllm.py``: it launches ONE vLLM server on the base
 weights with runtime LoRA, ``--enforce-eager`` to skip vLLM's compile warm-up). References are the
 training client's own ``forward`` logprobs on the same tokens (rljax's jitted training program);
 the tolerance is float32 noise measured between vLLM and that program (see ``VLLM_ATOL``).

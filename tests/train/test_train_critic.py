@@ -380,3 +380,110 @@ def test_critic_config_validation():
         with pytest.raises(ValueError):
             CriticConfig(**bad)
     assert dataclasses.replace(CriticConfig(), value_clip=None).value_clip is None
+
+
+# -- credit across samples: a trajectory's turns in several samples and rows ---------------------
+
+
+def _trajectories_across_samples(rng):
+    """Three trajectories whose turns do not all merge: a (turn 1 extends turn 0, turn 2 a context
+    reset), b (a sub-agent call between two turns of the main agent, which merge around it) and c
+    (one turn). Rewards on every turn, holes in the loss masks."""
+
+    def resp(n):
+        mask = (rng.random(n) < 0.75).astype(int).tolist()
+        mask[0] = 1
+        return rng.integers(1, 64, n).tolist(), mask
+
+    def step(prompt, tid, last, n):
+        ids, mask = resp(n)
+        return Step(prompt, ids, tid, loss_mask=mask, reward=float(rng.normal()), is_last_step=last)
+
+    a0 = step([1, 2, 3], ("a", 0), False, 4)
+    a1 = step(a0.prompt_ids + a0.response_ids + [7, 8], ("a", 0), False, 3)
+    a2 = step([1, 5], ("a", 0), True, 5)  # does not extend: a new sample
+    b0 = step([4, 4], ("b", 0), False, 3)
+    b1 = step([6], ("b", 0), False, 2)  # the sub-agent
+    b2 = step(b0.prompt_ids + b0.response_ids + [9], ("b", 0), True, 3)  # merges into b0's sample
+    c0 = step([3], ("c", 0), True, 4)
+    return [a0, a1, b0, b1, a2, b2, c0]
+
+
+def _reference_returns(steps, value_of, gamma, lam):
+    """float64: per (step, response position) of trained tokens, GAE along the trajectory's trained
+    tokens in turn order; each step's reward on its last trained token."""
+    out = {}
+    for tid in {s.trajectory_id for s in steps}:
+        order = [(i, j) for i, s in enumerate(steps) if s.trajectory_id == tid
+                 for j in np.flatnonzero(s.loss_mask)]  # fmt: skip
+        next_v = next_a = 0.0
+        for i, j in reversed(order):
+            last = np.flatnonzero(steps[i].loss_mask)[-1]
+            r = steps[i].reward if j == last else 0.0
+            next_a = r + gamma * next_v - value_of[i, j] + gamma * lam * next_a
+            next_v = value_of[i, j]
+            out[i, j] = next_a + value_of[i, j]
+    return out
+
+
+def _positions(prep, layout):
+    """(step, response position) -> flat packed index of every kept response token."""
+    out = {}
+    for k, source in enumerate(layout.source_index.tolist()):
+        base = layout.rows[k] * layout.seq_len + layout.starts[k] + layout.prompt_lens[k]
+        for i, lo, hi in prep.turn_spans[source]:
+            for j in range(min(hi, layout.response_lens[k]) - lo):
+                out[i, j] = int(base + lo + j)
+    return out
+
+
+def _linked_returns(steps, value_of, cc, *, merge, seq_len, truncate=False):
+    from rljax.data.credit import turn_links
+
+    prep = prepare_samples(get_algorithm("ppo"), StepBatch(steps), merge=merge)
+    result = pack(prep.samples, seq_len=seq_len, truncate=truncate, token_rewards=prep.token_rewards)
+    at = _positions(prep, result.layout)
+    values = np.full(result.batch.tokens.size, 50.0, np.float32)  # junk off the trained tokens
+    for key, p in at.items():
+        values[p] = value_of[key]
+    links = turn_links(prep.samples, prep.turn_spans, result.layout)
+    _, ret = ppo_advantages(jnp.asarray(values.reshape(result.batch.shape)), result.batch, cc, links)
+    flat = np.asarray(ret).reshape(-1)
+    return {key: float(flat[p]) for key, p in at.items() if steps[key[0]].loss_mask[key[1]]}, result
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.8)])
+def test_turns_in_several_samples_get_the_returns_of_the_whole_trajectory(gamma, lam):
+    """Merged or not, with a prompt that does not extend and an interleaved sub-agent, packed into
+    several rows: every trained token's return is GAE's along its trajectory in turn order."""
+    rng = np.random.default_rng(11)
+    steps = _trajectories_across_samples(rng)
+    value_of = {(i, j): float(rng.normal()) for i, s in enumerate(steps) for j in range(len(s.response_ids))}
+    want = _reference_returns(steps, value_of, gamma, lam)
+    cc = CriticConfig(gamma=gamma, lam=lam, whiten_advantages=False)
+    for merge in (True, False):
+        got, result = _linked_returns(steps, value_of, cc, merge=merge, seq_len=16)
+        assert result.batch.shape[0] >= 3 and result.layout.num_samples == (5 if merge else 7)
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in want], [want[k] for k in want], rtol=1e-5, atol=1e-5)
+
+
+def test_a_truncated_sample_keeps_its_reward_and_its_link():
+    """truncate=True cuts the merged sample a0 + a1 inside a1: a1's reward (on its cut last trained
+    token) moves to the last kept trained token, and that token still bootstraps from a2."""
+    rng = np.random.default_rng(12)
+    steps = _trajectories_across_samples(rng)[:3] + _trajectories_across_samples(rng)[4:5]
+    a0, a1, _, a2 = steps
+    steps = [a0, a1.replace(loss_mask=[1, 1, 1]), a2]
+    value_of = {(i, j): float(rng.normal()) for i, s in enumerate(steps) for j in range(len(s.response_ids))}
+    seq_len = len(a1.prompt_ids) + 1  # a0's sample keeps a1's first response token only
+    got, result = _linked_returns(
+        steps, value_of, CriticConfig(whiten_advantages=False), merge=True, seq_len=seq_len, truncate=True
+    )
+    assert result.metrics["truncated_samples"] == 1
+    # gamma = lam = 1: a return is the rewards from the token on plus nothing bootstrapped at the end
+    total = a0.reward + a1.reward + a2.reward
+    np.testing.assert_allclose([got[0, j] for j in np.flatnonzero(a0.loss_mask)], total, rtol=1e-5)
+    np.testing.assert_allclose(got[1, 0], a1.reward + a2.reward, rtol=1e-5)
+    assert (1, 1) not in got  # cut
+    np.testing.assert_allclose([got[2, j] for j in np.flatnonzero(a2.loss_mask)], a2.reward, rtol=1e-5)

@@ -3,6 +3,7 @@ consumption and the staleness bound, by hand-computed cases and against a simula
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import types
 
@@ -10,12 +11,14 @@ import numpy as np
 import pytest
 
 from rljax.envs.base import Task
+from rljax.rollout import RolloutConfig
 from rljax.run.builders import process_batch
 from rljax.run.streaming import (
     Draw,
     Group,
     StreamingScheduler,
     StreamState,
+    _Window,
     combine_stream_metrics,
     draw_number,
     owned_tasks,
@@ -75,12 +78,61 @@ def test_choose_waits_for_a_group_due_now_and_prefers_earliest_deadlines():
     assert s.dropped_stale == 0
 
 
-def test_choose_takes_one_group_per_task_id():
-    s = StreamState(batch=2, max_staleness=2, num_steps=10)
-    for n, task in enumerate(["a", "a", "b"]):
-        s.admit(_draw(n, task), version=0, now=0.0)
-        s.finish(n, _result(), version=0, now=float(n))
-    assert [g.task_id for g in s.choose(0)] == ["a", "b"]
+def test_a_repeated_task_never_blocks_a_step():
+    """Batch 2, bound 1: the iterator hands out a, b, c, then c again (the epoch boundary) while the
+    first c is live. Both c groups would be due at step 1, and one step trains one group per task:
+    the second c is deferred instead, and every step finds its groups."""
+    s = StreamState(batch=2, max_staleness=1, num_steps=10)
+    started = [s.admit(_draw(n, task), version=0, now=0.0) for n, task in enumerate("abcc")]
+    for g in started:
+        if g is not None:
+            s.finish(g.draw.number, _result(), version=0, now=float(g.draw.number))
+    step0 = s.choose(0)
+    assert [g.task_id for g in step0] == ["a", "b"]
+    s.consume(step0)
+    for n, task in [(4, "d"), (5, "e")]:  # on version 1
+        s.admit(_draw(n, task), version=1, now=5.0)
+        s.finish(n, _result(), version=1, now=6.0)
+    step1 = s.choose(1)
+    assert step1 is not None, "step 1 has no feasible choice: the stream would wait forever"
+    assert [g.task_id for g in step1] == ["c", "d"]  # c is due at step 1, then the earliest finished
+    s.consume(step1)
+    assert started[3] is None and [d.number for d in s.pending] == [3]  # the second c waited
+    assert s.next_pending() == _draw(3, "c")  # and starts first now that the first c trained
+    assert s.dropped_stale == 0
+
+
+def test_start_next_defers_a_live_task_once_skips_it_after_and_draws_on():
+    tasks = [Task(t) for t in "abc"]
+    order = iter(["a", "b", "a", "c", "b", "a", "b"])  # the iterator's next tasks (a and b repeat)
+    numbers = iter(range(100))
+
+    def new_draw():
+        return Draw(Task(next(order)), next(numbers))
+
+    s = StreamState(batch=1, max_staleness=3, num_steps=10)
+    start = dict(num_tasks=len(tasks), version=0, now=0.0)
+    assert s.start_next(new_draw, **start).task_id == "a"
+    assert s.start_next(new_draw, **start).task_id == "b"
+    third = s.start_next(new_draw, **start)  # a is live: deferred, the next draw (c) starts
+    assert (third.task_id, third.draw.number) == ("c", 3)
+    assert [d.number for d in s.pending] == [2]
+    assert s.start_next(new_draw, **start) is None  # every task live: nothing starts, nothing drawn
+    assert next(order) == "b"
+    s.finish(1, _result(), version=0, now=1.0)
+    s.consume(s.choose(0))  # b trains; the next draws: a (live, one already pending: skipped), b
+    fourth = s.start_next(new_draw, **{**start, "version": 1})
+    assert (fourth.task_id, fourth.draw.number, fourth.start_version) == ("b", 5, 1)
+    assert s.draws_skipped == 1 and [d.number for d in s.pending] == [2]
+    s.finish(0, _result(), version=1, now=2.0)
+    s.consume(s.choose(1))  # a trains: its deferred draw starts first, on the served version
+    fifth = s.start_next(new_draw, **{**start, "version": 2})
+    assert (fifth.task_id, fifth.draw.number, fifth.start_version) == ("a", 2, 2)
+    # a checkpoint's outstanding draws are the pending, running and finished ones, in draw order
+    s.admit(_draw(9, "b"), version=2, now=3.0)  # b is live: pending
+    assert [d.number for d in s.outstanding()] == [2, 3, 5, 9]
+    with pytest.raises(RuntimeError, match="capacity rule"):
+        StreamState(batch=1, max_staleness=0, num_steps=0).admit(_draw(0), version=0, now=0.0)
 
 
 def test_a_group_past_its_deadline_is_dropped_and_drawn_again():
@@ -175,6 +227,35 @@ def test_staleness_metrics_over_trained_tokens():
     # finished on version 4: in flight 1, 0, 0, 0; in the queue 1 each
     assert m["async/staleness_inflight_mean"] == pytest.approx(1 / 4)
     assert m["async/staleness_queue_mean"] == pytest.approx(1.0)
+
+
+def test_a_group_an_in_flight_switch_reached_never_has_negative_inflight_staleness():
+    """With in-flight updates the embedded sampler samples with a published version at once, then
+    waits inside ``serve()`` until its running batches switched; the stream records the version as
+    served only when ``serve()`` returns. A group finishing in that wait has tokens of the new
+    version: it finished on that version, not the one recorded as served."""
+    steps = [
+        Step([1], [5, 6, 7], ("a", 0), response_versions=[1, 1, 2], policy_version=1),
+        Step([1], [5], ("s", 0), policy_version=7, algorithm="sft"),  # a frozen sampler's label
+    ]
+    state = StreamState(batch=1, max_staleness=1, num_steps=10, next_step=1)
+    group = state.admit(_draw(0), version=1, now=0.0)
+
+    async def run_rollout(tasks, engines, config):
+        return types.SimpleNamespace(batch=steps, metrics={"response_tokens": 4})
+
+    stream = types.SimpleNamespace(
+        rollout_config=RolloutConfig(), rollout_seed=0, run_rollout=run_rollout, _engines={},
+        dynamic_sampling=None, clock=lambda: 1.0, served_version=1, _frozen=frozenset({"sft"}),
+        state=state, _window=_Window(), _wakeup=lambda: None, _error=None,
+    )  # fmt: skip
+    asyncio.run(StreamingScheduler._run_group(stream, group))
+    assert group.finish_version == 2 and state.ready == [group]
+    m = staleness_metrics([group], 2, frozen=frozenset({"sft"}))
+    # at step 2 the tokens of versions 1, 1, 2 are 1, 1, 0 stale: all of it in flight (finished on 2)
+    assert m["async/staleness_mean"] == pytest.approx(2 / 3)
+    assert m["async/staleness_inflight_mean"] == pytest.approx(2 / 3)
+    assert m["async/staleness_queue_mean"] == 0.0
 
 
 def test_process_batch_owned_tasks_and_draw_numbers_split_the_stream():

@@ -35,6 +35,8 @@ STREAM_KEYS = (
     "async/groups_queued",
     "async/groups_dropped_stale",
     "async/groups_dropped_no_variance",
+    "async/draws_pending",
+    "async/draws_skipped",
     "async/engine_idle_fraction",
     "async/rollout_tokens_per_s",
     "async/train_tokens_per_s",
@@ -71,6 +73,28 @@ def test_fully_async_trains_within_the_bound_and_logs_the_stream(tmp_path):
     assert rows[1]["async/staleness_max"] == 0  # nothing was published before step 1
     assert [s for s, _ in shown["async/staleness_mean"]] == [1, 2, 3, 4]  # every sink has them
     assert 0.0 <= rows[2]["eval/reward_mean"] <= 1.0  # eval_every=2 runs beside the stream
+
+
+def test_fully_async_over_few_tasks_trains_every_step(tmp_path):
+    """6 tasks, 4 prompts per step, bound 1: up to 8 groups may be live, so every task is drawn
+    again while its previous group is still running or waiting (the stream defers those draws; one
+    step trains one group per task). All 12 steps train, within the bound, without a stale drop."""
+    c = load_recipe("smoke")
+    c.envs.lookup.update(num_train_tasks=6, num_eval_tasks=0)
+    c.warmstart.num_steps = 0
+    c.trainer.update(
+        num_steps=12, mode="fully_async", prompts_per_step=4, max_off_policy_steps=1,
+        checkpoint_every=0, eval_every=0, stall_timeout_s=300,  # a stall ends the run, loudly
+    )  # fmt: skip
+    history = Trainer(c, tmp_path).run()
+    assert [h["step"] for h in history] == list(range(1, 13))
+    rows = _rows(tmp_path)
+    for s in range(1, 13):
+        r = rows[s]
+        assert r["rollout/num_trajectories"] == 8 and r["optimizer_steps"] == 1
+        assert r["async/staleness_max"] <= 1 and r["policy_version/lag"] <= 1
+        assert r["async/groups_dropped_stale"] == 0
+        assert r["async/staleness_inflight_mean"] >= 0 and r["async/staleness_queue_mean"] >= 0
 
 
 def _launch(workdir: pathlib.Path, *extra: str, fault: str | None = None) -> subprocess.Popen:

@@ -9,6 +9,12 @@
    (1e-4, float32), and those weights differ from the other versions' (the check can fail).
    ``rl/mismatch_kl`` is at the float32 level on the first step, where every token is of the
    version trained (the bound of ``test_train_vllm_local.py``).
+   The same run loses its server mid-stream: right after the switch to version 1 its process is
+   SIGKILLed while the stream samples. The supervisor restarts it (a restarted vLLM serves the
+   initial weights, labelled "default") and restores the CURRENT weights under the CURRENT
+   label before it serves again: the run finishes, every completion answered after the restore
+   carries versions >= the one restored, and the truthful-label check above covers its tokens
+   too (a restored server labelled v0 would fail it, or stop the run on a stale sample).
 2. LoRA adapter syncs (the ``lora_vllm`` recipe): adapters are swapped while the stream runs. A vLLM
    request names its adapter, so a running request cannot move to a new one: with adapter syncs
    each turn is sampled by ONE adapter version (the one its request named; the next turn names the
@@ -16,7 +22,8 @@
    logprob under the adapter version it is labelled with.
 
 The weights each version served are recorded at the engine's ``serve`` (a copy of the model the
-sync sent, adapters included). Runtime: two server start-ups (~20-30 s each) plus a few steps.
+sync sent, adapters included). Runtime: two server start-ups (~20-30 s each), one restart, plus a
+few steps.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import asyncio
 import collections
 import itertools
 import math
+import os
+import signal
+import time
 
 import httpx
 import jax
@@ -157,12 +167,80 @@ def _check_rows(history: list[dict]) -> None:
     assert abs(history[0]["rl/mismatch_kl"]) < MISMATCH_KL_MAX
 
 
+@pytest.fixture
+def killed_after_first_switch(monkeypatch, served_weights):
+    """SIGKILLs the (only) server's process group after the switch to version 1, as soon as the
+    stream has requests on it; records ``kill`` (requests in flight then) and every in-flight
+    completion ``(time answered, versions)``."""
+    seen: dict = {"completions": []}
+    serve = engines_mod.EngineSet.serve
+
+    async def kill_when_busy(client):
+        while client.in_flight == 0:
+            await asyncio.sleep(0.01)
+        seen["kill"] = client.in_flight
+        os.killpg(client.supervisor.launched[0].process.pid, signal.SIGKILL)
+
+    async def serve_then_kill(self, version, model):
+        await serve(self, version, model)
+        if version == 1 and "killer" not in seen:  # on the requests' loop, not holding the trainer
+            seen["killer"] = asyncio.get_running_loop().create_task(kill_when_busy(self.policy))
+
+    generate = InFlightVLLMClient.generate
+
+    async def recorded(self, *args, **kwargs):
+        out = await generate(self, *args, **kwargs)
+        seen["completions"].append((time.monotonic(), out.token_versions()))
+        return out
+
+    monkeypatch.setattr(engines_mod.EngineSet, "serve", serve_then_kill)
+    monkeypatch.setattr(InFlightVLLMClient, "generate", recorded)
+    return seen
+
+
+def _check_restored(client, seen: dict) -> tuple[int, float]:
+    """The server was restarted once and restored; every completion answered after it was back
+    carries versions >= the one it was restored to (and there are some). Returns that version and
+    the seconds from the server going down to it being back in service."""
+    assert seen.get("kill", 0) > 0, "the server was not killed while the stream used it"
+    events = [e for e in client.supervisor.events if e.server == 0]
+    assert [e.kind for e in events] == ["down", "restart", "up"], events
+    assert "process exited" in events[0].detail or "GET /health" in events[0].detail
+    up = events[-1].at
+    restored = seen["restored"]
+    after = [versions for at, versions in seen["completions"] if at > up and versions]
+    assert after, "no completion was answered by the restarted server"
+    assert all(min(v) >= restored for v in after), (restored, after)
+    return restored, up - events[0].at
+
+
 @pytest.mark.integration
-def test_fully_async_vllm_in_flight_recompute_labels_every_token(tmp_path, vllm_python, served_weights):
+def test_fully_async_vllm_in_flight_recompute_labels_every_token(
+    tmp_path, vllm_python, served_weights, killed_after_first_switch, monkeypatch
+):
     c = _shrink(vllm_local.get_config())
     c.engine.in_flight_updates = "recompute"
-    history = Trainer(c, tmp_path).run()
+    c.engine.health_interval_s = 1.0
+    seen = killed_after_first_switch
+    restore = engines_mod.EngineSet._supervise
+
+    def supervise(self, client, model):  # the version the restore labels the server with
+        restore(self, client, model)
+        relabel = client.relabel
+
+        async def recorded(target, version):
+            seen["restored"] = version
+            await relabel(target, version)
+
+        client.relabel = recorded
+
+    monkeypatch.setattr(engines_mod.EngineSet, "_supervise", supervise)
+    t = Trainer(c, tmp_path)
+    start = time.monotonic()
+    history = t.run()
+    took = time.monotonic() - start
     _check_rows(history)
+    restored, outage = _check_restored(t.parts.engines.policy, seen)
     records = _records(tmp_path)
     assert sorted(records) == list(range(1, NUM_STEPS + 1))
     # every version a step trained reached the server (the last one may be cut short by the close)
@@ -179,7 +257,9 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(tmp_path, vllm_
         f"\nrecompute: tokens checked per version {dict(checked)} (max |vLLM - trainer| {worst:.2g}); "
         "completions crossed by a switch: "
         f"{crossed} (switches to {sorted(crossing)}); async/inflight_updates per row {per_row}; "
-        f"rl/mismatch_kl per row {[round(h['rl/mismatch_kl'], 8) for h in history]}"
+        f"rl/mismatch_kl per row {[round(h['rl/mismatch_kl'], 8) for h in history]}; server killed "
+        f"holding {seen['kill']} requests, back restored as v{restored} after {outage:.0f} s; "
+        f"run {took:.0f} s"
     )
 
 

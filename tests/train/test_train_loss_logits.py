@@ -14,8 +14,8 @@ from rljax.core.objective import ObjectiveConfig
 from rljax.models import sequence_logprobs
 from rljax.training.step import (
     TrainState,
-    loss_logprobs,
     mini_batch_counts,
+    policy_logprobs,
     split_micro_batches,
     train_mini_batch,
     with_logit_capacity,
@@ -48,15 +48,15 @@ def test_loss_only_logits_micro_batch_steps_equal_every_token():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_logprobs_are_the_policy_logprobs_of_the_loss_tokens():
+def test_policy_logprobs_are_those_of_the_loss_tokens():
     state = TrainState.create(tf.make_model(1), CONFIG)
     batch = tf.make_batch(50)
     full = sequence_logprobs(state.model, jnp.asarray(batch.tokens), positions=batch.positions,
                              segment_ids=batch.segment_ids, temperature=batch.temperatures)  # fmt: skip
     loss = np.asarray(batch.loss_mask) != 0
-    got = np.asarray(loss_logprobs(state, batch))
+    got = np.asarray(policy_logprobs(state, batch))
     np.testing.assert_allclose(got[loss], np.asarray(full)[loss], **LOGPROB_TOL)
     assert not np.any(got[~loss])
-    stacked = np.asarray(loss_logprobs(state, split_micro_batches(batch, 4)))
+    stacked = np.asarray(policy_logprobs(state, split_micro_batches(batch, 4)))
     np.testing.assert_allclose(stacked.reshape(got.shape), got, **LOGPROB_TOL)
     assert jax.tree.leaves(state.params)  # the state is not donated

@@ -137,7 +137,7 @@ def test_moe_micro_batches_equal_whole_batch(rows_per_micro):
 
 
 def test_qwen3_moe_gpu_recipe_from_a_tiny_moe_checkpoint(tmp_path):
-    """rljax/recipes/qwen3_moe_gpu.py from a tiny bf16 Qwen3-MoE checkpoint written by transformers, the
+    """configs/qwen3_moe_gpu.py from a tiny bf16 Qwen3-MoE checkpoint written by transformers, the
     embedded engine swapped in, the task run as an agent through the gateway (whose recorded calls
     carry the routed experts): 2 steps on its expert-parallel mesh, with replay and routing metrics."""
     torch = pytest.importorskip("torch")

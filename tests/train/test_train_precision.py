@@ -1,6 +1,6 @@
 """The real-model path on CPU: a bf16 HF checkpoint trains with float32 master weights.
 
-* the ``rljax/recipes/qwen3_gpu.py`` recipe, built from a tiny bf16 Qwen3 checkpoint written by
+* the ``configs/qwen3_gpu.py`` recipe, built from a tiny bf16 Qwen3 checkpoint written by
   transformers (shrunk, the embedded engine swapped in for vLLM), trains 2 steps at lr 1e-6: every
   parameter tensor moves away from the checkpoint, the run uses micro-batches and reports memory,
   and the saved weights load in transformers with the logits rljax computes;

@@ -1,6 +1,6 @@
 """The vLLM recipes end to end against a REAL vLLM (CPU) server, the trainer launching its own.
 
-Here: ``rljax/recipes/lora_vllm.py`` (adapter syncs only) on the shrunk ``vllm_local`` config. The
+Here: ``configs/lora_vllm.py`` (adapter syncs only) on the shrunk ``vllm_local`` config. The
 ``vllm_local`` recipe's own end-to-end checks (weight versions on samples, the served weights equal
 to the trainer's checkpoints, vLLM's logprobs equal to the trainer's within 1e-4) run on the
 two-server run of ``test_train_vllm_supervised.py``, whose first two steps are plain synchronous
@@ -46,7 +46,7 @@ def _small_config():
 
 
 def test_lora_vllm_recipe_syncs_adapters_only(tmp_path, monkeypatch, vllm_python):
-    """rljax/recipes/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
+    """configs/lora_vllm.py: servers on the base weights with runtime LoRA, one verified adapter
     sync per step under a versioned name, samples recorded with that version; the base never moves.
     The task runs as an agent through the gateway in front of the vLLM servers."""
     import rljax.agents as agents_mod

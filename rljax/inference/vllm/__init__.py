@@ -29,6 +29,7 @@ from rljax.inference.vllm.launcher import (
 from rljax.inference.vllm.supervisor import (
     CurrentWeights,
     LiveServers,
+    ServedAdapter,
     ServerSupervisor,
     SupervisorConfig,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "LiveServers",
     "MalformedResponseError",
     "RequestRejectedError",
+    "ServedAdapter",
     "ServerConfig",
     "ServerGroup",
     "ServerFaultError",

@@ -18,6 +18,13 @@ base stays as the servers loaded it. One sync (:func:`sync_adapter`) ships only 
 5. unload the previous adapter once no request naming it is pending (at most ``drain_timeout_s``)
    and delete the files its sync wrote.
 
+Under a :class:`~rljax.inference.vllm.supervisor.ServerSupervisor`, steps 2, 3 and 5 reach the
+servers in service only (a server lost meanwhile is dropped from the sync), and the adapter is
+recorded with its decode probe as a verified server ran it
+(:class:`~rljax.inference.vllm.supervisor.ServedAdapter`): a server restored later loads it and
+must decode the same greedy continuation with the same logprobs (:func:`replay_probe`) before it
+is back in service.
+
 Server flags (with :class:`rljax.inference.vllm.ServerConfig`)::
 
     ServerConfig(..., extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
@@ -62,6 +69,7 @@ __all__ = [
     "directory_bytes",
     "load_adapter_on_servers",
     "load_verified_adapter",
+    "replay_probe",
     "sync_adapter",
     "unload_adapter_on_servers",
     "verify_adapter",
@@ -176,11 +184,14 @@ async def verify_adapter(
     reference: Callable[[np.ndarray], np.ndarray],
     *,
     atol: float,
+    record: dict[str, Any] | None = None,
 ) -> tuple[float, ...]:
     """Runs :func:`decode_probe` of adapter ``name`` on every server and compares the generated
     tokens' logprobs with ``reference(ids)`` (the trainer's ``log p(ids[t] | ids[:t])``) on the same
     ids; returns the per-server max abs difference, or raises :class:`WeightSyncError` (with
-    ``diffs`` when the servers answered) if one is above ``atol``."""
+    ``diffs`` when the servers answered) if one is above ``atol``. ``record`` (a dict) receives the
+    first server's run: ``ids`` (prompt then continuation) and ``expected`` (the trainer's logprobs
+    of the continuation), what :func:`replay_probe` checks a restored server against."""
     answers = await asyncio.gather(
         *(decode_probe(client, name, probe, server=i) for i in range(len(client.urls))),
         return_exceptions=True,
@@ -189,13 +200,43 @@ async def verify_adapter(
     diffs = []
     for ids, got in answers:
         expected = np.asarray(await asyncio.to_thread(reference, np.asarray(ids, np.int64)), np.float64)
-        diffs.append(float(np.max(np.abs(got - expected[len(ids) - len(got) :]))))
+        expected = expected[len(ids) - len(got) :]
+        diffs.append(float(np.max(np.abs(got - expected))))
+        if record is not None and not record:
+            record.update(ids=tuple(int(t) for t in ids), expected=expected)
     return weight_sync.check_probe_diffs(
         client.urls,
         tuple(diffs),
         atol,
         after=f"after loading adapter {name!r}",
         why="; samples from them would be off-policy",
+    )
+
+
+async def replay_probe(
+    client: Any, name: str, ids: tuple[int, ...], expected: np.ndarray, *, atol: float
+) -> tuple[float, ...]:
+    """Checks that adapter ``name`` on every server of ``client`` decodes the greedy continuation a
+    verified server decoded (``ids``: prompt then continuation, as :func:`verify_adapter` records
+    it) with logprobs within ``atol`` of ``expected`` (the trainer's); returns the per-server max abs
+    difference, or raises :class:`WeightSyncError` with the differences (infinite where the
+    continuation itself differs: other weights)."""
+    probe = np.asarray(ids, np.int64)
+    answers = await asyncio.gather(
+        *(decode_probe(client, name, probe, server=i) for i in range(len(client.urls))),
+        return_exceptions=True,
+    )
+    weight_sync.raise_failed_probes(client.urls, answers, f"could not run the probe of adapter {name!r}")
+    diffs = tuple(
+        float(np.max(np.abs(got - expected))) if tuple(got_ids) == tuple(ids) else float("inf")
+        for got_ids, got in answers
+    )
+    return weight_sync.check_probe_diffs(
+        client.urls,
+        diffs,
+        atol,
+        after=f"after loading adapter {name!r} again",
+        why=" (inf: its greedy continuation of the probe differs from the verified one)",
     )
 
 
@@ -207,6 +248,7 @@ async def load_verified_adapter(
     path: str | os.PathLike,
     config: SyncConfig,
     reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> tuple[float, float, tuple[float, ...]]:
     """Loads the PEFT adapter directory ``path`` (written from ``model``) as ``name`` on every server
     of ``client`` and verifies it (steps 2 and 3 of the module docstring); returns
@@ -216,7 +258,8 @@ async def load_verified_adapter(
     an adapter that fails verification is unloaded again before :class:`WeightSyncError` is raised,
     so no unverified adapter stays loaded. Nothing on ``client`` changes: the caller decides which
     requests name the adapter (:func:`sync_adapter` switches the client to it; the Tinker API's
-    sampling sessions name it per request, several adapters side by side).
+    sampling sessions name it per request, several adapters side by side). ``record``: as for
+    :func:`verify_adapter`.
     """
     start = time.perf_counter()
     await unload_adapter_on_servers(client, name, missing_ok=True)  # a failed earlier try of this name
@@ -230,14 +273,16 @@ async def load_verified_adapter(
     atol = config.tolerance(getattr(model, "param_dtype", np.float32))
     try:
         try:
-            diffs = await verify_adapter(client, name, probe, reference, atol=atol)
+            diffs = await verify_adapter(client, name, probe, reference, atol=atol, record=record)
         except WeightSyncError as e:
             if config.on_mismatch != "retry" or not e.diffs:
                 raise
             logger.warning("adapter sync verification failed (%s); loading %s once more", e, name)
             await unload_adapter_on_servers(client, name, missing_ok=True)
             await load_adapter_on_servers(client, name, path)
-            diffs = await verify_adapter(client, name, probe, reference, atol=atol)
+            if record is not None:
+                record.clear()
+            diffs = await verify_adapter(client, name, probe, reference, atol=atol, record=record)
     except WeightSyncError as e:
         if config.on_mismatch != "warn" or not e.diffs:
             try:  # never leave an unverified adapter loaded
@@ -274,7 +319,9 @@ async def sync_adapter(
     them with ``rljax.models.sequence_logprobs`` on ``model`` (adapter applied).
 
     This does not serialise against other syncs nor record a failure on the client; a trainer calls
-    :meth:`VLLMClient.update_adapter`, which does both.
+    :meth:`VLLMClient.update_adapter`, which does both. With a supervisor on ``client`` the loads,
+    probes and unloads reach the servers in service only, and the adapter is recorded for the
+    servers restored later (module docstring).
     """
     from rljax.models.lora import save_adapter
 
@@ -294,13 +341,29 @@ async def sync_adapter(
     write_s = time.perf_counter() - start
     size = directory_bytes(path)
 
-    load_s, verify_s, diffs = await load_verified_adapter(
-        client, model, name=name, path=path, config=config, reference_logprobs=reference_logprobs
-    )
+    supervisor = getattr(client, "supervisor", None)
+
+    async def on_servers(work: Callable[[Any], Any]) -> Any:
+        """``work(target)`` on the servers in service (every server without a supervisor)."""
+        return await (work(client) if supervisor is None else supervisor.on_live(work))
+
+    record: dict[str, Any] = {}
+
+    async def load(target: Any) -> tuple[float, float, tuple[float, ...]]:
+        record.clear()  # a run redone on fewer servers records afresh
+        return await load_verified_adapter(
+            target, model, name=name, path=path, config=config, reference_logprobs=reference_logprobs,
+            record=record,
+        )  # fmt: skip
+
+    load_s, verify_s, diffs = await on_servers(load)
 
     last = getattr(client, "last_adapter_sync", None)
     previous_dir = last.directory if isinstance(last, AdapterSyncReport) and last.name == previous else None
     client.lora_name, client.weight_version = name, version  # one step: no request sees half of it
+    if supervisor is not None:
+        atol = config.tolerance(getattr(model, "param_dtype", np.float32))
+        supervisor.record_adapter(name, os.fspath(path), record.get("ids"), record.get("expected"), atol)
 
     unloaded, drained = None, True
     if unload_previous and previous is not None:
@@ -309,7 +372,7 @@ async def sync_adapter(
             logger.warning("requests naming adapter %s still pending after %ss; unloading it anyway",
                            previous, drain_timeout_s)  # fmt: skip
         try:
-            await unload_adapter_on_servers(client, previous, missing_ok=True)
+            await on_servers(lambda target: unload_adapter_on_servers(target, previous, missing_ok=True))
             unloaded = previous
         except WeightSyncError as e:  # a leak, not a wrong sample: go on
             logger.warning("could not unload the previous adapter %s: %s", previous, e)

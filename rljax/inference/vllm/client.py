@@ -23,8 +23,18 @@ Routing over several servers:
 - a 4xx (bad request) raises :class:`RequestRejectedError` with the server's message.
 
 Weight versions: while :meth:`VLLMClient.update_weights` runs, new requests wait; each completion
-records the version its request was dispatched under (requests in flight when a sync starts finish
-on the old weights, see :mod:`rljax.inference.vllm.weight_sync`).
+records the version its request was dispatched under, and that is the version whose weights
+generated it:
+
+- with ``SyncConfig.pause_mode="wait"`` (the default) a sync first waits until every request
+  dispatched before it has been answered, and only then pauses the servers: no request can reach a
+  server after the pause (vLLM would queue it and run it on the NEW weights after the resume);
+- with ``"abort"`` a generation that was out while its server was paused is sent again once the
+  sync is done (it may have reached the server after the pause), unless it came back aborted by
+  that pause (it was running on the old weights when it was cut);
+- ``"keep"`` (requests frozen and continued on the new weights) is refused: a completion here has
+  one version; :class:`~rljax.inference.vllm.pause.InFlightVLLMClient` reads vLLM's per-token
+  labels instead.
 
 LoRA adapters: with ``lora_name`` set (by :meth:`VLLMClient.update_adapter`, see
 :mod:`rljax.inference.vllm.adapter_sync`), requests name that adapter as their ``model``, and a
@@ -229,6 +239,20 @@ def parse_completion(
         weight_version=weight_version,
         routed_experts=choice_routing(choice, len(prompt_ids) + len(ids), routed_layers),
     )
+
+
+def aborted_by_one_pause(completion: Completion, pauses: int) -> bool:
+    """Whether a generation that was out while its server was paused ``pauses`` times keeps its
+    label: only when it came back "abort" from one pause (it was running when that pause cut it,
+    so every token is the old weights'); any other answer may come from a request that reached the
+    server after the pause and ran on the new weights.
+
+    >>> aborted_by_one_pause(Completion((1,), (-0.1,), "abort", 0), 1)
+    True
+    >>> aborted_by_one_pause(Completion((1,), (-0.1,), "length", 0), 1)
+    False
+    """
+    return completion.finish_reason == "abort" and pauses == 1
 
 
 def sampled_token_id(t: Any, position: int, what: str) -> int:
@@ -442,6 +466,14 @@ class VLLMClient:
                 f"VLLMClient stall_timeout_s (None or > 0) and all_down_timeout_s (> 0) got "
                 f"{stall_timeout_s}, {all_down_timeout_s}"
             )
+        sync = sync or weight_sync.SyncConfig()
+        if sync.pause_mode == "keep" and not getattr(self, "supports_in_flight_updates", False):
+            raise ValueError(
+                "VLLMClient sync.pause_mode='keep' continues the requests in flight on the new weights, "
+                "but a VLLMClient completion carries one weight version; use 'wait' (default) or "
+                "'abort', or InFlightVLLMClient (engine.in_flight_updates), which records vLLM's "
+                "per-token versions"
+            )
         self.model = model
         self.servers = [ServerState(u) for u in urls]
         self.max_retries = int(max_retries)
@@ -450,7 +482,7 @@ class VLLMClient:
         self.cooldown_s = float(cooldown_s)
         self.max_sessions = int(max_sessions)
         self.weight_version = int(weight_version)
-        self.sync_config = sync or weight_sync.SyncConfig()
+        self.sync_config = sync
         self.routed_layers = None if routed_layers is None else tuple(int(i) for i in routed_layers)
         self.last_sync: weight_sync.SyncReport | None = None
         self.lora_name = lora_name  # a LoRA adapter loaded on the servers: requests ask for it
@@ -474,6 +506,12 @@ class VLLMClient:
         self._sync_lock: asyncio.Lock | None = None
         self._sync_dir: str | None = None
         self._sync_error: weight_sync.WeightSyncError | None = None
+        # Gated requests sent and not yet answered (a "wait" sync pauses the servers once it is 0),
+        # and per server the number of pauses posted to it (a request out across one is suspect).
+        self._dispatched = 0
+        self._none_dispatched: asyncio.Event | None = None
+        self._draining = False
+        self._pauses = [0] * len(urls)
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._picks = 0
         self.stall_timeout_s = None if stall_timeout_s is None else float(stall_timeout_s)
@@ -502,6 +540,9 @@ class VLLMClient:
             self._open = asyncio.Event()
             self._open.set()
             self._sync_lock = asyncio.Lock()
+            self._none_dispatched = asyncio.Event()
+            if self._dispatched == 0:
+                self._none_dispatched.set()
             self._supervision_started()
 
     async def aclose(self) -> None:
@@ -659,8 +700,9 @@ class VLLMClient:
                 return live
             left = self._all_down_since + self.all_down_timeout_s - time.monotonic()
             if left > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._up.wait(), timeout=left)
+                with contextlib.suppress(TimeoutError):  # not wait_for: it can swallow a cancel
+                    async with asyncio.timeout(left):
+                        await self._up.wait()
                 continue
             if not self.live:
                 self._all_down = AllServersDownError(self._all_down_message())
@@ -680,8 +722,34 @@ class VLLMClient:
         return "\n".join(lines)
 
     def _stall_exempt(self) -> bool:
-        """True while a weight sync holds requests back (servers may be paused: no tokens then)."""
-        return self._open is not None and not self._open.is_set()
+        """True while a weight sync holds requests back (servers may be paused: no tokens then);
+        not while it waits for the requests sent before it (the servers are not paused yet)."""
+        return self._open is not None and not self._open.is_set() and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        """True while a sync waits for the requests dispatched before it to be answered (it pauses
+        the servers only then; see the module docstring)."""
+        return self._draining
+
+    def note_pause(self, servers: Sequence[int] | None = None) -> None:
+        """Records that a sync is about to pause ``servers`` (indices; None: all): a generation out
+        on one of them meanwhile may reach it after the pause and run on the new weights, so it is
+        sent again (``SyncConfig.pause_mode="abort"``; a "wait" sync pauses only once none is out)."""
+        for i in range(len(self.servers)) if servers is None else servers:
+            self._pauses[i] += 1
+
+    def _count_dispatched(self, n: int) -> None:
+        self._dispatched += n
+        if self._dispatched == 0:
+            self._none_dispatched.set()
+        else:
+            self._none_dispatched.clear()
+
+    def _drains_before_sync(self) -> bool:
+        """Whether a sync waits for the requests out before it pauses (``pause_mode="wait"``: they
+        would finish on the old weights anyway, and none can then reach a paused server)."""
+        return self.sync_config.pause_mode == "wait"
 
     async def _send(self, i: int, path: str, body: Mapping[str, Any]) -> Any:
         """POSTs ``body`` to server ``i`` under the progress deadline: it fails with
@@ -790,34 +858,33 @@ class VLLMClient:
         parse: Callable[[Any, int], Any],
         server: int | None = None,
         gated: bool = True,
+        keep_paused: Callable[[Any, int], bool] | None = None,
     ) -> Any:
         """POSTs ``body`` to ``path`` with routing, concurrency bound, retries and failover.
 
         ``parse(json_body, weight_version)`` turns the answer into the result; its
         :class:`MalformedResponseError` propagates at once. ``server`` pins one server (no failover).
         ``gated=False`` does not wait for a weight sync in progress (the sync's own verification).
+        ``keep_paused``: for a gated request that was out while its server was paused ``n`` times,
+        ``keep_paused(result, n)`` says whether the result may be kept; if not, the request is sent
+        again after the sync (not counted as a retry). None keeps every result.
         """
         self._ensure_loop_state()
         errors: list[str] = []
         tried: set[int] = set()
+        attempt = 0
         async with self._semaphore:
-            for attempt in range(self.max_retries + 1):
-                if gated:
-                    await self._open.wait()
-                    if self._sync_error is not None:
-                        raise weight_sync.WeightSyncError(
-                            "the last weight sync failed, so the servers may not serve the trainer's "
-                            f"weights; sync again before sampling. Cause: {self._sync_error}"
-                        )
-                if server is not None:
-                    i = server
-                else:
-                    i = self.pick_server(session_id, exclude=await self._routing_exclude(tried))
+            while True:
+                i = await self._dispatch_target(server, session_id, tried, gated)
                 tried.add(i)
                 state = self.servers[i]
-                version = self.weight_version
+                # No await since the gate was seen open: a sync now waits for this request (or,
+                # pausing in "abort" mode, counts the pause against it).
+                version, pauses = self.weight_version, self._pauses[i]
                 state.outstanding += 1
                 state.requests += 1
+                if gated:
+                    self._count_dispatched(1)
                 try:
                     answer = await self._send(i, path, body)
                 except Exception as e:
@@ -825,15 +892,40 @@ class VLLMClient:
                         raise
                     self._mark_failed(i)
                     errors.append(f"attempt {attempt + 1} on {state.url}: {type(e).__name__}: {e}")
-                    if attempt < self.max_retries:
-                        await asyncio.sleep(self.backoff(attempt))
+                    if attempt >= self.max_retries:
+                        break
+                    await asyncio.sleep(self.backoff(attempt))
+                    attempt += 1
                     continue
                 finally:
                     state.outstanding -= 1
-                return parse(answer, version)
+                    if gated:
+                        self._count_dispatched(-1)
+                result = parse(answer, version)
+                crossed = self._pauses[i] - pauses
+                if gated and crossed and keep_paused is not None and not keep_paused(result, crossed):
+                    continue  # maybe generated after the pause, by the new weights: send it again
+                return result
         raise ServerUnavailableError(
             f"{path} failed after {self.max_retries + 1} attempts:\n  " + "\n  ".join(errors)
         )
+
+    async def _dispatch_target(
+        self, server: int | None, session_id: str | None, tried: set[int], gated: bool
+    ) -> int:
+        """The server index of the next attempt, once a gated request may go: no sync holds
+        requests (re-checked after any wait for a server in service) and the last one succeeded."""
+        while True:
+            if gated:
+                await self._open.wait()
+                if self._sync_error is not None:
+                    raise weight_sync.WeightSyncError(
+                        "the last weight sync failed, so the servers may not serve the trainer's "
+                        f"weights; sync again before sampling. Cause: {self._sync_error}"
+                    )
+            exclude = frozenset() if server is not None else await self._routing_exclude(tried)
+            if not gated or (self._open.is_set() and self._sync_error is None):
+                return server if server is not None else self.pick_server(session_id, exclude=exclude)
 
     async def generate(
         self,
@@ -871,9 +963,15 @@ class VLLMClient:
                     weight_version=built_version if adapter else version,
                     routed_layers=self.routed_layers,
                 ),
+                keep_paused=aborted_by_one_pause,
             )
         finally:
             self._release(model)
+
+    async def relabel(self, target: Any, version: int) -> None:
+        """Makes the servers of ``target`` (this client, or a view of some of its servers) label
+        what they sample as weight ``version``. Nothing to do here: this client labels each
+        completion itself; :class:`~rljax.inference.vllm.pause.InFlightVLLMClient` relabels vLLM."""
 
     def _release(self, model: str) -> None:
         self._model_requests[model] -= 1
@@ -983,12 +1081,13 @@ class VLLMClient:
         if self.sync_config.directory is None and self._sync_dir is None:
             self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
 
-        async def sync() -> weight_sync.SyncReport:
+        async def sync(new_version: int) -> weight_sync.SyncReport:
             if self.supervisor is not None:  # the servers in service only; records the weights
                 return await self.supervisor.sync_model(
                     model,
                     directory=self.sync_config.directory or self._sync_dir,
                     reference_logprobs=reference_logprobs,
+                    version=new_version,
                 )
             return await weight_sync.sync_weights(
                 self,
@@ -1009,9 +1108,9 @@ class VLLMClient:
         same version and error semantics."""
         self._ensure_loop_state()
 
-        async def sync() -> weight_sync.SyncReport:
+        async def sync(new_version: int) -> weight_sync.SyncReport:
             if self.supervisor is not None:  # the servers in service only; records the weights
-                return await self.supervisor.sync_written(written)
+                return await self.supervisor.sync_written(written, version=new_version)
             reload_s, diffs, verify_s = await weight_sync.reload_and_verify(
                 self,
                 written.directory,
@@ -1030,14 +1129,21 @@ class VLLMClient:
 
         return await self._synced(sync, version)
 
-    async def _synced(self, sync: Callable[[], Any], version: int | None) -> int:
-        """Runs one weight sync with new requests held back; records the version or the error."""
+    async def _synced(self, sync: Callable[[int], Any], version: int | None) -> int:
+        """Runs one weight sync ``sync(new_version)`` with new requests held back (after the ones
+        out were answered, :meth:`_drains_before_sync`); records the version or the error."""
         async with self._sync_lock:
             self._open.clear()
             try:
+                if self._drains_before_sync():
+                    self._draining = True
+                    try:
+                        await self._none_dispatched.wait()
+                    finally:
+                        self._draining = False
                 new_version = self.weight_version + 1 if version is None else int(version)
                 try:
-                    self.last_sync = await sync()
+                    self.last_sync = await sync(new_version)
                 except weight_sync.WeightSyncError as e:
                     self._sync_error = e
                     raise

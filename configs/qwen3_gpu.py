@@ -18,8 +18,14 @@ Layout: the trainer holds the model on the mesh (parameters and Adam moments sha
 rljax.models.sharding; batches sharded by rows over data x fsdp); generation runs on vLLM servers
 (``engine.urls`` of servers you started on other GPUs, or ``engine.num_servers`` launched locally), and
 weights are synced to them after every update. ``mode="async"`` overlaps generation of step n+1 with
-training of step n (samples are at most ``max_off_policy_steps`` versions stale; DPPO's trust-region
-masks and the off-policy correction in ``objective.off_policy`` handle the mismatch).
+training of step n (samples are at most ``max_off_policy_steps`` versions stale).
+
+Off-policy training (design §3.4): the loss is PPO's clip with DAPO's clip-higher, its ratio taken
+against the old (proximal) policy, whose logprobs the trainer recomputes from the weights at the start
+of each step (``trainer.old_logprobs="recompute"``); token-level truncated importance sampling
+(``objective.off_policy``) then weighs every token by ``min(old / rollout, 2)``, the gap between the
+trainer's policy and what vLLM sampled (bf16 weights, a stale version). The start line of the run
+says which old logprobs it uses; ``off_policy/is_ratio_mean`` / ``_max`` show the gap.
 """
 
 from ml_collections import config_dict
@@ -47,6 +53,7 @@ def get_config() -> config_dict.ConfigDict:
         dtype="bfloat16",  # weights served (cast from the float32 master on every sync)
         urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
         num_servers=1,
+        server_devices=(),  # their own GPUs, e.g. ("4", "5", "6", "7"): num_servers=4, mesh fsdp=4 (launch/)
         python="",
         server=dict(
             max_model_len=4096,
@@ -61,8 +68,11 @@ def get_config() -> config_dict.ConfigDict:
     c.rollout.update(group_size=16, max_turns=4, max_tokens=1024, max_context_len=4096, temperature=1.0)
     c.warmstart.num_steps = 0  # a pretrained instruct model already knows the tool-call format
     c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
+    clip_higher = dict(eps_low=0.2, eps_high=0.28)  # DAPO
+    c.algorithm = dict(name="grpo", policy_loss="ppo_clip", policy_loss_kwargs=clip_higher)
     c.objective.off_policy = dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
     c.trainer.update(
+        old_logprobs="recompute",  # what "auto" chooses for ppo_clip + TIS, written out
         num_steps=500,
         mode="async",
         max_off_policy_steps=1,

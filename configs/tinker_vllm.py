@@ -1,5 +1,5 @@
-"""Tinker-compatible API recipe with sampling clients served by vLLM: ``rljax/recipes/tinker.py``'s tiny
-model (``head_dim`` 64: vLLM's CPU attention rejects smaller heads) with ``rljax/recipes/vllm_local.py``'s
+"""Tinker-compatible API recipe with sampling clients served by vLLM: ``configs/tinker.py``'s tiny
+model (``head_dim`` 64: vLLM's CPU attention rejects smaller heads) with ``configs/vllm_local.py``'s
 engine section::
 
     rljax serve --config=tinker_vllm --port=8000 --workdir=/tmp/rljax_tinker

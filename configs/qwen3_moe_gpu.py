@@ -7,13 +7,16 @@ Set the checkpoint directory (``config.json`` + ``*.safetensors`` + tokenizer fi
         --config.model.hf_path=/ckpts/Qwen3-30B-A3B --config.tokenizer.name=/ckpts/Qwen3-30B-A3B \\
         --config.mesh.fsdp=2 --config.mesh.expert=4 --workdir=/runs/qwen3_moe
 
-Why these choices (the reference recipe in the team notes):
+Why these choices:
 
 * **GSPO** (sequence-level importance ratio, Zheng et al. 2025) with the tight clip range its paper
-  uses for sequence ratios, ``eps_clip_low=3e-4``, ``eps_clip_high=4e-4``; token-level ratios of MoE
-  models are too noisy (a flipped expert changes one token's probability a lot).
-* **Sequence-level TIS** (``tis_ratio_type="sequence"``) corrects the remaining sampler/trainer
-  mismatch of whole samples.
+  uses for sequence ratios, ``eps_low=3e-4``, ``eps_high=4e-4`` (rljax's gspo default); token-level
+  ratios of MoE models are too noisy (a flipped expert changes one token's probability a lot). The
+  ratio is against the old (proximal) policy, whose logprobs the trainer recomputes from the weights at
+  the start of each step (``trainer.old_logprobs="recompute"``, design §3.4): against vLLM's own
+  logprobs, sampler noise alone would put most sequences outside so tight a clip.
+* **Sequence-level TIS** (``tis_ratio_type="sequence"``) weighs each sample by ``min(old / rollout,
+  5)``: the remaining sampler/trainer mismatch of whole samples.
 * **Router replay (R3)**, ``model.router_replay="r3"``: the trainer dispatches every token to the
   experts the sampler chose (gates recomputed from the current router, so the router still learns).
   Without it most tokens of a 30B-A3B model route differently in the trainer and runs collapse;
@@ -50,6 +53,7 @@ def get_config() -> config_dict.ConfigDict:
     c.renderer.kwargs = dict(retention="tool_cycle")
     c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
     c.algorithm = dict(name="grpo", policy_loss="gspo", policy_loss_kwargs=dict(eps_low=3e-4, eps_high=4e-4))
+    c.trainer.old_logprobs = "recompute"  # what "auto" chooses for gspo + TIS, written out
     c.objective.update(
         off_policy=dict(tis_ratio_type="sequence", sequence_tis_ratio_clip_high=5.0),
         reduction="sequence_mean",
