@@ -152,7 +152,14 @@ def xla_step(cfg, tokens: int, seq_len: int, remat: str, *, loss_only: bool, mic
     from rljax.core.objective import ObjectiveConfig
     from rljax.data.micro_batch import split_by_token_budget
     from rljax.models import Decoder
-    from rljax.training.step import TrainConfig, TrainState, mini_batch_counts, train_mini_batch, train_step
+    from rljax.training.step import (
+        TrainConfig,
+        TrainState,
+        mini_batch_counts,
+        train_mini_batch,
+        train_step,
+        with_logit_capacity,
+    )
 
     config = TrainConfig(objective=ObjectiveConfig(), loss_only_logits=loss_only)
     state = jax.eval_shape(lambda: TrainState.create(Decoder(cfg, remat=remat, rngs=nnx.Rngs(0)), config))
@@ -164,7 +171,12 @@ def xla_step(cfg, tokens: int, seq_len: int, remat: str, *, loss_only: bool, mic
     start = time.perf_counter()
     analysis = fn.lower(state, batch, counts).compile().memory_analysis()
     seconds = time.perf_counter() - start
-    head = int(np.count_nonzero(batch.loss_mask)) if loss_only else int(np.size(batch.tokens))
+    head = int(np.size(batch.tokens))
+    if loss_only:  # the loss-token buffer the step compiled with
+        head = (
+            int(np.prod(np.shape(batch.tokens)[:-2], dtype=int))
+            * with_logit_capacity(state, batch).config.logit_capacity
+        )
     return analysis, head, seconds
 
 

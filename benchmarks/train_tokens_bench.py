@@ -4,9 +4,12 @@ For a recipe (``smollm2_cpu``: SmolLM2-135M-Instruct, 8 prompts x 8 samples of s
 arithmetic; ``default``: the tiny multi-turn ``lookup`` recipe, 16 prompts x 8 samples), the train
 step runs on the recipe's own prepared samples, once per variant of the trainer:
 
-* ``every token``: ``trainer.loss_only_logits=False``: every packed token goes through the LM head;
-* ``loss-only logits``: the default: only the tokens that carry a loss (``loss_mask != 0``) do, in a
-  bucketed buffer (:func:`rljax.models.logprobs.sequence_forward`'s ``logit_mask``);
+* ``every token``: ``trainer.loss_only_logits=False`` and ``trainer.prefix_sharing="off"``: plain
+  rows, every packed token goes through the LM head;
+* ``loss-only logits``: only the tokens that carry a loss (``loss_mask != 0``) do, in a bucketed
+  buffer (:func:`rljax.models.logprobs.sequence_forward`'s ``logit_mask``), plain rows;
+* ``loss-only + prefix tree``: the defaults: loss-only logits on prefix-tree rows
+  (``trainer.prefix_sharing="auto"``, design §2.6: a group's shared prompt computed once);
 * any ``--variant NAME=KEY=VALUE,...`` of config overrides (e.g. ``model.remat=full`` or
   ``trainer.micro_batch_tokens=1024``). A variant that changes how samples are packed needs nothing
   more: each variant packs the samples itself, from its own config (:func:`pack_mini_batches`).
@@ -58,8 +61,9 @@ import numpy as np
 
 #: The built-in variants: name -> config overrides (dotted keys).
 VARIANTS: dict[str, dict[str, Any]] = {
-    "every token": {"trainer.loss_only_logits": False},
-    "loss-only logits": {"trainer.loss_only_logits": True},
+    "every token": {"trainer.loss_only_logits": False, "trainer.prefix_sharing": "off"},
+    "loss-only logits": {"trainer.loss_only_logits": True, "trainer.prefix_sharing": "off"},
+    "loss-only + prefix tree": {"trainer.loss_only_logits": True, "trainer.prefix_sharing": "auto"},
 }
 
 
@@ -128,7 +132,10 @@ def capture(recipe: str, path: str, steps: int) -> None:
 
 
 #: Keyword arguments of ``make_mini_batches`` that are packing options (the rest are streams).
-PACKING_KEYS = ("mini_batch_prompts", "seq_len", "row_buckets", "data_parallel", "truncate", "shuffle_seed")
+PACKING_KEYS = (
+    "mini_batch_prompts", "seq_len", "row_buckets", "data_parallel", "truncate", "shuffle_seed",
+    "prefix_sharing",
+)  # fmt: skip
 
 
 def pack_mini_batches(run: Any, captured: dict[str, Any]) -> list[Any]:
@@ -147,6 +154,7 @@ def pack_mini_batches(run: Any, captured: dict[str, Any]) -> list[Any]:
             data_parallel=run.data_parallel,
             truncate=t.truncate,
             shuffle_seed=0,
+            prefix_sharing=run.prefix_sharing,
             **captured["streams"],
         )
     ]

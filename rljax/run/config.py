@@ -497,9 +497,12 @@ class TrainerSection:
         :func:`rljax.data.pack.bucket_rows`.
       micro_batch_tokens: tokens per micro-batch, accumulated in one jitted scan (a multiple of
         ``seq_len``; 0 = no micro-batching).
-      loss_only_logits: the train step projects only the tokens that carry a loss through the
-        vocabulary (the others are never read), in a bucketed buffer (False: every packed token;
-        the same logprobs and gradients, slower).
+      loss_only_logits: True (the default): the train step, the old-policy recompute and the KL
+        reference's scoring project only the tokens that carry a loss (``loss_mask != 0``, the only
+        ones the objective and its metrics read) through the vocabulary, gathered into a bucketed
+        buffer (design §5); False: every packed token, prompts and tool outputs included. The same
+        logprobs and gradients within float32 rounding either way; on is faster and needs less
+        memory wherever tokens carry no loss (measured: docs/results.md).
       prefix_sharing: ``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO
         group's prompt, turns whose prompts share a prefix without extending each other) as prefix
         trees, each shared token computed once (design §2.6), whenever the policy model computes

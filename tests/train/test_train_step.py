@@ -221,7 +221,7 @@ def test_no_recompile_across_steps():
     state, _ = train_step(state, batch, counts)
     size = train_step.jitted._cache_size()
     capacities = {with_logit_capacity(state, batch).config.logit_capacity}
-    for seed in (81, 82, 83):
+    for seed in (81, 82):
         b = tf.make_batch(seed)
         state, _ = train_step(state, b, mini_batch_counts(b, OBJ))
         capacities.add(with_logit_capacity(state, b).config.logit_capacity)
