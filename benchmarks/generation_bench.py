@@ -34,16 +34,29 @@ and rljax by inversion (one uniform per row, per-row seeds); Tunix takes prompt 
 tokenizer adapter (here space-separated ids) and returns Python lists, rljax takes token lists
 through the Engine protocol (asyncio) and returns ``Completion`` records.
 
+``--group-size G`` makes the prompts GRPO-like groups: ``--num-prompts / G`` distinct prompts, each
+sent ``G`` times (the embedded sampler prefills each distinct prompt once; Tunix's sampler prefills
+every row).
+
 ``--decode-slots 64,256,1024`` also prints the model's decode cost in ms per step (``--num-prompts``
 rows, one :func:`rljax.models.decode_step` per step inside one jitted loop) at those cache sizes.
 
+Floors (printed with ``--tunix``): the weight-matmul floor (the pass's weight matmuls alone, timed)
+and the weight-streaming floor: a decode step reads every weight once (the output projection
+included, the input embedding's few rows not) and each row's filled KV-cache slots, so a pass
+cannot take less than ``sum over steps of (weight bytes + KV bytes) / bandwidth``, with the memory
+bandwidth measured here (:func:`memory_bandwidth`: a jitted sum over 512 MiB, best of 10).
+
 ``--layouts auto,off,on`` measures the embedded sampler alone with its decode-time weight layout
-(:func:`compare_layouts`): ``auto`` (the default, ``kernel_layout="auto"``: the AVX2 panel kernel
-only where its timed first-use comparison found it >= 5 % faster than XLA on this machine),
-``off`` (``"out_in"``: XLA, what ``RLJAX_PANEL_MATMUL=0`` gives) and ``on`` (``"panels"``: the kernel,
-as ``RLJAX_PANEL_MATMUL=1``), interleaved pass by pass in one process; it prints which layout auto
-chose, the kernel's timed choice and the seconds of every pass. With ``--layouts`` the defaults
-are the ``--tunix`` workload (29M Qwen3, 32 prompts x (64 + 128) tokens).
+(:func:`compare_layouts`): ``auto`` (the default, ``kernel_layout="auto"``: the panel kernel, in
+its fastest instruction set, only where its timed first-use comparison found it >= 5 % faster than
+XLA on this machine), ``off`` (``"out_in"``: XLA, what ``RLJAX_PANEL_MATMUL=0`` gives), ``on``
+(``"panels"``: the kernel in the widest instruction set, as ``RLJAX_PANEL_MATMUL=1``), ``avx2`` /
+``avx512`` (the kernel in that instruction set) and ``noshare`` (``auto`` with
+``prefix_sharing=False``: with ``--group-size`` it shows what prefilling a group's prompt once
+saves), interleaved pass by pass in one process; it prints which layout auto chose, the kernel's
+timed choice and the seconds of every pass. With ``--layouts`` the defaults are the ``--tunix``
+workload (29M Qwen3, 32 prompts x (64 + 128) tokens).
 
 Usage::
 
@@ -52,6 +65,7 @@ Usage::
     python benchmarks/generation_bench.py --quick              # 16 prompts x 32 new tokens
     python benchmarks/generation_bench.py --tunix              # rljax vs Google Tunix (29M, 32 x (64 + 128))
     python benchmarks/generation_bench.py --layouts auto,off,on --repeats 3   # the CPU decode kernel
+    python benchmarks/generation_bench.py --layouts auto,noshare --group-size 8   # prefix sharing
 """
 
 from __future__ import annotations
@@ -217,18 +231,21 @@ def weight_matmul_floor(
     new_tokens: int,
     reps: int = 3,
     kernel_layout: str = "out_in",
+    isa: str = "avx2",
+    group_size: int = 1,
 ) -> float:
     """Generated tokens/s of a pass that did nothing but the model's weight matmuls (a floor on time).
 
     The same matmuls a generation pass runs, with the model's shapes: per layer the q / k / v / o
-    projections and the gated MLP (gate, up, down), for ``rows * prompt_len`` prompt tokens at once
-    (prefill, the unembedding for the last token only) and then ``new_tokens`` steps of ``rows``
+    projections and the gated MLP (gate, up, down), for the ``rows / group_size`` distinct prompts'
+    ``prompt_len`` tokens at once (prefill, each shared by ``group_size`` rows; the unembedding for
+    the last token only) and then ``new_tokens`` steps of ``rows``
     tokens each with the unembedding, in one jitted program (a ``fori_loop`` over the steps, as a
     sampler's decode loop), float32, the weights passed as arguments (as a sampler's are).
     ``kernel_layout``: the weights stored ``[in, out]`` (``x @ W``), ``[out, in]`` (``x @ W^T``;
     XLA:CPU runs few-row matmuls faster that way) or ``"panels"`` (16-column panels multiplied by
-    :func:`rljax.models.panel_matmul.panel_matmul`, the embedded sampler's default on x86-64 CPUs
-    where it measured faster than XLA).
+    :func:`rljax.models.panel_matmul.panel_matmul` in instruction set ``isa``, the embedded sampler's
+    default on x86-64 CPUs where it measured faster than XLA).
     Attention over the cache, norms, RoPE and sampling are left out, so no sampler can beat it with
     the same matmuls; the best of ``reps`` timings after one warm-up.
     """
@@ -242,7 +259,7 @@ def weight_matmul_floor(
 
     def mm(x: jax.Array, w: jax.Array) -> jax.Array:
         if kernel_layout == "panels":
-            return panel_matmul(x, w)
+            return panel_matmul(x, w, isa)
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) if kernel_layout == "out_in" else x @ w
 
     layers = [
@@ -261,8 +278,8 @@ def weight_matmul_floor(
     @jax.jit
     def one_pass(weights: tuple, prompt: jax.Array) -> jax.Array:
         layers, unembed = weights
-        x = blocks(layers, prompt).reshape(rows, prompt_len, h)[:, -1]
-        x = x + mm(x, unembed)[:, :h]
+        x = blocks(layers, prompt).reshape(rows // group_size, prompt_len, h)[:, -1]
+        x = jnp.repeat(x + mm(x, unembed)[:, :h], group_size, axis=0)
 
         def step(_: jax.Array, x: jax.Array) -> jax.Array:
             x = blocks(layers, x)
@@ -270,7 +287,7 @@ def weight_matmul_floor(
 
         return jax.lax.fori_loop(0, new_tokens, step, x)
 
-    prompt = jax.random.normal(next(keys), (rows * prompt_len, h), jnp.float32)
+    prompt = jax.random.normal(next(keys), (rows // group_size * prompt_len, h), jnp.float32)
     jax.block_until_ready(one_pass(weights, prompt))
     best = float("inf")
     for _ in range(reps):
@@ -278,6 +295,67 @@ def weight_matmul_floor(
         jax.block_until_ready(one_pass(weights, prompt))
         best = min(best, time.perf_counter() - start)
     return rows * new_tokens / best
+
+
+def memory_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10) -> float:
+    """Bytes/s this process reads from memory: a jitted sum over ``nbytes`` of float32 (far larger
+    than the caches), the best of ``reps`` timings after a warm-up."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(total(x))
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def streaming_bytes(cfg: ModelConfig, *, rows: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """``(weight bytes, KV-cache bytes)`` a generation pass must read from memory, float32.
+
+    Each of the ``new_tokens`` decode steps reads every weight once (the output projection included,
+    the input embedding's few rows not) and, per layer, the keys and values of the slots each row
+    has filled (``prompt_len + t`` at step ``t``); the prefill reads the weights once more.
+    """
+    h, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = cfg.num_heads * hd * h * 2 + cfg.num_kv_heads * hd * h * 2 + 3 * h * cfg.intermediate_size
+    weights = 4 * (cfg.num_layers * per_layer + cfg.vocab_size * h)
+    kv_per_slot = 4 * 2 * cfg.num_layers * rows * cfg.num_kv_heads * hd
+    kv = sum(kv_per_slot * (prompt_len + t) for t in range(new_tokens))
+    return float(weights * (new_tokens + 1)), float(kv)
+
+
+def print_floors(
+    cfg: ModelConfig, prompts: list[list[int]], args: argparse.Namespace, rates: dict[str, float]
+) -> float:
+    """Prints the weight-matmul floor (timed, per stored layout / kernel instruction set) and the
+    weight-streaming floor, and each engine's best rate as a fraction of them; returns the
+    weight-matmul floor."""
+    load = _sibling("tunix_peer").load_average
+    shape = dict(rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens)
+    group = dict(group_size=args.group_size)  # each distinct prompt prefilled once
+    floors = {
+        layout: weight_matmul_floor(cfg, **shape, **group, kernel_layout=layout)
+        for layout in ("in_out", "out_in")
+    }
+    for isa in panel_matmul_lib.supported_isas():
+        floors[f"panels {isa}"] = weight_matmul_floor(cfg, **shape, **group, kernel_layout="panels", isa=isa)
+    floor = max(floors.values())
+    shared = "; each distinct prompt prefilled once" if args.group_size > 1 else ""
+    each = ", ".join(f"{name}: {rate:,.0f}" for name, rate in floors.items())
+    versus = "; ".join(f"{name} {rate / floor:.0%} of it" for name, rate in rates.items())
+    print(f"  weight-matmul floor (the pass's weight matmuls alone in one jitted program{shared}): "
+          f"{floor:,.0f} "
+          f"tokens/s ({each}); {versus} [load average {load()}]", flush=True)  # fmt: skip
+    weights, kv = streaming_bytes(cfg, **shape)
+    bandwidth = memory_bandwidth()
+    stream = len(prompts) * args.max_tokens / ((weights + kv) / bandwidth)
+    versus = "; ".join(f"{name} {rate / stream:.0%} of it" for name, rate in rates.items())
+    print(f"  weight-streaming floor: {stream:,.0f} tokens/s ({weights / 2**20:,.0f} MiB of weights and "
+          f"{kv / 2**20:,.0f} MiB of KV cache read per pass at {bandwidth / 1e9:.1f} GB/s measured); "
+          f"{versus} [load average {load()}]", flush=True)  # fmt: skip
+    return floor
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,22 +495,12 @@ def compare_tunix(
     finally:
         peer.__exit__(None, None, None)
     compared = peer_lib.report(ours, theirs, labels=("rljax embedded", "tunix Sampler"), goal=TUNIX_GOAL)
-    floors = {
-        layout: weight_matmul_floor(
-            model.config, rows=len(prompts), prompt_len=args.prompt_len, new_tokens=args.max_tokens,
-            kernel_layout=layout,
-        )
-        for layout in ("in_out", "out_in", "panels")
-        if layout != "panels" or panel_matmul_available()
-    }  # fmt: skip
-    floor = max(floors.values())
-    print(f"  weight-matmul floor (the pass's weight matmuls alone, one jitted program): {floor:,.0f} "
-          f"tokens/s (weights stored [out, in]: {floors['out_in']:,.0f}, "
-          f"[in, out]: {floors['in_out']:,.0f}, panels: {floors.get('panels', float('nan')):,.0f}); "
-          f"rljax {compared['rljax'] / floor:.0%} of it, tunix {compared['tunix'] / floor:.0%}; "
-          f"the goal ({TUNIX_GOAL:.0f}x tunix's best = {TUNIX_GOAL * compared['tunix']:,.0f} tokens/s) "
-          f"is {TUNIX_GOAL * compared['tunix'] / floor:.0%} of it [load average {peer_lib.load_average()}]",
-          flush=True)  # fmt: skip
+    rates = {
+        "rljax": compared["rljax"],
+        "tunix": compared["tunix"],
+        "the goal": TUNIX_GOAL * compared["tunix"],
+    }
+    floor = print_floors(model.config, prompts, args, rates)
     return {**compared, "floor": floor}
 
 
@@ -440,8 +508,31 @@ def compare_tunix(
 # the decode-time weight layout (the CPU panel kernel or XLA)
 # ------------------------------------------------------------------------------------------------
 
-#: ``--layouts`` names -> ``EmbeddedSampler(kernel_layout=...)``.
-LAYOUT_ARMS = {"auto": "auto", "off": "out_in", "on": "panels"}
+#: ``--layouts`` names -> ``(EmbeddedSampler(kernel_layout=...), RLJAX_PANEL_MATMUL at its construction
+#: or None, prefix_sharing)``.
+LAYOUT_ARMS = {
+    "auto": ("auto", None, True),
+    "off": ("out_in", None, True),
+    "on": ("panels", "1", True),
+    "avx2": ("panels", "avx2", True),
+    "avx512": ("panels", "avx512", True),
+    "noshare": ("auto", None, False),
+}
+
+
+@contextlib.contextmanager
+def _panel_switch(value: str | None) -> Any:
+    """``RLJAX_PANEL_MATMUL=value`` for the block (None: as it is)."""
+    old = os.environ.get("RLJAX_PANEL_MATMUL")
+    if value is not None:
+        os.environ["RLJAX_PANEL_MATMUL"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RLJAX_PANEL_MATMUL", None)
+        else:
+            os.environ["RLJAX_PANEL_MATMUL"] = old
 
 
 def compare_layouts(
@@ -453,15 +544,26 @@ def compare_layouts(
     load = _sibling("tunix_peer").load_average
     samplers: dict[str, EmbeddedSampler] = {}
     for name in args.layouts:
-        if LAYOUT_ARMS[name] == "panels" and not panel_matmul_available():
+        layout, switch, sharing = LAYOUT_ARMS[name]
+        if layout == "panels" and switch not in panel_matmul_lib.supported_isas() + ("1",):
+            print(
+                f"  {name}: not measured (the kernel runs {panel_matmul_lib.supported_isas()} here)",
+                flush=True,
+            )
+            continue
+        if layout == "panels" and not panel_matmul_available():
             print(f"  {name}: not measured ({panel_matmul_lib.unavailable_reason()})", flush=True)
             continue
-        samplers[name] = EmbeddedSampler(
-            model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=16,
-            kernel_layout=LAYOUT_ARMS[name],
-        )  # fmt: skip
+        with _panel_switch(switch):
+            samplers[name] = EmbeddedSampler(
+                model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=16,
+                kernel_layout=layout, prefix_sharing=sharing,
+            )  # fmt: skip
     if "auto" in samplers:
-        print(f"  auto chose kernel_layout={samplers['auto'].kernel_layout!r}", flush=True)
+        auto = samplers["auto"]
+        print(
+            f"  auto chose kernel_layout={auto.kernel_layout!r} (kernel_isa={auto.kernel_isa!r})", flush=True
+        )
     if panel_matmul_available() and os.environ.get("RLJAX_PANEL_MATMUL", "auto") in ("", "auto"):
         print(f"  {panel_matmul_lib.timed_choice().describe()}", flush=True)
 
@@ -486,10 +588,12 @@ def compare_layouts(
         median = float(np.median(seconds[name]))
         passes = "/".join(f"{t:.2f}" for t in seconds[name])
         versus = ""
-        if "off" in seconds and name != "off":
-            ratio = float(np.median(np.divide(seconds["off"], seconds[name])))
-            versus = f"; off / {name}: {ratio:.2f}x (median per pass pair)"
-        print(f"  {name} ({samplers[name].kernel_layout}): {passes} s per pass, median {median:.2f} s "
+        base = names[-1] if "off" not in seconds else "off"
+        if name != base:
+            ratio = float(np.median(np.divide(seconds[base], seconds[name])))
+            versus = f"; {base} / {name}: {ratio:.2f}x (median per pass pair)"
+        arm = " ".join(x for x in (samplers[name].kernel_layout, samplers[name].kernel_isa) if x)
+        print(f"  {name} ({arm}): {passes} s per pass, median {median:.2f} s "
               f"({tokens / median:,.0f} tokens/s){versus}", flush=True)  # fmt: skip
     return seconds
 
@@ -522,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=None, help="default 64; 32 with --tunix")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--min-prompt-len", type=int, default=None, help="default: --prompt-len")
+    parser.add_argument(
+        "--group-size", type=int, default=1, help="each distinct prompt sent this many times (GRPO groups)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed passes (the best is reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed passes first")
@@ -556,19 +663,24 @@ def main(argv: list[str] | None = None) -> int:
     min_len = args.prompt_len if args.min_prompt_len is None else args.min_prompt_len
     if not 1 <= min_len <= args.prompt_len:
         parser.error(f"--min-prompt-len must be in [1, --prompt-len={args.prompt_len}], got {min_len}")
+    if args.group_size < 1 or args.num_prompts % args.group_size:
+        parser.error(f"--group-size must divide --num-prompts={args.num_prompts}, got {args.group_size}")
 
     model = make_model(args.model_dir, args.seed, args.model)
     cfg = model.config
     rng = np.random.default_rng(args.seed)
-    lengths = rng.integers(min_len, args.prompt_len + 1, size=args.num_prompts)
-    prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lengths]
+    lengths = rng.integers(min_len, args.prompt_len + 1, size=args.num_prompts // args.group_size)
+    distinct = [rng.integers(0, cfg.vocab_size, size=int(n)).tolist() for n in lengths]
+    prompts = [p for p in distinct for _ in range(args.group_size)]
+    lengths = np.repeat(lengths, args.group_size)
     print(
         f"model: {cfg.model_type} hidden={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads}/"
         f"{cfg.num_kv_heads} head_dim={cfg.head_dim} vocab={cfg.vocab_size} params={num_params(model):,} "
         f"float32; jax device: {jax.devices()[0].device_kind} x{jax.device_count()}, {os.cpu_count()} CPUs"
     )
     print(
-        f"workload: {args.num_prompts} concurrent prompts of {lengths.min()}-{lengths.max()} tokens, exactly "
+        f"workload: {args.num_prompts} concurrent prompts ({len(distinct)} distinct) of "
+        f"{lengths.min()}-{lengths.max()} tokens, exactly "
         f"{args.max_tokens} new tokens each (no stop ids / ignore_eos), temperature 1, logprobs on; "
         f"best of {args.repeats} passes after {args.warmup} warm-up passes [load average "
         f"{_sibling('tunix_peer').load_average()}]",

@@ -505,6 +505,8 @@ def test_embedded_sampler_end_to_end():
                 )
     assert stopped >= 6  # the multi-turn bridged path was exercised
     assert result.metrics["turns_mean"] > 1 and result.metrics["bridged_fraction"] > 0.5
+    # a group's repetitions reach the sampler together and their shared prompt is prefilled once
+    assert sampler.num_prefilled_tokens < sampler.num_prompt_tokens
     # repetitions of a task sample differently; the same seed reproduces the whole rollout
     first_turns = {tuple(s.response_ids) for s in batch if s.trajectory_id.instance_id == "p0"}
     assert len(first_turns) > 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import io
@@ -639,13 +640,20 @@ def _has_attribute(cls: type, name: str) -> bool:
     for klass in cls.__mro__:
         if name in getattr(klass, "__annotations__", {}) or name in vars(klass):
             return True
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if re.search(rf"\bself\.{re.escape(name)}\s*(?::[^=]+)?=", source):
+        if name in _assigned_attributes(klass):
             return True
     return False
+
+
+@functools.cache
+def _assigned_attributes(klass: type) -> frozenset[str]:
+    """The names ``self.<name> = ...`` (or ``self.<name>: T = ...``) assigns in the source of
+    ``klass`` (read once per class: a build resolves thousands of references)."""
+    try:
+        source = inspect.getsource(klass)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"\bself\.(\w+)(?=\s*(?::[^=]+)?=)", source))
 
 
 def _on_missing_reference(app: Any, env: Any, node: Any, contnode: Any) -> Any:

@@ -52,11 +52,11 @@ import numpy as np
 from flax import nnx
 
 from rljax.inference.engine import Completion, SamplingParams
-from rljax.models.decode import decode_step, prefill
+from rljax.models.decode import SharedPrefix, decode_step, prefill
 from rljax.models.decode_layout import decode_layout
 from rljax.models.kv_cache import EMPTY_SLOT, grow_cache
 from rljax.models.panel_matmul import available as panel_matmul_available
-from rljax.models.panel_matmul import use_panels
+from rljax.models.panel_matmul import kernel_isa, use_panels
 from rljax.types import VersionSpan
 
 __all__ = [
@@ -65,9 +65,11 @@ __all__ = [
     "GREEDY_EPS",
     "KERNEL_LAYOUTS",
     "MIN_SEGMENT_STEPS",
+    "MIN_SHARED_PREFIX",
     "EmbeddedSampler",
     "auto_kernel_layout",
     "bucket_size",
+    "shared_prefix_groups",
     "decode_segment_ends",
     "first_argmax",
     "generate_tokens",
@@ -88,6 +90,11 @@ _FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 _NEG_INF = -jnp.inf
 #: Fewest decode steps per segment of the generation loop (:func:`decode_segment_ends`).
 MIN_SEGMENT_STEPS = 32
+#: Fewest leading tokens two different prompts of a batch must share for the sampler to prefill
+#: them once (:func:`shared_prefix_groups`); identical prompts always share.
+MIN_SHARED_PREFIX = 16
+#: Smallest padded width of the rows' own prompt tokens after a shared prefix (fewer programs).
+_MIN_OWN_BUCKET = 8
 
 
 def bucket_size(n: int, *, minimum: int = 1) -> int:
@@ -98,6 +105,57 @@ def bucket_size(n: int, *, minimum: int = 1) -> int:
     """
     n = max(int(n), int(minimum), 1)
     return 1 << (n - 1).bit_length()
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def shared_prefix_groups(
+    prompts: Sequence[Sequence[int]], *, min_shared: int | None = MIN_SHARED_PREFIX
+) -> tuple[list[int], list[int]]:
+    """Groups a batch's prompts by shared prefix: ``(group of each prompt, shared length of each group)``.
+
+    Identical prompts form one group whose prefix is the whole prompt (a GRPO group's samples arrive
+    together). With ``min_shared`` (None: identical prompts only), different prompts that share at
+    least ``min_shared`` leading tokens group too, with the longest prefix common to the whole group
+    (multi-turn samples whose histories start alike). The prompts are taken in lexicographic order,
+    where a group's common prefix is the smallest one between neighbours, and each joins the group
+    before it when the common prefix stays ``>= min_shared`` and the prefill tokens the group saves do
+    not drop (``k * lcp_new >= (k - 1) * lcp_old`` for a group of ``k``): one short match never cuts a
+    long shared prefix. Groups are numbered in order of their first prompt; a lone prompt is a group
+    of one whose prefix is the whole prompt.
+
+    >>> shared_prefix_groups([[1, 2, 3], [4, 5], [1, 2, 3]])
+    ([0, 1, 0], [3, 2])
+    >>> shared_prefix_groups([[1, 2, 3, 4], [1, 9], [1, 2, 3, 5], [1, 2, 3]], min_shared=2)
+    ([0, 1, 0, 0], [3, 2])
+    >>> shared_prefix_groups([[1, 2, 3, 4], [1, 2, 3, 5]], min_shared=None)
+    ([0, 1], [4, 4])
+    """
+    if min_shared is not None and min_shared < 1:
+        raise ValueError(f"min_shared must be None or >= 1, got {min_shared}")
+    runs: list[list[int]] = []
+    common: list[int] = []
+    for i in sorted(range(len(prompts)), key=lambda j: list(prompts[j])):
+        p = prompts[i]
+        if runs:
+            last, old, k = prompts[runs[-1][-1]], common[-1], len(runs[-1])
+            new = min(old, _common_prefix_len(last, p))
+            identical = new == old == len(p) == len(last)
+            if identical or (min_shared is not None and new >= min_shared and k * new >= (k - 1) * old):
+                runs[-1].append(i)
+                common[-1] = new
+                continue
+        runs.append([i])
+        common.append(len(p))
+    order = sorted(range(len(runs)), key=lambda r: min(runs[r]))
+    groups = [0] * len(prompts)
+    for g, r in enumerate(order):
+        for i in runs[r]:
+            groups[i] = g
+    return groups, [common[r] for r in order]
 
 
 def processed_logprobs(
@@ -369,6 +427,7 @@ def generate_tokens(
     max_new_tokens: int,
     pad_id: int = 0,
     segment_ends: Sequence[int] | None = None,
+    shared_prefix: SharedPrefix | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Samples up to ``max_new_tokens`` tokens per row in ``lax.while_loop`` segments (jit-safe).
 
@@ -398,6 +457,10 @@ def generate_tokens(
       pad_id: id written after a row finishes.
       segment_ends: static, increasing step counts ending with ``max_new_tokens``: one loop per
         entry (each one more copy of the decode step to compile); default one loop.
+      shared_prefix: prompts that share prefixes (:class:`rljax.models.decode.SharedPrefix`): row
+        ``b``'s prompt is ``shared_prefix.tokens[rows[b]]`` then ``prompt[b]`` (its own tokens,
+        possibly none), and each prefix is prefilled once (:func:`rljax.models.prefill`). The
+        sampling is that of the concatenated prompts; ``P`` below is then ``Pp + T``.
 
     Returns:
       ``(ids int32 [B, M], logprobs float32 [B, M], num_tokens int32 [B], finish int32 [B], routing,
@@ -410,7 +473,7 @@ def generate_tokens(
     chex.assert_rank([prompt, prompt_segment_ids, stop_ids], 2)
     chex.assert_rank([temperature, top_k, top_p, max_new, seeds], 1)
     chex.assert_equal_shape([prompt, prompt_segment_ids])
-    batch, prompt_len = prompt.shape
+    batch, prompt_len = prompt.shape[0], _prompt_width(prompt, shared_prefix)
     greedy = temperature < GREEDY_EPS
     temp = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
     uniforms = step_uniforms(seeds, max_new_tokens)  # [B, M], drawn once, outside the loop
@@ -419,8 +482,9 @@ def generate_tokens(
     if ends[-1] != max_new_tokens or any(b <= a for a, b in zip((0, *ends), ends, strict=False)):
         raise ValueError(f"segment_ends must increase from > 0 to max_new_tokens={max_new_tokens}: {ends}")
     logits, cache, prompt_routing = prefill(
-        model, prompt, max_length=prompt_len + ends[0], segment_ids=prompt_segment_ids, with_routing=record
-    )
+        model, prompt, max_length=prompt_len + ends[0], segment_ids=prompt_segment_ids, with_routing=record,
+        shared_prefix=shared_prefix,
+    )  # fmt: skip
     gen_routing = None
     if record:
         gen_routing = jnp.full((batch, max_new_tokens, *prompt_routing.experts.shape[2:]), -1, jnp.int32)
@@ -499,6 +563,7 @@ def _generate_program(
     max_new_tokens: int,
     pad_id: int,
     segment_ends: tuple[int, ...] | None = None,
+    shared_prefix: SharedPrefix | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
     model = nnx.merge(graphdef, state)
     return generate_tokens(
@@ -514,7 +579,13 @@ def _generate_program(
         max_new_tokens=max_new_tokens,
         pad_id=pad_id,
         segment_ends=segment_ends,
+        shared_prefix=shared_prefix,
     )
+
+
+def _prompt_width(prompt: jax.Array, shared_prefix: SharedPrefix | None) -> int:
+    """Cache slots a batch's prompts fill: their own columns, after the shared prefixes' when given."""
+    return prompt.shape[1] + (0 if shared_prefix is None else shared_prefix.tokens.shape[1])
 
 
 def _row_spans(switches: Sequence[tuple[int, int]], num_tokens: int) -> tuple[VersionSpan, ...]:
@@ -530,6 +601,35 @@ def _row_spans(switches: Sequence[tuple[int, int]], num_tokens: int) -> tuple[Ve
         if end > start:
             spans.append(VersionSpan(int(version), start, end))
     return tuple(spans)
+
+
+def _left_padded(
+    sequences: Sequence[Sequence[int]], rows: int, width: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, segment_ids)`` int32 ``[rows, width]``: each sequence right-aligned, 1 on its tokens.
+
+    >>> [a.tolist() for a in _left_padded([[7, 8], [9]], 3, 3, 0)]
+    [[[0, 7, 8], [0, 0, 9], [0, 0, 0]], [[0, 1, 1], [0, 0, 1], [0, 0, 0]]]
+    """
+    tokens = np.full((rows, width), pad_id, np.int32)
+    segments = np.zeros((rows, width), np.int32)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            tokens[i, width - len(seq) :] = seq
+            segments[i, width - len(seq) :] = 1
+    return tokens, segments
+
+
+def _firsts(groups: Sequence[int], items: Sequence[Any]) -> list[tuple[int, Any]]:
+    """``(group, item)`` for the first item of each group, in group order (groups numbered 0, 1, ...).
+
+    >>> _firsts([1, 0, 1, 2], "abcd")
+    [(0, 'b'), (1, 'a'), (2, 'd')]
+    """
+    first: dict[int, Any] = {}
+    for g, item in zip(groups, items, strict=True):
+        first.setdefault(g, item)
+    return sorted(first.items())
 
 
 def _snapshot(state: Any) -> Any:
@@ -549,15 +649,16 @@ def _start_program(
     max_new: jax.Array,
     max_new_tokens: int,
     pad_id: int,
+    shared_prefix: SharedPrefix | None = None,
 ) -> tuple[_Carry, Any]:
-    """Prefills the prompts into a cache of ``P + max_new_tokens`` slots; returns the loop carry at
-    step 0 and the prompt routing (MoE) or None."""
+    """Prefills the prompts (after their shared prefixes, :func:`generate_tokens`) into a cache of
+    ``P + max_new_tokens`` slots; returns the loop carry at step 0 and the prompt routing (MoE) or None."""
     model = nnx.merge(graphdef, state)
-    batch, prompt_len = prompt.shape
+    batch, prompt_len = prompt.shape[0], _prompt_width(prompt, shared_prefix)
     record = bool(getattr(model.config, "moe_layers", ()))
     logits, cache, prompt_routing = prefill(
         model, prompt, max_length=prompt_len + max_new_tokens, segment_ids=prompt_segment_ids,
-        with_routing=record,
+        with_routing=record, shared_prefix=shared_prefix,
     )  # fmt: skip
     gen_routing = None
     if record:
@@ -612,6 +713,7 @@ def _recompute_program(
     width: int,
     pad_id: int,
     prompt_routing: Any = None,
+    shared_prefix: SharedPrefix | None = None,
 ) -> tuple[_Carry, Any]:
     """The carry with its KV cache and next-token logits recomputed by the given (new) weights.
 
@@ -628,9 +730,12 @@ def _recompute_program(
     with. A completion's recorded routing is thus that of its last weight version throughout, and
     replaying it reproduces exactly the forward of its last span's tokens (design §5). Finished
     rows keep theirs (all their tokens are of the old version).
+
+    With ``shared_prefix`` (:func:`generate_tokens`) the prefixes are prefilled once again and
+    ``prompt`` holds the rows' own prompt tokens after them (``P = Pp + T``).
     """
     model = nnx.merge(graphdef, state)
-    prompt_len = prompt.shape[1]
+    prompt_len = _prompt_width(prompt, shared_prefix)
     max_length = carry.cache.max_length
     gen = carry.ids[:, : width - prompt_len]
     valid = jnp.arange(width - prompt_len, dtype=jnp.int32)[None, :] < carry.num_tokens[:, None]
@@ -638,8 +743,9 @@ def _recompute_program(
     segments = jnp.concatenate([prompt_segment_ids, valid.astype(jnp.int32)], axis=1)
     record = carry.routing is not None
     logits, cache, routing = prefill(
-        model, tokens, max_length=max_length, segment_ids=segments, with_routing=record
-    )
+        model, tokens, max_length=max_length, segment_ids=segments, with_routing=record,
+        shared_prefix=shared_prefix,
+    )  # fmt: skip
     index = prompt_len + carry.step
     written = jnp.arange(max_length, dtype=jnp.int32)[None, :] < index
     cache = cache.replace(segment_ids=jnp.where(written, cache.segment_ids, EMPTY_SLOT), index=index)
@@ -662,12 +768,14 @@ _JITTED_RECOMPUTE = jax.jit(_recompute_program, static_argnums=(0, 5, 6), donate
 KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _decode_state(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
-    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _decode_state(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
+    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout, isa))
 
 
-def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple[Any, Any]:
+def to_decode_layout(
+    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None
+) -> tuple[Any, Any]:
     """``(graphdef, state)`` of the sampler's decode-time copy of the model, a
     :class:`rljax.models.decode_layout.DecodeModel` with its Linear kernels stored for decoding
     (:func:`rljax.models.decode_layout.decode_layout`: ``"out_in"`` transposed, ``"panels"`` packed
@@ -677,12 +785,12 @@ def to_decode_layout(graphdef: Any, state: Any, layout: str = "out_in") -> tuple
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
     weight-matmul floor with each stored layout).
     """
-    return decode_graphdef(graphdef, state, layout), _decode_state(graphdef, state, layout)
+    return decode_graphdef(graphdef, state, layout, isa), _decode_state(graphdef, state, layout, isa)
 
 
-def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in") -> Any:
+def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
     """The graphdef of :func:`to_decode_layout`'s model (traced abstractly: no arrays are made)."""
-    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout), state))
+    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout, isa), state))
 
 
 def auto_kernel_layout(model: Any) -> str:
@@ -718,9 +826,9 @@ class EmbeddedSampler:
         model's own arrays, no copy), ``"out_in"`` (a transposed copy made on every
         :meth:`set_weights`, :func:`to_decode_layout`: decode's few-row matmuls run faster on
         XLA:CPU than with ``"in_out"``) or ``"panels"`` (a copy packed into 16-column panels, output
-        projection included, multiplied by the AVX2 kernel of :mod:`rljax.models.panel_matmul`;
-        float32 models on x86-64 CPUs; ``"out_in"`` where the kernel is not available, and
-        ``kernel_layout`` then says so);
+        projection included, multiplied by the AVX2 or AVX-512 kernel of
+        :mod:`rljax.models.panel_matmul`, :attr:`kernel_isa`; float32 models on x86-64 CPUs;
+        ``"out_in"`` where the kernel is not available, and ``kernel_layout`` then says so);
         ``"auto"`` (default, :func:`auto_kernel_layout`): ``"panels"`` where that kernel is
         available and measured faster than XLA on this machine (timed once, cached), else
         ``"out_in"`` on CPU, and ``"in_out"`` elsewhere (the copy would hold the weights twice in
@@ -742,6 +850,17 @@ class EmbeddedSampler:
         Off (default): one compiled loop per batch, and a batch finishes on the weights it
         started with.
       in_flight_segment_steps: decode steps between two weight checks with ``in_flight_updates``.
+      prefix_sharing: prefill a prompt prefix shared by requests of one batch once and start each
+        of them from a copy of its cache (:func:`shared_prefix_groups`; what vLLM's prefix caching
+        saves): identical prompts (a GRPO group's samples, which arrive together) and prompts that
+        share at least ``min_shared_prefix`` leading tokens (multi-turn samples whose histories start
+        alike); used where it prefills fewer (padded) tokens than the batch's own prompts. The same
+        tokens for the same seeds as without it, logprobs and support floors within float32
+        rounding. Models with linear-attention layers (Qwen3.5 / Qwen3-Next) share identical prompts
+        only, each row starting from a copy of the prefix's recurrent state and convolution window.
+        Default True.
+      min_shared_prefix: fewest leading tokens different prompts must share to be prefilled once
+        (identical prompts always are).
 
     >>> import asyncio
     >>> from flax import nnx
@@ -771,6 +890,8 @@ class EmbeddedSampler:
         decode_segments: int = 4,
         in_flight_updates: bool = False,
         in_flight_segment_steps: int = 16,
+        prefix_sharing: bool = True,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
     ) -> None:
         if kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(
@@ -786,6 +907,8 @@ class EmbeddedSampler:
         elif kernel_layout == "panels" and not panel_matmul_available():
             kernel_layout = "out_in"  # decided here, not inside the jitted copy (its trace is cached)
         self.kernel_layout = kernel_layout
+        #: the panel kernel's instruction set (``"avx2"`` / ``"avx512"``) with ``"panels"``, else None.
+        self.kernel_isa = kernel_isa() if kernel_layout == "panels" else None
         sizes = dict(
             max_batch_size=max_batch_size,
             min_batch_bucket=min_batch_bucket,
@@ -793,6 +916,7 @@ class EmbeddedSampler:
             min_new_tokens_bucket=min_new_tokens_bucket,
             decode_segments=decode_segments,
             in_flight_segment_steps=in_flight_segment_steps,
+            min_shared_prefix=min_shared_prefix,
         )
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -811,6 +935,8 @@ class EmbeddedSampler:
         self.min_prompt_bucket = int(min_prompt_bucket)
         self.min_new_tokens_bucket = int(min_new_tokens_bucket)
         self.decode_segments = int(decode_segments)
+        self.prefix_sharing = bool(prefix_sharing)
+        self.min_shared_prefix = int(min_shared_prefix)
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         if not 0 <= pad_id < self.vocab_size:
             raise ValueError(f"pad_id must be a token id in [0, {self.vocab_size}), got {pad_id}")
@@ -822,6 +948,10 @@ class EmbeddedSampler:
         self._worker: asyncio.Task | None = None
         self.num_batches = 0
         self.num_requests = 0
+        #: prompt tokens of the requests served, and how many of them were prefilled (fewer when
+        #: requests shared a prefix: ``prefix_sharing``).
+        self.num_prompt_tokens = 0
+        self.num_prefilled_tokens = 0
         self.in_flight_updates = bool(in_flight_updates)
         self.in_flight_segment_steps = int(in_flight_segment_steps)
         #: in-flight mode: decode segments run, weight switches applied to running batches, and the
@@ -838,9 +968,10 @@ class EmbeddedSampler:
         if self.kernel_layout != "in_out":
             layout = self.kernel_layout
             served = self._decode_graphdefs.get(graphdef)
+            isa = self.kernel_isa
             if served is None:  # traced once per model graphdef, not on every weight sync
-                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout)
-            return served, _decode_state(graphdef, state, layout)
+                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout, isa)
+            return served, _decode_state(graphdef, state, layout, isa)
         return graphdef, _snapshot(state)
 
     @property
@@ -978,24 +1109,21 @@ class EmbeddedSampler:
         graphdef, state, version = self._weights
         n = len(prompts)
         rows = bucket_size(n, minimum=self.min_batch_bucket)
-        prompt_len = bucket_size(max(map(len, prompts)), minimum=self.min_prompt_bucket)
+        tokens, segments, shared, row_segments = self._prompt_arrays(prompts, rows)
+        prompt_len = row_segments.shape[1]
         budgets = [
             min(s.max_tokens, self.max_model_len - len(p)) for p, s in zip(prompts, params, strict=True)
         ]
         new_len = bucket_size(max(budgets), minimum=self.min_new_tokens_bucket)
         num_stop = bucket_size(max(len(s.stop_token_ids) for s in params), minimum=4)
 
-        tokens = np.full((rows, prompt_len), self.pad_id, np.int32)
-        segments = np.zeros((rows, prompt_len), np.int32)
         temperature = np.ones((rows,), np.float32)
         top_k = np.zeros((rows,), np.int32)
         top_p = np.ones((rows,), np.float32)
         max_new = np.zeros((rows,), np.int32)
         stop_ids = np.full((rows, num_stop), -1, np.int32)
         seeds = np.zeros((rows,), np.uint32)
-        for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
-            tokens[i, prompt_len - len(p) :] = p
-            segments[i, prompt_len - len(p) :] = 1
+        for i, s in enumerate(params):
             temperature[i] = s.temperature
             top_k[i] = 0 if s.top_k is None else min(int(s.top_k), self.vocab_size)
             top_p[i] = s.top_p
@@ -1009,6 +1137,7 @@ class EmbeddedSampler:
                 switches,
                 (tokens, segments, temperature, top_k, top_p, max_new, stop_ids, seeds),
                 new_len,
+                shared,
             )
         else:
             ids, logprobs, num_tokens, finish, routing, floors = _JITTED_GENERATE(
@@ -1025,12 +1154,17 @@ class EmbeddedSampler:
                 new_len,
                 self.pad_id,
                 decode_segment_ends(new_len, self.decode_segments, prompt_len=prompt_len),
+                shared,
             )
         ids, logprobs, num_tokens, finish, routing, floors = jax.device_get(
             (ids, logprobs, num_tokens, finish, routing, floors)
         )
         self.num_batches += 1
         self.num_requests += n
+        self.num_prompt_tokens += sum(map(len, prompts))
+        self.num_prefilled_tokens += int(segments.sum())
+        if shared is not None:
+            self.num_prefilled_tokens += int(shared.segment_ids.sum())
         out = []
         for i in range(n):
             k = int(num_tokens[i])
@@ -1042,7 +1176,7 @@ class EmbeddedSampler:
                 )
             routed = None
             if routing is not None:  # rows of prompt + generated tokens but the last (vLLM's layout)
-                prompt_rows = routing[0][i, prompt_len - len(prompts[i]) :]
+                prompt_rows = routing[0][i, row_segments[i] != 0]
                 routed = np.concatenate([prompt_rows, routing[1][i, : max(k - 1, 0)]], axis=0)
             spans = _row_spans(switches, k)
             truncated = bool(top_k[i] and top_k[i] < self.vocab_size) or float(top_p[i]) < 1.0
@@ -1059,22 +1193,61 @@ class EmbeddedSampler:
             )
         return out
 
+    def _prompt_arrays(
+        self, prompts: list[list[int]], rows: int
+    ) -> tuple[np.ndarray, np.ndarray, SharedPrefix | None, np.ndarray]:
+        """A batch's prompts as the generation program takes them: ``(tokens, segment_ids,
+        shared_prefix, row_segment_ids)``.
+
+        Without shared prefixes (:func:`shared_prefix_groups` finds none, or sharing is off or would
+        not save prefill work) each row's prompt is left-padded to ``P`` and ``shared_prefix`` is
+        None. Otherwise each group's prefix is a left-padded row of ``shared_prefix`` (``Pp`` wide),
+        and ``tokens`` holds each row's own tokens after it (``T`` wide, possibly 0).
+        ``row_segment_ids`` ``[rows, Pp + T]`` marks each row's prompt slots in the cache.
+        """
+        lengths = [len(p) for p in prompts]
+        width = bucket_size(max(lengths), minimum=self.min_prompt_bucket)
+        groups, shared = list(range(len(prompts))), lengths
+        if self.prefix_sharing:
+            # Linear-attention layers: a row's own tokens are left-padded after the prefix, and their
+            # causal convolution does not reach across padding inside a sample (the window would be
+            # cut), so only identical prompts share (the copied state and window are then exact).
+            min_shared = None if getattr(self.config, "linear_layers", ()) else self.min_shared_prefix
+            groups, shared = shared_prefix_groups(prompts, min_shared=min_shared)
+        if len(shared) < len(prompts):
+            own = [n - shared[g] for n, g in zip(lengths, groups, strict=True)]
+            prefix_width = bucket_size(max(shared), minimum=self.min_prompt_bucket)
+            own_width = bucket_size(max(own), minimum=_MIN_OWN_BUCKET) if max(own) else 0
+            prefix_rows = bucket_size(len(shared))
+            if prefix_rows * prefix_width + rows * own_width < rows * width:  # fewer tokens to prefill
+                firsts = [p[: shared[g]] for g, p in _firsts(groups, prompts)]
+                prefix = _left_padded(firsts, prefix_rows, prefix_width, self.pad_id)
+                owns = [p[n - k :] for p, n, k in zip(prompts, lengths, own, strict=True)]
+                tokens, segments = _left_padded(owns, rows, own_width, self.pad_id)
+                row_prefix = np.zeros((rows,), np.int32)
+                row_prefix[: len(groups)] = groups
+                row_segments = np.concatenate([prefix[1][row_prefix], segments], axis=1)
+                return tokens, segments, SharedPrefix(*prefix, row_prefix), row_segments
+        tokens, segments = _left_padded(prompts, rows, width, self.pad_id)
+        return tokens, segments, None, segments
+
     def _generate_in_flight(
         self,
         weights: tuple[Any, Any, int],
         switches: list[tuple[int, int]],
         arrays: tuple[np.ndarray, ...],
         new_len: int,
+        shared: SharedPrefix | None = None,
     ) -> tuple[Any, Any, Any, Any, Any, Any]:
         """:func:`generate_tokens`'s loop run segment by segment, switching to newer weights between
         segments (cache recomputed, :func:`_recompute_program`); appends each switch to ``switches``."""
         graphdef, state, version = weights
         tokens, segments, temperature, top_k, top_p, max_new, stop_ids, seeds = arrays
-        prompt_len = tokens.shape[1]
+        prompt_len = _prompt_width(tokens, shared)
         batch_id = next(self._batch_ids)
         self._set_running(batch_id, version)
         try:
-            start_args = (tokens, segments, max_new, new_len, self.pad_id)
+            start_args = (tokens, segments, max_new, new_len, self.pad_id, shared)
             carry, prompt_routing = _JITTED_START(graphdef, state, *start_args)
             step = 0
             while step < new_len:
@@ -1084,7 +1257,7 @@ class EmbeddedSampler:
                     start = time.perf_counter()
                     width = min(bucket_size(prompt_len + step), prompt_len + new_len)
                     carry, prompt_routing = _JITTED_RECOMPUTE(
-                        graphdef, state, carry, tokens, segments, width, self.pad_id, prompt_routing
+                        graphdef, state, carry, tokens, segments, width, self.pad_id, prompt_routing, shared
                     )
                     jax.block_until_ready(carry.logits)
                     self.cache_recompute_s += time.perf_counter() - start

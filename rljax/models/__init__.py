@@ -13,7 +13,7 @@ drivers (design §5).
 
 from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
-from rljax.models.decode import DecodeOutput, decode_step, prefill
+from rljax.models.decode import DecodeOutput, SharedPrefix, decode_step, prefill
 from rljax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput, cast_model, num_params
 from rljax.models.gguf_io import from_gguf, is_gguf_path, load_gguf_config
 from rljax.models.gguf_tokenizer import gguf_tokenizer
@@ -29,7 +29,7 @@ from rljax.models.hf_io import (
     save_pretrained_distributed,
     to_hf_state_dict,
 )
-from rljax.models.kv_cache import KVCache, grow_cache, init_cache
+from rljax.models.kv_cache import KVCache, grow_cache, init_cache, take_rows
 from rljax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
     ForwardOutput,
@@ -102,6 +102,8 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "prefill",
+    "SharedPrefix",
+    "take_rows",
     "rope_inverse_frequencies",
     "save_pretrained",
     "save_pretrained_distributed",

@@ -7,6 +7,12 @@ token. Both return one :class:`DecodeOutput` ``(logits, cache, routing)``; ``rou
 router statistics of the fed tokens) is computed only when asked for with the static flag
 ``with_routing``, so the plain step compiles to the same program as a dense decode step.
 
+Shared prefixes: :func:`prefill` with a :class:`SharedPrefix` runs each distinct prompt prefix once
+(``G`` rows), copies its cache to every row that starts with it (:func:`rljax.models.kv_cache.take_rows`)
+and then feeds each row's remaining tokens on top: the cache and logits each row would get from
+prefilling its whole prompt (what vLLM's prefix caching saves; a GRPO group's samples share their
+prompt), with ``G`` instead of ``B`` rows of prefix work.
+
 Prefill followed by decode steps gives exactly the logits of one full forward
 (test_models_kv_cache.py checks it against :func:`rljax.models.sequence_logprobs`); the sampling
 loop built on these drivers is :func:`rljax.inference.sampler.generate_tokens`.
@@ -21,7 +27,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rljax.models.kv_cache import KVCache, init_cache
+from rljax.models.kv_cache import KVCache, init_cache, take_rows
 
 if TYPE_CHECKING:
     from rljax.models.decoder import Decoder
@@ -44,6 +50,24 @@ class DecodeOutput(NamedTuple):
     routing: Routing | None = None
 
 
+class SharedPrefix(NamedTuple):
+    """Prompt prefixes shared by rows of a :func:`prefill` batch (a pytree).
+
+    Row ``b``'s prompt is ``tokens[rows[b]]`` (its valid tokens) followed by the row's own tokens
+    given to :func:`prefill`. The prefixes are left-padded: their cache slots ``[0, Pp)`` then hold
+    each prefix right before the row's own slots ``[Pp, Pp + T)``.
+
+    Attributes:
+      tokens: ``int32 [G, Pp]`` the distinct prefixes, left-padded.
+      segment_ids: ``int32 [G, Pp]``; 0 marks padding (a prefix row may be all padding).
+      rows: ``int32 [B]`` the prefix of each row of the batch.
+    """
+
+    tokens: jax.Array
+    segment_ids: jax.Array
+    rows: jax.Array
+
+
 def last_valid_index(segment_ids: chex.Array) -> chex.Array:
     """Index of the last non-padding token of each row (0 for an all-padding row).
 
@@ -64,6 +88,7 @@ def prefill(
     positions: chex.Array | None = None,
     cache_dtype: jnp.dtype | None = None,
     with_routing: bool = False,
+    shared_prefix: SharedPrefix | None = None,
 ) -> DecodeOutput:
     """Runs the prompts through the model into a fresh cache (jitted; shape checks run eagerly).
 
@@ -75,6 +100,12 @@ def prefill(
       positions: ``int32 [B, T]``; default counts valid tokens from 0.
       cache_dtype: dtype of stored keys/values; default the model's compute dtype.
       with_routing: MoE: also return the :class:`rljax.models.moe.Routing` of the prompt tokens.
+      shared_prefix: a :class:`SharedPrefix`: row ``b``'s prompt is its prefix
+        ``shared_prefix.tokens[rows[b]]`` followed by ``tokens[b]`` (which may be all padding, or
+        ``T = 0``). Each prefix is prefilled once, its cache copied to its rows, then ``tokens`` fed
+        on top; the cache has the prefix in slots ``[0, Pp)`` and ``tokens`` in ``[Pp, Pp + T)``,
+        exactly as if ``concat(prefix, tokens)`` had been prefilled row by row (``positions`` must
+        be None: they count each row's valid tokens). The routing then covers all ``Pp + T`` slots.
 
     Returns:
       ``DecodeOutput(logits, cache, routing)``: float32 ``[B, V]`` next-token logits after each
@@ -91,10 +122,21 @@ def prefill(
     ((2, 16), [3, 2], 3, None)
     """
     chex.assert_rank(tokens, 2)
-    if tokens.shape[1] > max_length:
-        raise ValueError(f"prompt length {tokens.shape[1]} exceeds the cache max_length {max_length}")
+    length = tokens.shape[1]
+    if shared_prefix is not None:
+        chex.assert_rank([shared_prefix.tokens, shared_prefix.segment_ids, shared_prefix.rows], [2, 2, 1])
+        chex.assert_equal_shape([shared_prefix.tokens, shared_prefix.segment_ids])
+        chex.assert_shape(shared_prefix.rows, (tokens.shape[0],))
+        if positions is not None:
+            raise ValueError("prefill with a shared_prefix takes no positions (they count valid tokens)")
+        length += shared_prefix.tokens.shape[1]
+    if length > max_length:
+        raise ValueError(f"prompt length {length} exceeds the cache max_length {max_length}")
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+    if shared_prefix is not None:
+        return _prefill_shared(model, tokens, segment_ids, shared_prefix, max_length=max_length,
+                               cache_dtype=cache_dtype, with_routing=with_routing)  # fmt: skip
     return _prefill(model, tokens, segment_ids, positions, max_length=max_length, cache_dtype=cache_dtype,
                     with_routing=with_routing)  # fmt: skip
 
@@ -116,6 +158,38 @@ def _prefill(
     last = last_valid_index(segment_ids)
     last_hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
     return DecodeOutput(model.logits(last_hidden), out.cache, out.routing)
+
+
+@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype", "with_routing"))
+def _prefill_shared(
+    model: Decoder,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    shared: SharedPrefix,
+    *,
+    max_length: int,
+    cache_dtype: jnp.dtype | None,
+    with_routing: bool,
+) -> DecodeOutput:
+    """:func:`prefill` with a :class:`SharedPrefix`: the prefixes once, copied to their rows, then the
+    rows' own tokens on top (a row without any keeps its prefix's logits)."""
+    prefix = _prefill(model, shared.tokens, shared.segment_ids, None, max_length=max_length,
+                      cache_dtype=cache_dtype, with_routing=with_routing)  # fmt: skip
+    rows = shared.rows.astype(jnp.int32)
+    logits = jnp.take(prefix.logits, rows, axis=0)
+    cache = take_rows(prefix.cache, rows)
+    routing = prefix.routing
+    if routing is not None:
+        routing = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), routing)
+    if tokens.shape[1] == 0:
+        return DecodeOutput(logits, cache, routing)
+    out = model.decode(tokens, cache, segment_ids=segment_ids, with_routing=with_routing)
+    last_hidden = jnp.take_along_axis(out.hidden, last_valid_index(segment_ids)[:, None, None], axis=1)[:, 0]
+    own = jnp.any(segment_ids != 0, axis=1)
+    logits = jnp.where(own[:, None], model.logits(last_hidden), logits)
+    if routing is not None:
+        routing = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), routing, out.routing)
+    return DecodeOutput(logits, out.cache, routing)
 
 
 def decode_step(

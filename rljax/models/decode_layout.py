@@ -12,10 +12,11 @@ projection. The training model's layers know nothing of these layouts; the sampl
 * ``"out_in"`` (:class:`TransposedLinear`): kernels transposed, ``[out, in]`` (HF's layout).
   XLA:CPU runs ``x [M, in] @ W^T`` with ``W`` stored ``[out, in]`` faster than ``x @ W`` with ``W``
   stored ``[in, out]`` when ``M`` is small.
-* ``"panels"`` (:class:`PanelLinear`): ``[out / 16, in, 16]`` column panels multiplied by the AVX2
-  kernel of :mod:`rljax.models.panel_matmul` (float32 Linears whose ``out`` is a multiple of 16,
-  where the kernel is available; the others are stored ``"out_in"``), and one packed copy of the
-  output projection (:attr:`DecodeModel.unembedding_panels`).
+* ``"panels"`` (:class:`PanelLinear`): ``[out / 16, in, 16]`` column panels multiplied by the
+  kernel of :mod:`rljax.models.panel_matmul` in one of its instruction sets (AVX2 or AVX-512; the
+  fastest here by default, :func:`rljax.models.panel_matmul.kernel_isa`) (float32 Linears whose
+  ``out`` is a multiple of 16, where the kernel is available; the others are stored ``"out_in"``),
+  and one packed copy of the output projection (:attr:`DecodeModel.unembedding_panels`).
 
 Outputs equal the model's up to float rounding of the matmuls (the sampler's tests check tokens and
 logprobs in every layout). The untied ``lm_head`` and MoE routers (``gate``), whose owners read their
@@ -40,7 +41,7 @@ from flax import nnx
 
 from rljax.models.decoder import Decoder
 from rljax.models.layers import Linear
-from rljax.models.panel_matmul import PANEL, pack_panels, panel_matmul
+from rljax.models.panel_matmul import PANEL, kernel_isa, pack_panels, panel_matmul
 from rljax.models.panel_matmul import available as panel_matmul_available
 
 __all__ = ["DECODE_LAYOUTS", "DecodeModel", "PanelLinear", "TransposedLinear", "decode_layout"]
@@ -82,12 +83,17 @@ class TransposedLinear(_RelaidLinear):
 
 class PanelLinear(_RelaidLinear):
     """A decode-time float32 :class:`Linear` with its kernel stored as ``[out / 16, in, 16]`` panels
-    (:func:`rljax.models.panel_matmul.pack_panels`), multiplied by the AVX2 kernel."""
+    (:func:`rljax.models.panel_matmul.pack_panels`), multiplied by the kernel in instruction set
+    ``isa`` (static: part of the graph definition)."""
 
     kernel_layout = "panels"
 
+    def __init__(self, base: Linear, kernel: jax.Array, isa: str = "avx2") -> None:
+        super().__init__(base, kernel)
+        self.isa = isa
+
     def product(self, x2: jax.Array) -> jax.Array:
-        return panel_matmul(x2, self.kernel[...])
+        return panel_matmul(x2, self.kernel[...], self.isa)
 
 
 class DecodeModel(nnx.Module):
@@ -99,13 +105,17 @@ class DecodeModel(nnx.Module):
     Attributes:
       decoder: the decoder, its Linears replaced by :class:`TransposedLinear` / :class:`PanelLinear`.
       unembedding_panels: ``decoder.unembedding()`` as ``[vocab / 16, hidden, 16]`` panels (an
-        ``nnx.Param``), multiplied by the AVX2 kernel in :meth:`logits`; None keeps the decoder's own
-        output matmul.
+        ``nnx.Param``), multiplied by the kernel (instruction set ``isa``) in :meth:`logits`; None
+        keeps the decoder's own output matmul.
+      isa: the kernel's instruction set for ``unembedding_panels``.
     """
 
-    def __init__(self, decoder: Decoder, unembedding_panels: nnx.Param | None = None) -> None:
+    def __init__(
+        self, decoder: Decoder, unembedding_panels: nnx.Param | None = None, isa: str = "avx2"
+    ) -> None:
         self.decoder = decoder
         self.unembedding_panels = unembedding_panels
+        self.isa = isa
 
     @property
     def config(self) -> Any:
@@ -124,25 +134,28 @@ class DecodeModel(nnx.Module):
         if self.unembedding_panels is None:
             return self.decoder.logits(hidden)
         panels = self.unembedding_panels[...]
-        return self.decoder.logits(hidden, unembed=lambda flat: panel_matmul(flat, panels))
+        return self.decoder.logits(hidden, unembed=lambda flat: panel_matmul(flat, panels, self.isa))
 
     def __call__(self, tokens: chex.Array, **kwargs: Any) -> jax.Array:
         """Full float32 logits ``[B, L, vocab]`` (:meth:`rljax.models.Decoder.__call__`)."""
         return self.logits(self.decoder.hidden_states(tokens, **kwargs).hidden)
 
 
-def decode_layout(model: Decoder, layout: str = "out_in") -> DecodeModel:
+def decode_layout(model: Decoder, layout: str = "out_in", isa: str | None = None) -> DecodeModel:
     """``model`` with its :class:`Linear` kernels stored for the sampler's decode loop (see the module
     docstring for the layouts), as a :class:`DecodeModel`; same outputs up to float rounding.
 
     It rebuilds ``model``'s Linears in place (pass a fresh ``nnx.merge``). Call it inside the jitted
     program that makes the copy: the relaid kernels are then new arrays made once per weight update
     (``rljax.inference.sampler.to_decode_layout``). ``"panels"`` where the kernel is not available
-    (:func:`rljax.models.panel_matmul.available`) stores every kernel ``"out_in"``.
+    (:func:`rljax.models.panel_matmul.available`) stores every kernel ``"out_in"``; ``isa`` is the
+    kernel's instruction set (default :func:`rljax.models.panel_matmul.kernel_isa`).
     """
     if layout not in DECODE_LAYOUTS:
         raise ValueError(f"decode_layout layout must be one of {DECODE_LAYOUTS}, got {layout!r}")
     panels = layout == "panels" and panel_matmul_available()
+    if panels and isa is None:
+        isa = kernel_isa()
     linears = [
         (path, module)
         for path, module in nnx.iter_graph(model)
@@ -151,7 +164,7 @@ def decode_layout(model: Decoder, layout: str = "out_in") -> DecodeModel:
     for path, linear in linears:
         kernel = linear.kernel[...]
         if panels and _packable(kernel, linear.dtype):
-            relaid: Linear = PanelLinear(linear, pack_panels(kernel))
+            relaid: Linear = PanelLinear(linear, pack_panels(kernel), isa)
         else:
             relaid = TransposedLinear(linear, kernel.T)
         _replace(model, path, relaid)
@@ -160,7 +173,7 @@ def decode_layout(model: Decoder, layout: str = "out_in") -> DecodeModel:
         weight = model.unembedding()
         if _packable(weight, model.dtype):
             unembedding = nnx.Param(pack_panels(weight))
-    return DecodeModel(model, unembedding)
+    return DecodeModel(model, unembedding, isa or "avx2")
 
 
 def _replace(root: nnx.Module, path: tuple, node: nnx.Module) -> None:

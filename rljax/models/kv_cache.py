@@ -32,6 +32,7 @@ outside ``jit`` it is checked and a ``ValueError`` is raised.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import flax.struct
@@ -179,3 +180,43 @@ def grow_cache(cache: KVCache, max_length: int) -> KVCache:
         values=tuple(map(pad, cache.values)),
         segment_ids=jnp.pad(cache.segment_ids, ((0, 0), (0, extra)), constant_values=EMPTY_SLOT),
     )
+
+
+def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The cache whose row ``i`` is row ``rows[i]`` of ``cache`` (rows may repeat): one gather per array.
+
+    Keys and values gather their ``num_kv_heads`` entries per row (the cache layout); every other
+    per-row array (slot segment ids, lengths, any per-row state a model keeps in the cache) gathers
+    its leading axis; ``index`` (shared by all rows) is kept. The embedded sampler prefills a prompt
+    prefix shared by several requests once and starts each of them from a copy
+    (:func:`rljax.models.decode.prefill` with ``shared_prefix``).
+
+    >>> from rljax.models.config import ModelConfig
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4)
+    >>> cache = init_cache(cfg, batch_size=2, max_length=3)
+    >>> keys = jnp.arange(4.0)[:, None, None] * jnp.ones((4, 3, 4))  # entry b * K + k holds b * K + k
+    >>> cache = cache.replace(lengths=jnp.array([5, 7]), keys=(keys,))
+    >>> out = take_rows(cache, jnp.array([1, 1, 0]))
+    >>> out.lengths.tolist(), out.keys[0][:, 0, 0].tolist(), out.segment_ids.shape
+    ([7, 7, 5], [2.0, 3.0, 2.0, 3.0, 0.0, 1.0], (3, 3))
+    """
+    rows = jnp.asarray(rows, jnp.int32)
+    batch = cache.batch_size
+
+    def gather_kv(x: jax.Array) -> jax.Array:
+        heads = x.shape[0] // batch
+        entries = (rows[:, None] * heads + jnp.arange(heads, dtype=jnp.int32)[None, :]).reshape(-1)
+        return jnp.take(x, entries, axis=0)
+
+    def gather_rows(x: jax.Array | None) -> jax.Array | None:
+        return None if x is None else jnp.take(x, rows, axis=0)
+
+    fields = {}
+    for field in dataclasses.fields(cache):
+        value = getattr(cache, field.name)
+        if field.name in ("keys", "values"):
+            fields[field.name] = tuple(map(gather_kv, value))
+        elif field.name != "index":
+            fields[field.name] = jax.tree.map(gather_rows, value)
+    return cache.replace(**fields)

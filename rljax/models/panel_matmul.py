@@ -2,15 +2,21 @@
 
 ``panel_matmul(x, panels)`` computes ``x [M, K] @ W [K, N]`` with ``W`` stored as column panels
 ``[N / 16, K, 16]`` (:func:`pack_panels`): each 16-column panel is contiguous, so a decode step,
-which multiplies one row per sequence by every weight, streams each panel once while up to six rows
-accumulate in AVX2 registers, prefetching the next panel and sharing the panels with XLA's intra-op
-thread pool. Whether that beats XLA:CPU depends on the machine, not on its AVX2 flag: on a 2-core
-AMD EPYC (no AVX-512) a ``[32, 512] @ [512, 1536]`` product with weights streamed from memory ran at
-~125 GFLOP/s against ~70 for XLA's own kernels; on a 2-core Intel Xeon with AVX-512 XLA was the
-faster (~70 vs ~60 GFLOP/s on :func:`timed_choice`'s workload; the 29M model's sampling pass
-1.1-1.4x slower with the kernel). So the embedded sampler's default takes it only where
-:func:`use_panels` says so: a timed comparison on decode shapes at first use, cached per machine
-and build (:func:`timed_choice`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces it on / off (see docs/results.md).
+which multiplies one row per sequence by every weight, streams each panel once while the rows
+accumulate in vector registers, prefetching the next panel and sharing the panels with XLA's
+intra-op thread pool. Two instruction sets (:data:`ISAS`): ``"avx2"`` (up to 6 rows x 1 panel in
+12 of the 16 AVX registers) and, on CPUs with AVX-512F, ``"avx512"`` (up to 12 rows x 2 panels in
+24 of the 32 registers: a panel row is one register, and each broadcast input feeds two FMAs).
+Whether either beats XLA:CPU depends on the machine, not on its flags: on a 2-core AMD EPYC (no
+AVX-512) a ``[32, 512] @ [512, 1536]`` product with weights streamed from memory ran at
+~125 GFLOP/s against ~70 for XLA's own kernels; on a 2-core Intel Xeon with AVX-512 XLA was
+faster than the AVX2 kernel (~70 vs ~60 GFLOP/s on :func:`timed_choice`'s workload; the 29M
+model's sampling pass 1.1-1.4x slower with it). So the embedded sampler's default takes a kernel
+only where :func:`use_panels` says so: a timed comparison of XLA and every instruction set the CPU
+has on decode shapes at first use, cached per machine and build (:func:`timed_choice`; the
+fastest kernel is :func:`kernel_isa`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces the kernel on (the
+widest instruction set) / off, ``=avx2`` / ``=avx512`` forces it on with that one (see
+docs/results.md).
 
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache
@@ -45,7 +51,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import chex
@@ -54,14 +60,18 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "ISAS",
     "MARGIN",
+    "NO_KERNEL_ISA",
     "PANEL",
     "Choice",
     "available",
+    "kernel_isa",
     "pack_panels",
     "panel_matmul",
     "prefers_panels",
     "speedup",
+    "supported_isas",
     "timed_choice",
     "unavailable_reason",
     "unpack_panels",
@@ -71,7 +81,12 @@ __all__ = [
 #: Columns per panel (two 8-float AVX registers); ``N`` must be a multiple of it.
 PANEL = 16
 
-_TARGET = "rljax_panel_matmul"
+#: The kernel's instruction sets, narrowest first; :func:`supported_isas` says which this CPU runs.
+ISAS = ("avx2", "avx512")
+_TARGETS = {"avx2": "rljax_panel_matmul", "avx512": "rljax_panel_matmul_avx512"}
+#: :func:`unavailable_reason` on a CPU that runs none of :data:`ISAS` (the kernel built, the CPU
+#: cannot run it).
+NO_KERNEL_ISA = "this CPU lacks AVX2/FMA"
 _SOURCE = Path(__file__).parent / "csrc" / "panel_matmul.cc"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-w")
 _log = logging.getLogger(__name__)
@@ -97,8 +112,9 @@ def unpack_panels(panels: chex.Array) -> jax.Array:
     return jnp.transpose(panels, (1, 0, 2)).reshape(k, p * w)
 
 
-def panel_matmul(x: chex.Array, panels: chex.Array) -> jax.Array:
-    """float32 ``x [M, K] @ W [K, N]`` with ``W`` given as :func:`pack_panels` panels (the FFI kernel).
+def panel_matmul(x: chex.Array, panels: chex.Array, isa: str = "avx2") -> jax.Array:
+    """float32 ``x [M, K] @ W [K, N]`` with ``W`` given as :func:`pack_panels` panels (the FFI kernel
+    for instruction set ``isa``, one of :func:`supported_isas`; the sampler's is :func:`kernel_isa`).
 
     Call only where :func:`available` is True (inside ``jit`` too); no gradient is defined (decode only).
     """
@@ -109,14 +125,24 @@ def panel_matmul(x: chex.Array, panels: chex.Array) -> jax.Array:
         raise ValueError(f"panel_matmul: x {x.shape} does not match panels {panels.shape} ([N/16, K, 16])")
     if not available():
         raise RuntimeError("panel_matmul: the kernel is not available here (see rljax.models.panel_matmul)")
+    if isa not in supported_isas():
+        raise ValueError(f"panel_matmul isa must be one of this CPU's {supported_isas()}, got {isa!r}")
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, panels)
+    return jax.ffi.ffi_call(_TARGETS[isa], out)(x, panels)
 
 
 def available() -> bool:
     """True when the kernel is built, registered and usable on this process's default backend (and
     ``RLJAX_PANEL_MATMUL`` is not ``0``). Whether it is also *faster* here is :func:`use_panels`."""
     return unavailable_reason() is None
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The instruction sets of :data:`ISAS` the kernel runs with here (empty where it is not
+    :func:`available`)."""
+    if not available():
+        return ()
+    return ISAS if _avx512_supported else ISAS[:1]
 
 
 def unavailable_reason() -> str | None:
@@ -148,10 +174,13 @@ class Choice:
 
     Attributes:
       use_panels: whether the kernel won by :data:`MARGIN` (:func:`prefers_panels`).
-      panel_s, xla_s: seconds of each round's workload pass with the kernel and with XLA (the
-        weights stored ``[out, in]``, the sampler's layout without the kernel), in round order.
+      panel_s, xla_s: seconds of each round's workload pass with the kernel (the fastest of the
+        instruction sets measured, ``isa``) and with XLA (the weights stored ``[out, in]``, the
+        sampler's layout without the kernel), in round order.
       path: the cache file the decision is stored in.
       cached: True when read from ``path`` rather than measured by this process.
+      isa: the kernel's instruction set with the best :func:`speedup` over XLA, where it beats the
+        narrowest one (AVX2) by :data:`MARGIN` (:func:`kernel_isa`).
     """
 
     use_panels: bool
@@ -159,13 +188,15 @@ class Choice:
     xla_s: tuple[float, ...]
     path: str
     cached: bool = False
+    isa: str = "avx2"
 
     def describe(self) -> str:
         """One line: the decision and both timings (logged once per process)."""
-        verdict = "the panel kernel" if self.use_panels else "XLA's matmul"
+        verdict = f"the panel kernel ({self.isa})" if self.use_panels else "XLA's matmul"
         origin = "cached" if self.cached else "measured now"
         return (
-            f"decode matmuls use {verdict}: panels {statistics.median(self.panel_s) * 1e3:.1f} ms vs "
+            f"decode matmuls use {verdict}: panels ({self.isa}) "
+            f"{statistics.median(self.panel_s) * 1e3:.1f} ms vs "
             f"XLA {statistics.median(self.xla_s) * 1e3:.1f} ms per 32-row MLP pass of the 29M model "
             f"(medians of {len(self.panel_s)} interleaved rounds; XLA / panels "
             f"{speedup(self.panel_s, self.xla_s):.2f}x, panels need >= {1 + MARGIN:.2f}x; "
@@ -198,21 +229,43 @@ def prefers_panels(panel_s: Sequence[float], xla_s: Sequence[float], *, margin: 
 def use_panels() -> bool:
     """Whether ``EmbeddedSampler(kernel_layout="auto")`` multiplies with the kernel on this machine.
 
-    ``RLJAX_PANEL_MATMUL=1``: wherever it is :func:`available`; ``=0``: never; unset (or ``auto``):
-    where it is available and the timed comparison (:func:`timed_choice`) found it faster than
-    XLA by :data:`MARGIN`. An AVX2 flag alone does not say so: on an AMD EPYC without AVX-512 the
-    kernel decoded 1.26x faster than XLA, on an Intel Xeon with AVX-512 1.4x slower.
+    ``RLJAX_PANEL_MATMUL=1`` (or ``avx2`` / ``avx512``): wherever it is :func:`available`; ``=0``:
+    never; unset (or ``auto``): where it is available and the timed comparison
+    (:func:`timed_choice`) found it faster than XLA by :data:`MARGIN`. A CPU flag alone does not say
+    so: on an AMD EPYC without AVX-512 the AVX2 kernel decoded 1.26x faster than XLA, on an Intel
+    Xeon with AVX-512 1.4x slower.
     """
     mode = _mode()
     if mode == "0" or not available():
         return False
-    return mode == "1" or timed_choice().use_panels
+    return mode != "auto" or timed_choice().use_panels
+
+
+def kernel_isa() -> str:
+    """The instruction set the sampler's kernel runs with (:func:`panel_matmul` ``isa``).
+
+    ``RLJAX_PANEL_MATMUL=avx2`` / ``avx512``: that one (a ``ValueError`` where the CPU lacks it);
+    ``=1``: the widest this CPU has; unset (or ``auto``): the fastest in the timed comparison
+    (:func:`timed_choice`). Call only where :func:`available` is True.
+    """
+    mode = _mode()
+    if mode in ISAS:
+        if mode not in supported_isas():
+            have = supported_isas()
+            raise ValueError(f"RLJAX_PANEL_MATMUL={mode}: this CPU lacks it (it has {have})")
+        return mode
+    if mode == "auto":
+        return timed_choice().isa
+    return supported_isas()[-1]
 
 
 def _mode() -> str:
     mode = os.environ.get("RLJAX_PANEL_MATMUL", "").strip().lower() or "auto"
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"RLJAX_PANEL_MATMUL must be 0 (off), 1 (on) or auto (timed, default), got {mode!r}")
+    if mode not in ("0", "1", "auto", *ISAS):
+        raise ValueError(
+            "RLJAX_PANEL_MATMUL must be 0 (off), 1 (on), auto (timed, default) or an instruction set "
+            f"of {ISAS} (on with it), got {mode!r}"
+        )
     return mode
 
 
@@ -227,16 +280,35 @@ def timed_choice() -> Choice:
     return _timed_choice(_measure)
 
 
-def _timed_choice(measure: Callable[[], tuple[Sequence[float], Sequence[float]]]) -> Choice:
+def _timed_choice(
+    measure: Callable[[], tuple[Mapping[str, Sequence[float]] | Sequence[float], Sequence[float]]],
+) -> Choice:
+    """The stored choice, or ``measure()``'s: ``(kernel seconds, XLA seconds)`` per round, the kernel's
+    as a sequence (the AVX2 kernel's) or a mapping ``{isa: seconds}``; the best ``isa`` is chosen."""
     key = _choice_key()
     path = _cache_dir() / f"panel_matmul-{key}.choice.json"
     choice = _read_choice(path, key)
     if choice is None:
-        panel_s, xla_s = measure()
-        choice = Choice(prefers_panels(panel_s, xla_s), tuple(panel_s), tuple(xla_s), str(path))
-        _write_choice(path, key, choice)
+        kernel_s, xla_s = measure()
+        by_isa = dict(kernel_s) if isinstance(kernel_s, Mapping) else {"avx2": kernel_s}
+        isa = _fastest_isa({name: speedup(seconds, xla_s) for name, seconds in by_isa.items()})
+        panel_s = by_isa[isa]
+        choice = Choice(prefers_panels(panel_s, xla_s), tuple(panel_s), tuple(xla_s), str(path), isa=isa)
+        _write_choice(path, key, choice, by_isa)
     _log.info("rljax panel_matmul: %s", choice.describe())
     return choice
+
+
+def _fastest_isa(speedups: Mapping[str, float], *, margin: float = MARGIN) -> str:
+    """The instruction set with the best speedup over XLA, where it beats the narrowest one measured
+    by ``margin`` (wider vectors can lower the clock of the whole core); else the narrowest.
+
+    >>> _fastest_isa({"avx2": 1.20, "avx512": 1.30}), _fastest_isa({"avx2": 1.20, "avx512": 1.24})
+    ('avx512', 'avx2')
+    """
+    narrowest = min(speedups, key=ISAS.index)
+    best = max(speedups, key=lambda name: speedups[name])
+    return best if speedups[best] >= speedups[narrowest] * (1 + margin) else narrowest
 
 
 def _choice_key() -> str:
@@ -264,23 +336,27 @@ def _read_choice(path: Path, key: str) -> Choice | None:
     """The stored choice, or None when there is none (or it is unreadable, or another key's)."""
     try:
         data = json.loads(path.read_text())
-        if data["key"] != key:
+        if data["key"] != key or data["isa"] not in ISAS:
             return None
-        return Choice(bool(data["use_panels"]), tuple(data["panel_s"]), tuple(data["xla_s"]), str(path), True)
+        return Choice(bool(data["use_panels"]), tuple(data["panel_s"]), tuple(data["xla_s"]), str(path), True,
+                      data["isa"])  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_choice(path: Path, key: str, choice: Choice) -> None:
-    """Stores ``choice`` (written aside, then renamed: concurrent first uses are safe)."""
+def _write_choice(path: Path, key: str, choice: Choice, by_isa: Mapping[str, Sequence[float]]) -> None:
+    """Stores ``choice`` and every instruction set's timings (written aside, then renamed: concurrent
+    first uses are safe)."""
     import jaxlib
 
     data = {
         "key": key,
         "use_panels": choice.use_panels,
+        "isa": choice.isa,
         "panel_s": list(choice.panel_s),
         "xla_s": list(choice.xla_s),
         "speedup": speedup(choice.panel_s, choice.xla_s),
+        "isa_speedups": {name: speedup(seconds, choice.xla_s) for name, seconds in by_isa.items()},
         "cpu": _cpu_identity()[0],
         "jaxlib": jaxlib.__version__,
     }
@@ -296,30 +372,32 @@ def _write_choice(path: Path, key: str, choice: Choice) -> None:
             os.unlink(tmp)
 
 
-def _measure(rounds: int = _ROUNDS) -> tuple[list[float], list[float]]:
-    """Seconds of one workload pass (see ``_ROWS``) with the kernel and with XLA, ``rounds`` times
-    each, interleaved (the order alternating), after a warm-up call of each (compilation)."""
+def _measure(rounds: int = _ROUNDS) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds of one workload pass (see ``_ROWS``) with the kernel in each of this CPU's instruction
+    sets (``{isa: seconds}``) and with XLA, ``rounds`` times each, interleaved (the order rotating),
+    after a warm-up call of each (compilation)."""
     shapes = [(_HIDDEN, _INTERMEDIATE), (_HIDDEN, _INTERMEDIATE), (_INTERMEDIATE, _HIDDEN)] * _LAYERS
     rng = np.random.default_rng(0)  # numpy: no eager jax op to compile, the setup stays ~0.1 s
     weights = [rng.standard_normal(s, np.float32) * np.float32(s[0] ** -0.5) for s in shapes]
     x = jnp.asarray(rng.standard_normal((_ROWS, _HIDDEN), np.float32))
     panels = [jnp.asarray(w.reshape(w.shape[0], -1, PANEL).transpose(1, 0, 2).copy()) for w in weights]
     out_in = [jnp.asarray(w.T.copy()) for w in weights]
-    runs = {
-        "panels": (jax.jit(functools.partial(_mlp_pass, panel_matmul)), panels),
-        "xla": (jax.jit(functools.partial(_mlp_pass, _matmul_out_in)), out_in),
-    }
+    runs = {isa: (jax.jit(functools.partial(_mlp_pass, functools.partial(panel_matmul, isa=isa))), panels)
+            for isa in supported_isas()}  # fmt: skip
+    runs["xla"] = (jax.jit(functools.partial(_mlp_pass, _matmul_out_in)), out_in)
     del weights
     for fn, ws in runs.values():
         jax.block_until_ready(fn(ws, x))
     seconds: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
     for i in range(rounds):
-        for name in sorted(runs, reverse=i % 2 == 1):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             fn, ws = runs[name]
             start = time.perf_counter()
             jax.block_until_ready(fn(ws, x))
             seconds[name].append(time.perf_counter() - start)
-    return seconds["panels"], seconds["xla"]
+    xla_s = seconds.pop("xla")
+    return seconds, xla_s
 
 
 def _mlp_pass(matmul: Callable[[jax.Array, jax.Array], jax.Array], weights: list, x: jax.Array) -> jax.Array:
@@ -337,11 +415,13 @@ def _matmul_out_in(x: jax.Array, w: jax.Array) -> jax.Array:
 
 #: Why :func:`_register` failed (for :func:`unavailable_reason`).
 _unregistered_because = "not registered yet"
+#: Whether this CPU runs the AVX-512 kernel (set by :func:`_register`).
+_avx512_supported = False
 
 
 @functools.cache
 def _register() -> bool:
-    global _unregistered_because
+    global _unregistered_because, _avx512_supported
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
@@ -349,9 +429,13 @@ def _register() -> bool:
         _unregistered_because = f"the kernel did not build or load: {e}"
         return False
     if not lib.rljax_panel_matmul_supported():
-        _unregistered_because = "this CPU lacks AVX2/FMA"
+        _unregistered_because = NO_KERNEL_ISA
         return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.RljaxPanelMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_TARGETS["avx2"], jax.ffi.pycapsule(lib.RljaxPanelMatmul), platform="cpu")
+    _avx512_supported = bool(lib.rljax_panel_matmul_avx512_supported())
+    if _avx512_supported:
+        capsule = jax.ffi.pycapsule(lib.RljaxPanelMatmulAvx512)
+        jax.ffi.register_ffi_target(_TARGETS["avx512"], capsule, platform="cpu")
     return True
 
 

@@ -305,6 +305,9 @@ class EngineSection:
       min_new_tokens_bucket: embedded: smallest loop bound for new tokens.
       max_model_len: embedded: longest prompt + completion (None = the model's
         ``max_position_embeddings``).
+      prefix_sharing: embedded: prefill a prompt prefix shared by requests of one batch once (a
+        GRPO group's samples; turns whose histories start alike) and start each from a copy of its
+        KV cache; the same tokens and logprobs (within float32 rounding) as without it.
       urls: vllm: servers to use (started by you on the same initial weights).
       num_servers: vllm: servers to launch locally when ``urls`` is empty.
       python: vllm: the Python of the vLLM virtual environment for launched servers (empty: found
@@ -357,6 +360,7 @@ class EngineSection:
     min_prompt_bucket: int = 64
     min_new_tokens_bucket: int = 16
     max_model_len: int | None = None
+    prefix_sharing: bool = True
     urls: tuple = ()
     num_servers: int = 1
     python: str = ""

@@ -477,14 +477,17 @@ def test_auto_layout_follows_the_timed_choice_and_the_switch(model, monkeypatch)
     monkeypatch.setattr(pm, "timed_choice", choice(False))
     assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "out_in" and asked == [False]
     monkeypatch.setattr(pm, "timed_choice", choice(True))
-    assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "panels" and asked == [False, True]
+    chosen = EmbeddedSampler(model, **BUCKETS)  # asks whether, then in which instruction set
+    assert chosen.kernel_layout == "panels" and chosen.kernel_isa == "avx2" and asked == [False, True, True]
     bf16 = models.Decoder(model.config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    assert EmbeddedSampler(bf16, **BUCKETS).kernel_layout == "out_in" and len(asked) == 2
+    assert EmbeddedSampler(bf16, **BUCKETS).kernel_layout == "out_in" and len(asked) == 3
     monkeypatch.setattr(pm, "timed_choice", choice(False))
     monkeypatch.setenv("RLJAX_PANEL_MATMUL", "1")
-    assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "panels" and len(asked) == 2
+    forced = EmbeddedSampler(model, **BUCKETS)
+    assert forced.kernel_layout == "panels" and forced.kernel_isa == pm.supported_isas()[-1]  # the widest
+    assert len(asked) == 3
     monkeypatch.setenv("RLJAX_PANEL_MATMUL", "0")
-    assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "out_in" and len(asked) == 2
+    assert EmbeddedSampler(model, **BUCKETS).kernel_layout == "out_in" and len(asked) == 3
     off = EmbeddedSampler(model, kernel_layout="panels", **BUCKETS)
     assert off.kernel_layout == "out_in"
     served = nnx.merge(*off._weights[:2])

@@ -3,9 +3,11 @@ convolution window for the Gated DeltaNet layers and the KV cache for the attent
 
 References are the model's own full forward (``rljax.models.sequence_logprobs``, no cache) on each
 prompt + completion: sampled logprobs equal it for prompts of different lengths (left-padded in one
-batch), with decode segments that grow the cache; the recorded MoE routing replays to the same
-logprobs; and an in-flight weight switch (which recomputes the running rows' states from their
-right-padded tokens so far) gives every later token the new weights' logprob.
+batch), with decode segments that grow the cache, and for GRPO-like groups of identical prompts,
+each prefilled once and copied to its rows (recurrent state and convolution window included); the
+recorded MoE routing replays to the same logprobs; and an in-flight weight switch (which recomputes
+the running rows' states from their right-padded tokens so far) gives every later token the new
+weights' logprob.
 """
 
 from __future__ import annotations
@@ -48,11 +50,18 @@ def _reference(model, prompt, ids, temperature, routed=None):
 
 
 def test_sampled_logprobs_equal_the_full_forward_and_routing_replays():
+    """Three prompts, two of them repeated (GRPO groups): each distinct prompt is prefilled once and
+    its rows start from copies of its state. Prompts that share only a prefix are not shared on these
+    models: a row's own tokens after a shared prefix are left-padded, and the causal convolution
+    does not reach across padding inside a sample (its window would be cut)."""
     model = _model(0)
-    sampler = EmbeddedSampler(model, batch_wait_ms=0.0, decode_segments=2, **BUCKETS)
-    params = [SamplingParams(temperature=t, max_tokens=24, seed=i) for i, t in enumerate((1.0, 0.7, 1.3))]
-    outs = generate_batch(sampler, PROMPTS, params)
-    for prompt, p, out in zip(PROMPTS, params, outs, strict=True):
+    sampler = EmbeddedSampler(model, batch_wait_ms=0.0, decode_segments=2, min_shared_prefix=2, **BUCKETS)
+    prompts = [PROMPTS[i] for i in (0, 1, 2, 0, 0, 2)]
+    temperatures = (1.0, 0.7, 1.3, 1.0, 0.9, 1.1)
+    params = [SamplingParams(temperature=t, max_tokens=24, seed=i) for i, t in enumerate(temperatures)]
+    outs = generate_batch(sampler, prompts, params)
+    assert sampler.num_prefilled_tokens == sum(map(len, PROMPTS)) < sampler.num_prompt_tokens
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
         assert len(out.ids) == 24
         want = _reference(model, prompt, out.ids, p.temperature)
         np.testing.assert_allclose(out.logprobs, want, **LOGPROB_TOL)
@@ -61,7 +70,9 @@ def test_sampled_logprobs_equal_the_full_forward_and_routing_replays():
         np.testing.assert_allclose(
             _reference(model, prompt, out.ids, p.temperature, routed), want, **LOGPROB_TOL
         )
-    assert len({o.ids for o in outs}) == 3
+    assert len({o.ids for o in outs}) == 6
+    a = PROMPTS[2]  # shares its first 5 tokens with a[:5] + [1, 2]: identical prompts only
+    assert sampler._prompt_arrays([a, a[:5] + [1, 2], a], 4)[2].rows.tolist() == [0, 1, 0, 0]
 
 
 def test_in_flight_switch_recomputes_the_recurrent_states(monkeypatch):
