@@ -15,6 +15,7 @@ from flax import nnx
 
 from rljax.algorithms import Algorithm, AlgorithmConfig
 from rljax.chat import toy_tokenizer
+from rljax.core import off_policy
 from rljax.core.losses import get_policy_loss
 from rljax.core.objective import ObjectiveConfig, old_policy_readers
 from rljax.extras import require
@@ -147,10 +148,16 @@ def objective_config(
     )
 
 
-def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str]:
+def old_logprobs_choice(mode: str, objective: ObjectiveConfig, *, stale_versions: int = 0) -> tuple[str, str]:
     """``("recompute" | "inference", why)``: where an algorithm's old (proximal) logprobs come from
     under ``config.trainer.old_logprobs = mode`` (design §3.4). "auto" recomputes exactly when
     something in ``objective`` reads the old policy (:func:`rljax.core.objective.old_policy_readers`).
+
+    ``stale_versions``: how many versions behind the trained policy a sample may be (0 in sync mode).
+    Recomputed old logprobs take the sampler out of the policy loss's ratio; with stale samples and
+    no truncated importance sampling (``objective.off_policy.tis_ratio_type``) nothing weighs the
+    gap between the old policy and the sampler any more, which ``why`` then says (the ratio against
+    the sampler, as "inference" takes it, weighed it implicitly).
 
     >>> old_logprobs_choice("auto", ObjectiveConfig(policy_loss="ppo_clip", components=("rl",)))
     ('recompute', "auto: the old policy is read by policy loss 'ppo_clip' (its ratio and clip)")
@@ -158,7 +165,19 @@ def old_logprobs_choice(mode: str, objective: ObjectiveConfig) -> tuple[str, str
     "auto: nothing reads the old policy (policy loss 'dppo' compares with the sampler by design)"
     """
     if mode != "auto":
-        return mode, "trainer.old_logprobs"
+        choice, why = mode, "trainer.old_logprobs"
+    else:
+        choice, why = _auto_old_logprobs(objective)
+    tis = off_policy.resolve_config(objective.off_policy)["tis_ratio_type"]
+    if choice == "recompute" and stale_versions > 0 and "rl" in objective.components and tis is None:
+        why += (
+            f"; samples may be {stale_versions} version(s) stale and no importance weight corrects old vs "
+            "sampler (objective.off_policy.tis_ratio_type is unset): set it, e.g. 'token' (design §3.4)"
+        )
+    return choice, why
+
+
+def _auto_old_logprobs(objective: ObjectiveConfig) -> tuple[str, str]:
     readers = old_policy_readers(objective)
     if readers:
         return "recompute", f"auto: the old policy is read by {', '.join(readers)}"

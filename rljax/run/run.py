@@ -228,8 +228,9 @@ class Run:
         )
         self.train_configs = {a.name: self._train_config(a) for a in self.algorithms.algorithms}
         #: algorithm -> ("recompute" | "inference", why): where its old (proximal) logprobs come from
+        stale = 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_off_policy_steps
         self.old_logprobs = {
-            name: old_logprobs_choice(cfg.trainer.old_logprobs, tc.objective)
+            name: old_logprobs_choice(cfg.trainer.old_logprobs, tc.objective, stale_versions=stale)
             for name, tc in self.train_configs.items()
         }
         #: the KL penalty's frozen reference policy (structured like the state's params), once set

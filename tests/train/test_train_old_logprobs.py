@@ -309,3 +309,19 @@ def test_a_bf16_sampler_run_with_tis_and_a_token_mask_corrects(tmp_path, capsys)
     assert corrected["off_policy/is_ratio_max"] > 1.0
     assert corrected["off_policy/token_masked_frac"] > 0.0
     assert corrected["loss"] != pytest.approx(plain["loss"], rel=1e-4)
+
+
+def test_recomputing_for_stale_samples_without_an_importance_weight_says_so():
+    # Recomputed old logprobs take the sampler out of ppo_clip's ratio; with stale samples and no TIS
+    # nothing weighs old vs sampler any more (in the one-step-stale default recipe, one of two seeds
+    # collapsed that way, benchmarks/old_logprobs_bench.py --curves): the start line says so.
+    ppo = ObjectiveConfig(policy_loss="ppo_clip", components=("rl",))
+    for mode in ("auto", "recompute"):
+        choice, why = old_logprobs_choice(mode, ppo, stale_versions=2)
+        assert choice == "recompute" and "may be 2 version(s) stale" in why and "tis_ratio_type" in why
+        assert "stale" not in old_logprobs_choice(mode, ppo, stale_versions=0)[1]  # sync: nothing stale
+    weighed = ObjectiveConfig(
+        policy_loss="ppo_clip", components=("rl",), off_policy={"tis_ratio_type": "token"}
+    )
+    assert "stale" not in old_logprobs_choice("auto", weighed, stale_versions=2)[1]
+    assert "stale" not in old_logprobs_choice("inference", ppo, stale_versions=2)[1]  # the ratio weighs it
