@@ -147,8 +147,9 @@ def main() -> None:
           f"{'met' if ratio8 <= BYTES_GOAL else 'NOT met'})")  # fmt: skip
     if not args.vllm:
         return
-    config = ServerConfig(model=full_dir, max_model_len=512, skip_tokenizer_init=True, startup_timeout_s=600,
-                          **lora_server_args({"extra_args": ("--enforce-eager",)}, 32))  # fmt: skip
+    server = ServerConfig(model=full_dir, max_model_len=512, skip_tokenizer_init=True, startup_timeout_s=600,
+                          extra_args=("--enforce-eager",))  # fmt: skip
+    config = lora_server_args(server, 32)
     with VLLMServer(config, python=find_vllm_python()) as server:
         times = asyncio.run(_sync_times(server.url, {"full": full, **lora_models}, args.repeats))
     for name, t in times.items():

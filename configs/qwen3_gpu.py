@@ -70,7 +70,7 @@ def get_config() -> config_dict.ConfigDict:
     c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
     clip_higher = dict(eps_low=0.2, eps_high=0.28)  # DAPO
     c.algorithm = dict(name="grpo", policy_loss="ppo_clip", policy_loss_kwargs=clip_higher)
-    c.objective.off_policy = dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
+    c.objective.off_policy.update(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
     c.trainer.update(
         old_logprobs="recompute",  # what "auto" chooses for ppo_clip + TIS, written out
         num_steps=500,

@@ -30,8 +30,7 @@ def get_config() -> config_dict.ConfigDict:
         num_servers=1,
         python="",  # empty: the vLLM venv found by rljax.inference.vllm.find_vllm_python
         server=dict(
-            max_model_len=512,
-            dtype="float32",
+            max_model_len=512,  # served in engine.dtype ("auto": model.compute_dtype, float32)
             skip_tokenizer_init=True,
             kv_cache_gib=1.0,
             startup_timeout_s=600.0,

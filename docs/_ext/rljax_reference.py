@@ -9,8 +9,11 @@ re-exports it lists it in its summary table with a link there.
 
 The config reference replaces the marker ``<!-- rljax:config-reference -->`` in
 ``reference/config.md`` by one table per section of :class:`rljax.run.config.RunConfig`: every key's
-path, type, default and meaning. The meaning of a field is its entry in the ``Attributes:`` block
-of its section's docstring (or a base class's), else its ``#:`` comment in the class body.
+path, type, default and meaning. The meaning of a field declared with :func:`rljax.knobs.knob` is
+its ``doc`` with its allowed values; of another field, its entry in the ``Attributes:`` block of its
+section's docstring (or a base class's), else its ``#:`` comment in the class body. A mapping field
+declared with ``fields_of`` (``model.init``: :class:`rljax.models.ModelConfig`'s fields) gets the
+table of that class's fields.
 
 ``python docs/_ext/rljax_reference.py`` prints the config reference's Markdown and the count of
 public names without a docstring.
@@ -267,11 +270,9 @@ def module_index(modules: list[str]) -> str:
 DICT_SECTIONS: dict[str, tuple[str, str]] = {
     "config.envs": ("<name>", "rljax.run.config.EnvSection"),
     "config.frozen_models": ("<name>", "rljax.inference.frozen.FrozenModelConfig"),
-    "config.engine.server": ("", "rljax.inference.vllm.launcher.ServerConfig"),
 }
 #: Fields of a dict section that the run fills in itself (not config keys).
 DICT_SECTION_SKIP: dict[str, tuple[str, ...]] = {
-    "config.engine.server": ("model",),  # the served checkpoint
     "config.frozen_models": ("name",),  # the mapping's key
 }
 
@@ -395,9 +396,12 @@ def _split_clauses(text: str, stops: str = ".") -> list[str]:
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field -> its one-line meaning (see the module docstring for where it comes from)."""
+    from rljax import knobs
+
     names = [f.name for f in dataclasses.fields(cls)]
     docs = _comment_docs(cls)
     docs.update(_attribute_docs(cls))
+    docs.update({f.name: knobs.field_doc(f) for f in dataclasses.fields(cls) if knobs.knob_of(f)})
     return {n: docs[n] for n in names if n in docs}
 
 
@@ -422,6 +426,7 @@ class ConfigSection:
 
 def config_sections(cls: type | None = None, path: str = "config") -> Iterator[ConfigSection]:
     """The sections of the run config (``RunConfig`` first), depth first, each with its keys."""
+    from rljax import knobs
     from rljax.run.config import RUN_SET_FIELDS, RunConfig
 
     cls = RunConfig if cls is None else cls
@@ -434,7 +439,10 @@ def config_sections(cls: type | None = None, path: str = "config") -> Iterator[C
             continue
         key = f"{path}.{field.name}"
         sub = _section_class(hints[field.name])
-        if key in DICT_SECTIONS:
+        spec = knobs.knob_of(field)
+        if spec is not None and spec.fields_of is not None:  # a mapping of that class's fields
+            subsections.append((spec.fields_of, key))
+        elif key in DICT_SECTIONS:
             slot, class_path = DICT_SECTIONS[key]
             sub_path = f"{key}.{slot}" if slot else key
             subsections.append((_resolve(class_path), sub_path))

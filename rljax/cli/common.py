@@ -145,13 +145,15 @@ def unknown_override(config: Any, paths: Sequence[str]) -> str | None:
     """The one-line error of the first override path that names no key of ``config`` (None if all do).
 
     >>> from ml_collections import ConfigDict
-    >>> c = ConfigDict({"trainer": {"num_steps": 1, "seq_len": 2}, "engine": {"client": {}}})
+    >>> c = ConfigDict({"trainer": {"num_steps": 1, "seq_len": 2}, "renderer": {"kwargs": {}}})
     >>> print(unknown_override(c, ["trainer.num_stepz"]))
     config.trainer.num_stepz: unknown key; did you mean 'num_steps'? known keys of config.trainer: [...]
-    >>> unknown_override(c, ["engine.client.timeout_s"])[:78]
-    'config.engine.client.timeout_s: config.engine.client holds no keys to override'
+    >>> unknown_override(c, ["renderer.kwargs.retention"])[:82]
+    'config.renderer.kwargs.retention: config.renderer.kwargs holds no keys to override'
+    >>> unknown_override(ConfigDict({"engine": {"kind": "vllm"}}), ["engine.stall_timeout_s"])
+    'config.engine.stall_timeout_s: moved to config.engine.client.stall_timeout_s'
     """
-    from rljax.run.config import did_you_mean
+    from rljax.run.config import did_you_mean, retired_key
 
     for path in paths:
         node, parts = config, path.split(".")
@@ -170,6 +172,9 @@ def unknown_override(config: Any, paths: Sequence[str]) -> str | None:
             if keys is None:
                 return f"{full}: {where} is {node!r}, not a section; set {where} whole"
             named = f"{where}.{key}"
+            retired = retired_key(".".join(parts[: i + 1]))
+            if retired is not None:
+                return f"{named}: {retired}"
             return f"{named}: unknown key; {did_you_mean(key, keys)}known keys of {where}: {sorted(keys)}"
     return None
 

@@ -33,6 +33,7 @@ Training" (TIS); Liu, Li et al. 2025, "When Speed Kills Stability" (masked / geo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -41,27 +42,89 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rljax import knobs
 from rljax.core import segments
 from rljax.core.losses import LOG_RATIO_CLIP
+from rljax.knobs import knob
 
-DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(
-    {
-        "tis_ratio_type": None,
-        "token_tis_ratio_clip_high": 2.0,
-        "sequence_tis_ratio_clip_high": 5.0,
-        "sequence_mask_metric": None,
-        "geo_mask_low": 0.99,
-        "geo_mask_high": 1.01,
-        "product_mask_low": 0.5,
-        "product_mask_high": 2.0,
-        "outlier_token_is_threshold_low": None,
-        "outlier_token_is_threshold_high": None,
-        "token_mask_is_threshold_low": None,
-        "token_mask_is_threshold_high": None,
-        "max_token_staleness": None,
-    }
+_OPTIONAL_THRESHOLDS = (
+    "outlier_token_is_threshold_low",
+    "outlier_token_is_threshold_high",
+    "token_mask_is_threshold_low",
+    "token_mask_is_threshold_high",
 )
-"""Every accepted key with its default (SkyRL's names and defaults)."""
+_TIS_TYPES = (None, "token", "sequence")
+_SEQUENCE_METRICS = (None, "geometric", "product")
+
+
+@knobs.section
+class OffPolicyConfig:
+    """The off-policy correction's keys (module docstring): SkyRL's names and defaults
+    (``max_token_staleness`` is rljax's); a stage whose switch or bounds are None is off."""
+
+    tis_ratio_type: str | None = knob(
+        None,
+        choices=_TIS_TYPES,
+        doc="truncated importance sampling: ``token`` weighs each token by "
+        "``min(rho, token_tis_ratio_clip_high)``, ``sequence`` each sequence by "
+        "``min(exp(sum log rho), sequence_tis_ratio_clip_high)``; None: off",
+    )
+    token_tis_ratio_clip_high: float = knob(2.0, gt=0, doc="the cap of token TIS weights")
+    sequence_tis_ratio_clip_high: float = knob(5.0, gt=0, doc="the cap of sequence TIS weights")
+    sequence_mask_metric: str | None = knob(
+        None,
+        choices=_SEQUENCE_METRICS,
+        doc="sequence mask: keep a sequence whose ``geometric`` mean "
+        "(or ``product``) of rho is within its bounds; None: off",
+    )
+    geo_mask_low: float = knob(0.99, gt=0, doc="lower bound of the geometric sequence mask")
+    geo_mask_high: float = knob(1.01, gt=0, doc="upper bound of the geometric sequence mask")
+    product_mask_low: float = knob(0.5, gt=0, doc="lower bound of the product sequence mask")
+    product_mask_high: float = knob(2.0, gt=0, doc="upper bound of the product sequence mask")
+    outlier_token_is_threshold_low: float | None = knob(
+        None,
+        gt=0,
+        doc="a sequence with any trainable token's rho below this is masked whole (None: no bound)",
+    )
+    outlier_token_is_threshold_high: float | None = knob(
+        None,
+        gt=0,
+        doc="a sequence with any trainable token's rho above this is masked whole (None: no bound)",
+    )
+    token_mask_is_threshold_low: float | None = knob(
+        None, gt=0, doc="a token whose rho is below this is masked (None: no bound)"
+    )
+    token_mask_is_threshold_high: float | None = knob(
+        None, gt=0, doc="a token whose rho is above this is masked (None: no bound)"
+    )
+    max_token_staleness: int | None = knob(
+        None,
+        ge=0,
+        doc="keep a token only if at most this many weight updates separate the weights that "
+        "sampled it from the weights trained (None: off)",
+    )
+
+    def __post_init__(self) -> None:
+        staleness = self.max_token_staleness
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)):
+            raise ValueError(
+                f"OffPolicyConfig.max_token_staleness: expected an int >= 0 or None, got {staleness!r}"
+            )
+        for low, high in (
+            ("geo_mask_low", "geo_mask_high"),
+            ("product_mask_low", "product_mask_high"),
+            _OPTIONAL_THRESHOLDS[:2],
+            _OPTIONAL_THRESHOLDS[2:],
+        ):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(
+                    f"OffPolicyConfig.{low}: off-policy correction needs {low} <= {high}; got {lo} > {hi}"
+                )
+
+
+DEFAULT_CONFIG: Mapping[str, Any] = MappingProxyType(dataclasses.asdict(OffPolicyConfig()))
+"""Every accepted key with its default (:class:`OffPolicyConfig`'s fields)."""
 
 METRIC_NAMES: tuple[str, ...] = (
     "is_ratio_mean",
@@ -77,26 +140,19 @@ METRIC_NAMES: tuple[str, ...] = (
 Each is a count over tokens divided by the normalizer (additive over micro-batches), except
 ``is_ratio_max``: the largest ``rho`` of a trainable token (micro-batches combine it by ``max``)."""
 
-_TIS_TYPES = (None, "token", "sequence")
-_SEQUENCE_METRICS = (None, "geometric", "product")
-_OPTIONAL_THRESHOLDS = (
-    "outlier_token_is_threshold_low",
-    "outlier_token_is_threshold_high",
-    "token_mask_is_threshold_low",
-    "token_mask_is_threshold_high",
-)
-
 
 def resolve_config(config: Any) -> dict[str, Any]:
     """Returns the full off-policy config: ``DEFAULT_CONFIG`` updated with ``config``.
 
-    ``config`` is ``None``, a mapping, an ``ml_collections.ConfigDict`` (anything with
-    ``to_dict``) or a sequence of ``(key, value)`` pairs. Unknown keys and invalid values
-    raise ``ValueError``.
+    ``config`` is ``None``, an :class:`OffPolicyConfig`, a mapping, an ``ml_collections.ConfigDict``
+    (anything with ``to_dict``) or a sequence of ``(key, value)`` pairs. Unknown keys and invalid
+    values raise ``ValueError``.
 
     >>> resolve_config({"tis_ratio_type": "token"})["token_tis_ratio_clip_high"]
     2.0
     """
+    if isinstance(config, OffPolicyConfig):
+        return dataclasses.asdict(config)
     if config is None:
         items: dict[str, Any] = {}
     elif hasattr(config, "to_dict"):
@@ -108,39 +164,7 @@ def resolve_config(config: Any) -> dict[str, Any]:
         raise ValueError(
             f"unknown off-policy correction keys {unknown}; valid keys are {sorted(DEFAULT_CONFIG)}"
         )
-    cfg = {**DEFAULT_CONFIG, **items}
-    if cfg["tis_ratio_type"] not in _TIS_TYPES:
-        raise ValueError(f"tis_ratio_type must be one of {_TIS_TYPES}; got {cfg['tis_ratio_type']!r}")
-    if cfg["sequence_mask_metric"] not in _SEQUENCE_METRICS:
-        raise ValueError(
-            f"sequence_mask_metric must be one of {_SEQUENCE_METRICS}; got {cfg['sequence_mask_metric']!r}"
-        )
-    staleness = cfg["max_token_staleness"]
-    if staleness is not None and (
-        isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
-    ):
-        raise ValueError(
-            f"off-policy correction max_token_staleness must be an int >= 0 or None; got {staleness!r}"
-        )
-    for key, value in cfg.items():
-        if key in ("tis_ratio_type", "sequence_mask_metric", "max_token_staleness"):
-            continue
-        if value is None and key in _OPTIONAL_THRESHOLDS:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(
-                f"off-policy correction {key} must be a positive number"
-                f"{' or None' if key in _OPTIONAL_THRESHOLDS else ''}; got {value!r}"
-            )
-    for low, high in (
-        ("geo_mask_low", "geo_mask_high"),
-        ("product_mask_low", "product_mask_high"),
-        _OPTIONAL_THRESHOLDS[:2],
-        _OPTIONAL_THRESHOLDS[2:],
-    ):
-        if cfg[low] is not None and cfg[high] is not None and cfg[low] > cfg[high]:
-            raise ValueError(f"off-policy correction needs {low} <= {high}; got {cfg[low]} > {cfg[high]}")
-    return cfg
+    return dataclasses.asdict(OffPolicyConfig(**items))
 
 
 def is_enabled(config: Any) -> bool:

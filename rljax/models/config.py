@@ -30,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from rljax import knobs
+from rljax.knobs import knob
+
 SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
@@ -111,13 +114,11 @@ _OWNED_KEYS = frozenset(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class ModelConfig:
     """Decoder architecture (one of the Qwen2 / Qwen3 / Llama families, their MoE variants, or the
-    hybrid Qwen3-Next / Qwen3.5 families).
-
-    ``rope_scaling`` is ``None`` (plain RoPE) or a sorted tuple of ``(key, value)`` pairs holding
-    ``rope_type`` ("linear" or "llama3") and that type's parameters, so the config stays hashable.
+    hybrid Qwen3-Next / Qwen3.5 families). Each field is a knob (:mod:`rljax.knobs`: type, default,
+    allowed values and meaning on the field); the rules between fields are checked here.
 
     >>> cfg = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64,
     ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -126,56 +127,66 @@ class ModelConfig:
     (32, True, False, 2)
     """
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int = 32768
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    shared_expert_intermediate_size: int = 0
-    layer_types: tuple[str, ...] = ()
-    partial_rotary_factor: float = 1.0
-    linear_conv_kernel_dim: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
+    model_type: str = knob(
+        choices=SUPPORTED_MODEL_TYPES, doc="the architecture family: ``config.json``'s ``model_type``"
+    )
+    vocab_size: int = knob(ge=1, doc="rows of the token embedding and of the output head")
+    hidden_size: int = knob(ge=1, doc="width of the residual stream")
+    intermediate_size: int = knob(ge=1, doc="width of a dense SwiGLU MLP")
+    num_layers: int = knob(ge=1, doc="decoder layers: ``config.json``'s ``num_hidden_layers``")
+    num_heads: int = knob(ge=1, doc="query heads of an attention layer")
+    num_kv_heads: int = knob(
+        ge=1, doc="key / value heads, a divisor of ``num_heads`` (grouped-query attention shares each)"
+    )
+    head_dim: int = knob(ge=1, doc="width of one attention head; even, as RoPE rotates pairs of dims")
+    rope_theta: float = knob(10000.0, gt=0, doc="RoPE base frequency, finite")
+    rope_scaling: tuple[tuple[str, Any], ...] | None = knob(
+        None,
+        doc="None (plain RoPE) or sorted ``(key, value)`` pairs (hashable): ``rope_type`` (``linear`` or "
+        "``llama3``) and that type's parameters",
+    )
+    rms_norm_eps: float = knob(1e-6, gt=0, doc="epsilon of every RMSNorm")
+    tie_word_embeddings: bool = knob(False, doc="the output head is the token embedding's transpose")
+    qkv_bias: bool = knob(False, doc="biases on the query / key / value projections")
+    o_bias: bool = knob(False, doc="a bias on the attention output projection")
+    mlp_bias: bool = knob(False, doc="biases on the MLP projections (Llama's ``mlp_bias``)")
+    qk_norm: bool = knob(False, doc="an RMSNorm on every query and key head before RoPE (Qwen3)")
+    max_position_embeddings: int = knob(32768, ge=1, doc="the longest context the checkpoint declares")
+    num_experts: int = knob(0, ge=0, doc="experts of an MoE layer; 0 (dense MLPs) outside the MoE families")
+    num_experts_per_tok: int = knob(0, ge=0, doc="experts each token is routed to: the router's top-k")
+    moe_intermediate_size: int = knob(0, ge=0, doc="width of one expert's SwiGLU MLP")
+    norm_topk_prob: bool = knob(False, doc="renormalize the top-k routing weights to sum to 1")
+    decoder_sparse_step: int = knob(
+        1, ge=1, doc="every this many layers has an MoE block (Qwen2/3-MoE); 1: every layer"
+    )
+    mlp_only_layers: tuple[int, ...] = knob((), doc="layers of an MoE model that keep a dense MLP")
+    shared_expert_intermediate_size: int = knob(
+        0,
+        ge=0,
+        doc="width of the sigmoid-gated shared expert of every MoE layer in ``qwen2_moe``, ``qwen3_next`` "
+        "and ``qwen3_5_moe_text``; 0 elsewhere",
+    )
+    layer_types: tuple[str, ...] = knob(
+        (),
+        doc="hybrid families: the mixer of every layer, ``full_attention`` (gated attention) or "
+        "``linear_attention`` (Gated DeltaNet); empty elsewhere (every layer full attention)",
+    )
+    partial_rotary_factor: float = knob(
+        1.0,
+        gt=0,
+        le=1,
+        doc="the share of each head's dims that RoPE rotates; below 1 in the hybrid families only",
+    )
+    linear_conv_kernel_dim: int = knob(0, ge=0, doc="Gated DeltaNet: width of the causal convolution")
+    linear_key_head_dim: int = knob(0, ge=0, doc="Gated DeltaNet: width of a key (and query) head")
+    linear_value_head_dim: int = knob(0, ge=0, doc="Gated DeltaNet: width of a value head")
+    linear_num_key_heads: int = knob(0, ge=0, doc="Gated DeltaNet: key (and query) heads")
+    linear_num_value_heads: int = knob(
+        0, ge=0, doc="Gated DeltaNet: value heads, a multiple of ``linear_num_key_heads``"
+    )
     extra_json: str = dataclasses.field(default="{}", compare=False)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
-            )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) "
@@ -183,10 +194,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta must be a positive finite float, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not math.isfinite(self.rope_theta):
+            raise ValueError(f"ModelConfig.rope_theta: expected a finite number, got {self.rope_theta!r}")
         if self.rope_scaling is not None:
             _check_rope_scaling(dict(self.rope_scaling))
         self._check_moe()

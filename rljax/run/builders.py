@@ -7,6 +7,7 @@ merging, opsd tasks without demonstrations) are raised here, before anything run
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -140,7 +141,7 @@ def objective_config(
         reduction=cfg.reduction,
         max_len=cfg.max_len,
         num_groups=prompts_per_step if cfg.reduction == "prompt_mean" else None,
-        off_policy=dict(cfg.off_policy) or None,
+        off_policy=dataclasses.asdict(cfg.off_policy) if off_policy.is_enabled(cfg.off_policy) else None,
         entropy_coef=cfg.entropy_coef,
         components=tuple(algorithm.components),  # skip the packer's all-zero streams of other components
         kl_coef=cfg.kl_loss_coef if "rl" in algorithm.components else 0.0,
@@ -207,7 +208,7 @@ def check_objective(cfg: RunConfig, algorithms: AlgorithmConfig) -> None:
             "top_p=1.0 and top_k=None with vLLM, or the embedded sampler (engine.kind='embedded'), which "
             "records the support and trains on it exactly"
         )
-    tis = cfg.objective.off_policy.get("tis_ratio_type")
+    tis = cfg.objective.off_policy.tis_ratio_type
     if tis is None:
         return
     for a in algorithms.algorithms:

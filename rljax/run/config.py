@@ -3,22 +3,38 @@
 :func:`parse_run_config` turns the ``ConfigDict`` of a recipe (``configs/*.py``, overridden by
 ``--config.<key>=<value>`` flags) into a :class:`RunConfig` of frozen dataclasses. It is the ONE
 place that knows the keys, their types and their defaults: a missing key takes the default of its
-dataclass field below, and every mistake (an unknown key, a wrong type, a value out of range, a
-key no component reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len:
-expected an int >= 1, got 'long'``. :func:`default_config` renders the same defaults as a
-``ConfigDict``; ``configs/default.py`` is exactly that, and the other recipes start from it.
+field, and every mistake (an unknown key, a wrong type, a value out of range, a key no component
+reads) is a ``ValueError`` naming the key's path, e.g. ``config.trainer.seq_len: expected an int >=
+1, got 0``. :func:`default_config` renders the same defaults as a ``ConfigDict``;
+``configs/default.py`` is exactly that, and the other recipes start from it.
 
 The trainer's parts read only these typed values, never the raw config.
+
+**Each knob is declared once**, on its field (:mod:`rljax.knobs`): its type, default, allowed range
+or values and one-line meaning. Adding a key is one line in its section::
+
+    seq_len: int = knob(384, ge=1, doc="tokens per packed row")
+
+The section checks the value when it is made, the parser reports it under the key's path, the
+config reference (``docs/reference/config.md``) lists it, and ``--config.trainer.seq_len=512``
+sets it. Rules between several keys are explicit functions here (:func:`_validate`).
 
 The sections of the run's components ARE those components' own typed configs, each validating
 itself: ``rollout`` is a :class:`rljax.rollout.RolloutConfig`, ``optimizer`` an
 :class:`rljax.training.optimizer.OptimizerConfig`, ``warmstart`` a
-:class:`rljax.training.warmstart.WarmStartConfig`,
-``critic`` a :class:`rljax.training.critic.CriticSection` (a ``CriticConfig``), ``lora`` a
+:class:`rljax.training.warmstart.WarmStartConfig`, ``critic`` a
+:class:`rljax.training.critic.CriticSection` (a ``CriticConfig``), ``lora`` a
 :class:`rljax.models.lora.LoRAConfig` (or None: full training), ``mesh`` a
-:class:`rljax.training.sharding.MeshConfig`, ``engine.sync`` a :class:`rljax.inference.vllm.SyncConfig`;
-their class defaults are the run's defaults (one default per knob). Cross-field rules are in
-:func:`_validate`.
+:class:`rljax.training.sharding.MeshConfig`, ``objective.off_policy`` a
+:class:`rljax.core.off_policy.OffPolicyConfig`, and the vLLM engine's ``engine.server`` a
+:class:`rljax.inference.vllm.ServerConfig`, ``engine.client`` a
+:class:`rljax.inference.vllm.ClientConfig`, ``engine.supervisor`` a
+:class:`rljax.inference.vllm.SupervisorConfig` and ``engine.sync`` a
+:class:`rljax.inference.vllm.SyncConfig`: a knob that belongs to a component is declared by it, and
+the run holds it (:data:`RUN_SET_FIELDS` lists the component fields the run fills in itself).
+``model.init`` holds :class:`rljax.models.ModelConfig` fields, each typed and defaulted by it.
+Free-form mappings stay free where the keys belong to user code or another library: the renderer's
+and the envs' constructor arguments, the task makers' ``task_kwargs``, verifiers' ``env_args``.
 
 >>> cfg = parse_run_config({"trainer": {"num_steps": 3}})
 >>> cfg.trainer.num_steps, cfg.trainer.seq_len, cfg.rollout.group_size
@@ -34,24 +50,30 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rljax import knobs
 from rljax.core import off_policy
 from rljax.core.losses import KL_KINDS
 from rljax.core.objective import REDUCTIONS
+from rljax.core.off_policy import OffPolicyConfig
 from rljax.data.filters import make_filter
 from rljax.envs.loader import split_import_string
 from rljax.envs.registry import LIBRARIES
 from rljax.inference.frozen import frozen_models_from_config
+from rljax.inference.vllm.client import ClientConfig
 from rljax.inference.vllm.launcher import ServerConfig
+from rljax.inference.vllm.supervisor import SupervisorConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
+from rljax.knobs import knob
 from rljax.models.attention_backends import ATTENTION_BACKENDS
+from rljax.models.config import ModelConfig
 from rljax.models.context import CONTEXT_COLLECTIVES
+from rljax.models.decoder import REMAT_POLICIES
 from rljax.models.lora import LoRAConfig
 from rljax.report.config import ReportConfig
 from rljax.rollout import RolloutConfig
@@ -61,7 +83,6 @@ from rljax.training.sharding import MeshConfig
 from rljax.training.warmstart import WarmStartConfig
 
 __all__ = [
-    "CLIENT_KEYS_SET_ELSEWHERE",
     "DTYPES",
     "DynamicSamplingSection",
     "ENGINE_DTYPES",
@@ -69,23 +90,25 @@ __all__ = [
     "EnvSection",
     "EvalSection",
     "MATMUL_PRECISIONS",
+    "MOVED_KEYS",
     "ModelSection",
     "OLD_LOGPROBS",
     "ObjectiveSection",
     "REMAT_POLICIES",
     "RESULT_NEUTRAL_KEYS",
     "ROUTER_REPLAY",
+    "RUN_SET_FIELDS",
     "RendererSection",
     "RunConfig",
-    "SYNC_ON_MISMATCH",
     "TokenizerSection",
     "TrainerSection",
-    "client_keys",
     "config_differences",
     "config_record",
     "default_config",
     "device_list",
     "did_you_mean",
+    "parse_config_record",
+    "retired_key",
     "parse_run_config",
 ]
 
@@ -93,36 +116,27 @@ __all__ = [
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 #: Weight dtypes an engine can serve: a dtype, or "auto" (= model.compute_dtype).
 ENGINE_DTYPES: tuple[str, ...] = ("auto", *DTYPES)
-#: Remat policies of ``model.remat`` (see :class:`rljax.models.Decoder`).
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
 #: ``model.router_replay`` values (MoE models).
 ROUTER_REPLAY: tuple[str, ...] = ("off", "r3")
 #: ``config.model.matmul_precision`` values (``jax.lax.Precision`` names; "default" = the platform's).
 MATMUL_PRECISIONS: tuple[str, ...] = ("default", "high", "highest")
-#: What a failed weight-sync verification does (:class:`rljax.inference.vllm.SyncConfig`).
-SYNC_ON_MISMATCH: tuple[str, ...] = ("raise", "retry", "warn")
+#: ``config.trainer.mode`` values.
 MODES: tuple[str, ...] = ("sync", "async", "fully_async")
 #: ``config.trainer.old_logprobs`` values (design §3.4).
 OLD_LOGPROBS: tuple[str, ...] = ("auto", "recompute", "inference")
+#: ``config.engine.kind`` values.
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm")
+#: ``config.engine.lora_sync`` values.
+LORA_SYNC: tuple[str, ...] = ("adapter", "merged")
+#: ``config.engine.in_flight_updates`` values.
+IN_FLIGHT_UPDATES: tuple[str, ...] = ("off", "recompute", "keep")
+#: The keys of ``config.envs.<name>.dataset``.
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
-
-
-def _field(default: Any) -> Any:
-    """A dataclass field whose default is a (copied) mutable value."""
-    if isinstance(default, (dict, list)):
-        return dataclasses.field(default_factory=lambda: _copy(default))
-    if dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=lambda: default)
-    return dataclasses.field(default=default)
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
+#: Values of ``config.trainer.on_save_error``.
+ON_SAVE_ERROR: tuple[str, ...] = ("stop", "continue")
+#: ``trainer.prefix_sharing``: "auto" packs samples that share a prompt prefix as prefix trees (design
+#: §2.6) wherever that computes exactly what plain packing does; "off" never does.
+PREFIX_SHARING: tuple[str, ...] = ("auto", "off")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,32 +144,55 @@ def _copy(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class TokenizerSection:
-    """The tokenizer.
+    """The tokenizer."""
 
-    Attributes:
-      name: ``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path.
-    """
+    name: str = knob(
+        "toy:chatml",
+        doc='``"toy:<family>"`` (a byte-level toy tokenizer built in code) or an HF tokenizer path',
+    )
 
-    name: str = "toy:chatml"
 
-
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class RendererSection:
-    """The renderer: the chat template as a token stream (:func:`rljax.chat.make_renderer`).
+    """The renderer: the chat template as a token stream (:func:`rljax.chat.make_renderer`)."""
 
-    Attributes:
-      name: a built-in name (``chatml``, ``qwen2.5``, ``qwen3``, ``llama3``, ``generic``) or
-        ``"my_pkg.chat:MyRenderer"`` (a Renderer subclass or factory, called with the tokenizer).
-      kwargs: keyword arguments of the renderer.
-    """
-
-    name: str = "chatml"
-    kwargs: dict = _field({})
+    name: str = knob(
+        "chatml",
+        doc="a built-in name (``chatml``, ``qwen2.5``, ``qwen3``, ``llama3``, ``generic``) or "
+        '``"my_pkg.chat:MyRenderer"`` (a Renderer subclass or factory, called with the tokenizer)',
+    )
+    kwargs: dict = knob({}, doc="keyword arguments of the renderer (free-form: the renderer's own)")
 
 
-DEFAULT_INIT = dict(
+def _init_defaults(**values: Any) -> dict[str, Any]:
+    """``model.init``: every :class:`~rljax.models.ModelConfig` field, ``values`` over its defaults."""
+    out = {}
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in values:
+            out[f.name] = values[f.name]
+        elif f.name not in RUN_SET_FIELDS.get(ModelConfig, {}) and f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
+
+
+#: Fields of a component config that are not config keys: the run sets them (or they come from
+#: elsewhere), with what to write instead.
+RUN_SET_FIELDS: Mapping[type, Mapping[str, str]] = {
+    RolloutConfig: {
+        "algorithm": "set by the run; use config.algorithm",
+        "env_algorithms": "set by the run; use config.env_algorithms",
+    },
+    ServerConfig: {
+        "model": "set by the run (the policy's weights)",
+        "dtype": "set by the run; use config.engine.dtype",
+    },
+    ModelConfig: {"extra_json": "read from a checkpoint's config.json (model.hf_path)"},
+}
+
+#: ``model.init`` of the default recipe.
+DEFAULT_INIT: Mapping[str, Any] = _init_defaults(
     model_type="qwen3",
     vocab_size=0,  # 0 = the tokenizer's size
     hidden_size=64,
@@ -170,50 +207,93 @@ DEFAULT_INIT = dict(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class ModelSection:
-    """The policy model: where it comes from, its precision, memory and attention kernels.
+    """The policy model: where it comes from, its precision, memory and attention kernels."""
 
-    Attributes:
-      hf_path: an HF checkpoint directory to load; empty = a fresh model of ``init``.
-      param_dtype: dtype of the master weights, their gradients and the optimizer state, one of
-        :data:`DTYPES` (float32 by default, whatever the checkpoint's dtype: a bf16 checkpoint is upcast
-        on load).
-      compute_dtype: dtype of activations and matmuls, one of :data:`DTYPES` (logits, log-probs, ratios
-        and every loss stay float32).
-      remat: activation recomputation of each block in the backward pass, one of
-        :data:`REMAT_POLICIES`: ``none``, ``full`` (save only block inputs), ``dots_saveable`` (also
-        keep matmul outputs without batch dims).
-      router_replay: MoE models: ``"r3"`` replays the experts the sampler routed every token to in the
-        train forward (gates recomputed from the current router); ``"off"`` routes afresh. The share of
-        tokens whose trainer top-k differs from the sampler's (``routing/flip_fraction``) is logged
-        either way.
-      attention: the training forward's attention kernel: ``auto`` (cuDNN's ragged kernel on GPU with
-        bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's packed
-        variable-length kernel) or ``splash`` (:mod:`rljax.models.attention_backends`).
-      context_attention: how attention crosses ``mesh.context`` when it is > 1: ``all_gather`` (each
-        device gathers the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value chunks
-        passed around the devices, partial softmaxes merged; XLA blocks), see :mod:`rljax.models.context`.
-      matmul_precision: the precision of every matmul of the model (trainer and embedded sampler), one
-        of :data:`MATMUL_PRECISIONS`; ``"default"`` lets the platform choose (on NVIDIA GPUs float32
-        matmuls then run as TF32, and the sampler's float32 logprobs differ from the trainer's by ~1e-4
-        instead of ~1e-6); ``"highest"`` keeps float32 matmuls float32.
-      init: :class:`rljax.models.config.ModelConfig` fields of a fresh model (``vocab_size`` 0 = the
-        tokenizer's size).
-    """
+    hf_path: str = knob(
+        "", doc="an HF checkpoint directory (or ``.gguf`` file) to load; empty = a fresh model of ``init``"
+    )
+    param_dtype: str = knob(
+        "float32",
+        choices=DTYPES,
+        doc="dtype of the master weights, their gradients and the optimizer state (float32 by default, "
+        "whatever the checkpoint's dtype: a bf16 checkpoint is upcast on load)",
+    )
+    compute_dtype: str = knob(
+        "float32",
+        choices=DTYPES,
+        doc="dtype of activations and matmuls (logits, log-probs, ratios and every loss stay float32)",
+    )
+    remat: str = knob(
+        "none",
+        choices=REMAT_POLICIES,
+        doc="activation recomputation of each block in the backward pass: ``none``, ``full`` (save only "
+        "block inputs), ``dots_saveable`` (also keep matmul outputs without batch dims)",
+    )
+    router_replay: str = knob(
+        "off",
+        choices=ROUTER_REPLAY,
+        doc='MoE models: ``"r3"`` replays the experts the sampler routed every token to in the train '
+        'forward (gates recomputed from the current router); ``"off"`` routes afresh. The share of '
+        "tokens whose trainer top-k differs from the sampler's (``routing/flip_fraction``) is logged "
+        "either way",
+    )
+    attention: str = knob(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        doc="the training forward's attention kernel: ``auto`` (cuDNN's ragged kernel on GPU with "
+        "bfloat16 compute, splash on TPU, XLA on CPU), ``xla``, ``cudnn``, ``cudnn_ragged`` (cuDNN's "
+        "packed variable-length kernel) or ``splash`` (:mod:`rljax.models.attention_backends`)",
+    )
+    context_attention: str = knob(
+        "all_gather",
+        choices=CONTEXT_COLLECTIVES,
+        doc="how attention crosses ``mesh.context`` when it is > 1: ``all_gather`` (each device gathers "
+        "the row's keys/values; the cuDNN kernels apply) or ``ring`` (key/value chunks passed around "
+        "the devices, partial softmaxes merged; XLA blocks), see :mod:`rljax.models.context`",
+    )
+    matmul_precision: str = knob(
+        "default",
+        choices=MATMUL_PRECISIONS,
+        doc='the precision of every matmul of the model (trainer and embedded sampler); ``"default"`` '
+        "lets the platform choose (on NVIDIA GPUs float32 matmuls then run as TF32, and the sampler's "
+        'float32 logprobs differ from the trainer\'s by ~1e-4 instead of ~1e-6); ``"highest"`` keeps '
+        "float32 matmuls float32",
+    )
+    init: dict = knob(
+        DEFAULT_INIT,
+        fields_of=ModelConfig,
+        doc=":class:`rljax.models.config.ModelConfig` fields of a fresh model, each typed and defaulted "
+        "by it (``vocab_size`` 0 = the tokenizer's size); read when ``hf_path`` is empty",
+    )
 
-    hf_path: str = ""
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    remat: str = "none"
-    router_replay: str = "off"
-    attention: str = "auto"
-    context_attention: str = "all_gather"
-    matmul_precision: str = "default"
-    init: dict = _field(DEFAULT_INIT)
+    def __post_init__(self) -> None:
+        if "vocab_size" not in self.init:
+            object.__setattr__(self, "init", {**self.init, "vocab_size": 0})
+        if self.hf_path:
+            return
+        missing = [
+            f.name
+            for f in dataclasses.fields(ModelConfig)
+            if f.default is dataclasses.MISSING and f.name not in self.init
+        ]
+        if missing:
+            raise ValueError(
+                f"ModelSection.init: a fresh model (no hf_path) needs ModelConfig's {missing}; set them "
+                "or model.hf_path"
+            )
+        try:
+            ModelConfig(**{**self.init, "vocab_size": self.init["vocab_size"] or 1})
+        except (TypeError, ValueError) as e:
+            # a field's own constraint names the field: "ModelConfig.<field>: why"
+            field, sep, why = str(e).partition(": ")
+            if sep and field.startswith("ModelConfig.") and field.count(".") == 1:
+                raise ValueError(f"ModelSection.init.{field.removeprefix('ModelConfig.')}: {why}") from None
+            raise ValueError(f"ModelSection.init: {e}") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class EnvSection:
     """One environment of the run: ``env`` is its kind (default: the section's name; e.g. "lookup",
     "skyrl_gym:gsm8k", "reasoning_gym:leg_counting"), ``kwargs`` go to its constructor.
@@ -243,216 +323,224 @@ class EnvSection:
     ``env_args`` is verifiers' env config (its ``[env]`` block: ``taskset`` fields, ``agent.runtime``,
     ...); train tasks are its taskset's, eval tasks those of the taskset with ``eval_env_args``
     (taskset fields, e.g. ``{"split": "test"}``) applied; ``num_*_tasks`` keep the first N.
-
-    Attributes:
-      env: the environment's kind (default: the section's name): a built-in, a library env
-        (``skyrl_gym:<id>``, ``reasoning_gym:<id>``), ``"module:attr"`` or a registered id.
-      kwargs: keyword arguments of the environment's constructor (of the agent function for ``agent``).
-      tasks: ``"module:function"``, the task maker (else the env's own).
-      task_kwargs: keyword arguments of the task maker.
-      num_train_tasks: train tasks to make (default 256), or the first N rows of a dataset.
-      num_eval_tasks: held-out tasks to make (default 0), or the first N rows of a dataset.
-      dataset: dataset files of the tasks: ``dict(train=PATH, eval=PATH, format="auto",
-        eval_fraction=None)``.
-      agent: ``"module:function"``, an agent function that plays the episodes through the gateway.
-      agent_command: an external agent process run per rollout (with ``OPENAI_BASE_URL`` /
-        ``OPENAI_API_KEY`` set).
-      verifiers: a verifiers environment id, run as the agent.
-      env_args: the verifiers environment's config (its ``[env]`` block).
-      eval_env_args: taskset fields applied for the verifiers environment's eval tasks.
     """
 
-    env: str = ""
-    kwargs: dict = _field({})
-    tasks: str = ""
-    task_kwargs: dict = _field({})
-    num_train_tasks: int | None = None
-    num_eval_tasks: int | None = None
-    dataset: dict = _field({})
-    agent: str = ""
-    agent_command: str = ""
-    verifiers: str = ""
-    env_args: dict = _field({})
-    eval_env_args: dict = _field({})
+    env: str = knob(
+        "",
+        doc="the environment's kind (default: the section's name): a built-in, a library env "
+        '(``skyrl_gym:<id>``, ``reasoning_gym:<id>``), ``"module:attr"`` or a registered id',
+    )
+    kwargs: dict = knob(
+        {}, doc="keyword arguments of the environment's constructor (of the agent function for ``agent``)"
+    )
+    tasks: str = knob("", doc='``"module:function"``, the task maker (else the env\'s own)')
+    task_kwargs: dict = knob({}, doc="keyword arguments of the task maker")
+    num_train_tasks: int | None = knob(
+        None, ge=0, doc="train tasks to make (default 256), or the first N rows of a dataset"
+    )
+    num_eval_tasks: int | None = knob(
+        None, ge=0, doc="held-out tasks to make (default 0), or the first N rows of a dataset"
+    )
+    dataset: dict = knob(
+        {},
+        doc='dataset files of the tasks: ``dict(train=PATH, eval=PATH, format="auto", eval_fraction=None)``',
+    )
+    agent: str = knob(
+        "", doc='``"module:function"``, an agent function that plays the episodes through the gateway'
+    )
+    agent_command: str = knob(
+        "",
+        doc="an external agent process run per rollout (with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set)",
+    )
+    verifiers: str = knob("", doc="a verifiers environment id, run as the agent")
+    env_args: dict = knob({}, doc="the verifiers environment's config (its ``[env]`` block)")
+    eval_env_args: dict = knob({}, doc="taskset fields applied for the verifiers environment's eval tasks")
 
 
-DEFAULT_ENVS = {
-    "lookup": dict(
+#: ``config.envs`` of the default recipe.
+DEFAULT_ENVS: Mapping[str, EnvSection] = {
+    "lookup": EnvSection(
         env="lookup",
-        dataset={},
         # compact: no tool schema, no system prompt (the warm start teaches the format), small credit
         kwargs=dict(compact=True, system_prompt="", credit=(0.02, 0.05, 0.1)),
-        task_kwargs={},
         num_train_tasks=2048,
         num_eval_tasks=32,
     )
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class EngineSection:
-    """The policy's inference engine: the in-process JAX sampler or vLLM servers.
+    """The policy's inference engine: the in-process JAX sampler or vLLM servers. Keys marked
+    "embedded:" apply to the JAX sampler, "vllm:" to vLLM servers."""
 
-    Attributes:
-      kind: ``"embedded"`` (the in-process JAX sampler) or ``"vllm"``.
-      dtype: the dtype weights are served in (cast from the master weights on every sync); ``"auto"``
-        = ``model.compute_dtype``. A launched vLLM server gets it as ``--dtype`` unless ``server.dtype``
-        is set.
-      max_batch_size: embedded: most requests per jitted sampling call.
-      min_batch_bucket: embedded: smallest number of rows of a sampling call (fewer shapes to compile).
-      batch_wait_ms: embedded: how long the first queued request waits for others to join its batch.
-      min_prompt_bucket: embedded: smallest padded prompt length (buckets are powers of two above it).
-      min_new_tokens_bucket: embedded: smallest loop bound for new tokens.
-      max_model_len: embedded: longest prompt + completion (None = the model's
-        ``max_position_embeddings``).
-      prefix_sharing: embedded: prefill a prompt prefix shared by requests of one batch once (a
-        GRPO group's samples; turns whose histories start alike) and start each from a copy of its
-        KV cache; the same tokens and logprobs (within float32 rounding) as without it.
-      urls: vllm: servers to use (started by you on the same initial weights).
-      num_servers: vllm: servers to launch locally when ``urls`` is empty.
-      python: vllm: the Python of the vLLM virtual environment for launched servers (empty: found
-        automatically).
-      server: vllm: :class:`rljax.inference.vllm.ServerConfig` fields of launched servers.
-      client: vllm: keyword arguments of :class:`rljax.inference.vllm.VLLMClient`.
-      sync: vllm: the weight sync (:class:`rljax.inference.vllm.SyncConfig` fields: probe length and
-        seed, ``atol`` override of the per-dtype tolerance, ``on_mismatch`` = "raise" | "retry" |
-        "warn").
-      lora_sync: LoRA runs on vLLM: ``"adapter"`` loads each version's adapter at run time
-        (``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights.
-      supervise: vllm: watch the servers (:mod:`rljax.inference.vllm.supervisor`): a launched server
-        that exits or stops answering is restarted with the current weights (verified), one given by
-        URL is re-checked on a backoff; weight syncs skip servers out of service.
-      health_interval_s: vllm: seconds between ``GET /health`` checks of each server.
-      health_timeout_s: vllm: a health check not answered within this fails; ``health_failures``
-        failures in a row take the server out of service (an exited process at once).
-      health_failures: vllm: see ``health_timeout_s``.
-      stall_timeout_s: vllm: per-token progress deadline of a request (no token for this long: it
-        goes to another server); keep it above the longest prefill plus queueing.
-      all_down_timeout_s: vllm: with no server in service for this long the run stops with one
-        error naming the servers and the end of their logs.
-      max_restarts: vllm: restarts of one launched server over the run.
-      in_flight_updates: whether a weight update reaches sequences already decoding (their
-        completions then carry several version spans): ``"off"`` (they finish on the weights they
-        started with), ``"recompute"`` (they switch at the next decode segment, their KV cache
-        recomputed with the new weights: every token exactly from its version; embedded sampler and
-        vLLM) or ``"keep"`` (vLLM only: pause in keep mode with the old KV cache kept, PipelineRL's
-        behaviour; tokens after the switch attend to old-weights keys and values). Meant for
-        ``trainer.mode="fully_async"``. LoRA with ``lora_sync="adapter"`` on vLLM takes ``"off"``
-        only: a request keeps the adapter it names, so each turn is sampled by one adapter version.
-      server_devices: vllm, launched servers: the GPUs of each server, one entry per server (e.g.
-        ``("1",)`` or ``("4,5", "6,7")``: indices into the GPUs this process sees), given to it as
-        ``CUDA_VISIBLE_DEVICES``; empty = every server sees the trainer's GPUs
-        (:mod:`rljax.run.placement`).
-      trainer_devices: the trainer's GPUs (``"0"``, ``"0,1,2,3"``; indices as above), set as JAX's
-        ``jax_cuda_visible_devices`` by ``rljax train`` before JAX starts; empty = every GPU no
-        launched server holds (all of them without ``server_devices``).
-      trainer_memory_fraction: the share of each GPU's memory JAX preallocates
-        (``XLA_PYTHON_CLIENT_MEM_FRACTION``, set by ``rljax train`` before JAX starts); 0 = JAX's
-        default (75%). Lower it when a vLLM server shares the trainer's GPU, so that
-        ``server.gpu_memory_utilization`` of the GPU is still free when the server starts.
-    """
+    kind: str = knob(
+        "embedded", choices=ENGINE_KINDS, doc='``"embedded"`` (the in-process JAX sampler) or ``"vllm"``'
+    )
+    dtype: str = knob(
+        "auto",
+        choices=ENGINE_DTYPES,
+        doc='the dtype weights are served in (cast from the master weights on every sync); ``"auto"`` '
+        "= ``model.compute_dtype``. A launched vLLM server gets it as ``--dtype``",
+    )
+    max_batch_size: int = knob(128, ge=1, doc="embedded: most requests per jitted sampling call")
+    min_batch_bucket: int = knob(
+        8, ge=1, doc="embedded: smallest number of rows of a sampling call (fewer shapes to compile)"
+    )
+    batch_wait_ms: float = knob(
+        0.0, ge=0, doc="embedded: how long the first queued request waits for others to join its batch"
+    )
+    min_prompt_bucket: int = knob(
+        64, ge=1, doc="embedded: smallest padded prompt length (buckets are powers of two above it)"
+    )
+    min_new_tokens_bucket: int = knob(16, ge=1, doc="embedded: smallest loop bound for new tokens")
+    max_model_len: int | None = knob(
+        None,
+        ge=1,
+        doc="embedded: longest prompt + completion (None = the model's ``max_position_embeddings``)",
+    )
+    prefix_sharing: bool = knob(
+        True,
+        doc="embedded: prefill a prompt prefix shared by requests of one batch once (a GRPO group's "
+        "samples; turns whose histories start alike) and start each from a copy of its KV cache; the "
+        "same tokens and logprobs (within float32 rounding) as without it",
+    )
+    urls: tuple = knob((), doc="vllm: servers to use (started by you on the same initial weights)")
+    num_servers: int = knob(1, ge=1, doc="vllm: servers to launch locally when ``urls`` is empty")
+    python: str = knob(
+        "",
+        doc="vllm: the Python of the vLLM virtual environment for launched servers (empty: found "
+        "automatically)",
+    )
+    server: ServerConfig = knob(ServerConfig(), doc="vllm: how each launched server runs")
+    client: ClientConfig = knob(
+        ClientConfig(), doc="vllm: how requests are routed, bounded, retried and timed"
+    )
+    supervisor: SupervisorConfig = knob(
+        SupervisorConfig(), doc="vllm: how servers are watched and brought back (with ``supervise``)"
+    )
+    sync: SyncConfig = knob(
+        SyncConfig(),
+        doc="vllm: the weight sync (probe length and seed, ``atol`` override of the per-dtype "
+        'tolerance, ``on_mismatch`` = "raise" | "retry" | "warn")',
+    )
+    lora_sync: str = knob(
+        "adapter",
+        choices=LORA_SYNC,
+        doc='vllm, LoRA runs: ``"adapter"`` syncs only the adapters (PEFT files loaded at runtime; '
+        '``--enable-lora`` is added to launched servers), ``"merged"`` syncs full merged weights',
+    )
+    supervise: bool = knob(
+        True,
+        doc="vllm: watch the servers (:mod:`rljax.inference.vllm.supervisor`, ``supervisor``): a "
+        "launched server that exits or stops answering is restarted with the current weights "
+        "(verified), one given by URL is re-checked on a backoff; weight syncs skip servers out of "
+        "service",
+    )
+    in_flight_updates: str = knob(
+        "off",
+        choices=IN_FLIGHT_UPDATES,
+        doc="whether a weight update reaches sequences already decoding (their completions then carry "
+        'several version spans): ``"off"`` (they finish on the weights they started with), '
+        '``"recompute"`` (they switch at the next decode segment, their KV cache recomputed with the '
+        'new weights: every token exactly from its version; embedded sampler and vLLM) or ``"keep"`` '
+        "(vLLM only: pause in keep mode with the old KV cache kept, PipelineRL's behaviour; tokens after "
+        'the switch attend to old-weights keys and values). Meant for ``trainer.mode="fully_async"``. '
+        'LoRA with ``lora_sync="adapter"`` on vLLM takes ``"off"`` only: a request keeps the '
+        "adapter it names, so each turn is sampled by one adapter version",
+    )
+    server_devices: tuple = knob(
+        (),
+        doc='vllm, launched servers: the GPUs of each server, one entry per server (e.g. ``("1",)`` or '
+        '``("4,5", "6,7")``: indices into the GPUs this process sees), given to it as '
+        "``CUDA_VISIBLE_DEVICES``; empty = every server sees the trainer's GPUs "
+        "(:mod:`rljax.run.placement`)",
+    )
+    trainer_devices: str = knob(
+        "",
+        doc='the trainer\'s GPUs (``"0"``, ``"0,1,2,3"``; indices as above), set as JAX\'s '
+        "``jax_cuda_visible_devices`` by ``rljax train`` before JAX starts; empty = every GPU no "
+        "launched server holds (all of them without ``server_devices``)",
+    )
+    trainer_memory_fraction: float = knob(
+        0.0,
+        ge=0,
+        lt=1,
+        doc="the share of each GPU's memory JAX preallocates (``XLA_PYTHON_CLIENT_MEM_FRACTION``, set "
+        "by ``rljax train`` before JAX starts); 0 = JAX's default (75%). Lower it when a vLLM server "
+        "shares the trainer's GPU, so that ``server.gpu_memory_utilization`` of the GPU is still free "
+        "when the server starts",
+    )
 
-    kind: str = "embedded"
-    dtype: str = "auto"
-    max_batch_size: int = 128
-    min_batch_bucket: int = 8
-    batch_wait_ms: float = 0.0
-    min_prompt_bucket: int = 64
-    min_new_tokens_bucket: int = 16
-    max_model_len: int | None = None
-    prefix_sharing: bool = True
-    urls: tuple = ()
-    num_servers: int = 1
-    python: str = ""
-    server: dict = _field({})
-    client: dict = _field({})
-    sync: SyncConfig = _field(SyncConfig())
-    lora_sync: str = "adapter"
-    supervise: bool = True
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 10.0
-    health_failures: int = 2
-    stall_timeout_s: float = 120.0
-    all_down_timeout_s: float = 600.0
-    max_restarts: int = 5
-    in_flight_updates: str = "off"
-    server_devices: tuple = ()
-    trainer_devices: str = ""
-    trainer_memory_fraction: float = 0.0
 
-
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class EvalSection:
-    """Held-out evaluation.
+    """Held-out evaluation."""
 
-    Attributes:
-      group_size: samples per eval task.
-      temperature: sampling temperature of the evaluation (0 = greedy; greedy saturates at 1.0 after
-        the default warm start).
-      pass_k: the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``).
-    """
-
-    group_size: int = 1
-    temperature: float = 1.0  # greedy (0.0) saturates at 1.0 after the default warm start
-    pass_k: tuple = ()
+    group_size: int = knob(1, ge=1, doc="samples per eval task")
+    temperature: float = knob(
+        1.0,
+        ge=0,
+        doc="sampling temperature of the evaluation (0 = greedy; greedy saturates at 1.0 after the "
+        "default warm start)",
+    )
+    pass_k: tuple = knob((), doc="the k of the ``eval/pass@k`` metrics (default ``(1, group_size)``)")
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class ObjectiveSection:
-    """The objective's reduction, off-policy correction and extra terms (design §3.4, §3.5).
+    """The objective's reduction, off-policy correction and extra terms (design §3.4, §3.5)."""
 
-    Attributes:
-      reduction: how per-token losses reduce to a scalar, one of
-        :data:`rljax.core.objective.REDUCTIONS`.
-      off_policy: the off-policy correction, SkyRL's keys and defaults
-        (:func:`rljax.core.off_policy.resolve_config`); empty = none.
-      entropy_coef: coefficient of the entropy bonus (0 = none).
-      max_len: the constant of the ``seq_mean_token_sum_norm`` reduction (required for it).
-      moe_aux_loss_coef: coefficient of the Switch load-balancing loss of MoE routers (0 = off; the
-        metric is logged anyway).
-      router_z_loss_coef: coefficient of the router z-loss of MoE routers (0 = off; the metric is logged
-        anyway).
-      kl_loss_coef: weight of a KL penalty to a frozen reference policy on the rl tokens, added to the
-        loss (verl's and SkyRL's ``use_kl_loss`` with ``kl_loss_coef``; 0 = none). Logged as
-        ``loss/kl_penalty``, ``ref_kl/reference_k1`` and ``ref_kl/reference_k3``.
-      kl_estimator: the penalty's per-token estimator of ``KL(pi || pi_ref)``, one of ``k1``, ``k2``,
-        ``k3`` (verl's ``low_var_kl``, the default) or ``abs`` (:func:`rljax.core.losses.kl`).
-      kl_reference: the reference policy: ``""`` (default) = the policy's own weights when RL starts
-        (after the warm start), held by the trainer and checkpointed with the run; or an HF checkpoint
-        directory (full training only: a LoRA run's reference is its base with the initial adapter).
-    """
+    reduction: str = knob("token_mean", choices=REDUCTIONS, doc="how per-token losses reduce to a scalar")
+    off_policy: OffPolicyConfig = knob(
+        OffPolicyConfig(),
+        doc="the off-policy correction between the old policy and the rollout engine, SkyRL's keys and "
+        "defaults (:mod:`rljax.core.off_policy`); every stage off by default",
+    )
+    entropy_coef: float = knob(0.0, doc="coefficient of the entropy bonus (0 = none)")
+    max_len: int | None = knob(
+        None, ge=1, doc="the constant of the ``seq_mean_token_sum_norm`` reduction (required for it)"
+    )
+    moe_aux_loss_coef: float = knob(
+        0.0,
+        ge=0,
+        doc="coefficient of the Switch load-balancing loss of MoE routers (0 = off; the metric is "
+        "logged anyway)",
+    )
+    router_z_loss_coef: float = knob(
+        0.0,
+        ge=0,
+        doc="coefficient of the router z-loss of MoE routers (0 = off; the metric is logged anyway)",
+    )
+    kl_loss_coef: float = knob(
+        0.0,
+        ge=0,
+        doc="weight of a KL penalty to a frozen reference policy on the rl tokens, added to the loss "
+        "(verl's and SkyRL's ``use_kl_loss`` with ``kl_loss_coef``; 0 = none). Logged as "
+        "``loss/kl_penalty``, ``ref_kl/reference_k1`` and ``ref_kl/reference_k3``",
+    )
+    kl_estimator: str = knob(
+        "k3",
+        choices=KL_KINDS,
+        doc="the penalty's per-token estimator of ``KL(pi || pi_ref)``: ``k1``, ``k2``, ``k3`` (verl's "
+        "``low_var_kl``, the default) or ``abs`` (:func:`rljax.core.losses.kl`)",
+    )
+    kl_reference: str = knob(
+        "",
+        doc='the reference policy: ``""`` (default) = the policy\'s own weights when RL starts (after '
+        "the warm start), held by the trainer and checkpointed with the run; or an HF checkpoint "
+        "directory (full training only: a LoRA run's reference is its base with the initial adapter)",
+    )
 
-    reduction: str = "token_mean"
-    off_policy: dict = _field({})
-    entropy_coef: float = 0.0
-    max_len: int | None = None
-    moe_aux_loss_coef: float = 0.0
-    router_z_loss_coef: float = 0.0
-    kl_loss_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_reference: str = ""
 
-
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class DynamicSamplingSection:
-    """DAPO dynamic sampling: resample until every prompt slot holds a group whose rewards differ.
+    """DAPO dynamic sampling: resample until every prompt slot holds a group whose rewards differ."""
 
-    Attributes:
-      max_rounds: most resampling rounds (0 = off).
-      atol: a group is kept when its rewards spread more than this.
-      strict: fail when the rounds run out (else train on what was kept).
-    """
+    max_rounds: int = knob(0, ge=0, doc="most resampling rounds (0 = off)")
+    atol: float = knob(0.0, ge=0, doc="a group is kept when its rewards spread more than this")
+    strict: bool = knob(False, doc="fail when the rounds run out (else train on what was kept)")
 
-    max_rounds: int = 0
-    atol: float = 0.0
-    strict: bool = False
-
-
-#: Values of ``config.trainer.on_save_error``.
-ON_SAVE_ERROR = ("stop", "continue")
-#: ``trainer.prefix_sharing``: "auto" packs samples that share a prompt prefix as prefix trees (design
-#: §2.6) wherever that computes exactly what plain packing does; "off" never does.
-PREFIX_SHARING = ("auto", "off")
 
 DEFAULT_TABLE_KEYS = (
     "reward/mean",
@@ -465,141 +553,167 @@ DEFAULT_TABLE_KEYS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class TrainerSection:
-    """The RL loop: steps, batches, packing, evaluation, checkpoints.
+    """The RL loop: steps, batches, packing, evaluation, checkpoints."""
 
-    Attributes:
-      num_steps: RL steps to run (0: the warm start only, and a step-0 checkpoint).
-      mode: ``"sync"``; ``"async"``: the rollout of step n+1 overlaps training of step n; or
-        ``"fully_async"``: rollouts stream continuously and each step trains the next
-        ``prompts_per_step`` complete prompt groups (:mod:`rljax.run.streaming`; several processes:
-        a stream each, ``prompts_per_step / process count`` groups from each per step).
-      max_off_policy_steps: async modes: how many policy versions a sample may be stale (fully_async:
-        between the weights a group started on and the weights it trains against).
-      prompts_per_step: prompt groups per RL step.
-      mini_batch_prompts: prompt groups per mini-batch, a divisor of ``prompts_per_step`` (0 = one
-        mini-batch).
-      seq_len: tokens per packed row.
-      truncate: drop the tail of (rare) over-long samples (counted in the pack metrics) instead of
-        failing.
-      merge: merge the turns of a trajectory whose prompts extend each other into one sample (design
-        §2.5).
-      old_logprobs: where the old (proximal) policy's logprobs of an RL step come from (design §3.4):
-        ``"recompute"``: the trainer's own, from the weights at the start of the step (one forward
-        without gradients over every mini-batch before the first update); ``"inference"``: the
-        sampler's (then every off-policy correction that weighs old / rollout would be a no-op, and
-        configuring one is an error); ``"auto"`` (default): recompute exactly when something in an
-        algorithm's objective reads the old policy (a ratio-based correction, or a policy loss whose
-        ratio is taken against the old policy: ppo_clip, dual_clip, gspo, sapo, cispo, ...), not for
-        losses that compare with the sampler by design (dppo, rollout_is). The run prints what it
-        chose, and why, when it starts.
-      filters: sample filters, e.g. ``(dict(name="overlong", mode="enforce"), dict(name="gibberish"))``
-        (:data:`rljax.data.filters.FILTERS`).
-      dynamic_sampling: DAPO dynamic sampling (:class:`DynamicSamplingSection`).
-      row_buckets: allowed numbers of packed rows (None: data-parallel size x powers of two), see
-        :func:`rljax.data.pack.bucket_rows`.
-      micro_batch_tokens: tokens per micro-batch, accumulated in one jitted scan (a multiple of
-        ``seq_len``; 0 = no micro-batching).
-      loss_only_logits: True (the default): the train step, the old-policy recompute and the KL
-        reference's scoring project only the tokens that carry a loss (``loss_mask != 0``, the only
-        ones the objective and its metrics read) through the vocabulary, gathered into a bucketed
-        buffer (design §5); False: every packed token, prompts and tool outputs included. The same
-        logprobs and gradients within float32 rounding either way; on is faster and needs less
-        memory wherever tokens carry no loss (measured: docs/results.md).
-      prefix_sharing: ``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO
-        group's prompt, turns whose prompts share a prefix without extending each other) as prefix
-        trees, each shared token computed once (design §2.6), whenever the policy model computes
-        tree rows exactly (logged at the start); ``"off"``: plain packing.
-      eval_every: RL steps between held-out evaluations (and after the last step; 0 = never).
-      checkpoint_every: RL steps between checkpoints (and after the last step; 0 = never).
-      keep_checkpoints: checkpoints to keep, the latest ones (0 = all).
-      table_keys: metrics of the printed table.
-      save_rollouts_every: N: ``rollouts/step_<S>.jsonl`` and a sample table every N steps (0 = never).
-      stall_timeout_s: the run watchdog (:mod:`rljax.run.watchdog`): when the run makes no progress
-        (no rollout received, no step trained, no weight sync or checkpoint done) for this many
-        seconds, it prints every thread's stack and the state of the engines, rollouts and envs, and
-        exits with status 75 so a scheduler restarts it with ``--resume`` (0 = no watchdog). Cover
-        the slowest legitimate phase: the first step's compilation, a whole rollout, a checkpoint.
-      on_save_error: when writing a checkpoint fails (a full disk, an I/O error): ``"stop"`` ends
-        the run with the error (``latest`` still names an intact older checkpoint), ``"continue"``
-        logs it, counts it (``checkpoint/save_errors``) and trains on, saving again at the next
-        checkpoint step.
-    """
+    num_steps: int = knob(120, ge=0, doc="RL steps to run (0: the warm start only, and a step-0 checkpoint)")
+    mode: str = knob(
+        "sync",
+        choices=MODES,
+        doc='``"sync"``; ``"async"``: the rollout of step n+1 overlaps training of step n; or '
+        '``"fully_async"``: rollouts stream continuously and each step trains the next '
+        "``prompts_per_step`` complete prompt groups (:mod:`rljax.run.streaming`; several processes: "
+        "a stream each, ``prompts_per_step / process count`` groups from each per step)",
+    )
+    max_off_policy_steps: int = knob(
+        1,
+        ge=1,
+        doc="async modes: how many policy versions a sample may be stale (fully_async: between the "
+        "weights a group started on and the weights it trains against)",
+    )
+    prompts_per_step: int = knob(16, ge=1, doc="prompt groups per RL step")
+    mini_batch_prompts: int = knob(
+        0, ge=0, doc="prompt groups per mini-batch, a divisor of ``prompts_per_step`` (0 = one mini-batch)"
+    )
+    seq_len: int = knob(384, ge=1, doc="tokens per packed row")
+    truncate: bool = knob(
+        True, doc="drop the tail of (rare) over-long samples (counted in the pack metrics) instead of failing"
+    )
+    merge: bool = knob(
+        True,
+        doc="merge the turns of a trajectory whose prompts extend each other into one sample (design §2.5)",
+    )
+    old_logprobs: str = knob(
+        "auto",
+        choices=OLD_LOGPROBS,
+        doc="where the old (proximal) policy's logprobs of an RL step come from (design §3.4): "
+        '``"recompute"``: the trainer\'s own, from the weights at the start of the step (one forward '
+        'without gradients over every mini-batch before the first update); ``"inference"``: the '
+        "sampler's (then every off-policy correction that weighs old / rollout would be a no-op, and "
+        'configuring one is an error); ``"auto"`` (default): recompute exactly when something in an '
+        "algorithm's objective reads the old policy (a ratio-based correction, or a policy loss whose "
+        "ratio is taken against the old policy: ppo_clip, dual_clip, gspo, sapo, cispo, ...), not for "
+        "losses that compare with the sampler by design (dppo, rollout_is). The run prints what it "
+        "chose, and why, when it starts",
+    )
+    filters: tuple = knob(
+        (),
+        doc='sample filters, e.g. ``(dict(name="overlong", mode="enforce"), dict(name="gibberish"))`` '
+        "(:data:`rljax.data.filters.FILTERS`)",
+    )
+    dynamic_sampling: DynamicSamplingSection = knob(
+        DynamicSamplingSection(), doc="DAPO dynamic sampling (:class:`DynamicSamplingSection`)"
+    )
+    row_buckets: Any = knob(
+        None,
+        doc="allowed numbers of packed rows (None: data-parallel size x powers of two), see "
+        ":func:`rljax.data.pack.bucket_rows`",
+    )
+    micro_batch_tokens: int = knob(
+        0,
+        ge=0,
+        doc="tokens per micro-batch, accumulated in one jitted scan (a multiple of ``seq_len``; 0 = no "
+        "micro-batching)",
+    )
+    loss_only_logits: bool = knob(
+        True,
+        doc="True: the train step, the old-policy recompute and the KL reference's scoring project only "
+        "the tokens that carry a loss (``loss_mask != 0``, the only ones the objective and its metrics "
+        "read) through the vocabulary, gathered into a bucketed buffer (design §5); False: every packed "
+        "token, prompts and tool outputs included. The same logprobs and gradients within float32 "
+        "rounding either way; on is faster wherever tokens carry no loss (measured: docs/results.md)",
+    )
+    prefix_sharing: str = knob(
+        "auto",
+        choices=PREFIX_SHARING,
+        doc='``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO group\'s '
+        "prompt, turns whose prompts share a prefix without extending each other) as prefix trees, "
+        "each shared token computed once (design §2.6), whenever the policy model computes tree rows "
+        'exactly (logged at the start); ``"off"``: plain packing',
+    )
+    eval_every: int = knob(
+        10, ge=0, doc="RL steps between held-out evaluations (and after the last step; 0 = never)"
+    )
+    checkpoint_every: int = knob(
+        10, ge=0, doc="RL steps between checkpoints (and after the last step; 0 = never)"
+    )
+    keep_checkpoints: int = knob(3, ge=0, doc="checkpoints to keep, the latest ones (0 = all)")
+    table_keys: tuple = knob(DEFAULT_TABLE_KEYS, doc="metrics of the printed table")
+    save_rollouts_every: int = knob(
+        0, ge=0, doc="N: ``rollouts/step_<S>.jsonl`` and a sample table every N steps (0 = never)"
+    )
+    stall_timeout_s: float = knob(
+        1800.0,
+        ge=0,
+        doc="the run watchdog (:mod:`rljax.run.watchdog`): when the run makes no progress (no rollout "
+        "received, no step trained, no weight sync or checkpoint done) for this many seconds, it prints "
+        "every thread's stack and the state of the engines, rollouts and envs, and exits with status 75 "
+        "so a scheduler restarts it with ``--resume`` (0 = no watchdog). Cover the slowest legitimate "
+        "phase: the first step's compilation, a whole rollout, a checkpoint",
+    )
+    on_save_error: str = knob(
+        "stop",
+        choices=ON_SAVE_ERROR,
+        doc='when writing a checkpoint fails (a full disk, an I/O error): ``"stop"`` ends the run with '
+        'the error (``latest`` still names an intact older checkpoint), ``"continue"`` logs it, counts '
+        "it (``checkpoint/save_errors``) and trains on, saving again at the next checkpoint step",
+    )
 
-    num_steps: int = 120
-    mode: str = "sync"
-    max_off_policy_steps: int = 1
-    prompts_per_step: int = 16
-    mini_batch_prompts: int = 0
-    seq_len: int = 384
-    truncate: bool = True  # drop the tail of (rare) over-long samples; counted in pack metrics
-    merge: bool = True
-    old_logprobs: str = "auto"
-    filters: tuple = ()  # e.g. (dict(name="overlong", mode="enforce"), dict(name="gibberish"))
-    dynamic_sampling: DynamicSamplingSection = _field(DynamicSamplingSection())
-    row_buckets: Any = None
-    micro_batch_tokens: int = 0
-    loss_only_logits: bool = True
-    prefix_sharing: str = "auto"  # "auto": shared prompt prefixes packed as trees where exact; "off"
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    table_keys: tuple = DEFAULT_TABLE_KEYS
-    save_rollouts_every: int = 0  # N: rollouts/step_<S>.jsonl + a sample table every N steps (0 = never)
-    stall_timeout_s: float = 1800.0  # the watchdog: no progress this long ends the run, status 75 (0 = off)
-    on_save_error: str = "stop"  # a checkpoint write failed: "stop" the run, or "continue" without it
 
-
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class RunConfig:
-    """Everything a run reads, typed and validated (see :mod:`rljax.run.config`).
+    """Everything a run reads, typed and validated (see :mod:`rljax.run.config`)."""
 
-    Attributes:
-      seed: the seed of every random choice of the run (tasks, sampling, initialization, shuffles).
-      tokenizer: the tokenizer (:class:`TokenizerSection`).
-      renderer: the chat template (:class:`RendererSection`).
-      model: the policy model (:class:`ModelSection`).
-      envs: the environments, by name (each an :class:`EnvSection`).
-      engine: the policy's inference engine (:class:`EngineSection`).
-      rollout: the rollouts (:class:`rljax.rollout.RolloutConfig`; its algorithm fields are set by the
-        run).
-      eval: held-out evaluation (:class:`EvalSection`).
-      algorithm: a registered algorithm name or a dict ``{"name": ..., <field overrides>}``
-        (:mod:`rljax.algorithms`).
-      env_algorithms: env name -> algorithm (same forms), for envs trained with another algorithm.
-      frozen_models: frozen models by name (opd teachers, sft samplers): FrozenModelConfig fields.
-      objective: the objective (:class:`ObjectiveSection`).
-      optimizer: the optimizer (:class:`rljax.training.optimizer.OptimizerConfig`).
-      warmstart: the supervised warm start on demonstrations
-        (:class:`rljax.training.warmstart.WarmStartConfig`).
-      critic: PPO's critic (:class:`rljax.training.critic.CriticSection`).
-      lora: LoRA adapters (:class:`rljax.models.lora.LoRAConfig`); None or empty = full training.
-      trainer: the RL loop (:class:`TrainerSection`).
-      report: metric sinks: jsonl, tensorboard, wandb, mlflow (:class:`rljax.report.config.ReportConfig`).
-      mesh: the trainer's device mesh (:class:`rljax.training.sharding.MeshConfig`; size 1 = one device).
-    """
-
-    seed: int = 0
-    tokenizer: TokenizerSection = _field(TokenizerSection())
-    renderer: RendererSection = _field(RendererSection())
-    model: ModelSection = _field(ModelSection())
-    envs: dict = _field(DEFAULT_ENVS)  # name -> EnvSection (parsed)
-    engine: EngineSection = _field(EngineSection())
-    rollout: RolloutConfig = _field(RolloutConfig())  # its algorithm fields are set by the run
-    eval: EvalSection = _field(EvalSection())
-    # a registered name or a dict {"name": ..., field overrides}; see rljax.algorithms
-    algorithm: Any = "grpo"
-    env_algorithms: dict = _field({})  # env name -> algorithm (same forms)
-    frozen_models: dict = _field({})  # name -> FrozenModelConfig fields (opd teachers, sft samplers)
-    objective: ObjectiveSection = _field(ObjectiveSection())
-    optimizer: OptimizerConfig = _field(OptimizerConfig())
-    warmstart: WarmStartConfig = _field(WarmStartConfig())
-    critic: CriticSection = _field(CriticSection())
-    lora: LoRAConfig | None = None  # None (or an empty mapping) = full training
-    trainer: TrainerSection = _field(TrainerSection())
-    report: ReportConfig = _field(ReportConfig())  # sinks: jsonl, tensorboard, wandb, mlflow
-    mesh: MeshConfig = _field(MeshConfig())  # size 1 = no mesh (one device)
+    seed: int = knob(
+        0, doc="the seed of every random choice of the run (tasks, sampling, initialization, shuffles)"
+    )
+    tokenizer: TokenizerSection = knob(TokenizerSection(), doc="the tokenizer (:class:`TokenizerSection`)")
+    renderer: RendererSection = knob(RendererSection(), doc="the chat template (:class:`RendererSection`)")
+    model: ModelSection = knob(ModelSection(), doc="the policy model (:class:`ModelSection`)")
+    envs: dict = knob(DEFAULT_ENVS, doc="the environments, by name (each an :class:`EnvSection`)")
+    engine: EngineSection = knob(
+        EngineSection(), doc="the policy's inference engine (:class:`EngineSection`)"
+    )
+    rollout: RolloutConfig = knob(
+        RolloutConfig(),
+        doc="the rollouts (:class:`rljax.rollout.RolloutConfig`; its algorithm fields are set by the run)",
+    )
+    eval: EvalSection = knob(EvalSection(), doc="held-out evaluation (:class:`EvalSection`)")
+    algorithm: Any = knob(
+        "grpo",
+        doc='a registered algorithm name or a dict ``{"name": ..., <field overrides>}`` '
+        "(:mod:`rljax.algorithms`)",
+    )
+    env_algorithms: dict = knob(
+        {}, doc="env name -> algorithm (same forms), for envs trained with another algorithm"
+    )
+    frozen_models: dict = knob(
+        {}, doc="frozen models by name (opd teachers, sft samplers): FrozenModelConfig fields"
+    )
+    objective: ObjectiveSection = knob(ObjectiveSection(), doc="the objective (:class:`ObjectiveSection`)")
+    optimizer: OptimizerConfig = knob(
+        OptimizerConfig(), doc="the optimizer (:class:`rljax.training.optimizer.OptimizerConfig`)"
+    )
+    warmstart: WarmStartConfig = knob(
+        WarmStartConfig(),
+        doc="the supervised warm start on demonstrations (:class:`rljax.training.warmstart.WarmStartConfig`)",
+    )
+    critic: CriticSection = knob(
+        CriticSection(), doc="PPO's critic (:class:`rljax.training.critic.CriticSection`)"
+    )
+    lora: LoRAConfig | None = knob(
+        None, doc="LoRA adapters (:class:`rljax.models.lora.LoRAConfig`); None or empty = full training"
+    )
+    trainer: TrainerSection = knob(TrainerSection(), doc="the RL loop (:class:`TrainerSection`)")
+    report: ReportConfig = knob(
+        ReportConfig(),
+        doc="metric sinks: jsonl, tensorboard, wandb, mlflow (:class:`rljax.report.config.ReportConfig`)",
+    )
+    mesh: MeshConfig = knob(
+        MeshConfig(),
+        doc="the trainer's device mesh (:class:`rljax.training.sharding.MeshConfig`; size 1 = one device)",
+    )
 
     @property
     def engine_dtype(self) -> str:
@@ -703,45 +817,104 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     raise TypeError(f"{path}: no coercion for {hint!r}")  # a bug in this module, not in the config
 
 
+#: Keys that moved to the section of the component that reads them: old path -> new path. A
+#: config that sets the old one is refused with the new one named; a checkpoint's recorded config
+#: of the earlier layout is read with them moved (:func:`parse_config_record`).
+MOVED_KEYS: Mapping[str, str] = {
+    "engine.stall_timeout_s": "engine.client.stall_timeout_s",
+    "engine.all_down_timeout_s": "engine.client.all_down_timeout_s",
+    "engine.health_interval_s": "engine.supervisor.health_interval_s",
+    "engine.health_timeout_s": "engine.supervisor.health_timeout_s",
+    "engine.health_failures": "engine.supervisor.health_failures",
+    "engine.max_restarts": "engine.supervisor.max_restarts",
+}
+
 #: Keys that were replaced, with what to write instead (an error, not a silent default).
 RENAMED_KEYS: Mapping[str, Mapping[str, str]] = {
     "config.model": {
         "dtype": "was split into model.param_dtype (master weights + optimizer state, default float32) "
         "and model.compute_dtype (activations); e.g. compute_dtype='bfloat16' for bf16 compute",
     },
+    "config.engine": {old.rpartition(".")[2]: f"moved to config.{new}" for old, new in MOVED_KEYS.items()},
 }
 
 
-#: Fields of a component config that the run sets itself (never config keys).
-RUN_SET_FIELDS: Mapping[type, tuple[str, ...]] = {
-    RolloutConfig: ("algorithm", "env_algorithms"),  # from config.algorithm / config.env_algorithms
-}
+def retired_key(path: str) -> str | None:
+    """Why the config key ``path`` (``"engine.server.dtype"``) is not set here: it moved, was
+    renamed, or the run sets it (None: it is not such a key).
+
+    >>> retired_key("engine.server.dtype"), retired_key("trainer.seq_len")
+    ('set by the run; use config.engine.dtype', None)
+    """
+    if path in MOVED_KEYS:
+        return f"moved to config.{MOVED_KEYS[path]}"
+    *parents, key = path.split(".")
+    cls: Any = RunConfig
+    for part in parents:
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        cls = inner[0] if dataclasses.is_dataclass(inner[0]) else None
+        if cls is None:
+            return None
+    section = ".".join(["config", *parents])
+    return RENAMED_KEYS.get(section, {}).get(key) or RUN_SET_FIELDS.get(cls, {}).get(key)
 
 
 def section_fields(cls: type) -> list[str]:
     """The config keys of a section class: its dataclass fields less those the run sets."""
-    run_set = RUN_SET_FIELDS.get(cls, ())
+    run_set = RUN_SET_FIELDS.get(cls, {})
     return [f.name for f in dataclasses.fields(cls) if f.name not in run_set]
 
 
-def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
-    hints = typing.get_type_hints(cls)
+def _check_keys(cls: type, value: Mapping[str, Any], path: str) -> list[str]:
+    """``cls``'s config keys; a key of ``value`` that is not one of them is an error naming it."""
     names = section_fields(cls)
+    run_set = RUN_SET_FIELDS.get(cls, {})
     for key in value:
         if key in RENAMED_KEYS.get(path, {}):
             raise _fail(f"{path}.{key}", RENAMED_KEYS[path][key])
-        if key in RUN_SET_FIELDS.get(cls, ()):
-            raise _fail(f"{path}.{key}", "set by the run (config.algorithm / config.env_algorithms)")
+        if key in run_set:
+            raise _fail(f"{path}.{key}", run_set[key])
         if key not in names:
             raise _fail(
                 f"{path}.{key}", f"unknown key; {did_you_mean(key, names)}known keys of {path}: {names}"
             )
-    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in value.items()}
+    return names
+
+
+def _fields_of(cls: type, value: Any, path: str) -> dict[str, Any]:
+    """A mapping of ``cls``'s fields (``model.init``): each given key checked and typed by ``cls``,
+    the others at ``cls``'s defaults (a field without one stays absent)."""
+    if not isinstance(value, Mapping):
+        raise _fail(path, f"expected a mapping of {cls.__name__} fields, got {value!r}")
+    names = _check_keys(cls, value, path)
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            out[f.name] = _coerce(value[f.name], hints[f.name], f"{path}.{f.name}")
+        elif f.name in names and f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
+
+
+def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
+    names = _check_keys(cls, value, path)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in value.items():
+        spec = knobs.knob_of(fields[k])
+        if spec is not None and spec.fields_of is not None:
+            kwargs[k] = _fields_of(spec.fields_of, v, f"{path}.{k}")
+        else:
+            kwargs[k] = _coerce(v, hints[k], f"{path}.{k}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # the component's own validation, with the key path
         field, sep, rest = str(e).partition(": ")
-        if sep and field in names:  # "<field>: why" names its key
+        field = field.removeprefix(f"{cls.__name__}.")
+        if sep and field.partition(".")[0] in names:  # "[<Class>.]<field>[.<key>]: why" names its key
             raise _fail(f"{path}.{field}", rest) from None
         raise _fail(path, str(e)) from None
 
@@ -766,59 +939,6 @@ def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -
             )
 
 
-def _dataclass_fields(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _at_least(path: str, value: int | None, low: int) -> None:
-    if value is not None and value < low:
-        raise _fail(path, f"expected an int >= {low}, got {value!r}")
-
-
-def _one_of(path: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise _fail(path, f"expected one of {list(choices)}, got {value!r}")
-
-
-#: Keyword arguments of :class:`rljax.inference.vllm.VLLMClient` that ``config.engine.client`` may not
-#: set, with where the run takes them from.
-CLIENT_KEYS_SET_ELSEWHERE: Mapping[str, str] = {
-    "urls": "config.engine.urls (or engine.num_servers launched servers)",
-    "sync": "config.engine.sync (SyncConfig fields)",
-    "stall_timeout_s": "config.engine.stall_timeout_s",
-    "all_down_timeout_s": "config.engine.all_down_timeout_s",
-    "kv_cache": "config.engine.in_flight_updates",
-    "transport": "nothing: the run's client talks HTTP to the servers",
-    "clock": "nothing: the run's client uses the monotonic clock",
-}
-
-
-def client_keys() -> list[str]:
-    """The keys ``config.engine.client`` accepts: :class:`~rljax.inference.vllm.VLLMClient`'s keyword
-    arguments less those the run sets (:data:`CLIENT_KEYS_SET_ELSEWHERE`)."""
-    from rljax.inference.vllm.client import VLLMClient
-
-    params = inspect.signature(VLLMClient.__init__).parameters
-    return sorted(
-        k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in CLIENT_KEYS_SET_ELSEWHERE
-    )
-
-
-def _check_client(client: Mapping[str, Any]) -> None:
-    """``config.engine.client``'s keys (typos fail here, not after the vLLM servers started)."""
-    known = client_keys()
-    for key in client:
-        if key in CLIENT_KEYS_SET_ELSEWHERE:
-            raise _fail(
-                f"config.engine.client.{key}", f"set by the run; use {CLIENT_KEYS_SET_ELSEWHERE[key]}"
-            )
-        if key not in known:
-            raise _fail(
-                f"config.engine.client.{key}",
-                f"unknown key; {did_you_mean(key, known)}VLLMClient accepts {known}",
-            )
-
-
 def device_list(value: Any, path: str) -> tuple[int, ...]:
     """GPU indices of a ``server_devices`` entry or of ``trainer_devices``: ``"0,1"``, ``1``, ``(0, 1)``.
 
@@ -839,11 +959,6 @@ def _check_placement(e: EngineSection) -> None:
     """``engine.server_devices`` / ``trainer_devices`` / ``trainer_memory_fraction`` (rljax.run.placement)."""
     if e.trainer_devices:
         device_list(e.trainer_devices, "config.engine.trainer_devices")
-    if not 0 <= e.trainer_memory_fraction < 1:
-        raise _fail(
-            "config.engine.trainer_memory_fraction",
-            f"expected a share in [0, 1) (0 = JAX's default), got {e.trainer_memory_fraction!r}",
-        )
     if not e.server_devices:
         return
     key = "config.engine.server_devices"
@@ -854,12 +969,12 @@ def _check_placement(e: EngineSection) -> None:
             key,
             f"has {len(e.server_devices)} entries for engine.num_servers={e.num_servers}: one per server",
         )
-    if "CUDA_VISIBLE_DEVICES" in dict(e.server.get("env") or {}):
+    if "CUDA_VISIBLE_DEVICES" in e.server.env:
         raise _fail("config.engine.server.env", "sets CUDA_VISIBLE_DEVICES; give engine.server_devices only")
-    tensor_parallel = e.server.get("tensor_parallel_size", 1)
+    tensor_parallel = e.server.tensor_parallel_size
     for i, entry in enumerate(e.server_devices):
         devices = device_list(entry, f"{key}[{i}]")
-        if isinstance(tensor_parallel, int) and len(devices) < tensor_parallel:
+        if len(devices) < tensor_parallel:
             raise _fail(
                 f"{key}[{i}]",
                 f"{entry!r} holds {len(devices)} GPU(s); engine.server.tensor_parallel_size="
@@ -886,8 +1001,7 @@ def _check_import_strings(name: str, env: EnvSection) -> None:
 def _check_old_logprobs(cfg: RunConfig) -> None:
     """``trainer.old_logprobs`` and the objective's KL penalty keys."""
     t, o = cfg.trainer, cfg.objective
-    _one_of("config.trainer.old_logprobs", t.old_logprobs, OLD_LOGPROBS)
-    stages = off_policy.ratio_stages(o.off_policy) if o.off_policy else ()
+    stages = off_policy.ratio_stages(o.off_policy)
     if t.old_logprobs == "inference" and stages:
         raise _fail(
             f"config.objective.off_policy.{stages[0].partition('=')[0]}",
@@ -895,9 +1009,6 @@ def _check_old_logprobs(cfg: RunConfig) -> None:
             "logprobs the rollout ones (the ratio is exactly 1, the correction never acts): set "
             "trainer.old_logprobs='recompute' (or 'auto'), or drop the key",
         )
-    if o.kl_loss_coef < 0:
-        raise _fail("config.objective.kl_loss_coef", f"must be >= 0 (0 = none), got {o.kl_loss_coef}")
-    _one_of("config.objective.kl_estimator", o.kl_estimator, KL_KINDS)
     if o.kl_reference and cfg.lora is not None:
         raise _fail(
             "config.objective.kl_reference",
@@ -907,17 +1018,45 @@ def _check_old_logprobs(cfg: RunConfig) -> None:
 
 
 def _validate(cfg: RunConfig) -> RunConfig:
-    """Cross-field rules and the value ranges of every section (each error names its key)."""
-    t = cfg.trainer
+    """The rules between keys (each error names its key); a single key's type, range or allowed
+    values are declared on its field and checked when its section is made."""
     if ":" in cfg.renderer.name:
         split_import_string(cfg.renderer.name, where="config.renderer.name")
-    _one_of("config.model.param_dtype", cfg.model.param_dtype, DTYPES)
-    _one_of("config.model.compute_dtype", cfg.model.compute_dtype, DTYPES)
-    _one_of("config.model.remat", cfg.model.remat, REMAT_POLICIES)
-    _one_of("config.model.router_replay", cfg.model.router_replay, ROUTER_REPLAY)
-    _one_of("config.model.attention", cfg.model.attention, ATTENTION_BACKENDS)
-    _one_of("config.model.context_attention", cfg.model.context_attention, CONTEXT_COLLECTIVES)
-    _one_of("config.model.matmul_precision", cfg.model.matmul_precision, MATMUL_PRECISIONS)
+    _check_model(cfg)
+    _check_engine(cfg)
+    _check_trainer(cfg)
+    _check_old_logprobs(cfg)
+    for path, overrides in (
+        ("config.warmstart.optimizer", cfg.warmstart.optimizer),
+        ("config.critic.optimizer", cfg.critic.optimizer),
+    ):
+        _check_known(path, overrides, section_fields(OptimizerConfig), "OptimizerConfig")
+    try:
+        cfg.critic_optimizer_config()
+    except (TypeError, ValueError) as e:
+        raise _fail("config.critic", str(e)) from None
+    try:
+        cfg.optimizer_config(**cfg.warmstart.optimizer)
+    except (TypeError, ValueError) as e:
+        raise _fail("config.warmstart.optimizer", str(e)) from None
+    _check_envs(cfg)
+    for k in cfg.eval.pass_k:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.eval.group_size:
+            raise _fail("config.eval.pass_k", f"each k must be an int in [1, eval.group_size], got {k!r}")
+    try:
+        frozen_models_from_config(cfg.frozen_models)
+    except ValueError as e:
+        raise _fail("config.frozen_models", str(e)) from None
+    unknown = sorted(set(cfg.env_algorithms) - set(cfg.envs))
+    if unknown:
+        raise _fail(
+            "config.env_algorithms", f"names envs {unknown} that config.envs lacks ({sorted(cfg.envs)})"
+        )
+    return cfg
+
+
+def _check_model(cfg: RunConfig) -> None:
+    """The attention kernels against the context collective and the mesh."""
     if cfg.model.context_attention == "ring" and cfg.model.attention in ("cudnn", "cudnn_ragged"):
         raise _fail(
             "config.model.context_attention",
@@ -925,32 +1064,35 @@ def _validate(cfg: RunConfig) -> RunConfig:
             "kernel, which returns no log-normalizer to merge: use context_attention='all_gather' with it, "
             "or attention='auto' / 'xla' with the ring",
         )
-    if cfg.mesh.context > 1 and t.seq_len % (2 * cfg.mesh.context):
+    if cfg.mesh.context > 1 and cfg.trainer.seq_len % (2 * cfg.mesh.context):
         raise _fail(
             "config.mesh.context",
-            f"trainer.seq_len={t.seq_len} must be a multiple of 2 x context = {2 * cfg.mesh.context} "
-            "(each device holds two load-balanced chunks of every row)",
+            f"trainer.seq_len={cfg.trainer.seq_len} must be a multiple of 2 x context = "
+            f"{2 * cfg.mesh.context} (each device holds two load-balanced chunks of every row)",
         )
-    for key in ("moe_aux_loss_coef", "router_z_loss_coef"):
-        if getattr(cfg.objective, key) < 0:
-            raise _fail(f"config.objective.{key}", f"must be >= 0, got {getattr(cfg.objective, key)}")
-    _one_of("config.engine.dtype", cfg.engine.dtype, ENGINE_DTYPES)
-    _one_of("config.engine.lora_sync", cfg.engine.lora_sync, ("adapter", "merged"))
-    _one_of("config.engine.in_flight_updates", cfg.engine.in_flight_updates, ("off", "recompute", "keep"))
-    if cfg.engine.in_flight_updates == "keep" and cfg.engine.kind != "vllm":
+
+
+def _check_engine(cfg: RunConfig) -> None:
+    """The engine's kind against in-flight updates, LoRA and the placement of launched servers."""
+    e = cfg.engine
+    if e.in_flight_updates == "keep" and e.kind != "vllm":
         raise _fail("config.engine.in_flight_updates", "'keep' needs vLLM servers (engine.kind='vllm')")
-    _check_client(cfg.engine.client)
-    _check_placement(cfg.engine)
-    _at_least("config.trainer.micro_batch_tokens", t.micro_batch_tokens, 0)
-    if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
+    if e.kind == "vllm" and e.in_flight_updates == "off" and e.sync.pause_mode == "keep":
+        # VLLMClient refuses it too, but only once the servers run
         raise _fail(
-            "config.trainer.micro_batch_tokens",
-            f"{t.micro_batch_tokens} is smaller than one packed row (trainer.seq_len={t.seq_len}); a "
-            "micro-batch holds whole rows: use a multiple of seq_len, or 0 for no micro-batching",
+            "config.engine.sync.pause_mode",
+            "'keep' continues the requests in flight on the new weights, but without in-flight "
+            "updates a completion carries one weight version: use 'wait' (default) or 'abort', or set "
+            "engine.in_flight_updates ('recompute' or 'keep'), which records per-token versions",
         )
-    _one_of("config.trainer.mode", t.mode, MODES)
-    _one_of("config.engine.kind", cfg.engine.kind, ENGINE_KINDS)
-    if cfg.lora is not None and cfg.lora.unembed and cfg.engine.kind != "embedded":
+    if e.kind == "vllm" and e.in_flight_updates != "off" and e.sync.on_mismatch != "raise":
+        raise _fail(
+            "config.engine.sync.on_mismatch",
+            f"in-flight updates (engine.in_flight_updates={e.in_flight_updates!r}) support 'raise' "
+            f"only, got {e.sync.on_mismatch!r}",
+        )
+    _check_placement(e)
+    if cfg.lora is not None and cfg.lora.unembed and e.kind != "embedded":
         raise _fail(
             "config.lora.targets",
             "'lm_head' (a LoRA adapter on the unembedding) runs with the embedded sampler only: syncing it "
@@ -959,40 +1101,30 @@ def _validate(cfg: RunConfig) -> RunConfig:
         )
     if (
         cfg.lora is not None
-        and cfg.engine.kind == "vllm"
-        and cfg.engine.lora_sync == "adapter"
-        and cfg.engine.in_flight_updates != "off"
+        and e.kind == "vllm"
+        and e.lora_sync == "adapter"
+        and e.in_flight_updates != "off"
     ):
         # A vLLM request names its adapter (a versioned name per sync) for its whole life, so no
         # adapter sync reaches a request in flight; only the base weights could switch under it.
         raise _fail(
             "config.engine.in_flight_updates",
-            f"{cfg.engine.in_flight_updates!r} cannot switch a running vLLM request to a new LoRA adapter "
+            f"{e.in_flight_updates!r} cannot switch a running vLLM request to a new LoRA adapter "
             "(a request keeps the adapter it names): use in_flight_updates='off' with "
             "lora_sync='adapter' (each turn is sampled by one adapter version, the next turn names the "
             "newest), or lora_sync='merged' to switch full merged weights in flight",
         )
-    _one_of("config.objective.reduction", cfg.objective.reduction, REDUCTIONS)
-    _check_old_logprobs(cfg)
-    for key in ("prompts_per_step", "seq_len", "max_off_policy_steps"):
-        _at_least(f"config.trainer.{key}", getattr(t, key), 1)
-    # num_steps=0: the warm start only (and a step-0 checkpoint)
-    for key in (
-        "num_steps",
-        "mini_batch_prompts",
-        "eval_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "save_rollouts_every",
-    ):
-        _at_least(f"config.trainer.{key}", getattr(t, key), 0)
-    _at_least("config.trainer.dynamic_sampling.max_rounds", t.dynamic_sampling.max_rounds, 0)
-    if not t.stall_timeout_s >= 0:
+
+
+def _check_trainer(cfg: RunConfig) -> None:
+    """Micro-batches against rows, mini-batches against the step, the filters."""
+    t = cfg.trainer
+    if t.micro_batch_tokens and t.micro_batch_tokens < t.seq_len:
         raise _fail(
-            "config.trainer.stall_timeout_s", f"expected seconds >= 0 (0 = off), got {t.stall_timeout_s!r}"
+            "config.trainer.micro_batch_tokens",
+            f"{t.micro_batch_tokens} is smaller than one packed row (trainer.seq_len={t.seq_len}); a "
+            "micro-batch holds whole rows: use a multiple of seq_len, or 0 for no micro-batching",
         )
-    _one_of("config.trainer.on_save_error", t.on_save_error, ON_SAVE_ERROR)
-    _one_of("config.trainer.prefix_sharing", t.prefix_sharing, PREFIX_SHARING)
     if t.mini_batch_prompts and t.prompts_per_step % t.mini_batch_prompts:
         raise _fail(
             "config.trainer.mini_batch_prompts",
@@ -1012,25 +1144,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
                 f"config.trainer.filters[{i}].{run_set[0]}",
                 f"set by the run ({run_set[1]}); remove it, got {f[run_set[0]]!r}",
             )
-    for path, overrides in (
-        ("config.warmstart.optimizer", cfg.warmstart.optimizer),
-        ("config.critic.optimizer", cfg.critic.optimizer),
-    ):
-        _check_known(path, overrides, _dataclass_fields(OptimizerConfig), "OptimizerConfig")
-    try:
-        cfg.critic_optimizer_config()
-    except (TypeError, ValueError) as e:
-        raise _fail("config.critic", str(e)) from None
-    try:
-        cfg.optimizer_config(**cfg.warmstart.optimizer)
-    except (TypeError, ValueError) as e:
-        raise _fail("config.warmstart.optimizer", str(e)) from None
-    _check_known(
-        "config.engine.server",
-        cfg.engine.server,
-        set(_dataclass_fields(ServerConfig)) - {"model"},
-        "ServerConfig",
-    )
+
+
+def _check_envs(cfg: RunConfig) -> None:
+    """Each env's sources of tasks and of episodes (one of each), and the warm start's demonstrations."""
     if not cfg.envs:
         raise _fail("config.envs", "empty; name at least one environment (e.g. 'lookup')")
     for name, env in cfg.envs.items():
@@ -1064,22 +1181,6 @@ def _validate(cfg: RunConfig) -> RunConfig:
                 )
         elif env.env_args or env.eval_env_args:
             raise _fail(f"config.envs.{name}.env_args", "only verifiers envs (verifiers=<id>) take it")
-        for key in ("num_train_tasks", "num_eval_tasks"):
-            _at_least(f"config.envs.{name}.{key}", getattr(env, key), 0)
-    for k in cfg.eval.pass_k:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.eval.group_size:
-            raise _fail("config.eval.pass_k", f"each k must be an int in [1, eval.group_size], got {k!r}")
-    _at_least("config.eval.group_size", cfg.eval.group_size, 1)
-    try:
-        frozen_models_from_config(cfg.frozen_models)
-    except ValueError as e:
-        raise _fail("config.frozen_models", str(e)) from None
-    unknown = sorted(set(cfg.env_algorithms) - set(cfg.envs))
-    if unknown:
-        raise _fail(
-            "config.env_algorithms", f"names envs {unknown} that config.envs lacks ({sorted(cfg.envs)})"
-        )
-    return cfg
 
 
 def parse_run_config(config: Any) -> RunConfig:
@@ -1099,44 +1200,75 @@ def parse_run_config(config: Any) -> RunConfig:
             env = _coerce(spec, EnvSection, f"config.envs.{name}")
             parsed[str(name)] = env if env.env else dataclasses.replace(env, env=str(name))
         cfg = dataclasses.replace(cfg, envs=parsed)
-    else:
-        cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
     return _validate(cfg)
+
+
+def parse_config_record(record: Mapping[str, Any]) -> RunConfig:
+    """The :class:`RunConfig` of a config as a checkpoint recorded it (:func:`config_record`), of
+    this layout or an earlier one: keys that moved (:data:`MOVED_KEYS`) are read at their new path,
+    and an ``engine.server.dtype`` that restates the dtype ``engine.dtype`` serves is dropped (the
+    run sets it now; a different one is refused: it served another dtype than this layout would).
+
+    >>> parse_config_record({"engine": {"stall_timeout_s": 30.0}}).engine.client.stall_timeout_s
+    30.0
+    """
+    raw = _plain(record)
+    raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if isinstance(raw.get(section), Mapping) and key in raw[section]:
+            value = raw[section].pop(key)
+            node = raw
+            *parents, leaf = new.split(".")
+            for part in parents:
+                node[part] = dict(node.get(part) or {})
+                node = node[part]
+            node.setdefault(leaf, value)
+    server = raw.get("engine", {}).get("server")
+    if isinstance(server, Mapping) and "dtype" in server:
+        engine, model = RunConfig().engine, RunConfig().model
+        kind = raw["engine"].get("dtype", engine.dtype)
+        compute = (raw.get("model") or {}).get("compute_dtype", model.compute_dtype)
+        served = compute if kind == "auto" else kind
+        if server["dtype"] == served:
+            raw["engine"]["server"] = {k: v for k, v in server.items() if k != "dtype"}
+    return parse_run_config(raw)
 
 
 # ------------------------------------------------------------------------------------------------
 # The defaults as a ConfigDict (configs/default.py) and the comparison used by --resume
 # ------------------------------------------------------------------------------------------------
 
-#: Fields that can be given object values on the command line (lists, dicts, None-or-value).
-_OBJECT_FIELDS = {
-    "algorithm",
-    "env_algorithms",
-    "frozen_models",
-    "trainer.filters",
-    "trainer.row_buckets",
-    "trainer.table_keys",
-    "report.sinks",
-    "report.wandb.tags",
-    "engine.urls",
-    "engine.server_devices",
-    "engine.max_model_len",
-    "objective.max_len",
-    "rollout.top_k",
-    "rollout.seed",
-    "rollout.env_workers",
-}
+
+def _object_field(hint: Any) -> bool:
+    """Whether a field of type ``hint`` is an object field of the ConfigDict: one whose values may be
+    None, a list or tuple, or of any type (``--config.<key>=<Python literal>`` sets it whole)."""
+    if hint is Any or hint in (tuple, list):
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return True
+    return origin in (tuple, list)
 
 
-def _to_config(value: Any, path: str) -> Any:
+def _to_config(value: Any, path: str, hint: Any = None) -> Any:
+    """``value`` (of a field typed ``hint``; None: an entry of a free mapping) as a ConfigDict entry:
+    sections and mappings as nested ConfigDicts, object fields (:func:`_object_field`) and None as
+    ``FieldReference(field_type=object)``."""
     from ml_collections import config_dict
 
-    if dataclasses.is_dataclass(value):
-        value = {name: getattr(value, name) for name in section_fields(type(value))}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        hints = typing.get_type_hints(type(value))
+        section = config_dict.ConfigDict()
+        for name in section_fields(type(value)):
+            section[name] = _to_config(getattr(value, name), f"{path}.{name}" if path else name, hints[name])
+        return section
     parts = path.split(".")
-    env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"
-    if path in _OBJECT_FIELDS or value is None or env_dataset:
+    env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"  # set whole
+    if value is None or env_dataset or (hint is not None and _object_field(hint)):
         return config_dict.FieldReference(value, field_type=object)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # the ConfigDict's type of the key is its field's: 1.0 may be set later
     if isinstance(value, Mapping):
         c = config_dict.ConfigDict()
         for k, v in value.items():
@@ -1148,13 +1280,13 @@ def _to_config(value: Any, path: str) -> Any:
 def default_config() -> Any:
     """The defaults of :class:`RunConfig` as an ml_collections ``ConfigDict`` (``configs/default.py``).
 
-    Fields whose values are lists, dicts or None (``algorithm``, ``trainer.filters``, ...) are object
-    fields, so ``--config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"`` works (a Python
-    literal: ml_collections parses the value with ``ast.literal_eval``, so ``dict(...)`` calls stay a string).
+    Every section is a nested ConfigDict, so any key is set by ``--config.<path>=<value>`` (e.g.
+    ``--config.objective.off_policy.tis_ratio_type=token``). Fields whose values are lists, tuples, None
+    or of any type (``algorithm``, ``trainer.filters``, ...) are object fields, so
+    ``--config.trainer.filters="[{'name': 'overlong', 'mode': 'enforce'}]"`` works (a Python literal:
+    ml_collections parses the value with ``ast.literal_eval``, so ``dict(...)`` calls stay a string).
     """
-    cfg = RunConfig()
-    cfg = dataclasses.replace(cfg, envs={k: EnvSection(**v) for k, v in DEFAULT_ENVS.items()})
-    return _to_config(cfg, "")
+    return _to_config(RunConfig(), "")
 
 
 #: Keys whose change does not change the numbers a resumed run produces (anything else that differs
@@ -1175,12 +1307,7 @@ RESULT_NEUTRAL_KEYS: tuple[str, ...] = (
     "engine.num_servers",
     "engine.client",
     "engine.supervise",
-    "engine.health_interval_s",
-    "engine.health_timeout_s",
-    "engine.health_failures",
-    "engine.stall_timeout_s",
-    "engine.all_down_timeout_s",
-    "engine.max_restarts",
+    "engine.supervisor",
     "engine.server_devices",
     "engine.trainer_devices",
     "engine.trainer_memory_fraction",

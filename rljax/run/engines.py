@@ -13,6 +13,7 @@ Nothing here does math or decides when to sample; :mod:`rljax.run.scheduler` doe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import tempfile
@@ -64,44 +65,45 @@ def resolve_frozen_models(
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_server_args(server: dict[str, Any], rank: int) -> dict[str, Any]:
-    """``ServerConfig`` fields for runtime LoRA loading: ``--enable-lora --max-lora-rank R
-    --max-loras 2`` (R: vLLM's smallest allowed rank >= ``rank``; two adapters coexist during a
-    sync) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; flags already in ``extra_args`` are kept.
+def lora_server_args(server: Any, rank: int) -> Any:
+    """``server`` (a :class:`~rljax.inference.vllm.ServerConfig`) set up for runtime LoRA loading:
+    ``--enable-lora --max-lora-rank R --max-loras 2`` (R: vLLM's smallest allowed rank >= ``rank``;
+    two adapters coexist during a sync) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; flags already in
+    ``extra_args`` are kept.
 
-    >>> lora_server_args({}, 4)["extra_args"]
+    >>> from rljax.inference.vllm import ServerConfig
+    >>> lora_server_args(ServerConfig(), 4).extra_args
     ('--enable-lora', '--max-lora-rank', '8', '--max-loras', '2')
     """
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:
         raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
-    extra = tuple(server.get("extra_args", ()))
+    extra = tuple(server.extra_args)
     if "--enable-lora" not in extra:
         extra += ("--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2")
-    env = {**dict(server.get("env", {})), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-    return {**server, "extra_args": extra, "env": env}
+    env = {**dict(server.env), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    return dataclasses.replace(server, extra_args=extra, env=env)
 
 
 def launched_server_configs(
-    engine: EngineSection, model_dir: str, server: Mapping[str, Any], *, visible: Sequence[str] | None = None
+    engine: EngineSection, model_dir: str, server: Any, *, visible: Sequence[str] | None = None
 ) -> list[Any]:
     """The :class:`~rljax.inference.vllm.ServerConfig` of each of the ``engine.num_servers`` servers
-    launched on ``model_dir``: the ``server`` fields, and each server's GPUs
+    launched on ``model_dir``: ``server`` (a ServerConfig), and each server's GPUs
     (``engine.server_devices`` as ``CUDA_VISIBLE_DEVICES``, :func:`rljax.run.placement.server_device_env`)
     added to its environment. ``visible``: the GPUs this process sees (default:
     :func:`rljax.run.placement.visible_gpus`).
 
+    >>> from rljax.inference.vllm import ServerConfig
     >>> e = EngineSection(kind="vllm", num_servers=2, server_devices=("1", "2"))
-    >>> configs = launched_server_configs(e, "/m", {"env": {"A": "1"}}, visible=["0", "1", "2"])
+    >>> configs = launched_server_configs(e, "/m", ServerConfig(env={"A": "1"}), visible=["0", "1", "2"])
     >>> [dict(c.env) for c in configs]
     [{'A': '1', 'CUDA_VISIBLE_DEVICES': '1'}, {'A': '1', 'CUDA_VISIBLE_DEVICES': '2'}]
     """
-    from rljax.inference.vllm import ServerConfig
     from rljax.run.placement import server_device_env
 
-    env = dict(server.get("env") or {})
     return [
-        ServerConfig(model=model_dir, **{**server, "env": {**env, **devices}})
+        dataclasses.replace(server, model=model_dir, env={**dict(server.env), **devices})
         for devices in server_device_env(engine, visible)
     ]
 
@@ -220,7 +222,7 @@ class EngineSet:
             else:
                 model_dir = tempfile.mkdtemp(prefix="rljax_vllm_init_", dir=self.workdir)
                 save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
-            server = {"dtype": self.dtype, **dict(e.server)}
+            server = dataclasses.replace(e.server, dtype=self.dtype)  # engine.dtype, resolved
             if not _written(model) and self._adapter_sync(model):
                 server = lora_server_args(server, max(model.lora_config.rank, lora_rank or 0))
             elif lora_rank:
@@ -232,17 +234,16 @@ class EngineSet:
                 configs = [in_flight_server_config(cfg) for cfg in configs]
             self._servers = ServerGroup(configs, python=e.python or None).start()
             urls = self._servers.urls
-        client = dict(e.client)
-        if model.config.moe_layers:  # MoE: routed experts (if the servers return them) in rljax's layout
-            client.setdefault("routed_layers", tuple(model.config.moe_layers))
-        client.setdefault("stall_timeout_s", e.stall_timeout_s)
-        client.setdefault("all_down_timeout_s", e.all_down_timeout_s)
+        # MoE: routed experts (if the servers return them) in rljax's layout
+        routed = tuple(model.config.moe_layers) or None
         if e.in_flight_updates != "off":
             from rljax.inference.vllm.pause import InFlightVLLMClient
 
-            policy = InFlightVLLMClient(urls, sync=e.sync, kv_cache=e.in_flight_updates, **client)
+            policy = InFlightVLLMClient(
+                urls, config=e.client, sync=e.sync, routed_layers=routed, kv_cache=e.in_flight_updates
+            )
         else:
-            policy = VLLMClient(urls, sync=e.sync, **client)
+            policy = VLLMClient(urls, e.client, sync=e.sync, routed_layers=routed)
         if e.supervise:
             self._supervise(policy, model)
         return policy
@@ -251,17 +252,11 @@ class EngineSet:
         """Attaches a :class:`~rljax.inference.vllm.ServerSupervisor` to ``client``: launched servers
         are restarted, servers given by URL re-checked; both restored to the initial weights
         (verified by the sync's probe) until the first sync records newer ones."""
-        from rljax.inference.vllm import CurrentWeights, ServerSupervisor, SupervisorConfig, weight_sync
+        from rljax.inference.vllm import CurrentWeights, ServerSupervisor, weight_sync
 
         e = self.config
         launched = self._servers.servers if self._servers is not None else [None] * len(client.urls)
-        config = SupervisorConfig(
-            health_interval_s=e.health_interval_s,
-            health_timeout_s=e.health_timeout_s,
-            health_failures=e.health_failures,
-            max_restarts=e.max_restarts,
-        )
-        self._supervisor = ServerSupervisor(client, launched, config)
+        self._supervisor = ServerSupervisor(client, launched, e.supervisor)
         probe = expected = None
         if e.sync.verify:
             probe = weight_sync.config_probe(e.sync, model.config.vocab_size)

@@ -99,13 +99,13 @@ def export_checkpoint(
 
     from rljax.models.hf_io import save_tokenizer_files
     from rljax.models.lora import merge_lora, save_adapter
-    from rljax.run.config import parse_run_config
+    from rljax.run.config import parse_config_record
     from rljax.run.run import Run, checkpoint_config
     from rljax.training.sharding import MeshConfig
 
     out = _output_dir(out, overwrite)
     directory, step = resolve_checkpoint(checkpoint, step)
-    cfg = parse_run_config(checkpoint_config(directory, step))
+    cfg = parse_config_record(checkpoint_config(directory, step))
     if adapter_only and not cfg.lora:
         raise ValueError("--adapter_only: this run trained the full model (config.lora is empty)")
     # the model parts only, on one device (whatever mesh the run trained on)

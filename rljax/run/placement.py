@@ -179,7 +179,9 @@ def check_shared_gpus(engine: EngineSection, visible: Sequence[str] | None) -> N
     fit in :data:`SHARED_GPU_BUDGET` together; this fails before the minutes of loading a model.
     Nothing is checked without launched servers or known GPUs (a CPU machine).
 
-    >>> e = EngineSection(kind="vllm", server={"gpu_memory_utilization": 0.4}, trainer_memory_fraction=0.5)
+    >>> from rljax.inference.vllm import ServerConfig
+    >>> server = ServerConfig(gpu_memory_utilization=0.4)
+    >>> e = EngineSection(kind="vllm", server=server, trainer_memory_fraction=0.5)
     >>> check_shared_gpus(e, ["0"])
     >>> check_shared_gpus(EngineSection(kind="vllm"), ["0"])
     Traceback (most recent call last):
@@ -188,8 +190,8 @@ def check_shared_gpus(engine: EngineSection, visible: Sequence[str] | None) -> N
     """
     if engine.kind != "vllm" or engine.urls or not visible:
         return
-    tensor_parallel = int(engine.server.get("tensor_parallel_size") or 1)
-    utilization = engine.server.get("gpu_memory_utilization") or VLLM_DEFAULT_UTILIZATION
+    tensor_parallel = engine.server.tensor_parallel_size
+    utilization = engine.server.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
     if engine.server_devices:
         servers = [
             device_list(d, f"config.engine.server_devices[{i}]") for i, d in enumerate(engine.server_devices)

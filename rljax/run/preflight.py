@@ -2,14 +2,15 @@
 
 :func:`plan_run` does every check that needs no model weights and no server: the config's own keys,
 types, ranges and rules between keys (:func:`rljax.run.config.parse_run_config`), the pip extras it
-needs, the vLLM client and server settings (a typo in ``engine.client`` fails here, not after the
-servers started), the vLLM Python of launched servers, the GPUs of ``engine.server_devices`` /
-``trainer_devices``, the files it names (``model.hf_path``: its ``config.json`` or GGUF metadata
-only; the tokenizer), the renderer, the algorithms, the envs and their tasks, and the rules between
-those parts (:func:`rljax.run.builders.check_run`: MoE router replay, demonstrations, the mesh
-over the processes and devices). For ``--resume`` it also reads the checkpoint's recorded config and
-refuses one that differs in a result-changing key. Every failure is a ``ValueError`` (or
-:class:`rljax.extras.MissingExtraError`) whose message starts with the config key it is about.
+needs, the vLLM client and server settings (typed sections of the config, checked when it is
+parsed; the client is built here as the run builds it), the vLLM Python of launched servers, the
+GPUs of ``engine.server_devices`` / ``trainer_devices``, the files it names (``model.hf_path``: its
+``config.json`` or GGUF metadata only; the tokenizer), the renderer, the algorithms, the envs and
+their tasks, and the rules between those parts (:func:`rljax.run.builders.check_run`: MoE router
+replay, demonstrations, the mesh over the processes and devices). For ``--resume`` it also reads
+the checkpoint's recorded config and refuses one that differs in a result-changing key. Every
+failure is a ``ValueError`` (or :class:`rljax.extras.MissingExtraError`) whose message starts with
+the config key it is about.
 
 The :class:`RunPlan` it returns holds what it built (the tasks are handed to the trainer, so they
 are made once) and describes the run for ``rljax train --dry-run`` (:meth:`RunPlan.describe`).
@@ -30,7 +31,14 @@ from rljax.envs.base import Task
 from rljax.envs.loader import LoadError
 from rljax.models import ModelConfig
 from rljax.run.builders import build_tokenizer, check_extras, check_run, model_config
-from rljax.run.config import RunConfig, config_differences, config_record, did_you_mean, parse_run_config
+from rljax.run.config import (
+    RunConfig,
+    config_differences,
+    config_record,
+    did_you_mean,
+    parse_config_record,
+    parse_run_config,
+)
 from rljax.run.placement import check_shared_gpus, server_device_env, trainer_placement, visible_gpus
 from rljax.run.tasks import EnvTasks, build_env_tasks
 
@@ -118,8 +126,14 @@ class RunPlan:
         out.append(f"policy engine: {e.num_servers} vLLM server(s) launched with {self.vllm_python}")
         for i, env in enumerate(self.server_env):
             gpus = env.get("CUDA_VISIBLE_DEVICES", "the trainer's GPUs")
-            out.append(f"  server {i}: GPUs {gpus}, {dict(e.server) or 'ServerConfig defaults'}")
+            out.append(f"  server {i}: GPUs {gpus}, {_changed(e.server) or 'ServerConfig defaults'}")
         return out
+
+
+def _changed(section: Any) -> dict[str, Any]:
+    """The config keys of ``section`` (a dataclass) that differ from its class's defaults."""
+    default = config_record(type(section)())
+    return {k: v for k, v in config_record(section).items() if v != default[k]}
 
 
 def _algorithm(a: algos.Algorithm) -> str:
@@ -247,18 +261,14 @@ def _check_engine(cfg: RunConfig) -> str:
     e = cfg.engine
     if e.kind != "vllm":
         return ""
-    from rljax.inference.vllm import ServerConfig, VLLMClient, find_vllm_python
+    from rljax.inference.vllm import VLLMClient, find_vllm_python
 
     try:  # VLLMClient checks its values when it is made; it opens no connection before a request
-        VLLMClient(["http://127.0.0.1:1"], sync=e.sync, **dict(e.client))
+        VLLMClient(["http://127.0.0.1:1"], e.client, sync=e.sync)
     except (TypeError, ValueError) as err:
         raise _keyed("config.engine.client", err) from None
     if e.urls:
         return ""
-    try:
-        ServerConfig(model="<initial weights>", **dict(e.server))
-    except (TypeError, ValueError) as err:
-        raise _keyed("config.engine.server", err) from None
     try:
         python = find_vllm_python(e.python or None)
     except (FileNotFoundError, ValueError) as err:
@@ -294,7 +304,7 @@ def check_resumed_config(saved: Any, cfg: RunConfig, step: int) -> None:
     if not saved:
         return
     try:
-        diffs = config_differences(parse_run_config(saved), cfg)
+        diffs = config_differences(parse_config_record(saved), cfg)
     except ValueError as e:  # a checkpoint of an older layout: say so instead of guessing
         raise ValueError(f"--resume: the checkpoint's config does not parse ({e})") from None
     if diffs:

@@ -239,7 +239,7 @@ class Trainer:
             adv_sums = np.zeros(3)
             for mb in mini_batches:
                 packed = mb.batch
-                if self.cfg.objective.off_policy.get("max_token_staleness") is not None:
+                if self.cfg.objective.off_policy.max_token_staleness is not None:
                     # the stale-token mask needs each token's distance from the weights trained here
                     packed = with_token_staleness(packed, self.rl_step)
                 row = self.parts.train(packed, algorithm=name)

@@ -81,11 +81,18 @@ SMOKE_MISTAKES = [
     (["--config.model.hf_path=/no/such/model"], "config.model.hf_path: no such file or directory"),
     (["--config.tokenizer.name=/no/such/tokenizer"], "config.tokenizer.name: no such file or directory"),
     (["--config.algorithm=grpoo"], "config.algorithm: unknown algorithm 'grpoo'; did you mean 'grpo'?"),
-    (["--config.engine.client.timeout_s=5"], "config.engine.client holds no keys to override; set it whole"),
-    (["--config.engine.kind=vllm", "--config.engine.client={'timeot_s': 5.0}"],
-     "config.engine.client.timeot_s: unknown key; did you mean 'timeout_s'? VLLMClient accepts"),
-    (["--config.engine.kind=vllm", "--config.engine.client={'stall_timeout_s': 5.0}"],
-     "config.engine.client.stall_timeout_s: set by the run; use config.engine.stall_timeout_s"),
+    (["--config.renderer.kwargs.retention=x"],
+     "config.renderer.kwargs holds no keys to override; set it whole"),
+    (["--config.engine.client.timeot_s=5"],
+     "config.engine.client.timeot_s: unknown key; did you mean 'timeout_s'? known keys of config.engine.cl"),
+    (["--config.engine.client.timeout_s=0"],
+     "config.engine.client.timeout_s: expected a number > 0, got 0.0"),
+    (["--config.engine.stall_timeout_s=5"],
+     "config.engine.stall_timeout_s: moved to config.engine.client.stall_timeout_s"),
+    (["--config.objective.off_policy.tis_ratio_type=tokens"],
+     "config.objective.off_policy.tis_ratio_type: expected one of [None, 'token', 'sequence'], got 'tokens'"),
+    (["--config.engine.server.dtype=bfloat16"],
+     "config.engine.server.dtype: set by the run; use config.engine.dtype"),
     (["--config.engine.kind=vllm", "--config.engine.server_devices=('0', '1')"],
      "config.engine.server_devices: has 2 entries for engine.num_servers=1"),
     (["--config.engine.trainer_memory_fraction=1.5"], "config.engine.trainer_memory_fraction: expected a"),
@@ -172,6 +179,19 @@ def test_dry_run_prints_the_resolved_config_and_creates_nothing(capsys, tmp_path
     assert "  env lookup: lookup, 16 train / 2 eval tasks, algorithm grpo\n" in out
     assert "  policy engine: embedded JAX sampler (max_batch_size 8)\n" in out
     assert out.rstrip().endswith("nothing was created, deleted or started")
+    # the keys of typed sections are set one by one from the command line, list values whole (the
+    # trainer applies config.trainer.filters: tests/train/test_train_run_config.py's async test)
+    code, out, err = _run(capsys, "train", "--config=smoke", "--dry-run",
+                          "--config.trainer.filters=[{'name': 'overlong', 'mode': 'monitor'}]",
+                          "--config.objective.off_policy.max_token_staleness=2",
+                          "--config.engine.client.timeout_s=5", "--config.engine.supervisor.max_restarts=0",
+                          "--config.model.init.rope_theta=500000.0")  # fmt: skip
+    assert code == 0, err
+    assert "  trainer.filters = ({'name': 'overlong', 'mode': 'monitor'},)\n" in out
+    assert "  objective.off_policy.max_token_staleness = 2\n" in out
+    assert "  objective.off_policy.token_tis_ratio_clip_high = 2.0\n" in out  # the others: defaults
+    assert "  engine.client.timeout_s = 5.0\n" in out and "  engine.supervisor.max_restarts = 0\n" in out
+    assert "  model.init.rope_theta = 500000.0\n" in out and "  model.init.hidden_size = 16\n" in out
     # an existing run is neither refused nor deleted by a dry run of --overwrite
     (workdir / "checkpoints").mkdir(parents=True)
     code, _, err = _run(capsys, "train", "--config=smoke", f"--workdir={workdir}", "--dry_run", "--overwrite")

@@ -215,6 +215,7 @@ def test_every_public_module_and_name_is_in_the_reference_with_its_docstring(bui
 
 def _config_keys(cls: type, path: str) -> list[str]:
     """Every key path of the run config's dataclass ``cls`` (mapping sections by their value class)."""
+    from rljax.models import ModelConfig
     from rljax.run.config import RUN_SET_FIELDS, EnvSection
 
     keys = []
@@ -230,6 +231,8 @@ def _config_keys(cls: type, path: str) -> list[str]:
             keys += _config_keys(inner[0], key)
         elif key == "config.envs":
             keys += _config_keys(EnvSection, "config.envs.<name>")
+        elif key == "config.model.init":  # a mapping of ModelConfig's fields
+            keys += _config_keys(ModelConfig, key)
     return keys
 
 
@@ -245,6 +248,7 @@ def test_the_config_reference_lists_every_key_with_type_default_and_meaning(buil
     assert [k for k in keys if len(rows[k]) != 4 or not all(rows[k])] == []  # key, type, default, meaning
     assert rows["config.trainer.seq_len"][1:3] == ["int", str(RunConfig().trainer.seq_len)]
     assert rows["config.model.compute_dtype"][2] == repr(RunConfig().model.compute_dtype)
+    assert rows["config.model.init.partial_rotary_factor"][1:3] == ["float", "1.0"]
 
 
 def test_the_notebooks_are_executed(built):

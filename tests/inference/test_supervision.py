@@ -22,6 +22,7 @@ from test_inference_launcher import fake_config
 from rljax.inference.engine import SamplingParams
 from rljax.inference.vllm import (
     AllServersDownError,
+    ClientConfig,
     ServerConfig,
     ServerFaultError,
     ServerSupervisor,
@@ -277,7 +278,10 @@ def test_engine_set_supervises_its_vllm_client_from_the_initial_weights(tmp_path
     from rljax.run.engines import EngineSet
 
     section = EngineSection(
-        kind="vllm", urls=("http://127.0.0.1:1",), stall_timeout_s=7.0, health_interval_s=0.5
+        kind="vllm",
+        urls=("http://127.0.0.1:1",),
+        client=ClientConfig(stall_timeout_s=7.0),
+        supervisor=SupervisorConfig(health_interval_s=0.5),
     )
     engines = EngineSet(section, {}, workdir=tmp_path, seed=0)
     client = engines.start_policy(tiny_models.a)

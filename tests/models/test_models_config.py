@@ -135,7 +135,7 @@ def test_rope_frequencies_match_transformers(rope, head_dim):
         (dict(rope_scaling={"rope_type": "linear"}), r"needs field\(s\) \['factor'\]"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         (dict(num_key_value_heads=3), "multiple of num_kv_heads"),
-        (dict(vocab_size=0), "vocab_size must be a positive int"),
+        (dict(vocab_size=0), r"ModelConfig.vocab_size: expected an int >= 1, got 0"),
     ],
 )
 def test_unsupported_configs_raise_clear_errors(change, message):

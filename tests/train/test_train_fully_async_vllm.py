@@ -220,7 +220,7 @@ def test_fully_async_vllm_in_flight_recompute_labels_every_token(
 ):
     c = _shrink(vllm_local.get_config())
     c.engine.in_flight_updates = "recompute"
-    c.engine.health_interval_s = 1.0
+    c.engine.supervisor.health_interval_s = 1.0
     seen = killed_after_first_switch
     restore = engines_mod.EngineSet._supervise
 

@@ -101,9 +101,9 @@ def test_each_launched_server_process_gets_its_gpus(tmp_path, monkeypatch):
     fake.write_text(f'#!/bin/sh\nenv > "{tmp_path}/env_$$.txt"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the GPUs of the job
-    e = _engine(num_servers=2, server_devices=("2", "0,1"))
     server = {"env": {"RLJAX_MARK": "kept"}, "die_with_parent": False, "log_path": str(tmp_path / "log")}
-    group = ServerGroup(launched_server_configs(e, str(tmp_path), server), python=str(fake))
+    e = _engine(num_servers=2, server_devices=("2", "0,1"), server=server)
+    group = ServerGroup(launched_server_configs(e, str(tmp_path), e.server), python=str(fake))
     try:
         for s in group.servers:
             s.spawn()

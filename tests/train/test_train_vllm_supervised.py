@@ -1,12 +1,12 @@
 """A run on two launched REAL vLLM (CPU) servers that lose them one after the other.
 
 The ``vllm_local`` recipe, shrunk (no warm start, 4 prompts x 4 samples), on two servers with
-restarts off (``engine.max_restarts=0``): server 0 is SIGKILLed right after step 1's rollout, so
+restarts off (``engine.supervisor.max_restarts=0``): server 0 is SIGKILLed right after step 1's rollout, so
 step 1's weight sync meets a dead server; server 1 after step 2's. Expected:
 
 - step 2 runs: the sync skips the dead server instead of failing the run, and every trajectory of
   step 2 is served by server 1 (none errored);
-- step 3 finds no server: after ``engine.all_down_timeout_s`` the run stops with one error that
+- step 3 finds no server: after ``engine.client.all_down_timeout_s`` the run stops with one error that
   names both servers and the end of their logs;
 - the step-2 checkpoint is intact: it is the latest, and it restores.
 
@@ -61,10 +61,8 @@ def _config():
         eval_every=0, checkpoint_every=1, keep_checkpoints=3,
     )  # fmt: skip
     c.engine.num_servers = 2
-    c.engine.max_restarts = 0
-    c.engine.all_down_timeout_s = 5.0
-    c.engine.health_interval_s = 1.0
-    c.engine.health_timeout_s = 5.0
+    c.engine.supervisor.update(max_restarts=0, health_interval_s=1.0, health_timeout_s=5.0)
+    c.engine.client.all_down_timeout_s = 5.0
     c.engine.server.extra_args = (*c.engine.server.extra_args, "--enforce-eager")
     return c
 

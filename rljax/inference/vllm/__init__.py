@@ -7,6 +7,7 @@ True
 
 from rljax.inference.vllm.client import (
     AllServersDownError,
+    ClientConfig,
     MalformedResponseError,
     RequestRejectedError,
     ServerFaultError,
@@ -50,6 +51,7 @@ from rljax.inference.vllm.weight_sync import (
 __all__ = [
     "SYNC_ATOL",
     "AllServersDownError",
+    "ClientConfig",
     "CurrentWeights",
     "LiveServers",
     "MalformedResponseError",

@@ -66,8 +66,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from rljax import knobs
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.inference.vllm import weight_sync
+from rljax.knobs import knob
 
 
 class VLLMClientError(RuntimeError):
@@ -399,6 +401,51 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, (httpx.TransportError, asyncio.TimeoutError, ServerFaultError))
 
 
+@knobs.section
+class ClientConfig:
+    """How a :class:`VLLMClient` routes, bounds, retries and times its requests (the run config's
+    ``engine.client``).
+
+    >>> ClientConfig(max_concurrency=4).timeout_s
+    300.0
+    """
+
+    model: str = knob("rljax", doc="the ``model`` field of requests: the servers' ``served_model_name``")
+    max_concurrency: int = knob(64, ge=1, doc="most requests in flight over all servers")
+    timeout_s: float = knob(300.0, gt=0, doc="read timeout of one request, in seconds")
+    connect_timeout_s: float = knob(5.0, gt=0, doc="connect timeout of one request, in seconds")
+    max_retries: int = knob(
+        3, ge=0, doc="retries of a request after a transport failure, timeout or 5xx, each on another server"
+    )
+    backoff_s: float = knob(0.2, ge=0, doc="wait before the first retry; doubles on each retry")
+    backoff_max_s: float = knob(5.0, ge=0, doc="longest wait between retries")
+    cooldown_s: float = knob(10.0, ge=0, doc="seconds a failed server gets no new requests")
+    max_sessions: int = knob(
+        100_000, ge=1, doc="sticky sessions remembered (trajectory -> server), the oldest forgotten first"
+    )
+    keepalive_s: float = knob(
+        2.0,
+        ge=0,
+        doc="how long an idle connection stays pooled; keep it below the servers' keep-alive timeout "
+        "(vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) so no request races a server-side close",
+    )
+    stall_timeout_s: float | None = knob(
+        120.0,
+        gt=0,
+        doc="per-token progress deadline: a server that sends no token of a streamed generation (a "
+        "score or an unstreamed answer: no answer) for this long fails the request, which goes to "
+        "another server (None: only ``timeout_s``); time while a weight sync holds requests back does "
+        "not count. Keep it above the longest prefill plus queueing of one request",
+    )
+    all_down_timeout_s: float = knob(
+        600.0,
+        gt=0,
+        doc="with a supervisor (:meth:`VLLMClient.supervise`): how long requests wait for a server to "
+        "come back when none is in service before they fail with :class:`AllServersDownError`",
+    )
+    stream: bool = knob(True, doc="stream generations (the stall deadline then runs per token)")
+
+
 class VLLMClient:
     """An :class:`rljax.inference.engine.Engine` over one or more vLLM servers.
 
@@ -406,15 +453,8 @@ class VLLMClient:
     ``routed_layers``: for MoE servers started with ``--enable-return-routed-experts``, the model's
     MoE layer indices (``config.moe_layers``): completions then carry ``routed_experts`` in rljax's
     layout ``[tokens - 1, len(routed_layers), top_k]`` (router replay); None keeps vLLM's layers.
-    ``keepalive_s``: how long an idle connection stays pooled; keep it below the servers' keep-alive
-    timeout (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) so no request races a server-side close.
-    ``stall_timeout_s``: the per-token progress deadline: a generation is streamed (``stream``) and
-    a server that sends no token (no stream chunk; for a score or an unstreamed answer, no answer)
-    for that long fails the request, which goes to another server (None: only the read timeout
-    ``timeout_s``). Time while a weight sync holds requests back does not count. Keep it above the
-    longest prefill plus queueing of one request. ``all_down_timeout_s``: with a supervisor
-    (:meth:`supervise`), how long requests wait for a server to come back when none is in service
-    before they fail with :class:`AllServersDownError`.
+    ``config``: the client's knobs (:class:`ClientConfig`); keyword arguments named after its fields
+    override them (``VLLMClient(urls, max_retries=0)``).
 
     >>> client = VLLMClient(["http://127.0.0.1:8000", "http://127.0.0.1:8001/"], max_concurrency=4)
     >>> client.urls, client.weight_version
@@ -424,27 +464,23 @@ class VLLMClient:
     def __init__(
         self,
         urls: Sequence[str],
+        config: ClientConfig | None = None,
         *,
-        model: str = "rljax",
-        max_concurrency: int = 64,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 5.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.2,
-        backoff_max_s: float = 5.0,
-        cooldown_s: float = 10.0,
-        max_sessions: int = 100_000,
         weight_version: int = 0,
         sync: weight_sync.SyncConfig | None = None,
         routed_layers: Sequence[int] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         lora_name: str | None = None,
-        keepalive_s: float = 2.0,
-        stall_timeout_s: float | None = 120.0,
-        all_down_timeout_s: float = 600.0,
-        stream: bool = True,
+        **overrides: Any,
     ) -> None:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ClientConfig)})
+        if unknown:
+            raise TypeError(
+                f"VLLMClient got unexpected keyword arguments {unknown} (not ClientConfig fields)"
+            )
+        config = dataclasses.replace(config or ClientConfig(), **overrides)
+        self.config = config
         if isinstance(urls, str):
             raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
         urls = [u.rstrip("/") for u in urls]
@@ -452,20 +488,6 @@ class VLLMClient:
             raise ValueError("VLLMClient needs at least one server URL")
         if len(set(urls)) != len(urls):
             raise ValueError(f"VLLMClient got duplicate server URLs: {urls}")
-        for name, value, low in (("max_concurrency", max_concurrency, 1), ("max_retries", max_retries, 0),
-                                 ("max_sessions", max_sessions, 1)):  # fmt: skip
-            if int(value) < low:
-                raise ValueError(f"VLLMClient {name} must be >= {low}, got {value}")
-        if (
-            min(timeout_s, connect_timeout_s) <= 0
-            or min(backoff_s, backoff_max_s, cooldown_s, keepalive_s) < 0
-        ):
-            raise ValueError("VLLMClient timeouts must be > 0 and backoff/cooldown/keepalive times >= 0")
-        if (stall_timeout_s is not None and not stall_timeout_s > 0) or not all_down_timeout_s > 0:
-            raise ValueError(
-                f"VLLMClient stall_timeout_s (None or > 0) and all_down_timeout_s (> 0) got "
-                f"{stall_timeout_s}, {all_down_timeout_s}"
-            )
         sync = sync or weight_sync.SyncConfig()
         if sync.pause_mode == "keep" and not getattr(self, "supports_in_flight_updates", False):
             raise ValueError(
@@ -474,13 +496,13 @@ class VLLMClient:
                 "'abort', or InFlightVLLMClient (engine.in_flight_updates), which records vLLM's "
                 "per-token versions"
             )
-        self.model = model
+        self.model = config.model
         self.servers = [ServerState(u) for u in urls]
-        self.max_retries = int(max_retries)
-        self.backoff_s = float(backoff_s)
-        self.backoff_max_s = float(backoff_max_s)
-        self.cooldown_s = float(cooldown_s)
-        self.max_sessions = int(max_sessions)
+        self.max_retries = int(config.max_retries)
+        self.backoff_s = float(config.backoff_s)
+        self.backoff_max_s = float(config.backoff_max_s)
+        self.cooldown_s = float(config.cooldown_s)
+        self.max_sessions = int(config.max_sessions)
         self.weight_version = int(weight_version)
         self.sync_config = sync
         self.routed_layers = None if routed_layers is None else tuple(int(i) for i in routed_layers)
@@ -489,18 +511,18 @@ class VLLMClient:
         self.last_adapter_sync: Any = None  # adapter_sync.AdapterSyncReport of the last adapter sync
         self._model_requests: collections.Counter[str] = collections.Counter()  # in flight, per model
         self._clock = clock
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         # An idle pooled connection is dropped by the client well before the server's keep-alive timer
         # (uvicorn / vLLM: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) can close it: with equal timers a request
         # sent on a connection the server is closing at that instant fails with ReadError, and admin
         # posts (weight sync, adapter load/unload) are not retried.
-        keep = int(max_concurrency) + 2 * len(urls)  # every in-flight request + admin posts stay pooled
+        keep = config.max_concurrency + 2 * len(urls)  # every in-flight request + admin posts stay pooled
         self._limits = httpx.Limits(
-            max_connections=None, max_keepalive_connections=keep, keepalive_expiry=keepalive_s
+            max_connections=None, max_keepalive_connections=keep, keepalive_expiry=config.keepalive_s
         )
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
-        self._max_concurrency = int(max_concurrency)
+        self._max_concurrency = int(config.max_concurrency)
         self._semaphore: asyncio.Semaphore | None = None
         self._open: asyncio.Event | None = None  # cleared while weights are being synced
         self._sync_lock: asyncio.Lock | None = None
@@ -514,9 +536,9 @@ class VLLMClient:
         self._pauses = [0] * len(urls)
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._picks = 0
-        self.stall_timeout_s = None if stall_timeout_s is None else float(stall_timeout_s)
-        self.all_down_timeout_s = float(all_down_timeout_s)
-        self.stream = bool(stream)
+        self.stall_timeout_s = None if config.stall_timeout_s is None else float(config.stall_timeout_s)
+        self.all_down_timeout_s = float(config.all_down_timeout_s)
+        self.stream = bool(config.stream)
         self.supervisor: Any = None  # a supervisor.ServerSupervisor, see supervise()
         self.current: Any = None  # supervisor.CurrentWeights: what a server back in service must serve
         self._all_down: AllServersDownError | None = None  # sticky once raised
@@ -712,7 +734,7 @@ class VLLMClient:
         describe = getattr(self.supervisor, "describe", None)
         lines = [
             f"no vLLM server in service for {self.all_down_timeout_s:g} s "
-            f"(engine.all_down_timeout_s); the run stops. Servers:"
+            f"(engine.client.all_down_timeout_s); the run stops. Servers:"
         ]
         for i, state in enumerate(self.servers):
             lines.append(f"- {state.url}: {state.down_reason or 'out of service'}")

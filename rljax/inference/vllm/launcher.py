@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import signal
 import socket
@@ -43,6 +42,9 @@ import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from rljax import knobs
+from rljax.knobs import knob
 
 VLLM_PYTHON_ENV = "RLJAX_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -92,93 +94,90 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class ServerConfig:
-    """How to run one vLLM server.
+    """How to run one vLLM server (the run config's ``engine.server``, less ``model`` and ``dtype``,
+    which the run sets: the policy's weights, served in ``engine.dtype``)."""
 
-    Attributes:
-      model: directory with ``config.json`` + safetensors (what ``rljax.models.save_pretrained`` writes).
-      host: interface to bind; dev-mode routes run code in the workers, so keep 127.0.0.1 unless the
-        network is trusted.
-      port: TCP port; None picks a free one.
-      served_model_name: the ``model`` field requests must carry.
-      max_model_len: longest prompt + completion in tokens.
-      dtype: weights/compute dtype; float32 makes logprobs comparable with the trainer's.
-      logprobs_mode: ``processed_logprobs`` returns logprobs of the temperature-scaled distribution
-        (what the trainer recomputes); ``raw_logprobs`` ignores temperature.
-      skip_tokenizer_init: serve a model directory without a tokenizer (token ids in and out only).
-      kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU; CPU builds only).
-      gpu_memory_utilization: ``--gpu-memory-utilization``, the share of each GPU's memory vLLM may
-        use for weights + KV cache (GPU builds; None = vLLM's default, 0.9). Lower it when the
-        trainer shares the GPU.
-      tensor_parallel_size: ``--tensor-parallel-size`` (GPUs per server; 1 = no flag).
-      max_num_seqs: ``--max-num-seqs``, the most sequences a server batches at once (None = vLLM's
-        default); bounds KV-cache pressure with many concurrent rollouts.
-      dev_mode: set ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/collective_rpc routes for weight sync).
-      worker_extension: start the server with rljax's vLLM worker extension
-        (``--worker-extension-cls`` :data:`WORKER_EXTENSION_CLS`, its directory
-        :data:`WORKER_EXTENSION_DIR` prepended to ``PYTHONPATH``), whose ``rljax_reload_weights`` the
-        weight sync calls: an in-place reload that is also correct for MoE models on vLLM-cpu. Turn it
-        off to pass your own ``--worker-extension-cls`` in ``extra_args``; the sync then falls back
-        to vLLM's ``reload_weights`` (``SyncConfig.reload_rpc``).
-      chunked_prefill: let vLLM split long prefills into chunks. Off by default: vLLM 0.32's CPU engine
-        dies ("CPU Generator does not use offset") when a SEEDED request's prefill is chunked, and every
-        rljax rollout request is seeded; unchunked, a prompt (<= max_model_len) is prefilled at once.
-      extra_args: more command-line arguments, appended as given.
-      env: more environment variables for the server process.
-      startup_timeout_s: how long to wait for ``/health`` before giving up.
-      log_path: file for the server's stdout+stderr; None writes to a temporary file.
-      die_with_parent: on Linux, the server gets SIGTERM when the thread that started it dies (even
-        by SIGKILL), so a crashed trainer leaves no orphaned server behind. Start servers from a
-        long-lived thread (the main one) when this is on.
-    """
-
-    model: str
-    host: str = "127.0.0.1"
-    port: int | None = None
-    served_model_name: str = "rljax"
-    max_model_len: int = 512
-    dtype: str = "float32"
-    logprobs_mode: str = "processed_logprobs"
-    skip_tokenizer_init: bool = False
-    kv_cache_gib: float = 1
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    max_num_seqs: int | None = None
-    dev_mode: bool = True
-    worker_extension: bool = True
-    chunked_prefill: bool = False
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    startup_timeout_s: float = 300.0
-    log_path: str | None = None
-    die_with_parent: bool = True
+    model: str = knob(
+        "", doc="directory with ``config.json`` + safetensors (what ``rljax.models.save_pretrained`` writes)"
+    )
+    host: str = knob(
+        "127.0.0.1",
+        doc="interface to bind; dev-mode routes run code in the workers, so keep 127.0.0.1 unless the "
+        "network is trusted",
+    )
+    port: int | None = knob(None, ge=1, le=65535, doc="TCP port; None picks a free one")
+    served_model_name: str = knob("rljax", doc="the ``model`` field requests must carry")
+    max_model_len: int = knob(512, ge=1, doc="longest prompt + completion in tokens")
+    dtype: str = knob(
+        "float32", doc="weights/compute dtype; float32 makes logprobs comparable with the trainer's"
+    )
+    logprobs_mode: str = knob(
+        "processed_logprobs",
+        doc="``processed_logprobs`` returns logprobs of the temperature-scaled distribution (what the "
+        "trainer recomputes); ``raw_logprobs`` ignores temperature",
+    )
+    skip_tokenizer_init: bool = knob(
+        False, doc="serve a model directory without a tokenizer (token ids in and out only)"
+    )
+    kv_cache_gib: float = knob(
+        1.0, gt=0, doc="``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU; CPU builds only)"
+    )
+    gpu_memory_utilization: float | None = knob(
+        None,
+        gt=0,
+        le=1,
+        doc="``--gpu-memory-utilization``, the share of each GPU's memory vLLM may use for weights + KV "
+        "cache (GPU builds; None = vLLM's default, 0.9). Lower it when the trainer shares the GPU",
+    )
+    tensor_parallel_size: int = knob(1, ge=1, doc="``--tensor-parallel-size`` (GPUs per server; 1 = no flag)")
+    max_num_seqs: int | None = knob(
+        None,
+        ge=1,
+        doc="``--max-num-seqs``, the most sequences a server batches at once (None = vLLM's default); "
+        "bounds KV-cache pressure with many concurrent rollouts",
+    )
+    dev_mode: bool = knob(
+        True, doc="set ``VLLM_SERVER_DEV_MODE=1`` (pause/resume/collective_rpc routes for weight sync)"
+    )
+    worker_extension: bool = knob(
+        True,
+        doc="start the server with rljax's vLLM worker extension (``--worker-extension-cls`` "
+        ":data:`WORKER_EXTENSION_CLS`, its directory :data:`WORKER_EXTENSION_DIR` prepended to "
+        "``PYTHONPATH``), whose ``rljax_reload_weights`` the weight sync calls: an in-place reload that "
+        "is also correct for MoE models on vLLM-cpu. Turn it off to pass your own "
+        "``--worker-extension-cls`` in ``extra_args``; the sync then falls back to vLLM's "
+        "``reload_weights`` (``SyncConfig.reload_rpc``)",
+    )
+    chunked_prefill: bool = knob(
+        False,
+        doc="let vLLM split long prefills into chunks. Off by default: vLLM 0.32's CPU engine dies (\"CPU "
+        "Generator does not use offset\") when a SEEDED request's prefill is chunked, and every rljax "
+        "rollout request is seeded; unchunked, a prompt (<= max_model_len) is prefilled at once",
+    )
+    extra_args: tuple[str, ...] = knob((), doc="more command-line arguments, appended as given")
+    env: Mapping[str, str] = knob({}, doc="more environment variables for the server process")
+    startup_timeout_s: float = knob(300.0, gt=0, doc="how long to wait for ``/health`` before giving up")
+    log_path: str | None = knob(
+        None, doc="file for the server's stdout+stderr; None writes to a temporary file"
+    )
+    die_with_parent: bool = knob(
+        True,
+        doc="on Linux, the server gets SIGTERM when the thread that started it dies (even by SIGKILL), so "
+        "a crashed trainer leaves no orphaned server behind. Start servers from a long-lived thread (the "
+        "main one) when this is on",
+    )
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"ServerConfig.max_model_len must be >= 1, got {self.max_model_len}")
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ValueError(
-                f"ServerConfig.port must be in 1..65535 or None (pick a free one), got {self.port}"
-            )
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"ServerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"ServerConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"ServerConfig.max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
-        if self.startup_timeout_s <= 0:
-            raise ValueError(f"ServerConfig.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
 
 
 def server_command(config: ServerConfig, *, python: str, port: int | None = None) -> list[str]:
     """The argv that starts ``config``'s server with ``python`` (``port`` overrides ``config.port``)."""
     port = config.port if port is None else port
+    if not config.model:
+        raise ValueError("server_command needs ServerConfig.model: the model directory to serve")
     if port is None:
         raise ValueError("server_command needs a port: set ServerConfig.port or pass port=")
     cmd = [

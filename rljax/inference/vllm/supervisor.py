@@ -46,42 +46,39 @@ from typing import Any
 
 import numpy as np
 
+from rljax import knobs
 from rljax.inference.vllm import weight_sync
 from rljax.inference.vllm.client import ServerFaultError, VLLMClient
 from rljax.inference.vllm.launcher import VLLMServer, log_tail
+from rljax.knobs import knob
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class SupervisorConfig:
-    """How servers are watched and brought back.
+    """How servers are watched and brought back (the run config's ``engine.supervisor``)."""
 
-    Attributes:
-      health_interval_s: seconds between health checks of a server in service.
-      health_timeout_s: a ``GET /health`` not answered 200 within this fails the check.
-      health_failures: failed checks in a row that take a server out of service (a launched
-        server whose process exited is out at once).
-      max_restarts: restarts of one launched server over the run; past it the server stays out.
-      backoff_s: first wait before re-checking a server given by URL (or retrying a failed
-        restart); doubles up to ``backoff_max_s``.
-      backoff_max_s: longest such wait.
-    """
-
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 10.0
-    health_failures: int = 2
-    max_restarts: int = 5
-    backoff_s: float = 2.0
-    backoff_max_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if min(self.health_interval_s, self.health_timeout_s, self.backoff_s, self.backoff_max_s) <= 0:
-            raise ValueError(f"SupervisorConfig times must be > 0, got {self}")
-        if self.health_failures < 1 or self.max_restarts < 0:
-            raise ValueError(
-                f"SupervisorConfig.health_failures must be >= 1 and max_restarts >= 0, got {self}"
-            )
+    health_interval_s: float = knob(5.0, gt=0, doc="seconds between health checks of a server in service")
+    health_timeout_s: float = knob(
+        10.0, gt=0, doc="a ``GET /health`` not answered 200 within this fails the check"
+    )
+    health_failures: int = knob(
+        2,
+        ge=1,
+        doc="failed checks in a row that take a server out of service (a launched server whose process "
+        "exited is out at once)",
+    )
+    max_restarts: int = knob(
+        5, ge=0, doc="restarts of one launched server over the run; past it the server stays out"
+    )
+    backoff_s: float = knob(
+        2.0,
+        gt=0,
+        doc="first wait before re-checking a server given by URL (or retrying a failed restart); doubles "
+        "up to ``backoff_max_s``",
+    )
+    backoff_max_s: float = knob(60.0, gt=0, doc="longest such wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +211,7 @@ class ServerSupervisor:
         self,
         client: VLLMClient,
         launched: Sequence[VLLMServer | None],
-        config: SupervisorConfig = SupervisorConfig(),
+        config: SupervisorConfig | None = None,
     ) -> None:
         if len(launched) != len(client.servers):
             raise ValueError(
@@ -225,7 +222,7 @@ class ServerSupervisor:
                 raise ValueError(f"launched server {server.url} is not client server {state.url}")
         self.client = client
         self.launched = list(launched)
-        self.config = config
+        self.config = config or SupervisorConfig()
         self.events: list[SupervisorEvent] = []
         self.restarts = [0] * len(launched)
         self.closing = False  # set from any thread before the servers are stopped: no more restarts

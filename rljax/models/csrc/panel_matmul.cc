@@ -13,7 +13,7 @@
 //
 // A second target, "rljax_panel_matmul_avx512", multiplies the same panels with AVX-512: one panel
 // row is one 16-float register, two panels stream side by side while up to 12 rows accumulate in
-// 24 of the 32 registers (each broadcast input feeds two FMAs, so a k step issues 2 + MR loads for
+// 24 of the 32 registers (each broadcast input feeds two FMAs, so a k step does 2 + MR loads for
 // 2 MR FMAs instead of the AVX2 kernel's 2 + 6 for 12). Its functions are compiled for AVX-512F
 // alone (a target attribute), so the library still loads on CPUs without it; Python calls it only
 // where rljax_panel_matmul_avx512_supported() says the CPU has it.
