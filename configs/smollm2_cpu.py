@@ -26,7 +26,8 @@ problems; step 0 is ``rljax eval`` of ``checkpoints/step_0``, the base model)::
 
 so held-out pass@1 rises by 0.33 within 4 steps (4-13 minutes) and by about 0.5 by step 16. The
 training step (about 3,800 packed tokens, three quarters of them the 44-token prompts) is most of
-the time; the memory is mostly the 49,152-entry vocabulary's logits and their gradient.
+the time; its memory is mostly the activations of the tokens the decoder computes (the chunked LM
+head recomputes the vocabulary's logits in the backward pass; docs/results.md).
 
     rljax train --config=smollm2_cpu --workdir=/tmp/smollm2
     rljax eval --config=smollm2_cpu --checkpoint=/tmp/smollm2/checkpoints/step_0   # the base model

@@ -247,8 +247,9 @@ class PackedBatch:
     (``Step.response_support_floors``), ``-inf`` elsewhere; the trainer renormalizes each token's
     logprob over the logits ``z >= floor`` (the support the sampler drew it from). None when no
     sample of the batch was drawn from a truncated distribution.
-    ``kl_reference_logprobs`` (or None): float32 logprobs of every token under the frozen reference
-    policy of the objective's KL penalty (``objective.kl_loss_coef``), set by the trainer. (Not to be
+    ``kl_reference_logprobs`` (or None): float32 logprobs of the loss tokens (0 elsewhere: the penalty
+    reads no other) under the frozen reference policy of the objective's KL penalty
+    (``objective.kl_loss_coef``), set by the trainer. (Not to be
     confused with ``ref_logprobs``: the teacher of the ``ref_kl`` distillation component.)
 
     Prefix-tree rows (``rljax.data.pack.pack(..., prefix_sharing=True)``; None for plain rows): samples

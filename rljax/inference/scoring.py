@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from rljax.data.pack import PackLayout, first_fit_decreasing, unpack_responses
-from rljax.models.logprobs import sequence_logprobs
+from rljax.models.logprobs import logit_capacity, sequence_logprobs
 
 __all__ = ["MIN_ROW_LEN", "bucket_row_len", "score_sequences"]
 
@@ -49,20 +49,24 @@ def bucket_row_len(max_len: int, *, min_len: int = MIN_ROW_LEN) -> int:
     return n
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _packed_logprobs(
     graphdef: nnx.GraphDef,
+    capacity: int | None,
     state: nnx.State,
     tokens: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array,
     temperature: jax.Array,
+    wanted: jax.Array | None,
 ) -> jax.Array:
-    """``sequence_logprobs`` of ``nnx.merge(graphdef, state)`` on packed rows (compiled once per shape)."""
+    """``sequence_logprobs`` of ``nnx.merge(graphdef, state)`` on packed rows, of the ``wanted``
+    tokens only (None: all), in a buffer of ``capacity`` (compiled once per shape and capacity)."""
     model = nnx.merge(graphdef, state)
     return sequence_logprobs(
-        model, tokens, positions=positions, segment_ids=segment_ids, temperature=temperature
-    )
+        model, tokens, positions=positions, segment_ids=segment_ids, temperature=temperature,
+        logit_mask=wanted, logit_capacity=capacity,
+    )  # fmt: skip
 
 
 def _as_ids(seq: Any, k: int, vocab_size: int | None) -> np.ndarray:
@@ -92,6 +96,17 @@ def _temperatures(temperature: float | Sequence[float], n: int) -> np.ndarray:
     return temps.astype(np.float32)
 
 
+def _score_from(score_from: Sequence[int] | None, n: int) -> np.ndarray | None:
+    if score_from is None:
+        return None
+    starts = np.asarray(score_from)
+    if starts.shape != (n,) or not (starts.size == 0 or np.issubdtype(starts.dtype, np.integer)):
+        raise ValueError(
+            f"score_from must be one int per sequence ({n}), got {np.asarray(score_from).tolist()}"
+        )
+    return starts.astype(np.int64)
+
+
 def score_sequences(
     model: nnx.Module,
     seqs: Sequence[Sequence[int]],
@@ -99,6 +114,7 @@ def score_sequences(
     temperature: float | Sequence[float] = 1.0,
     row_len: int | None = None,
     rows_per_batch: int = 8,
+    score_from: Sequence[int] | None = None,
 ) -> list[np.ndarray]:
     """Per-token log-probabilities of many sequences: ``out[i][t] = log p(seqs[i][t] | seqs[i][:t])``.
 
@@ -115,13 +131,18 @@ def score_sequences(
       row_len: tokens per packed row; default the longest sequence rounded up to a power of
         two, at least :data:`MIN_ROW_LEN` (so few shapes compile).
       rows_per_batch: rows per forward pass (the batch dimension of the compiled shape).
+      score_from: per sequence, the first position whose score is wanted (e.g. where a response
+        starts); the earlier entries are 0 and their logits are never computed (only the wanted
+        tokens meet the vocabulary, in a buffer of :func:`rljax.models.logprobs.logit_capacity`
+        tokens). None: every position.
 
     Returns:
       One float32 array per sequence, of its length, in input order.
 
     Raises:
       ValueError: a sequence is longer than ``row_len``, not a 1-D int sequence, holds ids
-        outside the vocabulary, or a temperature is not positive.
+        outside the vocabulary, a temperature is not positive, or ``score_from`` is not one int
+        per sequence.
 
     >>> from rljax.models import sequence_logprobs
     >>> from rljax.models.tiny import tiny_model
@@ -131,6 +152,9 @@ def score_sequences(
     ((3,), (2,), 0.0)
     >>> bool(np.allclose(a, sequence_logprobs(model, jnp.array([[1, 2, 3]]))[0], atol=1e-6))
     True
+    >>> tail, _ = score_sequences(model, [[1, 2, 3], [4, 5]], score_from=[2, 0])
+    >>> float(tail[1]), bool(np.isclose(tail[2], a[2], atol=1e-6))
+    (0.0, True)
     """
     if not isinstance(rows_per_batch, int) or rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be an int >= 1, got {rows_per_batch!r}")
@@ -138,6 +162,7 @@ def score_sequences(
     ids = [_as_ids(s, k, vocab_size) for k, s in enumerate(seqs)]
     n = len(ids)
     temps = _temperatures(temperature, n)
+    first_scored = _score_from(score_from, n)
     lengths = np.fromiter((x.shape[0] for x in ids), np.int64, count=n)
     if n == 0:
         return []
@@ -177,20 +202,28 @@ def score_sequences(
     segment_ids[dest] = np.repeat(segs, lengths)
     temperatures = np.ones(size, np.float32)
     temperatures[dest] = np.repeat(temps, lengths)
+    wanted = None
+    if first_scored is not None:
+        wanted = np.zeros(size, bool)
+        wanted[dest] = rel >= np.maximum(np.repeat(first_scored, lengths), 1)  # entry 0 is never predicted
     shape = (num_rows // rows_per_batch, rows_per_batch, row_len)
     tokens, positions, segment_ids, temperatures = (
         a.reshape(shape) for a in (tokens, positions, segment_ids, temperatures)
     )
+    wanted = None if wanted is None else wanted.reshape(shape)
+    capacity = None if wanted is None else logit_capacity(wanted)  # one buffer size for every batch
 
     graphdef, state = nnx.split(model)
     outs = [
         _packed_logprobs(
             graphdef,
+            capacity,
             state,
             jnp.asarray(tokens[b]),
             jnp.asarray(positions[b]),
             jnp.asarray(segment_ids[b]),
             jnp.asarray(temperatures[b]),
+            None if wanted is None else jnp.asarray(wanted[b]),
         )
         for b in range(shape[0])
     ]

@@ -33,6 +33,8 @@ from rljax.models.kv_cache import KVCache, grow_cache, init_cache, take_rows
 from rljax.models.logprobs import (
     DEFAULT_CHUNK_SIZE,
     ForwardOutput,
+    lm_head_logprobs,
+    logit_capacity,
     sequence_forward,
     sequence_logprobs,
     token_logprobs_and_entropy,
@@ -106,6 +108,8 @@ __all__ = [
     "save_pretrained",
     "save_pretrained_distributed",
     "segment_positions",
+    "lm_head_logprobs",
+    "logit_capacity",
     "sequence_logprobs",
     "sequence_forward",
     "shard_model",

@@ -616,6 +616,14 @@ class TrainerSection:
         doc="tokens per micro-batch, accumulated in one jitted scan (a multiple of ``seq_len``; 0 = no "
         "micro-batching)",
     )
+    loss_only_logits: bool = knob(
+        True,
+        doc="True: the train step, the old-policy recompute and the KL reference's scoring project only "
+        "the tokens that carry a loss (``loss_mask != 0``, the only ones the objective and its metrics "
+        "read) through the vocabulary, gathered into a bucketed buffer (design §5); False: every packed "
+        "token, prompts and tool outputs included. The same logprobs and gradients within float32 "
+        "rounding either way; on is faster wherever tokens carry no loss (measured: docs/results.md)",
+    )
     prefix_sharing: str = knob(
         "auto",
         choices=PREFIX_SHARING,

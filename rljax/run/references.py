@@ -97,7 +97,8 @@ class ReferenceScorers:
             seqs.append(ids)
             starts.append(start)
         # the reference at each sample's own temperature, like the student's logp in the objective
-        scores = self.score(seqs, temperature=[float(s.temperature) for s in samples])
+        # only the responses meet the vocabulary: the prompt and the demonstration are not scored
+        scores = self.score(seqs, temperature=[float(s.temperature) for s in samples], score_from=starts)
         return [
             slice_response(sc, st, len(s.response_ids))
             for sc, st, s in zip(scores, starts, samples, strict=True)

@@ -85,6 +85,7 @@ from rljax.training.step import (
     policy_logprobs,
     train_mini_batch,
     train_step,
+    with_logit_capacity,
 )
 
 __all__ = [
@@ -264,6 +265,7 @@ class Run:
             router_replay=c.model.router_replay == "r3",
             moe_aux_loss_coef=c.objective.moe_aux_loss_coef,
             router_z_loss_coef=c.objective.router_z_loss_coef,
+            loss_only_logits=c.trainer.loss_only_logits,
         )
 
     def build_engines(self, *, frozen_models: bool = True, engine: Any = None) -> EngineSet:
@@ -507,7 +509,8 @@ class Run:
         mini-batch of an RL step BEFORE the step's first update, so they are the proximal policy's,
         design §3.4) and ``kl_reference_logprobs`` under :attr:`reference_params` with a KL penalty.
         Each is one jitted forward without gradients, micro-batched and sharded like the train step.
-        Old logprobs are kept on trainable tokens only (0 elsewhere, as the packer writes them)."""
+        Both are the trainable tokens' only (0 elsewhere, as the packer writes old logprobs): the
+        objective reads no other, and with ``trainer.loss_only_logits`` no other meets the vocabulary."""
         tcfg = self.train_configs[algorithm]
         recompute = self.old_logprobs[algorithm][0] == "recompute"
         penalty = tcfg.objective.kl_coef != 0.0
@@ -567,7 +570,7 @@ class Run:
         tcfg = self.train_configs[algorithm or self.algorithms.default.name]
         if objective is not None:
             tcfg = dataclasses.replace(tcfg, objective=objective)
-        self.state = dataclasses.replace(self.state, config=tcfg)
+        self.state = with_logit_capacity(dataclasses.replace(self.state, config=tcfg), batch)
         packed = self._shard(batch)
         counts = mini_batch_counts(packed, self.state.config.objective)
         grads, metrics = _jit_loss_and_grads(self.state, packed, counts)
@@ -638,6 +641,8 @@ class Run:
         )
         if stacked:
             batch = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=self.data_parallel)
+        # the loss-token buffer's size, from the host rows (every process holds them all)
+        self.state = with_logit_capacity(self.state, batch)
         if self.mesh is not None:
             # every process holds the whole mini-batch and feeds the rows of its own devices
             batch = train_sharding.shard_global_batch(batch, self.mesh, stacked=stacked)
@@ -742,15 +747,22 @@ class Run:
         return self.rollout_worker.submit(job).result()
 
     def score(
-        self, sequences: Sequence[Sequence[int]], *, temperature: float | Sequence[float] = 1.0
+        self,
+        sequences: Sequence[Sequence[int]],
+        *,
+        temperature: float | Sequence[float] = 1.0,
+        score_from: Sequence[int] | None = None,
     ) -> list[np.ndarray]:
         """Per-token logprobs of whole token sequences under the current policy (entry t =
-        log p(seq[t] | seq[:t]); entry 0 is 0), at one temperature or one per sequence. With a
+        log p(seq[t] | seq[:t]); entry 0 is 0), at one temperature or one per sequence; with
+        ``score_from``, only from each sequence's given position on (0 before it). With a
         ``context`` mesh axis the rows are split over it (long trajectories)."""
         from rljax.inference.scoring import score_sequences
 
         with self._context_scope():
-            return score_sequences(self.current_model(), sequences, temperature=temperature)
+            return score_sequences(
+                self.current_model(), sequences, temperature=temperature, score_from=score_from
+            )
 
     def _context_scope(self) -> contextlib.AbstractContextManager:
         """``jax.set_mesh`` of the policy's mesh when it has a ``context`` axis (the scoring forwards

@@ -54,7 +54,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rljax.core.objective import MAX_METRICS, Counts, ObjectiveConfig, global_counts, objective
 from rljax.core.segments import samples_per_token
-from rljax.models.logprobs import DEFAULT_CHUNK_SIZE, packing_kwargs, sequence_forward
+from rljax.models.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    ForwardOutput,
+    logit_capacity,
+    packing_kwargs,
+    sequence_forward,
+)
 from rljax.models.lora import LoRAParam
 from rljax.models.moe import flip_fraction, routing_metrics, top_k_experts
 from rljax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec
@@ -76,6 +82,7 @@ __all__ = [
     "train_mini_batch",
     "train_step",
     "variable_shardings",
+    "with_logit_capacity",
 ]
 
 
@@ -86,7 +93,16 @@ class TrainConfig:
     Attributes:
       objective: the loss (:class:`rljax.core.objective.ObjectiveConfig`).
       optimizer: AdamW / schedule / clipping (:class:`rljax.training.optimizer.OptimizerConfig`).
-      chunk_size: tokens per logits chunk of the chunked logprobs (memory ``O(chunk * vocab)``).
+      chunk_size: tokens (per data-parallel shard) per logits chunk of the chunked LM head (memory
+        ``O(chunk * vocab)``).
+      loss_only_logits: compute logits only for the tokens that carry a loss (``loss_mask != 0``:
+        every objective term and metric reads only those), gathered into a fixed-size buffer
+        (:func:`rljax.models.logprobs.sequence_forward`'s ``logit_mask``); False: every token.
+        Logprobs and gradients are the same either way (within float32 rounding).
+      logit_capacity: slots per data-parallel shard of that buffer (static). None (the usual):
+        :data:`train_step` / :data:`train_mini_batch` choose it on the host from each batch's loss
+        mask (:func:`with_logit_capacity`, a few sizes per run); a fixed value too small for a batch
+        gives a NaN loss (the update is skipped), never a silent drop.
       router_replay: MoE models: dispatch every token to the experts recorded in
         ``batch.routed_experts`` (R3; gates recomputed from the current router). Rows of -1 (no
         record) route afresh.
@@ -109,6 +125,8 @@ class TrainConfig:
     router_replay: bool = False
     moe_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    loss_only_logits: bool = True
+    logit_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.objective, ObjectiveConfig):
@@ -117,6 +135,10 @@ class TrainConfig:
             raise ValueError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
             raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.logit_capacity is not None and not (
+            isinstance(self.logit_capacity, int) and self.logit_capacity > 0
+        ):
+            raise ValueError(f"logit_capacity must be a positive int or None, got {self.logit_capacity!r}")
 
 
 def _zero() -> jax.Array:
@@ -324,22 +346,67 @@ def _constrain(state: TrainState, tree: Any, *, like: str) -> Any:
     return jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def _forward(model: nnx.Module, batch: PackedBatch, config: TrainConfig) -> tuple[jax.Array, jax.Array, Any]:
-    """``(logp, entropy, routing)`` of the packed ``batch`` under ``model``, exactly as the train step
-    computes them (temperature-scaled, an MoE model's recorded routing replayed when configured)."""
+def row_groups(state: TrainState, rows: int) -> int:
+    """Row groups of a ``rows``-row (micro-)batch whose loss tokens are gathered separately: the
+    data-parallel shards of the state's mesh (1 without one, or when they do not divide ``rows``)."""
+    groups = 1 if state.mesh is None else train_sharding.batch_parallelism(state.mesh)
+    return groups if rows % groups == 0 else 1
+
+
+def with_logit_capacity(state: TrainState, batch: PackedBatch) -> TrainState:
+    """Host: ``state`` whose config carries the loss-token buffer size for ``batch`` (``[R, L]`` or
+    stacked ``[k, R, L]``; :func:`rljax.models.logprobs.logit_capacity` of its loss mask per
+    data-parallel shard). Unchanged when the config does not gather, already fixes a capacity, or the
+    loss mask cannot be read here (traced, or rows on other processes: then the jitted step holds
+    every token, correct but not faster; read the host batch before sharding it).
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.models.tiny import tiny_model
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1, 2, 3], [4, 5], ("q", 0))], seq_len=64).batch
+    >>> with_logit_capacity(TrainState.create(tiny_model()), batch).config.logit_capacity
+    16
+    """
+    config = state.config
+    mask = batch.loss_mask
+    if not config.loss_only_logits or config.logit_capacity is not None or isinstance(mask, jax.core.Tracer):
+        return state
+    if not getattr(mask, "is_fully_addressable", True):
+        return state
+    mask = np.asarray(mask)
+    capacity = logit_capacity(mask, row_groups=row_groups(state, mask.shape[-2]))
+    return dataclasses.replace(state, config=dataclasses.replace(config, logit_capacity=capacity))
+
+
+def _policy_forward(
+    model: nnx.Module,
+    batch: PackedBatch,
+    config: TrainConfig,
+    groups: int,
+    *,
+    with_entropy: bool,
+    with_routing: bool,
+) -> ForwardOutput:
+    """The policy's :func:`~rljax.models.logprobs.sequence_forward` of one (micro-)batch, exactly as
+    the train step computes it: logprobs of its loss tokens (every token without
+    ``loss_only_logits``), temperature-scaled, over each token's support, router replay when
+    configured, prefix-tree rows as trees."""
     tokens = jnp.asarray(batch.tokens)
     chex.assert_rank(tokens, 2)
-    temperature = 1.0 if batch.temperatures is None else batch.temperatures
     moe = bool(getattr(model.config, "moe_layers", ()))  # static: MoE models report routing
-    replay = batch.routed_experts if moe and config.router_replay else None
+    gather = config.loss_only_logits
     return sequence_forward(
         model,
         tokens,
-        temperature=temperature,
+        temperature=1.0 if batch.temperatures is None else batch.temperatures,
         chunk_size=config.chunk_size,
-        routed_experts=replay,
+        routed_experts=batch.routed_experts if moe and config.router_replay else None,
         support_floors=batch.support_floors,  # top-k / top-p draws: the support they came from
-        with_routing=moe,
+        with_entropy=with_entropy,
+        with_routing=with_routing and moe,
+        logit_mask=batch.loss_mask if gather else None,
+        logit_capacity=config.logit_capacity if gather else None,
+        row_groups=groups,
         **packing_kwargs(batch),  # prefix-tree rows: the tree mask, each token from its parent
     )
 
@@ -351,12 +418,15 @@ def _loss(
     counts: Counts,
     config: TrainConfig,
     frozen: nnx.State | None = None,
+    groups: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective of ``batch`` for the model ``graphdef`` + ``params`` (+ ``frozen``: no gradient)."""
     model = merge_model(graphdef, params, frozen)
-    logp, entropy, routing = _forward(model, batch, config)
+    logp, entropy, routing = _policy_forward(
+        model, batch, config, groups, with_entropy=True, with_routing=True
+    )
     if config.objective.entropy_coef == 0.0:
-        entropy = jax.lax.stop_gradient(entropy)  # metric only: no backward through the entropy
+        entropy = jax.lax.stop_gradient(entropy)  # metric only: the LM head skips its backward
     loss, metrics = objective(logp, batch, counts, config.objective, entropy=entropy)
     if routing is not None:
         loss, metrics = _add_routing(loss, metrics, routing, batch, counts, model.config, config)
@@ -417,9 +487,10 @@ def loss_and_grads(
     >>> grads["embed_tokens"].shape, float(metrics["tokens/ce"])
     ((16, 8), 2.0)
     """
+    groups = row_groups(state, np.shape(batch.tokens)[0])
     with context_scope(state.mesh):
         grads, metrics = jax.grad(_loss, has_aux=True)(
-            state.params, state.graphdef, batch, counts, state.config, state.frozen
+            state.params, state.graphdef, batch, counts, state.config, state.frozen, groups
         )
     return _constrain(state, grads, like="params"), metrics
 
@@ -427,13 +498,16 @@ def loss_and_grads(
 def policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State | None = None) -> jax.Array:
     """Per-token logprobs of a packed (mini-)batch under ``params`` (default: the state's), computed
     exactly as :func:`train_step` computes the logprobs it trains (the same forward, temperatures,
-    router replay, mesh and context split) but without gradients: the old (proximal) policy's
-    logprobs of an RL step (design §3.4), or a reference policy's. ``params`` must have the
-    structure of ``state.params`` (the state's frozen weights complete the model).
+    support floors, router replay, prefix-tree layout, mesh and context split, and with
+    ``loss_only_logits`` the same gathered LM head: the loss tokens' logprobs, 0 elsewhere) but
+    without gradients: the old (proximal) policy's logprobs of an RL step (design §3.4), or a
+    reference policy's. ``params`` must have the structure of ``state.params`` (the state's frozen
+    weights complete the model).
 
     ``batch`` is ``[R, L]`` or ``[k, R, L]`` stacked micro-batches (one micro-batch of activations
     alive at a time, as in :func:`train_mini_batch`); the result has ``batch.tokens``' shape.
-    Jitted; nothing is donated.
+    Jitted; nothing is donated. The loss-token buffer's size is chosen from ``batch`` on the host
+    (:func:`with_logit_capacity`).
 
     >>> from rljax.data.pack import pack
     >>> from rljax.models import Decoder, ModelConfig
@@ -443,17 +517,21 @@ def policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State | N
     >>> state = TrainState.create(Decoder(cfg, rngs=nnx.Rngs(0)))
     >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=8).batch
     >>> logp = policy_logprobs(state, batch)
-    >>> logp.shape, bool(logp[0, 2] < 0), float(logp[0, 0])
-    ((1, 8), True, 0.0)
+    >>> logp.shape, (np.asarray(logp[0]) < 0).astype(int).tolist()
+    ((1, 8), [0, 0, 1, 1, 0, 0, 0, 0])
     """
-    return _policy_logprobs(state, batch, state.params if params is None else params)
+    params = state.params if params is None else params
+    return _policy_logprobs(with_logit_capacity(state, batch), batch, params)
 
 
 @jax.jit
 def _policy_logprobs(state: TrainState, batch: PackedBatch, params: nnx.State) -> jax.Array:
     def one(micro: PackedBatch) -> jax.Array:
+        groups = row_groups(state, np.shape(micro.tokens)[0])
         with context_scope(state.mesh):
-            return _forward(state.model_of(params), micro, state.config)[0]
+            model = state.model_of(params)
+            out = _policy_forward(model, micro, state.config, groups, with_entropy=False, with_routing=False)
+            return out.logprobs
 
     if jnp.ndim(batch.tokens) == 3:
         return jax.lax.map(one, batch)
@@ -590,10 +668,11 @@ def train_mini_batch(
 
 
 def _jit_keeping_frozen(fn: Any) -> Any:
-    """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, *args) -> (state, aux)``, except that
+    """``jax.jit(fn, donate_argnums=0)`` for ``fn(state, batch, *args) -> (state, aux)``, except that
     ``state.frozen`` is a separate, NOT donated argument that is no output: the returned state holds
-    the caller's frozen arrays themselves (no copy, still valid). ``.lower(state, *args)`` lowers
-    the underlying jitted function, which is ``.jitted``."""
+    the caller's frozen arrays themselves (no copy, still valid). The loss-token buffer size is
+    chosen from ``batch`` on the host (:func:`with_logit_capacity`). ``.lower(state, batch, *args)``
+    lowers the underlying jitted function, which is ``.jitted``."""
 
     def inner(state: TrainState, frozen: nnx.State, *args: Any) -> tuple[TrainState, Any]:
         new, aux = fn(dataclasses.replace(state, frozen=frozen), *args)
@@ -605,11 +684,14 @@ def _jit_keeping_frozen(fn: Any) -> Any:
         return dataclasses.replace(state, frozen=_no_frozen()), state.frozen
 
     @functools.wraps(fn)
-    def call(state: TrainState, *args: Any) -> tuple[TrainState, Any]:
-        new, aux = jitted(*split(state), *args)
-        return dataclasses.replace(new, frozen=state.frozen), aux
+    def call(state: TrainState, batch: PackedBatch, *args: Any) -> tuple[TrainState, Any]:
+        new, aux = jitted(*split(with_logit_capacity(state, batch)), batch, *args)
+        # the caller's config back: the buffer size was this batch's (the next one chooses its own)
+        return dataclasses.replace(new, frozen=state.frozen, config=state.config), aux
 
-    call.lower = lambda state, *args: jitted.lower(*split(state), *args)
+    call.lower = lambda state, batch, *args: jitted.lower(
+        *split(with_logit_capacity(state, batch)), batch, *args
+    )
     call.jitted = jitted
     return call
 

@@ -112,6 +112,30 @@ def test_one_trace_per_bucket(model, monkeypatch):
     assert traces == [(3, 128), (3, 256)], "a longer sequence moves to the next bucket"
 
 
+def test_score_from_scores_the_tail_only(model, monkeypatch):
+    rng = np.random.default_rng(2)
+    seqs = random_seqs(rng, [30, 12, 50, 7])
+    starts = [20, 0, 49, 7]  # a tail, everything, the last token, nothing
+    full = scoring.score_sequences(model, seqs, rows_per_batch=2, temperature=0.9)
+    capacities = []
+    original = scoring._packed_logprobs
+
+    def spy(graphdef, capacity, *args):
+        capacities.append(capacity)
+        return original(graphdef, capacity, *args)
+
+    monkeypatch.setattr(scoring, "_packed_logprobs", spy)
+    tail = scoring.score_sequences(model, seqs, rows_per_batch=2, temperature=0.9, score_from=starts)
+    for f, t, start in zip(full, tail, starts, strict=True):
+        np.testing.assert_allclose(t[start:], f[start:], **LOGPROB_TOL)
+        assert not np.any(t[:start])
+    # 10 + 11 + 1 wanted tokens (a sequence's first token has no prediction), in one batch of two
+    # rows of 64: a buffer of 24 (the ladder's size above 22), not the batch's 128 tokens
+    assert capacities == [24]
+    with pytest.raises(ValueError, match="score_from must be one int per sequence"):
+        scoring.score_sequences(model, seqs, score_from=[1, 2])
+
+
 def test_edge_cases(model):
     assert scoring.score_sequences(model, []) == []
     out = scoring.score_sequences(model, [[], [4], [], [5, 6]])

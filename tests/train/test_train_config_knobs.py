@@ -41,6 +41,8 @@ BEFORE = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_records_01
 RECORDED = sorted({"default", *BEFORE["recipes"]} & set(recipe_names()))
 #: The free dicts of the earlier layout that are typed sections now (their keys: a component's fields).
 TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.init")
+#: Keys added after the record, with the defaults every recipe resolves them to.
+ADDED_KEYS = {"trainer.loss_only_logits": True}
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +135,7 @@ def _expected_now(before):
                 continue
             flat.setdefault(f"{prefix}.{key}", value)
         flat.update(given)
-    return flat
+    return {**flat, **ADDED_KEYS}
 
 
 @pytest.mark.parametrize("name", RECORDED)

@@ -67,7 +67,9 @@ def test_old_and_reference_logprobs_are_the_trainers_own(run):
     own = run.forward(batch)
     np.testing.assert_allclose(np.asarray(out.old_logprobs)[trained], own[trained], **LOGPROB_TOL)
     np.testing.assert_array_equal(np.asarray(out.old_logprobs)[~trained], 0.0)
-    np.testing.assert_allclose(out.kl_reference_logprobs, own, **LOGPROB_TOL)  # reference = start
+    # reference = start; only the loss tokens meet the vocabulary (trainer.loss_only_logits)
+    np.testing.assert_allclose(np.asarray(out.kl_reference_logprobs)[trained], own[trained], **LOGPROB_TOL)
+    np.testing.assert_array_equal(np.asarray(out.kl_reference_logprobs)[~trained], 0.0)
     # the engine's logprobs are left as sampled
     np.testing.assert_array_equal(out.inference_logprobs, batch.inference_logprobs)
 

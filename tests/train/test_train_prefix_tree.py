@@ -15,6 +15,7 @@ gradients keep a >= 10x margin; a wrong parent, mask or position moves them by >
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -45,7 +46,7 @@ from rljax.run.run import resolve_prefix_sharing
 from rljax.training.critic import CriticConfig, critic_values, ppo_advantages
 from rljax.training.optimizer import OptimizerConfig
 from rljax.training.sharding import make_mesh
-from rljax.training.step import TrainConfig, TrainState, loss_and_grads, mini_batch_counts
+from rljax.training.step import TrainConfig, TrainState, loss_and_grads, mini_batch_counts, policy_logprobs
 
 VOCAB, SEQ, ROWS = 16, 64, 8
 DENSE = tiny_config("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=2)
@@ -58,10 +59,10 @@ _forward = jax.jit(lambda model, tokens, temps, kw: sequence_forward(model, toke
 
 @jax.jit
 def _grads_and_logprobs(state, batch, counts):
-    """The train step's gradient and metrics, and the per-token logprobs of the same forward (one program)."""
+    """The train step's gradient and metrics, and the old-policy recompute's logprobs (the same forward
+    without gradient, :func:`policy_logprobs`), in one program."""
     grads, metrics = loss_and_grads(state, batch, counts)
-    out = sequence_forward(state.model, batch.tokens, temperature=batch.temperatures, **packing_kwargs(batch))
-    return grads, metrics, out.logprobs
+    return grads, metrics, policy_logprobs(state, batch)
 
 
 def _place(layout, per_sample):
@@ -70,6 +71,19 @@ def _place(layout, per_sample):
     out = np.zeros(layout.num_rows * layout.seq_len, np.float32)
     out[dest[is_response]] = np.concatenate([np.asarray(v, np.float32) for v in per_sample])
     return out.reshape(layout.num_rows, layout.seq_len)
+
+
+def _with_floors(steps, rng):
+    """``steps`` with top-k / top-p support floors: a third of the tokens drawn from the whole
+    distribution (``-inf``), a third from a support of the drawn token alone (a floor above every
+    logit: logprob and entropy exactly 0, so a floor read at the wrong token shows), a third cut
+    somewhere among the logits."""
+    out = []
+    for s in steps:
+        kind = rng.integers(0, 3, len(s.response_ids))
+        floors = np.where(kind == 0, -np.inf, np.where(kind == 1, 1e4, rng.normal(0, 0.5, kind.shape)))
+        out.append(s.replace(response_support_floors=floors.tolist()))
+    return out
 
 
 def _packings(steps, rng, **streams):
@@ -99,15 +113,24 @@ def _steps(seed, groups, group_size, max_turns, merged, routing=None):
     return list(merge_steps(StepBatch(steps)).steps) if merged else steps
 
 
-def _check_equal(state, plain, tree, objective):
+def _check_equal(state, plain, tree, objective, tree_state=None):
+    """The tree packing (under ``tree_state``, default ``state``) gives the plain packing's loss tokens'
+    logprobs, metrics and gradient."""
     (g_plain, m_plain, lp_plain), (g_tree, m_tree, lp_tree) = (
-        _grads_and_logprobs(state, r.batch, mini_batch_counts(r.batch, objective)) for r in (plain, tree)
+        _grads_and_logprobs(s, r.batch, mini_batch_counts(r.batch, objective))
+        for s, r in ((state, plain), (tree_state or state, tree))
     )
+    loss = np.concatenate(unpack_responses(np.asarray(plain.batch.loss_mask), plain.layout)) != 0
+    np.testing.assert_array_equal(
+        np.concatenate(unpack_responses(np.asarray(tree.batch.loss_mask), tree.layout)) != 0, loss
+    )
+    want = np.concatenate(unpack_responses(np.asarray(lp_plain), plain.layout))
     np.testing.assert_allclose(
-        np.concatenate(unpack_responses(np.asarray(lp_tree), tree.layout)),
-        np.concatenate(unpack_responses(np.asarray(lp_plain), plain.layout)),
-        **LOGPROB_TOL,
+        np.concatenate(unpack_responses(np.asarray(lp_tree), tree.layout))[loss], want[loss], **LOGPROB_TOL
     )
+    if plain.batch.support_floors is not None:  # the floors act: a support of one token has logprob 0
+        alone = np.concatenate(unpack_responses(np.asarray(plain.batch.support_floors), plain.layout)) > 1e3
+        assert np.all(want[loss & alone] == 0.0) and np.all(want[loss & ~alone] < 0.0)
     for key, want in m_plain.items():
         np.testing.assert_allclose(float(m_tree[key]), float(want), rtol=1e-5, atol=1e-7, err_msg=key)
     for got, want in zip(jax.tree.leaves(g_tree), jax.tree.leaves(g_plain), strict=True):
@@ -153,13 +176,26 @@ def moe_lora_state():
     return TrainState.create(model, config, trainable=nnx.Any(nnx.Param, LoRAParam))
 
 
+#: The tree's loss-token buffer (fixed, so the examples share one program): a quarter of its 512 tokens.
+TREE_LOGITS = 128
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=BATCHES)
 def test_moe_lora_sequence_losses_and_off_policy_masks_equal_plain_packing(moe_lora_state, spec):
-    steps = _steps(**spec, routing=MOE_ROUTING)
+    """Today's path (plain rows, every token through the vocabulary) against the tree with logits for
+    its loss tokens only, top-k / top-p support floors on both, old-policy recompute included."""
+    rng = np.random.default_rng(spec["seed"])
+    steps = _with_floors(_steps(**spec, routing=MOE_ROUTING), rng)
     ce = [0.5 if i % 3 == 0 else 0.0 for i in range(len(steps))]
-    plain, tree = _packings(steps, np.random.default_rng(spec["seed"]), ce_weights=ce)
-    _check_equal(moe_lora_state, plain, tree, moe_lora_state.config.objective)
+    plain, tree = _packings(steps, rng, ce_weights=ce)
+    assert 0 < np.count_nonzero(tree.batch.loss_mask) <= TREE_LOGITS
+    every = dataclasses.replace(moe_lora_state.config, loss_only_logits=False)
+    loss_only = dataclasses.replace(moe_lora_state.config, loss_only_logits=True, logit_capacity=TREE_LOGITS)
+    _check_equal(
+        dataclasses.replace(moe_lora_state, config=every), plain, tree, every.objective,
+        tree_state=dataclasses.replace(moe_lora_state, config=loss_only),
+    )  # fmt: skip
 
 
 def test_critic_values_and_gae_advantages_equal_plain_packing():
@@ -224,32 +260,45 @@ def test_context_parallel_tree_rows_equal_plain_packing(context_case, collective
 
 def test_one_rl_step_gives_the_same_parameters_with_prefix_sharing_on_and_off(tmp_path):
     """The smoke run (multi-turn lookup, groups of 2): its one RL step trains the step's rollouts the
-    trainer's way (advantages, merge, mini-batches, the jitted step) with prefix sharing on, then from
-    the same state again with it off. An entropy bonus gives a gradient through every parameter (the
-    tiny model's rewards are all 0 at step 1, so its advantages are); Adam's eps=1e-4 keeps the first
-    update from amplifying float noise on near-zero gradients."""
+    trainer's way (advantages, merge, mini-batches, the old policy's logprobs recomputed, the jitted
+    step) with prefix sharing and loss-only logits on (the defaults), then from the same state again
+    with both off (today's path: plain rows, every token through the vocabulary). An entropy bonus
+    gives a gradient through every parameter (the tiny model's rewards are all 0 at step 1, so its
+    advantages are); Adam's eps=1e-4 keeps the first update from amplifying float noise on near-zero
+    gradients."""
     c = smoke.get_config()
     c.warmstart.num_steps = 0
+    c.algorithm = dict(name="grpo", policy_loss="ppo_clip")
     c.objective.entropy_coef = 0.1
     c.optimizer.eps = 1e-4
-    c.trainer.update(num_steps=1, checkpoint_every=0, eval_every=0)  # prefix_sharing: "auto"
+    # prefix_sharing "auto", loss_only_logits True: the defaults
+    c.trainer.update(num_steps=1, checkpoint_every=0, eval_every=0, old_logprobs="recompute")
     trainer = trainer_lib.Trainer(c, tmp_path)
-    parts, train_on = trainer.parts, trainer._train_on
-    assert parts.prefix_sharing
-    out = {}
+    parts, train_on, recompute = trainer.parts, trainer._train_on, trainer._with_policy_logprobs
+    assert parts.prefix_sharing and all(tc.loss_only_logits for tc in parts.train_configs.values())
+    configs, out, old = dict(parts.train_configs), {}, {True: [], False: []}
+
+    def recorded(mb, algorithm):  # the recomputed old logprobs of each sample's response, in order
+        mb = recompute(mb, algorithm)
+        old[parts.prefix_sharing] += unpack_responses(np.asarray(mb.batch.old_logprobs), mb.layout)
+        return mb
 
     def both(batch):
         before = jax.tree.map(jnp.copy, parts.state)  # the step donates the state it trains
-        for sharing in (True, False):
-            parts.state, parts.prefix_sharing = jax.tree.map(jnp.copy, before), sharing
+        for on in (True, False):
+            parts.state, parts.prefix_sharing = jax.tree.map(jnp.copy, before), on
+            parts.train_configs = {k: dataclasses.replace(v, loss_only_logits=on) for k, v in configs.items()}
             metrics = train_on(batch)
-            out[sharing] = ([np.asarray(x) for x in jax.tree.leaves(parts.state.params)], metrics)
+            out[on] = ([np.asarray(x) for x in jax.tree.leaves(parts.state.params)], metrics)
         return metrics
 
-    trainer._train_on = both
+    trainer._train_on, trainer._with_policy_logprobs = both, recorded
     trainer.run()
     (tree, tree_row), (plain, plain_row) = out[True], out[False]
     assert tree_row["pack/shared_prefix_tokens"] > 0 == plain_row["pack/shared_prefix_tokens"]
+    old_tree, old_plain = np.concatenate(old[True]), np.concatenate(old[False])
+    assert np.count_nonzero(old_plain) > 0
+    np.testing.assert_allclose(old_tree, old_plain, **LOGPROB_TOL)
     # an update was applied (Adam's first step moves every parameter with a gradient by about lr = 1e-3)
     assert tree_row["grad_norm"] > 1e-4 and tree_row["update_skipped"] == 0
     np.testing.assert_allclose(tree_row["loss"], plain_row["loss"], rtol=1e-5)

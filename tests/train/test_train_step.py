@@ -22,6 +22,7 @@ from rljax.training.step import (
     stack_micro_batches,
     train_mini_batch,
     train_step,
+    with_logit_capacity,
 )
 
 OBJ = ObjectiveConfig()
@@ -213,12 +214,16 @@ def test_config_and_helper_errors():
 
 
 def test_no_recompile_across_steps():
+    # One program per loss-token buffer size (a few per run), never one per step.
     state = TrainState.create(tf.make_model(0), CONFIG)
     batch = tf.make_batch(80)
     counts = mini_batch_counts(batch, OBJ)
     state, _ = train_step(state, batch, counts)
     size = train_step.jitted._cache_size()
+    capacities = {with_logit_capacity(state, batch).config.logit_capacity}
     for seed in (81, 82):
         b = tf.make_batch(seed)
         state, _ = train_step(state, b, mini_batch_counts(b, OBJ))
-    assert train_step.jitted._cache_size() == size
+        capacities.add(with_logit_capacity(state, b).config.logit_capacity)
+        assert state.config == CONFIG  # the step hands back the caller's config
+    assert train_step.jitted._cache_size() == size + len(capacities) - 1
