@@ -12,7 +12,7 @@ The base model never calls the tool (1 of 96 replies measured even tried; it wri
 a product), so a short warm start teaches the format on demonstrations from ``env.solution``
 (call, result, answer), whose final answer is replaced by a wrong number half the time; the
 warm-started model (checkpoint ``step_0``) is the baseline, and GRPO must make it copy the tool's
-result instead of a memorized number.
+result instead of a memorized number. Train, evaluate the baseline, or train through the gateway::
 
     rljax train --config=smollm2_tools --workdir=/tmp/smollm2_tools
     rljax eval --config=smollm2_tools --checkpoint=/tmp/smollm2_tools/checkpoints/step_0   # the baseline

@@ -30,6 +30,8 @@ from rljax.chat.tool_calls import ToolCallError, parse_hermes_tool_calls, tool_c
 __all__ = [
     "QWEN25_DEFAULT_SYSTEM",
     "SMOLLM2_DEFAULT_SYSTEM",
+    "TOOLS_FOOTER",
+    "TOOLS_HEADER",
     "ChatMLRenderer",
     "Qwen25Renderer",
     "SmolLM2Renderer",
@@ -43,10 +45,12 @@ SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained b
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
+#: The system turn's text before the tools' JSON schemas (the ChatML family's tool convention).
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
+#: The system turn's text after the tools' schemas: how to answer with ``<tool_call>`` blocks.
 TOOLS_FOOTER = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"

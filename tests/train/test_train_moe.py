@@ -189,7 +189,8 @@ def test_lora_on_the_experts_trains_adapters_only(tmp_path):
 
     c = default_config()
     init = dataclasses.asdict(tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=2))
-    c.model.init = {k: v for k, v in init.items() if k != "vocab_size"}  # the tokenizer's
+    # vocab_size: the tokenizer's; extra_json: a checkpoint's (the run refuses it in model.init)
+    c.model.init = {k: v for k, v in init.items() if k not in ("vocab_size", "extra_json")}
     c.model.router_replay = "r3"
     c.algorithm = "opsd"  # ref_kl toward the demonstration-conditioned policy: real gradients at once
     c.lora = dict(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "experts"))

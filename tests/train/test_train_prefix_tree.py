@@ -130,7 +130,8 @@ def _check_equal(state, plain, tree, objective, tree_state=None):
     )
     if plain.batch.support_floors is not None:  # the floors act: a support of one token has logprob 0
         alone = np.concatenate(unpack_responses(np.asarray(plain.batch.support_floors), plain.layout)) > 1e3
-        assert np.all(want[loss & alone] == 0.0) and np.all(want[loss & ~alone] < 0.0)
+        # log 1 up to float32 rounding of the log-normalizer (measured 2.4e-7); a cut may keep one token too
+        assert np.all(np.abs(want[loss & alone]) <= 1e-6) and np.all(want[loss & ~alone] <= 1e-6)
     for key, want in m_plain.items():
         np.testing.assert_allclose(float(m_tree[key]), float(want), rtol=1e-5, atol=1e-7, err_msg=key)
     for got, want in zip(jax.tree.leaves(g_tree), jax.tree.leaves(g_plain), strict=True):
