@@ -41,6 +41,7 @@ __all__ = [
     "maybe_await",
     "mean_numeric_metrics",
     "split_of",
+    "tool_replies",
 ]
 
 Message = Mapping[str, Any]
@@ -203,6 +204,24 @@ def as_step_result(value: Any) -> StepResult:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"env.step reward must be a finite number, got {reward!r}")
     return StepResult([dict(m) for m in messages], float(reward), bool(done), dict(info or {}))
+
+
+def tool_replies(name: str, errors: Sequence[Any], answers: Sequence[str]) -> list[dict[str, str]]:
+    """The ``tool`` messages answering one turn's calls of tool ``name``: a parse error's reason for each
+    malformed call (``errors``, each with ``.reason``), then each parsed call's answer; a turn that
+    yields neither still gets one error message, so the model always hears back.
+
+    >>> tool_replies("lookup", [], ["42"])
+    [{'role': 'tool', 'content': '42', 'name': 'lookup'}]
+    >>> tool_replies("lookup", [], [])[0]["content"]
+    'error: could not parse the tool call'
+    """
+    messages = [
+        {"role": "tool", "content": f"error: could not parse the tool call ({e.reason})", "name": name}
+        for e in errors
+    ]
+    messages += [{"role": "tool", "content": answer, "name": name} for answer in answers]
+    return messages or [{"role": "tool", "content": "error: could not parse the tool call", "name": name}]
 
 
 def split_of(key: str, *, test_fraction: float = 0.2) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from rljax.chat.tool_calls import make_tool_call, parse_hermes_tool_calls, tool_call_function
-from rljax.envs.base import StepResult, Task, split_of
+from rljax.envs.base import StepResult, Task, split_of, tool_replies
 
 __all__ = ["MULTIPLY_TOOL", "SYSTEM_PROMPT", "CalculatorEnv", "last_integer", "make_calculator_tasks"]
 
@@ -197,19 +197,7 @@ class CalculatorEnv:
                 end = "truncated" if truncated else "cut_off"
                 return StepResult([], self.best_credit, True, {**info, end: True, "correct": False})
             self.num_calls += 1
-            messages = [
-                {
-                    "role": "tool",
-                    "content": f"error: could not parse the tool call ({e.reason})",
-                    "name": "multiply",
-                }
-                for e in errors
-            ]
-            messages += [{"role": "tool", "content": self._answer_call(c), "name": "multiply"} for c in calls]
-            if not messages:
-                messages = [
-                    {"role": "tool", "content": "error: could not parse the tool call", "name": "multiply"}
-                ]
+            messages = tool_replies("multiply", errors, [self._answer_call(c) for c in calls])
             return StepResult(messages, 0.0, False, {**info, "tool_calls": len(calls)})
         self.done = True
         correct = last_integer(content) == self.task.data["answer"]

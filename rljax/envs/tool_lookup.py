@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from rljax.chat.tool_calls import make_tool_call, parse_hermes_tool_calls, tool_call_function
-from rljax.envs.base import StepResult, Task, split_of
+from rljax.envs.base import StepResult, Task, split_of, tool_replies
 
 __all__ = [
     "COLORS",
@@ -228,19 +228,7 @@ class ToolLookupEnv:
                 self.done = True
                 return StepResult([], self.best_credit, True, {**info, "cut_off": True, "correct": False})
             self.num_calls += 1
-            messages = [
-                {
-                    "role": "tool",
-                    "content": f"error: could not parse the tool call ({e.reason})",
-                    "name": "lookup",
-                }
-                for e in errors
-            ]
-            messages += [{"role": "tool", "content": self._answer_call(c), "name": "lookup"} for c in calls]
-            if not messages:
-                messages = [
-                    {"role": "tool", "content": "error: could not parse the tool call", "name": "lookup"}
-                ]
+            messages = tool_replies("lookup", errors, [self._answer_call(c) for c in calls])
             return StepResult(messages, 0.0, False, info)
         self.done = True
         correct = _normalize(content) == self.task.data["answer"]
