@@ -4,12 +4,13 @@ and the multi-turn figures (turns, merging, where a step's time goes).
 For each seed ``S`` it runs, as a user would and one process at a time::
 
     rljax train --config=RECIPE --config.seed=S --workdir=OUT/seedS --overwrite [--set ...]
-    rljax eval  --config=RECIPE --config.seed=S --checkpoint=OUT/seedS/checkpoints/step_0 [--set ...]
 
-(the eval of checkpoint 0 is the starting point: the base model, or the warm-started one), reads
-``metrics.jsonl`` and prints per seed: ``eval/pass@1`` at step 0 and at every evaluated step with
-the run's elapsed time there (``time/elapsed_s``, the warm start included), the first step whose
-pass@1 is at least ``--goal`` above step 0's, the train process's wall time and peak RSS (its
+(the recipes set ``trainer.eval_at_start``: the run's step-0 row is the held-out eval of its starting
+point, the base model or the warm-started one; a run without it gets ``rljax eval`` of checkpoint
+``step_0`` instead), reads ``metrics.jsonl`` and prints per seed: ``eval/pass@1`` at step 0 and at
+every evaluated step with the run's elapsed time there (``time/elapsed_s``, the warm start included)
+and the RL time since step 0, the first step whose pass@1 is at least ``--goal`` above step 0's,
+the train process's wall time and peak RSS (its
 ``ru_maxrss``), and the means over the RL steps of: turns per trajectory, trained tokens after
 merging vs the unmerged step-wise count (prompt + response tokens of every step), the share of
 follow-up turns that merged into their trajectory's sample, and the step's seconds in the rollout
@@ -25,6 +26,7 @@ the rest. Everything lands in ``OUT/summary.json`` too.
     python benchmarks/smollm2_agents.py --recipe smollm2_tools --seeds 0 1 --out /tmp/tools_gw \\
         --agent rljax.agents.calculator_agent:calculator_agent
     python benchmarks/smollm2_agents.py --recipe smollm2_game --seeds 0 1 --out /tmp/game
+    python benchmarks/smollm2_agents.py --summarize /tmp/tools/seed0   # a finished run's figures only
 
 Needs the SmolLM2 GGUF file (``.ci/install_smollm2.sh``). The date, the CPU and the load average
 before and after each run are recorded: on a shared machine the times are upper bounds.
@@ -101,32 +103,80 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def seed_summary(workdir: pathlib.Path, base: dict[str, Any], goal: float) -> dict[str, Any]:
-    """The held-out curve (step 0 from ``rljax eval``), the step the goal is met and the figures."""
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
-    curve = [(0, float(base["eval/pass@1"]), 0.0)]
+def read_rows(workdir: pathlib.Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def step0_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's own eval of its starting point (``trainer.eval_at_start``: the row of step 0)."""
+    return next((r for r in rows if r["step"] == 0 and "eval/pass@1" in r), None)
+
+
+def seed_summary(rows: list[dict[str, Any]], base: dict[str, Any], goal: float) -> dict[str, Any]:
+    """The held-out curve from step 0's eval ``base``, the step the goal is met and the figures.
+    Times: the run's elapsed seconds (warm start included) and the RL seconds since step 0's eval."""
+    start = float(base.get("time/elapsed_s", 0.0))
+    curve = [(0, float(base["eval/pass@1"]), start)]
     curve += [
         (int(r["step"]), float(r["eval/pass@1"]), float(r["time/elapsed_s"]))
         for r in rows
-        if "eval/pass@1" in r
+        if "eval/pass@1" in r and r["step"] > 0
     ]
     met = next(((s, p, t) for s, p, t in curve[1:] if p >= curve[0][1] + goal), None)
+
+    def point(s: int, p: float, t: float) -> dict[str, float]:
+        return {"step": s, "pass@1": p, "elapsed_s": t, "rl_s": t - start}
+
     return {
-        "curve": [{"step": s, "pass@1": p, "elapsed_s": t} for s, p, t in curve],
-        "goal_met": None if met is None else {"step": met[0], "pass@1": met[1], "elapsed_s": met[2]},
+        "curve": [point(*c) for c in curve],
+        "goal_met": None if met is None else point(*met),
         "figures": figures(rows),
     }
 
 
+def print_summary(seed: str, result: dict[str, Any], goal: float) -> None:
+    """One seed's lines (module docstring)."""
+    train = result.get("train")
+    if train:
+        load = result["load_avg_1min"]
+        print(f"\nseed {seed}: train {train['wall_s'] / 60:.1f} min, peak RSS {train['peak_rss_gib']:.1f} "
+              f"GiB, load {load[0]:.1f} -> {load[1]:.1f}", flush=True)  # fmt: skip
+    else:
+        print(f"\n{seed}:")
+    points = [
+        f"step {c['step']} {c['pass@1']:.3f} ({c['elapsed_s'] / 60:.1f} min, RL {c['rl_s'] / 60:.1f} min)"
+        for c in result["curve"]
+    ]
+    print("  held-out pass@1: " + ", ".join(points))
+    met = result["goal_met"]
+    print(f"  +{goal} over step 0: " + ("not met" if met is None else
+          f"met at step {met['step']} (RL {met['rl_s'] / 60:.1f} min)"))  # fmt: skip
+    print("  " + ", ".join(f"{k} {v:.3g}" for k, v in result["figures"].items()), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", required=True, help="a shipped recipe's name (configs/) or config file")
+    parser.add_argument("--recipe", help="a shipped recipe's name (configs/) or config file")
+    parser.add_argument(
+        "--summarize", nargs="+", default=[], metavar="WORKDIR", help="finished runs' figures only"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--out", required=True, help="one workdir per seed under it, and summary.json")
     parser.add_argument("--agent", default="", help="run the recipe's env as this agent (module:function)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--config.KEY=VALUE")
     parser.add_argument("--goal", type=float, default=0.15, help="the rise of held-out pass@1 to look for")
+    parser.add_argument("--out", help="one workdir per seed under it, and summary.json")
     args = parser.parse_args()
+    if args.summarize:
+        for workdir in map(pathlib.Path, args.summarize):
+            rows = read_rows(workdir)
+            base = step0_eval(rows)
+            if base is None:
+                raise SystemExit(f"{workdir}: no step-0 eval row (trainer.eval_at_start was off)")
+            print_summary(str(workdir), seed_summary(rows, base, args.goal), args.goal)
+        return
+    if not (args.recipe and args.out):
+        parser.error("--recipe and --out are required (or --summarize)")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = [f"--config.{kv}" for kv in args.set]
@@ -154,24 +204,17 @@ def main() -> None:
         train = run_measured(
             [*rljax, "train", *config, f"--workdir={workdir}", "--overwrite"], out / f"train{seed}.log"
         )
-        step0 = workdir / "checkpoints" / "step_0"
-        run_measured([*rljax, "eval", *config, f"--checkpoint={step0}"], out / f"eval{seed}.log")
+        rows = read_rows(workdir)
+        base = step0_eval(rows)
+        if base is None:  # a config without trainer.eval_at_start: rljax eval of checkpoint 0
+            step0 = workdir / "checkpoints" / "step_0"
+            run_measured([*rljax, "eval", *config, f"--checkpoint={step0}"], out / f"eval{seed}.log")
+            base = json.loads((workdir / "eval_step_0.json").read_text())["metrics"]
         load.append(os.getloadavg()[0])
-        base = json.loads((workdir / "eval_step_0.json").read_text())["metrics"]
-        result = {**seed_summary(workdir, base, args.goal), "train": train, "load_avg_1min": load}
+        result = {**seed_summary(rows, base, args.goal), "train": train, "load_avg_1min": load}
         summary["seeds"][str(seed)] = result
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        rss = train["peak_rss_gib"]
-        print(f"\nseed {seed}: train {train['wall_s'] / 60:.1f} min, peak RSS {rss:.1f} GiB, "
-              f"load {load[0]:.1f} -> {load[1]:.1f}", flush=True)  # fmt: skip
-        points = [
-            f"step {c['step']} {c['pass@1']:.3f} ({c['elapsed_s'] / 60:.1f} min)" for c in result["curve"]
-        ]
-        print("  held-out pass@1: " + ", ".join(points))
-        met = result["goal_met"]
-        print(f"  +{args.goal} over step 0: " + ("not met" if met is None else
-              f"met at step {met['step']} ({met['elapsed_s'] / 60:.1f} min)"))  # fmt: skip
-        print("  " + ", ".join(f"{k} {v:.3g}" for k, v in result["figures"].items()), flush=True)
+        print_summary(str(seed), result, args.goal)
     print(f"\nwrote {out / 'summary.json'}")
 
 

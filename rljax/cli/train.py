@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import sys
 import tempfile
 import types
 from typing import Any
@@ -194,6 +195,19 @@ def _plan(config: Any) -> Any:
         raise app.UsageError(str(e)) from None
 
 
+def _interrupted_line(workdir: pathlib.Path) -> str:
+    """What ``rljax train`` prints when interrupted: the checkpoint a ``--resume`` continues from."""
+    from rljax.training.checkpoint import latest_step
+
+    step = latest_step(workdir / "checkpoints") if (workdir / "checkpoints").is_dir() else None
+    if step is None:
+        return f"interrupted: no checkpoint was written in {workdir}"
+    return (
+        f"interrupted: the latest checkpoint is step_{step} in {workdir / 'checkpoints'}; the same "
+        "command with --resume continues from it"
+    )
+
+
 def main(argv: list[str]) -> None:
     """Runs ``rljax train`` with the parsed flags (``argv``: what absl left, the program name only).
 
@@ -231,6 +245,9 @@ def main(argv: list[str]) -> None:
         history = trainer.run()
     except FileNotFoundError as e:  # --resume of a workdir without an intact checkpoint
         raise app.UsageError(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C: one line on what is kept, no traceback
+        print(_interrupted_line(workdir), file=sys.stderr, flush=True)
+        sys.exit(130)
     if history:
         last = history[-1]
         print(

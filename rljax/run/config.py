@@ -635,6 +635,11 @@ class TrainerSection:
     eval_every: int = knob(
         10, ge=0, doc="RL steps between held-out evaluations (and after the last step; 0 = never)"
     )
+    eval_at_start: bool = knob(
+        False,
+        doc="evaluate the held-out tasks once before the first RL step of a fresh run (after the warm "
+        "start): the curve's starting point, logged as step 0",
+    )
     checkpoint_every: int = knob(
         10, ge=0, doc="RL steps between checkpoints (and after the last step; 0 = never)"
     )

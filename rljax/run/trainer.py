@@ -331,7 +331,7 @@ class Trainer:
         run_start = time.perf_counter()
         t = self.cfg.trainer
         parts, sched = self.parts, self.parts.scheduler
-        start, checkpoint_s = self._start(resumed)
+        start, checkpoint_s = self._start(resumed, run_start)
         eval_future: tuple[int, concurrent.futures.Future] | None = None
         if (
             resumed is not None
@@ -383,7 +383,7 @@ class Trainer:
         run_start = time.perf_counter()
         t = self.cfg.trainer
         parts, sched = self.parts, self.parts.scheduler
-        start, checkpoint_s = self._start(resumed)
+        start, checkpoint_s = self._start(resumed, run_start)
         for n in range(start, t.num_steps):
             step_start = time.perf_counter()
             self._beat(f"step {n + 1}: waiting for complete groups")
@@ -408,10 +408,11 @@ class Trainer:
             logger.info("checkpoint step_%d took %.2fs", t.num_steps, checkpoint_s)
         return self.history
 
-    def _start(self, resumed: int | None) -> tuple[int, float | None]:
+    def _start(self, resumed: int | None, run_start: float) -> tuple[int, float | None]:
         """Every mode's start: the warm start and checkpoint 0 (a fresh run) or the resumed step,
-        then the engines on that step's weights and the scheduler. Returns the first step and the
-        seconds checkpoint 0 took (None: none written)."""
+        then the engines on that step's weights (and ``trainer.eval_at_start``'s eval) and the
+        scheduler. ``run_start``: ``perf_counter()`` at the run's start. Returns the first step and
+        the seconds checkpoint 0 took (None: none written)."""
         parts, t = self.parts, self.cfg.trainer
         parts.engines.check_frozen_models(parts.algorithms, parts.rollout_worker)  # fails in seconds
         checkpoint_s: float | None = None
@@ -432,8 +433,22 @@ class Trainer:
         parts.sync_weights(start)
         parts.start_engines(start)
         self._beat(f"engines started on version {start}")
+        if resumed is None and t.eval_at_start and parts.env_tasks.eval:
+            self._eval_start(run_start)
         parts.scheduler.start(start)
         return start, checkpoint_s
+
+    def _eval_start(self, run_start: float) -> None:
+        """``trainer.eval_at_start``: the held-out tasks on the starting weights (version 0), logged as
+        step 0 (the curve's starting point; the baseline a run's gain is measured from) with the
+        eval's seconds and the run's elapsed seconds (the warm start's included)."""
+        start = time.perf_counter()
+        metrics = self._eval_result(0, self.parts.scheduler.submit_eval(0))
+        metrics["time/eval_s"] = time.perf_counter() - start
+        metrics["time/elapsed_s"] = time.perf_counter() - run_start
+        self.history.append({"step": 0, **metrics})
+        self.sinks.log(0, metrics)
+        self._beat("step 0: evaluated")
 
     def _print_old_logprobs(self) -> None:
         """The start line that says where each algorithm's old (proximal) logprobs come from, and why."""

@@ -81,3 +81,44 @@ def test_python_dash_m_rljax_is_the_same_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rljax", "--version"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == f"rljax {rljax.__version__}", r.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+def test_ctrl_c_stops_a_run_with_one_line_naming_the_checkpoint_to_resume(tmp_path):
+    """SIGINT (Ctrl-C) during training: exit 130, no traceback, one line naming the latest checkpoint,
+    and that checkpoint is intact (``--resume`` continues from it: the resume tests cover the rest)."""
+    import json
+    import signal
+    import time
+
+    from xla_flags import subprocess_env
+
+    from rljax.training import checkpoint as ckpt
+
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rljax", "train", "--config=smoke", f"--workdir={workdir}",
+           "--config.trainer.num_steps=1000"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(CI="true"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job gets it
+    )
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 2 logged
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    step = ckpt.latest_step(workdir / "checkpoints")
+    assert step is not None and step >= 1  # the smoke recipe checkpoints every step
+    assert json.loads(metrics.read_text().splitlines()[1])["step"] == 2
+    said = [line for line in err.splitlines() if line.startswith("interrupted")]
+    assert said == [f"interrupted: the latest checkpoint is step_{step} in {workdir / 'checkpoints'}; the "
+                    "same command with --resume continues from it"], err  # fmt: skip

@@ -42,7 +42,7 @@ RECORDED = sorted({"default", *BEFORE["recipes"]} & set(recipe_names()))
 #: The free dicts of the earlier layout that are typed sections now (their keys: a component's fields).
 TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.init")
 #: Keys added after the record, with the defaults every recipe resolves them to.
-ADDED_KEYS = {"trainer.loss_only_logits": True}
+ADDED_KEYS = {"trainer.loss_only_logits": True, "trainer.eval_at_start": False}
 
 
 @pytest.fixture(autouse=True)

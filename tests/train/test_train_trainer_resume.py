@@ -114,6 +114,25 @@ def test_resume_in_process_is_bit_for_bit(reference, tmp_path, mode):
         _assert_same(got[s], ref[s], skip_eval=s <= 2)
 
 
+def test_eval_at_start_logs_step_0_as_rljax_eval_scores_checkpoint_0(tmp_path):
+    """``trainer.eval_at_start``: the starting weights' held-out eval is the row of step 0, with the
+    metrics ``rljax eval`` (its own code path) computes on checkpoint ``step_0``; a resumed run does not
+    evaluate its start again."""
+    from rljax.run.evaluate import evaluate_checkpoint
+
+    c = _smoke(num_steps=1, eval_at_start=True, keep_checkpoints=0)
+    Trainer(c, tmp_path).run()
+    recs = _records(tmp_path)
+    assert sorted(recs) == [0, 1]
+    assert recs[0]["eval/step"] == 0 and "loss" not in recs[0]
+    record = evaluate_checkpoint(c, tmp_path / "checkpoints", step=0)
+    assert record["step"] == 0
+    assert {k: recs[0][k] for k in record["metrics"]} == record["metrics"]
+    Trainer(_smoke(num_steps=2, eval_at_start=True, keep_checkpoints=0), tmp_path, resume=True).run()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == [0, 1, 2]  # step 0 once
+
+
 def _launch(workdir: pathlib.Path, *extra: str, fault: str | None = None) -> subprocess.Popen:
     env = subprocess_env(CI="true", **({ckpt.FAULT_ENV: fault} if fault else {}))
     cmd = [
