@@ -21,6 +21,12 @@ default, meaning and allowed values. Rules between several fields stay explicit 
 A field typed ``X | None`` takes None whatever its range (an optional number: None means "off" or
 "the default"); with ``choices``, None is allowed only when listed.
 
+A mapping of overrides of another class's fields (``overrides_of``: e.g. the warm start's
+``optimizer``, a few :class:`rljax.training.optimizer.OptimizerConfig` fields over the run's) takes
+only that class's field names as keys (an unknown one is refused with a "did you mean"), each value
+checked against that field's declaration. :func:`knob_from` declares a field on a second class as
+another class declares it (a frozen model's client knobs are the vLLM client's).
+
 >>> @section
 ... class Example:
 ...     '''An example section.'''
@@ -44,6 +50,19 @@ np.int32(2)
 Traceback (most recent call last):
 ...
 ValueError: Example.mode: expected one of ['a', 'b'], got 'c'
+>>> @section
+... class Overrides:
+...     example: dict = knob({}, overrides_of=Example, doc="Example fields to override")
+>>> Overrides(example={"steps": 5}).example
+{'steps': 5}
+>>> Overrides(example={"step": 5})
+Traceback (most recent call last):
+...
+ValueError: Overrides.example.step: unknown key; did you mean 'steps'? known keys: ['steps', 'mode']
+>>> Overrides(example={"steps": -5})
+Traceback (most recent call last):
+...
+ValueError: Overrides.example.steps: expected an int >= 0, got -5
 >>> import inspect
 >>> inspect.cleandoc(Example.__doc__).splitlines()[-3:]
 ['Attributes:', '  steps: how many steps (>= 0).', "  mode: which mode (one of 'a', 'b')."]
@@ -53,16 +72,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import math
 import numbers
 import re
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["Knob", "allowed", "check", "field_doc", "knob", "knob_of", "section"]
+__all__ = ["Knob", "allowed", "check", "did_you_mean", "field_doc", "knob", "knob_from", "knob_of", "section"]
 
 _T = TypeVar("_T")
 _METADATA_KEY = "rljax.knob"
@@ -81,6 +101,8 @@ class Knob:
       lt: the values must be smaller than this.
       fields_of: a dataclass whose fields are the keys of this mapping-valued field (each typed and
         defaulted by that class; see :mod:`rljax.run.config`'s ``model.init``).
+      overrides_of: a dataclass some of whose fields this mapping-valued field overrides (each key one
+        of its fields, each value checked by that field's knob; the others come from elsewhere).
     """
 
     doc: str
@@ -90,6 +112,7 @@ class Knob:
     le: float | None = None
     lt: float | None = None
     fields_of: type | None = None
+    overrides_of: type | None = None
 
 
 def knob(
@@ -102,6 +125,7 @@ def knob(
     le: float | None = None,
     lt: float | None = None,
     fields_of: type | None = None,
+    overrides_of: type | None = None,
     compare: bool = True,
 ) -> Any:
     """A dataclass field declaring one config key whole (module docstring).
@@ -109,7 +133,13 @@ def knob(
     A mutable default (a dict, list, set or dataclass instance) is copied for every instance.
     Without ``default`` the field is required.
     """
-    meta = Knob(" ".join(doc.split()), None if choices is None else tuple(choices), ge, gt, le, lt, fields_of)
+    choices = None if choices is None else tuple(choices)
+    meta = Knob(" ".join(doc.split()), choices, ge, gt, le, lt, fields_of, overrides_of)
+    return _field(default, meta, compare)
+
+
+def _field(default: Any, meta: Knob, compare: bool = True) -> Any:
+    """The dataclass field of a knob (a mutable default copied for every instance)."""
     kwargs: dict[str, Any] = {"metadata": {_METADATA_KEY: meta}, "compare": compare}
     if isinstance(default, (dict, list, set)) or (
         dataclasses.is_dataclass(default) and not isinstance(default, type)
@@ -118,6 +148,29 @@ def knob(
     elif default is not dataclasses.MISSING:
         kwargs["default"] = default
     return dataclasses.field(**kwargs)
+
+
+def knob_from(cls: type, name: str, *, doc: str | None = None) -> Any:
+    """A knob field declared as ``cls``'s field ``name`` is: its default, allowed values and meaning
+    (``doc`` replaces the meaning); the new field's annotation is written as usual.
+
+    >>> @section
+    ... class Client:
+    ...     retries: int = knob(3, ge=0, doc="retries of a request")
+    >>> @section
+    ... class Frozen:
+    ...     retries: int = knob_from(Client, "retries")
+    >>> Frozen().retries, field_doc(dataclasses.fields(Frozen)[0])
+    (3, 'retries of a request (>= 0).')
+    """
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    meta = knob_of(field)
+    if meta is None:
+        raise TypeError(f"{cls.__name__}.{name} is not a knob")
+    if doc is not None:
+        meta = dataclasses.replace(meta, doc=" ".join(doc.split()))
+    default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+    return _field(default, meta, field.compare)
 
 
 def knob_of(field: dataclasses.Field) -> Knob | None:
@@ -133,6 +186,8 @@ def allowed(k: Knob) -> str:
     """
     if k.choices is not None:
         return "one of " + ", ".join(repr(c) for c in k.choices)
+    if k.overrides_of is not None:
+        return f"keys: {k.overrides_of.__name__} fields"
     low = (f"[{_num(k.ge)}" if k.ge is not None else f"({_num(k.gt)}") if (k.ge, k.gt) != (None, None) else ""
     high = (
         (f"{_num(k.le)}]" if k.le is not None else f"{_num(k.lt)})") if (k.le, k.lt) != (None, None) else ""
@@ -208,23 +263,66 @@ def _violation(k: Knob, value: Any, integer: bool, optional: bool) -> str | None
 
 def check(obj: Any) -> None:
     """Checks every knob field of the dataclass instance ``obj`` against its declaration; the first
-    violation is a ``ValueError`` ``"<Class>.<field>: expected ..., got ..."``."""
+    violation is a ``ValueError`` ``"<Class>.<field>: expected ..., got ..."`` (``<Class>.<field>.<key>``
+    for a key of an ``overrides_of`` mapping)."""
     kinds = _field_kinds(type(obj))
     for field in dataclasses.fields(obj):
         k = knob_of(field)
         if k is None:
             continue
+        where = f"{type(obj).__name__}.{field.name}"
+        value = getattr(obj, field.name)
+        if k.overrides_of is not None:
+            _check_overrides(k.overrides_of, value, where)
+            continue
         optional, integer = kinds.get(field.name, (False, False))
-        why = _violation(k, getattr(obj, field.name), integer, optional)
+        why = _violation(k, value, integer, optional)
         if why is not None:
-            raise ValueError(f"{type(obj).__name__}.{field.name}: {why}")
+            raise ValueError(f"{where}: {why}")
+
+
+def did_you_mean(key: str, known: Any) -> str:
+    """``"did you mean 'x'? "`` for the known name closest to a mistyped ``key``, or whose words'
+    initials ``key`` is (``lr``: ``learning_rate``); empty if none is close.
+
+    >>> did_you_mean("num_stpes", ["num_steps", "seq_len"])
+    "did you mean 'num_steps'? "
+    >>> did_you_mean("lr", ["eps", "learning_rate"])
+    "did you mean 'learning_rate'? "
+    >>> did_you_mean("zzz", ["num_steps"])
+    ''
+    """
+    names = [str(k) for k in known]
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    close = close or [n for n in names if "_" in n and "".join(w[:1] for w in n.split("_")) == str(key)]
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _check_overrides(cls: type, value: Any, where: str) -> None:
+    """``value``: a mapping of some of ``cls``'s knob fields, each value within its declaration."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if knob_of(f) is not None}
+    kinds = _field_kinds(cls)
+    for key, v in value.items():
+        if key not in fields:
+            raise ValueError(
+                f"{where}.{key}: unknown key; {did_you_mean(key, fields)}known keys: {list(fields)}"
+            )
+        optional, integer = kinds.get(key, (False, False))
+        why = _violation(knob_of(fields[key]), v, integer, optional)
+        if why is not None:
+            raise ValueError(f"{where}.{key}: {why}")
 
 
 def section(cls: type[_T]) -> type[_T]:
     """``cls`` as a frozen dataclass whose knob fields are checked when an instance is made (before
-    ``cls``'s own ``__post_init__``, if it has one) and documented in its docstring's
-    ``Attributes:`` block (module docstring)."""
+    ``cls``'s own ``__post_init__``, if it has one, else the rules of the section it derives from)
+    and documented in its docstring's ``Attributes:`` block (module docstring)."""
     own: Callable[[Any], None] | None = cls.__dict__.get("__post_init__")
+    if own is None:  # a subclass of a section keeps its base's rules (its knobs are checked anyway)
+        inherited = getattr(cls, "__post_init__", None)
+        own = getattr(inherited, "rules", inherited)
 
     def __post_init__(self: Any) -> None:
         check(self)
@@ -232,6 +330,7 @@ def section(cls: type[_T]) -> type[_T]:
             own(self)
 
     __post_init__.__doc__ = "Checks the knobs (:func:`rljax.knobs.check`), then the class's own rules."
+    __post_init__.rules = own  # type: ignore[attr-defined]
     cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
     cls = dataclasses.dataclass(frozen=True)(cls)
     cls.__doc__ = _with_attributes(cls)

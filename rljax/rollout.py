@@ -79,10 +79,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from rljax import knobs
 from rljax.chat.base import Renderer
 from rljax.data import StepBatch
 from rljax.envs.base import Action, Task, as_step_result, mean_numeric_metrics
 from rljax.inference.engine import Completion, Engine, SamplingParams
+from rljax.knobs import knob
 from rljax.recording import RecordedCall, StepRecorder
 from rljax.types import Step, TrajectoryID
 
@@ -111,28 +113,17 @@ class RolloutError(RuntimeError):
     """Every trajectory of a rollout errored (the message carries the first error's traceback)."""
 
 
-@dataclasses.dataclass(frozen=True)
+#: ``RolloutConfig.on_error`` values.
+ON_ERROR: tuple[str, ...] = ("mask", "drop")
+
+
+@knobs.section
 class RolloutConfig:
     """Rollout settings.
 
-    Attributes:
-      group_size: repetitions per task (one GRPO group per task id).
-      max_turns: most assistant turns per trajectory.
-      max_tokens: most tokens per assistant turn.
-      max_context_len: most tokens of prompt + completion in any turn; the turn budget is
-        ``min(max_tokens, max_context_len - len(prompt))`` and a prompt that fills the context ends
-        the trajectory with stop_reason "length".
-      temperature, top_p, top_k: sampling (``top_k`` None = off).
-      max_concurrency: most trajectories in flight at once.
-      seed: when set, request ``k`` of trajectory ``(task, rep)`` uses a seed derived from
-        ``(seed, task id, rep, turn)``, so engines with per-request seeds reproduce the rollout
-        whatever the scheduling; None lets the engine choose.
-      algorithm: algorithm name recorded on the steps; ``env_algorithms`` overrides it per env name.
-      bridge: extend the previous prompt + completion when the renderer can (else full renders).
-      on_error: "mask" (keep errored trajectories with loss mask 0) or "drop".
-      env_timeout_s: time limit of each environment call in seconds (None = none).
-      env_workers: threads running synchronous environment calls (None = ``max_concurrency``).
-      raise_on_all_errored: raise :class:`RolloutError` when every trajectory errored.
+    The turn budget is ``min(max_tokens, max_context_len - len(prompt))``; a prompt that fills the
+    context ends the trajectory with stop_reason "length". ``temperature``, ``top_p`` and ``top_k``
+    follow :class:`rljax.inference.engine.SamplingParams`' rules.
 
     The defaults are those of a run's ``config.rollout`` (the default recipe: a tiny model on
     CPU); real models raise ``max_tokens`` and ``max_context_len``.
@@ -141,43 +132,47 @@ class RolloutConfig:
     3
     """
 
-    group_size: int = 8
-    max_turns: int = 3
-    max_tokens: int = 64
-    max_context_len: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    max_concurrency: int = 256
-    seed: int | None = None
-    algorithm: str = "grpo"
-    env_algorithms: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    bridge: bool = True
-    on_error: str = "mask"
-    env_timeout_s: float | None = 300.0
-    env_workers: int | None = None
-    raise_on_all_errored: bool = True
+    group_size: int = knob(8, ge=1, doc="repetitions per task (one GRPO group per task id)")
+    max_turns: int = knob(3, ge=1, doc="most assistant turns per trajectory")
+    max_tokens: int = knob(64, ge=1, doc="most tokens per assistant turn")
+    max_context_len: int = knob(
+        512,
+        ge=1,
+        doc="most tokens of prompt + completion in any turn (a prompt that fills it ends the "
+        'trajectory with stop_reason "length")',
+    )
+    temperature: float = knob(1.0, ge=0, doc="sampling temperature (0 = greedy)")
+    top_p: float = knob(1.0, gt=0, le=1, doc="nucleus mass (1 = off)")
+    top_k: int | None = knob(None, ge=1, doc="keep the k most likely tokens (None = off)")
+    max_concurrency: int = knob(256, ge=1, doc="most trajectories in flight at once")
+    seed: int | None = knob(
+        None,
+        doc="when set, request ``k`` of trajectory ``(task, rep)`` uses a seed derived from ``(seed, "
+        "task id, rep, turn)``, so engines with per-request seeds reproduce the rollout whatever the "
+        "scheduling; None lets the engine choose",
+    )
+    algorithm: str = knob("grpo", doc="algorithm name recorded on the steps")
+    env_algorithms: Mapping[str, str] = knob({}, doc="env name -> algorithm name, overriding ``algorithm``")
+    bridge: bool = knob(
+        True, doc="extend the previous prompt + completion when the renderer can (else full renders)"
+    )
+    on_error: str = knob(
+        "mask",
+        choices=ON_ERROR,
+        doc="``mask`` (keep errored trajectories with loss mask 0) or ``drop`` (leave their steps out)",
+    )
+    env_timeout_s: float | None = knob(
+        300.0, gt=0, doc="time limit of each environment call in seconds (None = none)"
+    )
+    env_workers: int | None = knob(
+        None, ge=1, doc="threads running synchronous environment calls (None = ``max_concurrency``)"
+    )
+    raise_on_all_errored: bool = knob(
+        True, doc="raise :class:`RolloutError` when every trajectory of a rollout errored"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_turns", "max_tokens", "max_context_len", "max_concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {value!r}")
-        if self.env_timeout_s is not None and not (
-            isinstance(self.env_timeout_s, (int, float)) and self.env_timeout_s > 0
-        ):
-            raise ValueError(f"RolloutConfig.env_timeout_s must be > 0 or None, got {self.env_timeout_s!r}")
-        if self.env_workers is not None and (
-            isinstance(self.env_workers, bool)
-            or not isinstance(self.env_workers, int)
-            or self.env_workers < 1
-        ):
-            raise ValueError(
-                f"RolloutConfig.env_workers must be an int >= 1 or None, got {self.env_workers!r}"
-            )
-        if self.on_error not in ("mask", "drop"):
-            raise ValueError(f"RolloutConfig.on_error must be 'mask' or 'drop', got {self.on_error!r}")
-        # Validates temperature / top_p / top_k once, with the engine's own rules.
+        # The engine's own rules for temperature / top_p / top_k (a finite temperature too).
         self.sampling(max_tokens=1, seed=None)
 
     def sampling(

@@ -266,21 +266,6 @@ def module_index(modules: list[str]) -> str:
 
 # -- the config reference --------------------------------------------------------------------------
 
-#: Mapping-valued keys whose values are sections of a known class (parsed or checked as such).
-DICT_SECTIONS: dict[str, tuple[str, str]] = {
-    "config.envs": ("<name>", "rljax.run.config.EnvSection"),
-    "config.frozen_models": ("<name>", "rljax.inference.frozen.FrozenModelConfig"),
-}
-#: Fields of a dict section that the run fills in itself (not config keys).
-DICT_SECTION_SKIP: dict[str, tuple[str, ...]] = {
-    "config.frozen_models": ("name",),  # the mapping's key
-}
-
-
-def _resolve(path: str) -> Any:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
 
 def _section_class(hint: Any) -> type | None:
     """The dataclass of a field's type hint (``X`` or ``X | None``), else None."""
@@ -427,12 +412,12 @@ class ConfigSection:
 def config_sections(cls: type | None = None, path: str = "config") -> Iterator[ConfigSection]:
     """The sections of the run config (``RunConfig`` first), depth first, each with its keys."""
     from rljax import knobs
-    from rljax.run.config import RUN_SET_FIELDS, RunConfig
+    from rljax.run.config import NAMED_SECTIONS, RUN_SET_FIELDS, RunConfig
 
     cls = RunConfig if cls is None else cls
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    skip = set(RUN_SET_FIELDS.get(cls, ())) | set(DICT_SECTION_SKIP.get(path, ()))
+    skip = set(RUN_SET_FIELDS.get(cls, ()))  # e.g. a frozen model's name: the mapping's key
     keys, subsections = [], []
     for field in dataclasses.fields(cls):
         if field.name in skip:
@@ -442,10 +427,8 @@ def config_sections(cls: type | None = None, path: str = "config") -> Iterator[C
         spec = knobs.knob_of(field)
         if spec is not None and spec.fields_of is not None:  # a mapping of that class's fields
             subsections.append((spec.fields_of, key))
-        elif key in DICT_SECTIONS:
-            slot, class_path = DICT_SECTIONS[key]
-            sub_path = f"{key}.{slot}" if slot else key
-            subsections.append((_resolve(class_path), sub_path))
+        elif cls is RunConfig and field.name in NAMED_SECTIONS:  # name -> a section of that class
+            subsections.append((NAMED_SECTIONS[field.name], f"{key}.<name>"))
         elif sub is not None:
             subsections.append((sub, key))
         doc = docs.get(field.name, "")

@@ -152,8 +152,10 @@ def unknown_override(config: Any, paths: Sequence[str]) -> str | None:
     'config.renderer.kwargs.retention: config.renderer.kwargs holds no keys to override'
     >>> unknown_override(ConfigDict({"engine": {"kind": "vllm"}}), ["engine.stall_timeout_s"])
     'config.engine.stall_timeout_s: moved to config.engine.client.stall_timeout_s'
+    >>> unknown_override(ConfigDict({"warmstart": {"optimizer": {}}}), ["warmstart.optimizer.lr"])[:80]
+    "config.warmstart.optimizer.lr: unknown key; did you mean 'learning_rate'? known "
     """
-    from rljax.run.config import did_you_mean, retired_key
+    from rljax.run.config import did_you_mean, retired_key, section_keys
 
     for path in paths:
         node, parts = config, path.split(".")
@@ -164,18 +166,21 @@ def unknown_override(config: Any, paths: Sequence[str]) -> str | None:
                 continue
             where = ".".join(["config", *parts[:i]])
             full = ".".join(["config", *parts])
-            if keys == []:
-                return (
-                    f"{full}: {where} holds no keys to override; set it whole, e.g. "
-                    f"--{where}=\"{{'{key}': ...}}\""
-                )
+            known = section_keys(".".join(parts[:i])) if keys is not None else None
+            set_whole = f"set it whole, e.g. --{where}=\"{{'{key}': ...}}\""
+            if keys == [] and known is None:
+                return f"{full}: {where} holds no keys to override; {set_whole}"
+            if known is not None and key in known:  # a mapping of the keys a config sets, not this one
+                held = f"only {sorted(keys)}" if keys else "none of its keys"
+                return f"{full}: {where} sets {held} here; {set_whole}"
             if keys is None:
                 return f"{full}: {where} is {node!r}, not a section; set {where} whole"
             named = f"{where}.{key}"
             retired = retired_key(".".join(parts[: i + 1]))
             if retired is not None:
                 return f"{named}: {retired}"
-            return f"{named}: unknown key; {did_you_mean(key, keys)}known keys of {where}: {sorted(keys)}"
+            names = known if known is not None else keys
+            return f"{named}: unknown key; {did_you_mean(key, names)}known keys of {where}: {sorted(names)}"
     return None
 
 

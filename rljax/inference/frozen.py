@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,13 +45,16 @@ from typing import Any
 import httpx
 import numpy as np
 
+from rljax import knobs
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.inference.vllm.client import (
+    ClientConfig,
     MalformedResponseError,
     RequestRejectedError,
     ServerUnavailableError,
     VLLMClient,
 )
+from rljax.knobs import knob, knob_from
 from rljax.progress import Progress
 
 # A teacher named "policy" means the live policy (opsd, design §3.6), never a frozen endpoint.
@@ -97,48 +99,35 @@ def normalize_base_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc, path, "", ""))
 
 
-def _check_number(name: str, field: str, value: Any, *, low: float, strict: bool, integer: bool) -> None:
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if strict else value >= low)
-    if not ok:
-        relation = ">" if strict else ">="
-        what = "an int" if integer else "a finite number"
-        raise ValueError(f"frozen model {name!r}: {field} must be {what} {relation} {low}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class FrozenModelConfig:
-    """Where a frozen model is served and how to talk to it.
+    """Where a frozen model is served and how to talk to it (its client's knobs are
+    :class:`rljax.inference.vllm.client.ClientConfig`'s, with the same defaults).
 
-    Attributes:
-      name: how algorithms refer to it (``Algorithm.teacher = name``); not ``"policy"`` (the live
-        policy), no whitespace, not a URL.
-      base_url: one server URL or several serving the same weights, each ``http(s)://host:port``
-        with or without a trailing ``/v1``; normalized to a tuple of base URLs without ``/v1``.
-      model: the OpenAI ``"model"`` field; None asks ``GET /v1/models`` once (first id listed).
-      max_concurrency: most requests in flight to this model, over all its servers.
-      timeout_s: read timeout of one request (a long generation or a long prefill).
-      connect_timeout_s: connect timeout of one request.
-      max_retries: retries of a request after a transport error, timeout or 5xx (other servers first).
-      backoff_s: first retry waits ``backoff_s``, then doubling, at most ``backoff_max_s``.
-      backoff_max_s: the longest wait between retries.
-      cooldown_s: a server that failed is avoided for this long.
+    ``name``: how algorithms refer to it (``Algorithm.teacher = name``); not ``"policy"`` (the live
+    policy), no whitespace, not a URL. In the run config it is the key of ``config.frozen_models``.
 
     >>> FrozenModelConfig("teacher", ["http://a:8001/v1", "http://b:8001"]).base_url
     ('http://a:8001', 'http://b:8001')
     """
 
-    name: str
-    base_url: str | Sequence[str]
-    model: str | None = None
-    max_concurrency: int = 64
-    timeout_s: float = 300.0
-    connect_timeout_s: float = 5.0
-    max_retries: int = 3
-    backoff_s: float = 0.2
-    backoff_max_s: float = 5.0
-    cooldown_s: float = 10.0
+    name: str = knob(doc="how algorithms refer to it (``Algorithm.teacher = name``)")
+    base_url: str | Sequence[str] = knob(
+        doc="one server URL or several serving the same weights, each ``http(s)://host:port`` with or "
+        "without a trailing ``/v1`` (normalized to a tuple of base URLs without ``/v1``)",
+    )
+    model: str | None = knob(
+        None, doc='the OpenAI ``"model"`` field; None asks ``GET /v1/models`` once (first id listed)'
+    )
+    max_concurrency: int = knob_from(
+        ClientConfig, "max_concurrency", doc="most requests in flight to this model, over all its servers"
+    )
+    timeout_s: float = knob_from(ClientConfig, "timeout_s")
+    connect_timeout_s: float = knob_from(ClientConfig, "connect_timeout_s")
+    max_retries: int = knob_from(ClientConfig, "max_retries")
+    backoff_s: float = knob_from(ClientConfig, "backoff_s")
+    backoff_max_s: float = knob_from(ClientConfig, "backoff_max_s")
+    cooldown_s: float = knob_from(ClientConfig, "cooldown_s")
 
     def __post_init__(self) -> None:
         name = self.name
@@ -155,26 +144,21 @@ class FrozenModelConfig:
         urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
         if not isinstance(urls, Sequence) or not urls:
             raise ValueError(
-                f"frozen model {name!r}: base_url must be a URL or a non-empty list of URLs, "
+                "FrozenModelConfig.base_url: expected a URL or a non-empty list of URLs, "
                 f"got {self.base_url!r}"
             )
-        normalized = tuple(normalize_base_url(u) for u in urls)
+        try:
+            normalized = tuple(normalize_base_url(u) for u in urls)
+        except ValueError as e:
+            raise ValueError(f"FrozenModelConfig.base_url: {e}") from None
         if len(set(normalized)) != len(normalized):
-            raise ValueError(
-                f"frozen model {name!r}: base_url lists the same server twice: {list(normalized)}"
-            )
+            raise ValueError(f"FrozenModelConfig.base_url: lists the same server twice: {list(normalized)}")
         object.__setattr__(self, "base_url", normalized)
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(
-                f"frozen model {name!r}: model must be None (ask GET /v1/models) or the served model name, "
+                "FrozenModelConfig.model: expected None (ask GET /v1/models) or the served model name, "
                 f"got {self.model!r}"
             )
-        _check_number(name, "max_concurrency", self.max_concurrency, low=1, strict=False, integer=True)
-        _check_number(name, "max_retries", self.max_retries, low=0, strict=False, integer=True)
-        for field in ("timeout_s", "connect_timeout_s"):
-            _check_number(name, field, getattr(self, field), low=0, strict=True, integer=False)
-        for field in ("backoff_s", "backoff_max_s", "cooldown_s"):
-            _check_number(name, field, getattr(self, field), low=0, strict=False, integer=False)
 
     @classmethod
     def from_mapping(cls, name: str, entry: Mapping[str, Any]) -> FrozenModelConfig:
@@ -205,7 +189,13 @@ class FrozenModelConfig:
             raise ValueError(
                 f"frozen model {name!r} needs a base_url, e.g. {{'base_url': 'http://127.0.0.1:8001'}}"
             )
-        return cls(**{**entry, "name": name})
+        try:
+            return cls(**{**entry, "name": name})
+        except ValueError as e:  # a field's own rule: "FrozenModelConfig.<field>: why"
+            text = str(e)
+            if text.startswith(f"{cls.__name__}."):
+                raise ValueError(f"frozen model {name!r}: {text.removeprefix(cls.__name__ + '.')}") from None
+            raise
 
 
 def frozen_models_from_config(

@@ -65,6 +65,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from rljax import knobs
+from rljax.knobs import knob
 from rljax.models.layers import Linear
 
 __all__ = [
@@ -119,7 +121,7 @@ class LoRAParam(nnx.Variable):
     """An adapter weight (``lora_a`` / ``lora_b`` of a targeted Linear): trainable, not base."""
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class LoRAConfig:
     """Rank ``r``, ``alpha`` (scale ``alpha / r``), targets, dropout (only 0 is supported: RL recomputes
     the policy's logprobs, which stochastic dropout would make inconsistent).
@@ -132,37 +134,33 @@ class LoRAConfig:
     writes them is accepted too). ``"experts"`` expands to both expert targets. The default targets
     the dense projections only: an expert adapter has ``E`` times the parameters of a dense one.
 
-    Attributes:
-      rank: the adapters' rank ``r``.
-      alpha: the adapters' scale numerator (scale ``alpha / r``).
-      targets: the modules that get adapters (see above).
-      dropout: adapter dropout; only 0 is supported.
-
     >>> LoRAConfig(targets=("q_proj", "experts")).targets
     ('q_proj', 'experts.gate_up_proj', 'experts.down_proj')
     """
 
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    dropout: float = 0.0
+    rank: int = knob(8, ge=1, doc="the adapters' rank ``r``")
+    alpha: float = knob(16.0, gt=0, doc="the adapters' scale numerator (scale ``alpha / r``)")
+    targets: tuple[str, ...] = knob(
+        DEFAULT_TARGETS,
+        doc="the modules that get adapters: a non-empty subset of the dense, linear-attention, "
+        "``lm_head`` and expert targets (``experts`` = both expert stacks)",
+    )
+    dropout: float = knob(0.0, ge=0, doc="adapter dropout; only 0 is supported")
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRAConfig.rank must be an int >= 1, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"LoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"LoRAConfig.alpha: expected a finite number > 0, got {self.alpha!r}")
         object.__setattr__(self, "targets", _normalize_targets(self.targets))
         unknown = sorted(set(self.targets) - set(MODULE_TARGETS) - set(EXPERT_TARGETS) - {UNEMBED_TARGET})
         if unknown or not self.targets:
             raise ValueError(
-                "LoRAConfig.targets must be a non-empty subset of "
+                "LoRAConfig.targets: expected a non-empty subset of "
                 f"{MODULE_TARGETS + (UNEMBED_TARGET,) + EXPERT_TARGETS} "
                 f"(or {EXPERTS!r} for both expert stacks), got {unknown}"
             )
         if self.dropout != 0.0:
             raise ValueError(
-                "LoRAConfig.dropout > 0 is not supported: the trainer recomputes the policy's logprobs "
+                "LoRAConfig.dropout: > 0 is not supported: the trainer recomputes the policy's logprobs "
                 "(old, new, reference) and stochastic dropout would make them disagree; use 0.0"
             )
 

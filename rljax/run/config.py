@@ -32,7 +32,10 @@ itself: ``rollout`` is a :class:`rljax.rollout.RolloutConfig`, ``optimizer`` an
 :class:`rljax.inference.vllm.SupervisorConfig` and ``engine.sync`` a
 :class:`rljax.inference.vllm.SyncConfig`: a knob that belongs to a component is declared by it, and
 the run holds it (:data:`RUN_SET_FIELDS` lists the component fields the run fills in itself).
-``model.init`` holds :class:`rljax.models.ModelConfig` fields, each typed and defaulted by it.
+``model.init`` holds :class:`rljax.models.ModelConfig` fields, each typed and defaulted by it;
+``warmstart.optimizer`` and ``critic.optimizer`` overrides of ``optimizer``'s fields, each checked by
+its declaration; ``frozen_models.<name>`` the fields of a
+:class:`rljax.inference.frozen.FrozenModelConfig` (checked when the config is parsed).
 Free-form mappings stay free where the keys belong to user code or another library: the renderer's
 and the envs' constructor arguments, the task makers' ``task_kwargs``, verifiers' ``env_args``.
 
@@ -49,11 +52,10 @@ config.trainer.num_stpes: unknown key; did you mean 'num_steps'?
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rljax import knobs
@@ -64,12 +66,12 @@ from rljax.core.off_policy import OffPolicyConfig
 from rljax.data.filters import make_filter
 from rljax.envs.loader import split_import_string
 from rljax.envs.registry import LIBRARIES
-from rljax.inference.frozen import frozen_models_from_config
+from rljax.inference.frozen import FrozenModelConfig
 from rljax.inference.vllm.client import ClientConfig
 from rljax.inference.vllm.launcher import ServerConfig
 from rljax.inference.vllm.supervisor import SupervisorConfig
 from rljax.inference.vllm.weight_sync import SyncConfig
-from rljax.knobs import knob
+from rljax.knobs import did_you_mean, knob
 from rljax.models.attention_backends import ATTENTION_BACKENDS
 from rljax.models.config import ModelConfig
 from rljax.models.context import CONTEXT_COLLECTIVES
@@ -134,8 +136,9 @@ IN_FLIGHT_UPDATES: tuple[str, ...] = ("off", "recompute", "keep")
 DATASET_KEYS: tuple[str, ...] = ("train", "eval", "format", "eval_fraction")
 #: Values of ``config.trainer.on_save_error``.
 ON_SAVE_ERROR: tuple[str, ...] = ("stop", "continue")
-#: ``trainer.prefix_sharing``: "auto" packs samples that share a prompt prefix as prefix trees (design
-#: §2.6) wherever that computes exactly what plain packing does; "off" never does.
+#: ``trainer.prefix_sharing`` and ``engine.prefix_sharing``: "auto" computes a prompt prefix that
+#: several samples share once wherever that gives what computing it for each would (the trainer: prefix
+#: trees, design §2.6; the embedded sampler: one prefill of the prefix); "off" never does.
 PREFIX_SHARING: tuple[str, ...] = ("auto", "off")
 
 
@@ -189,6 +192,7 @@ RUN_SET_FIELDS: Mapping[type, Mapping[str, str]] = {
         "dtype": "set by the run; use config.engine.dtype",
     },
     ModelConfig: {"extra_json": "read from a checkpoint's config.json (model.hf_path)"},
+    FrozenModelConfig: {"name": "set by the run: the frozen model's key in config.frozen_models"},
 }
 
 #: ``model.init`` of the default recipe.
@@ -399,11 +403,15 @@ class EngineSection:
         ge=1,
         doc="embedded: longest prompt + completion (None = the model's ``max_position_embeddings``)",
     )
-    prefix_sharing: bool = knob(
-        True,
-        doc="embedded: prefill a prompt prefix shared by requests of one batch once (a GRPO group's "
-        "samples; turns whose histories start alike) and start each from a copy of its KV cache; the "
-        "same tokens and logprobs (within float32 rounding) as without it",
+    prefix_sharing: str = knob(
+        "auto",
+        choices=PREFIX_SHARING,
+        doc='embedded: ``"auto"`` prefills a prompt prefix shared by requests of one batch once (a GRPO '
+        "group's samples; turns whose histories start alike; identical prompts only for models with "
+        "linear-attention layers) wherever that prefills fewer tokens, and starts each request from a "
+        'copy of its KV cache: the same tokens and logprobs (within float32 rounding); ``"off"`` '
+        "prefills each prompt whole. The sampler's side of ``trainer.prefix_sharing`` (True / False "
+        'of earlier configs read as "auto" / "off")',
     )
     urls: tuple = knob((), doc="vllm: servers to use (started by you on the same initial weights)")
     num_servers: int = knob(1, ge=1, doc="vllm: servers to launch locally when ``urls`` is empty")
@@ -627,10 +635,11 @@ class TrainerSection:
     prefix_sharing: str = knob(
         "auto",
         choices=PREFIX_SHARING,
-        doc='``"auto"`` packs the samples of a mini-batch that share a prompt prefix (a GRPO group\'s '
-        "prompt, turns whose prompts share a prefix without extending each other) as prefix trees, "
-        "each shared token computed once (design §2.6), whenever the policy model computes tree rows "
-        'exactly (logged at the start); ``"off"``: plain packing',
+        doc='the trainer\'s side of ``engine.prefix_sharing``: ``"auto"`` packs the samples of a '
+        "mini-batch that share a prompt prefix (a GRPO group's prompt, turns whose prompts share a "
+        "prefix without extending each other) as prefix trees, each shared token computed once "
+        "(design §2.6), whenever the policy model computes tree rows exactly (logged at the start); "
+        '``"off"``: plain packing',
     )
     eval_every: int = knob(
         10, ge=0, doc="RL steps between held-out evaluations (and after the last step; 0 = never)"
@@ -694,7 +703,9 @@ class RunConfig:
         {}, doc="env name -> algorithm (same forms), for envs trained with another algorithm"
     )
     frozen_models: dict = knob(
-        {}, doc="frozen models by name (opd teachers, sft samplers): FrozenModelConfig fields"
+        {},
+        doc="frozen models by name (opd teachers, sft samplers), each a mapping of "
+        ":class:`rljax.inference.frozen.FrozenModelConfig` fields",
     )
     objective: ObjectiveSection = knob(ObjectiveSection(), doc="the objective (:class:`ObjectiveSection`)")
     optimizer: OptimizerConfig = knob(
@@ -774,13 +785,21 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
-        (inner,) = [a for a in args if a is not type(None)]
+        inner = [a for a in args if a is not type(None)]
         if value is None and type(None) in args:
             return None
-        if dataclasses.is_dataclass(inner) and isinstance(value, Mapping) and not value:
+        if len(inner) > 1:  # e.g. ``str | Sequence[str]``: the first type that takes the value
+            expected = []
+            for each in inner:
+                try:
+                    return _coerce(value, each, path)
+                except ValueError as e:
+                    expected.append(str(e).removeprefix(f"{path}: expected ").rpartition(", got ")[0])
+            raise _fail(path, f"expected {' or '.join(expected)}, got {value!r}")
+        if dataclasses.is_dataclass(inner[0]) and isinstance(value, Mapping) and not value:
             return None  # an empty section of an optional component: off (e.g. lora={})
-        return _coerce(value, inner, path)
-    if origin is tuple:
+        return _coerce(value, inner[0], path)
+    if origin in (tuple, list, Sequence):
         return _coerce(value, tuple, path)
     if origin in (dict, Mapping) or hint is Mapping:
         return _coerce(value, dict, path)
@@ -844,6 +863,73 @@ RENAMED_KEYS: Mapping[str, Mapping[str, str]] = {
 }
 
 
+#: Values a key took in earlier layouts, read as their current spelling (in config files, overrides and
+#: the configs checkpoints recorded): key path -> ((old value, current value), ...).
+OLD_VALUES: Mapping[str, tuple[tuple[Any, Any], ...]] = {
+    "engine.prefix_sharing": ((True, "auto"), (False, "off")),
+}
+
+
+def _current_value(path: str, value: Any) -> Any:
+    """``value`` of the key ``path`` (``config.a.b``) in its current spelling (:data:`OLD_VALUES`).
+
+    >>> key = "config.engine.prefix_sharing"
+    >>> _current_value(key, False), _current_value(key, 0), _current_value(key, "auto")
+    ('off', 0, 'auto')
+    """
+    for old, new in OLD_VALUES.get(path.removeprefix("config."), ()):
+        if type(value) is type(old) and value == old:
+            return new
+    return value
+
+
+#: Mappings of the run config whose keys are names, each value a section of this class.
+NAMED_SECTIONS: Mapping[str, type] = {"envs": EnvSection, "frozen_models": FrozenModelConfig}
+
+
+def section_class(path: str) -> type | None:
+    """The class whose fields are the keys of the config section at ``path`` (``"trainer"``,
+    ``"warmstart.optimizer"``, ``"frozen_models.teacher"``; ``""`` = the run config), None when its
+    keys are free-form or ``path`` is no section.
+
+    >>> section_class("warmstart.optimizer").__name__, section_class("envs.lookup").__name__
+    ('OptimizerConfig', 'EnvSection')
+    >>> section_class("renderer.kwargs") is None
+    True
+    """
+    cls: Any = RunConfig
+    parts = path.split(".") if path else []
+    while parts:
+        part = parts.pop(0)
+        if cls is RunConfig and part in NAMED_SECTIONS and parts:
+            cls = NAMED_SECTIONS[part]
+            parts.pop(0)
+            continue
+        field = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if field is None:
+            return None
+        spec = knobs.knob_of(field)
+        if spec is not None and (spec.fields_of or spec.overrides_of):
+            cls = spec.fields_of or spec.overrides_of
+            continue
+        hint = typing.get_type_hints(cls)[part]
+        inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if not dataclasses.is_dataclass(inner[0]):
+            return None
+        cls = inner[0]
+    return cls
+
+
+def section_keys(path: str) -> list[str] | None:
+    """The config keys of the section at ``path`` (:func:`section_class`; None: free-form or none).
+
+    >>> section_keys("mesh")
+    ['data', 'fsdp', 'tensor', 'expert', 'context']
+    """
+    cls = section_class(path)
+    return None if cls is None else section_fields(cls)
+
+
 def retired_key(path: str) -> str | None:
     """Why the config key ``path`` (``"engine.server.dtype"``) is not set here: it moved, was
     renamed, or the run sets it (None: it is not such a key).
@@ -854,13 +940,9 @@ def retired_key(path: str) -> str | None:
     if path in MOVED_KEYS:
         return f"moved to config.{MOVED_KEYS[path]}"
     *parents, key = path.split(".")
-    cls: Any = RunConfig
-    for part in parents:
-        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
-        inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        cls = inner[0] if dataclasses.is_dataclass(inner[0]) else None
-        if cls is None:
-            return None
+    cls = section_class(".".join(parents))
+    if cls is None:
+        return None
     section = ".".join(["config", *parents])
     return RENAMED_KEYS.get(section, {}).get(key) or RUN_SET_FIELDS.get(cls, {}).get(key)
 
@@ -887,9 +969,10 @@ def _check_keys(cls: type, value: Mapping[str, Any], path: str) -> list[str]:
     return names
 
 
-def _fields_of(cls: type, value: Any, path: str) -> dict[str, Any]:
-    """A mapping of ``cls``'s fields (``model.init``): each given key checked and typed by ``cls``,
-    the others at ``cls``'s defaults (a field without one stays absent)."""
+def _fields_of(cls: type, value: Any, path: str, *, defaults: bool = True) -> dict[str, Any]:
+    """A mapping of ``cls``'s fields (``model.init``; ``defaults=False``: overrides of some of them,
+    e.g. ``warmstart.optimizer``): each given key checked and typed by ``cls``, with ``defaults`` the
+    others at ``cls``'s defaults (a field without one stays absent)."""
     if not isinstance(value, Mapping):
         raise _fail(path, f"expected a mapping of {cls.__name__} fields, got {value!r}")
     names = _check_keys(cls, value, path)
@@ -898,20 +981,27 @@ def _fields_of(cls: type, value: Any, path: str) -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         if f.name in value:
             out[f.name] = _coerce(value[f.name], hints[f.name], f"{path}.{f.name}")
-        elif f.name in names and f.default is not dataclasses.MISSING:
+        elif defaults and f.name in names and f.default is not dataclasses.MISSING:
             out[f.name] = f.default
     return out
 
 
-def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
+def _parse_section(
+    cls: type, value: Mapping[str, Any], path: str, run_set: Mapping[str, Any] | None = None
+) -> Any:
+    """The ``cls`` instance of the config section ``value`` at ``path`` (``run_set``: values of the
+    fields the run sets); every mistake a ``ValueError`` naming its key."""
     names = _check_keys(cls, value, path)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    kwargs = dict(run_set or {})
     for k, v in value.items():
         spec = knobs.knob_of(fields[k])
+        v = _current_value(f"{path}.{k}", v)
         if spec is not None and spec.fields_of is not None:
             kwargs[k] = _fields_of(spec.fields_of, v, f"{path}.{k}")
+        elif spec is not None and spec.overrides_of is not None:
+            kwargs[k] = _fields_of(spec.overrides_of, v, f"{path}.{k}", defaults=False)
         else:
             kwargs[k] = _coerce(v, hints[k], f"{path}.{k}")
     try:
@@ -922,18 +1012,6 @@ def _parse_section(cls: type, value: Mapping[str, Any], path: str) -> Any:
         if sep and field.partition(".")[0] in names:  # "[<Class>.]<field>[.<key>]: why" names its key
             raise _fail(f"{path}.{field}", rest) from None
         raise _fail(path, str(e)) from None
-
-
-def did_you_mean(key: str, known: Any) -> str:
-    """``"did you mean 'x'? "`` for the known name closest to a mistyped ``key`` (empty if none is close).
-
-    >>> did_you_mean("num_stpes", ["num_steps", "seq_len"])
-    "did you mean 'num_steps'? "
-    >>> did_you_mean("zzz", ["num_steps"])
-    ''
-    """
-    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def _check_known(path: str, mapping: Mapping[str, Any], known: Any, what: str) -> None:
@@ -1031,15 +1109,10 @@ def _validate(cfg: RunConfig) -> RunConfig:
     _check_engine(cfg)
     _check_trainer(cfg)
     _check_old_logprobs(cfg)
-    for path, overrides in (
-        ("config.warmstart.optimizer", cfg.warmstart.optimizer),
-        ("config.critic.optimizer", cfg.critic.optimizer),
-    ):
-        _check_known(path, overrides, section_fields(OptimizerConfig), "OptimizerConfig")
-    try:
+    try:  # each key is checked by its section; their combination with the run's optimizer here
         cfg.critic_optimizer_config()
     except (TypeError, ValueError) as e:
-        raise _fail("config.critic", str(e)) from None
+        raise _fail("config.critic.optimizer", str(e)) from None
     try:
         cfg.optimizer_config(**cfg.warmstart.optimizer)
     except (TypeError, ValueError) as e:
@@ -1048,10 +1121,6 @@ def _validate(cfg: RunConfig) -> RunConfig:
     for k in cfg.eval.pass_k:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.eval.group_size:
             raise _fail("config.eval.pass_k", f"each k must be an int in [1, eval.group_size], got {k!r}")
-    try:
-        frozen_models_from_config(cfg.frozen_models)
-    except ValueError as e:
-        raise _fail("config.frozen_models", str(e)) from None
     unknown = sorted(set(cfg.env_algorithms) - set(cfg.envs))
     if unknown:
         raise _fail(
@@ -1195,7 +1264,10 @@ def parse_run_config(config: Any) -> RunConfig:
         raise ValueError(f"config: expected a ConfigDict or mapping, got {type(config).__name__}")
     raw = dict(raw)
     envs = raw.pop("envs", None)
+    frozen = raw.pop("frozen_models", None)
     cfg = _parse_section(RunConfig, raw, "config")
+    if frozen is not None:
+        cfg = dataclasses.replace(cfg, frozen_models=_parse_frozen_models(frozen))
     if envs is not None:
         if not isinstance(envs, Mapping):
             raise _fail("config.envs", f"expected a mapping env name -> dict(env=..., ...), got {envs!r}")
@@ -1206,6 +1278,30 @@ def parse_run_config(config: Any) -> RunConfig:
             parsed[str(name)] = env if env.env else dataclasses.replace(env, env=str(name))
         cfg = dataclasses.replace(cfg, envs=parsed)
     return _validate(cfg)
+
+
+def _parse_frozen_models(value: Any) -> dict[str, Any]:
+    """``config.frozen_models``: each entry checked as the :class:`FrozenModelConfig` named by its key
+    (a mistake names ``config.frozen_models.<name>.<field>``); the entries are kept as given."""
+    path = "config.frozen_models"
+    if not isinstance(value, Mapping):
+        raise _fail(path, f"expected a mapping name -> dict(base_url=..., ...), got {value!r}")
+    out = {}
+    for name, entry in value.items():
+        where = f"{path}.{name}"
+        if not isinstance(entry, Mapping):
+            raise _fail(
+                where,
+                "expected a mapping of FrozenModelConfig fields such as "
+                f"dict(base_url='http://127.0.0.1:8001'), got {entry!r}",
+            )
+        given = {k: v for k, v in entry.items() if not (k == "name" and v == name)}
+        _check_keys(FrozenModelConfig, given, where)
+        if given.get("base_url") is None:
+            raise _fail(f"{where}.base_url", "required: the server's URL, e.g. 'http://127.0.0.1:8001'")
+        _parse_section(FrozenModelConfig, given, where, run_set={"name": str(name)})
+        out[str(name)] = dict(entry)
+    return out
 
 
 def parse_config_record(record: Mapping[str, Any]) -> RunConfig:
@@ -1270,7 +1366,8 @@ def _to_config(value: Any, path: str, hint: Any = None) -> Any:
         return section
     parts = path.split(".")
     env_dataset = len(parts) == 3 and parts[0] == "envs" and parts[2] == "dataset"  # set whole
-    if value is None or env_dataset or (hint is not None and _object_field(hint)):
+    # a key of OLD_VALUES takes its earlier values too (True / False of a bool that is a string now)
+    if value is None or env_dataset or path in OLD_VALUES or (hint is not None and _object_field(hint)):
         return config_dict.FieldReference(value, field_type=object)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)  # the ConfigDict's type of the key is its field's: 1.0 may be set later

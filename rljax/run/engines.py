@@ -203,7 +203,7 @@ class EngineSet:
                 min_new_tokens_bucket=e.min_new_tokens_bucket,
                 max_model_len=e.max_model_len,
                 seed=self.seed,
-                prefix_sharing=e.prefix_sharing,
+                prefix_sharing=e.prefix_sharing == "auto",
                 in_flight_updates=e.in_flight_updates != "off",
             )
         else:

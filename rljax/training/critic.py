@@ -32,46 +32,37 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rljax import knobs
 from rljax.core.advantages import gae
 from rljax.core.losses import explained_variance, value_clipped_tokens, value_loss
+from rljax.knobs import knob
 from rljax.models.logprobs import packing_kwargs
 from rljax.models.value import values as model_values
+from rljax.training.optimizer import OptimizerConfig
 from rljax.training.step import TrainState, apply_gradients, context_scope
 from rljax.types import PackedBatch
 
 __all__ = ["CriticConfig", "CriticSection", "critic_step", "critic_values", "ppo_advantages"]
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class CriticConfig:
     """Hyperparameters of PPO's critic and advantages (hashable; static under jit).
-
-    Attributes:
-      gamma, lam: GAE discount and lambda.
-      whiten_advantages: whiten the GAE advantages over the mini-batch's trained tokens.
-      value_clip: clip range of the value loss around ``V_old`` (None = unclipped).
-      warmup_steps: RL steps that train only the critic (the policy is not updated).
 
     >>> CriticConfig(gamma=0.99).lam
     1.0
     """
 
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten_advantages: bool = True
-    value_clip: float | None = 0.2
-    warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+    gamma: float = knob(1.0, ge=0, le=1, doc="GAE discount")
+    lam: float = knob(1.0, ge=0, le=1, doc="GAE lambda")
+    whiten_advantages: bool = knob(True, doc="whiten the GAE advantages over the mini-batch's trained tokens")
+    value_clip: float | None = knob(
+        0.2, gt=0, doc="clip range of the value loss around ``V_old`` (None = unclipped)"
+    )
+    warmup_steps: int = knob(0, ge=0, doc="RL steps that train only the critic (the policy is not updated)")
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class CriticSection(CriticConfig):
     """A run's ``config.critic``: the :class:`CriticConfig` hyperparameters plus where the critic
     starts and how it is optimized.
@@ -82,19 +73,22 @@ class CriticSection(CriticConfig):
     :class:`rljax.training.optimizer.OptimizerConfig` give the critic its own AdamW.
     :meth:`hyperparameters` is the hashable :class:`CriticConfig` the jitted functions take.
 
-    Attributes:
-      hf_path: a value model to start from (HF checkpoint + ``value_head.safetensors``); empty = the
-        policy's initial weights with a fresh zero head.
-      learning_rate: the critic's learning rate (None = the run's).
-      optimizer: :class:`rljax.training.optimizer.OptimizerConfig` field overrides of the critic's AdamW.
-
     >>> CriticSection(gamma=0.99, learning_rate=1e-5).hyperparameters()
     CriticConfig(gamma=0.99, lam=1.0, whiten_advantages=True, value_clip=0.2, warmup_steps=0)
     """
 
-    hf_path: str = ""
-    learning_rate: float | None = None
-    optimizer: dict = dataclasses.field(default_factory=dict)
+    hf_path: str = knob(
+        "",
+        doc="a value model to start from (HF checkpoint + ``value_head.safetensors``); empty = the "
+        "policy's initial weights with a fresh zero head",
+    )
+    learning_rate: float | None = knob(None, gt=0, doc="the critic's learning rate (None = the run's)")
+    optimizer: dict = knob(
+        {},
+        overrides_of=OptimizerConfig,
+        doc=":class:`rljax.training.optimizer.OptimizerConfig` fields of the critic's AdamW that differ "
+        "from the run's ``optimizer``",
+    )
 
     def hyperparameters(self) -> CriticConfig:
         """The hashable :class:`CriticConfig` part of the section (what the jitted functions take)."""

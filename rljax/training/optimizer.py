@@ -23,7 +23,6 @@ update of an RL run); cosine holds ``lr_min`` after ``T``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import chex
@@ -31,10 +30,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rljax import knobs
+from rljax.knobs import knob
+
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class OptimizerConfig:
     """AdamW + schedule + clipping hyperparameters (frozen, hashable: usable as jit static data).
 
@@ -43,56 +45,40 @@ class OptimizerConfig:
     1.0. For 1-8B models common RL post-training practice (SkyRL / prime-rl / verl) is lr 1e-6 and
     weight decay 0.01, as the GPU recipes set.
 
-    Attributes:
-      learning_rate: peak learning rate.
-      schedule: ``"constant"`` or ``"cosine"`` (both after a linear warmup).
-      warmup_steps: optimizer steps of linear warmup (0 = none).
-      total_steps: optimizer steps at which cosine reaches ``min_lr_ratio * learning_rate``
-        (required for ``"cosine"``).
-      min_lr_ratio: final lr of the cosine schedule as a fraction of the peak.
-      b1, b2, eps: Adam moment decays and denominator epsilon.
-      weight_decay: decoupled weight decay (matrices only).
-      max_grad_norm: global-norm clipping threshold; ``None`` disables clipping.
-
     >>> OptimizerConfig(learning_rate=3e-6, schedule="cosine", total_steps=100).schedule
     'cosine'
+    >>> OptimizerConfig(b2=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: OptimizerConfig.b2: expected a number in [0, 1), got 1.0
     """
 
-    learning_rate: float = 2e-4
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
+    learning_rate: float = knob(2e-4, gt=0, doc="peak learning rate")
+    schedule: str = knob(
+        "constant", choices=SCHEDULES, doc="``constant`` or ``cosine``, both after a linear warmup"
+    )
+    warmup_steps: int = knob(0, ge=0, doc="optimizer steps of linear warmup (0 = none)")
+    total_steps: int | None = knob(
+        None,
+        ge=1,
+        doc="optimizer steps at which cosine reaches ``min_lr_ratio * learning_rate``; required for "
+        "``cosine`` (more than ``warmup_steps``)",
+    )
+    min_lr_ratio: float = knob(
+        0.0, ge=0, le=1, doc="final lr of the cosine schedule as a fraction of the peak"
+    )
+    b1: float = knob(0.9, ge=0, lt=1, doc="Adam's first-moment decay")
+    b2: float = knob(0.999, ge=0, lt=1, doc="Adam's second-moment decay")
+    eps: float = knob(1e-8, gt=0, doc="Adam's denominator epsilon")
+    weight_decay: float = knob(0.0, ge=0, doc="decoupled weight decay (matrices only)")
+    max_grad_norm: float | None = knob(1.0, gt=0, doc="global-norm clipping threshold (None = no clipping)")
 
     def __post_init__(self) -> None:
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if self.schedule == "cosine" and not (
-            isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps
-        ):
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ValueError(
-                f"schedule 'cosine' needs total_steps, an int > warmup_steps={self.warmup_steps}; "
-                f"got {self.total_steps!r}"
+                f"OptimizerConfig.total_steps: schedule 'cosine' needs total_steps, an int > "
+                f"warmup_steps={self.warmup_steps}; got {self.total_steps!r}"
             )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
-        if not (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0):
-            raise ValueError(f"b1 and b2 must lie in [0, 1), got b1={self.b1!r}, b2={self.b2!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm!r}")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> Callable[[chex.Numeric], jax.Array]:

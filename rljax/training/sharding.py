@@ -27,6 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from rljax import knobs
+from rljax.knobs import knob
 from rljax.models.context import CONTEXT_AXIS
 from rljax.models.sharding import DEFAULT_RULES, Rules, param_shardings
 
@@ -34,35 +36,22 @@ from rljax.models.sharding import DEFAULT_RULES, Rules, param_shardings
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
-@dataclasses.dataclass(frozen=True)
+@knobs.section
 class MeshConfig:
     """A run's ``config.mesh``: the size of each axis of :func:`make_mesh` (``expert`` None = no
     expert axis). A product of 1 means no mesh: the run trains on one device.
-
-    Attributes:
-      data: data-parallel size (batch rows; replicated parameters).
-      fsdp: fully sharded data-parallel size (batch rows; parameters and optimizer state sharded).
-      tensor: tensor-parallel size (heads and MLP columns).
-      expert: MoE expert-parallel size (None = no expert axis).
-      context: context-parallel size (each row's tokens split over devices).
 
     >>> MeshConfig(data=2, fsdp=2).size, MeshConfig().size
     (4, 1)
     """
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int | None = None
-    context: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in ("data", "fsdp", "tensor", "expert", "context"):
-            size = getattr(self, axis)
-            if size is None and axis == "expert":
-                continue
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{axis}: expected an int >= 1, got {size!r}")
+    data: int = knob(1, ge=1, doc="data-parallel size (batch rows; replicated parameters)")
+    fsdp: int = knob(
+        1, ge=1, doc="fully sharded data-parallel size (batch rows; parameters and optimizer state sharded)"
+    )
+    tensor: int = knob(1, ge=1, doc="tensor-parallel size (heads and MLP columns)")
+    expert: int | None = knob(None, ge=1, doc="MoE expert-parallel size (None = no expert axis)")
+    context: int = knob(1, ge=1, doc="context-parallel size (each row's tokens split over devices)")
 
     @property
     def size(self) -> int:

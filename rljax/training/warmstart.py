@@ -27,12 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from rljax import knobs
 from rljax.chat.base import Renderer
 from rljax.chat.session import ChatSession
 from rljax.data import StepBatch
 from rljax.data.merge import merge_steps
 from rljax.data.pack import pack
 from rljax.envs.base import Task
+from rljax.knobs import knob
+from rljax.training.optimizer import OptimizerConfig
 from rljax.types import Step
 
 __all__ = [
@@ -44,50 +47,57 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """Warm-start settings.
+#: OptimizerConfig fields the warm start sets itself (a constant learning rate, no warmup), with what
+#: to write instead of overriding them in ``WarmStartConfig.optimizer``.
+WARM_START_SET: dict[str, str] = {
+    "learning_rate": "set by the warm start; use warmstart.learning_rate",
+    "schedule": "the warm start's schedule is constant (no warmup)",
+    "warmup_steps": "the warm start's schedule is constant (no warmup)",
+    "total_steps": "the warm start's schedule is constant (no warmup)",
+}
 
-    Attributes:
-      num_steps: optimizer steps (0 disables the warm start).
-      batch_size: demonstrations (trajectories) per step.
-      learning_rate: its constant learning rate (the run's optimizer otherwise, with ``optimizer``
-        field overrides of :class:`rljax.training.optimizer.OptimizerConfig`).
-      corrupt_prob: probability that a demonstration's final answer is replaced by a wrong one.
-      corrupt_choices: the answers to corrupt with (a different one than the right answer).
-      seq_len: packed row length.
-      log_every: steps between log lines.
-      optimizer: :class:`rljax.training.optimizer.OptimizerConfig` field overrides of the warm
-        start's optimizer (the run's ``optimizer`` otherwise).
+
+@knobs.section
+class WarmStartConfig:
+    """Warm-start settings: a constant learning rate (``learning_rate``) with the run's optimizer
+    otherwise, whose other fields ``optimizer`` may override.
 
     The defaults are those of a run's ``config.warmstart`` (the default recipe's lookup task).
 
     >>> WarmStartConfig(num_steps=10, corrupt_choices=("red", "blue")).corrupt_prob
     0.6
+    >>> WarmStartConfig(optimizer={"weight_decay": 0.1}).optimizer
+    {'weight_decay': 0.1}
     """
 
-    num_steps: int = 400
-    batch_size: int = 32
-    learning_rate: float = 3e-3
-    corrupt_prob: float = 0.6
-    corrupt_choices: tuple[str, ...] = ("red", "blue", "green", "gold")
-    seq_len: int = 256
-    log_every: int = 20
-    optimizer: dict = dataclasses.field(default_factory=dict)
+    num_steps: int = knob(400, ge=0, doc="optimizer steps (0 disables the warm start)")
+    batch_size: int = knob(32, ge=1, doc="demonstrations (trajectories) per step")
+    learning_rate: float = knob(3e-3, gt=0, doc="the warm start's constant learning rate")
+    corrupt_prob: float = knob(
+        0.6, ge=0, le=1, doc="probability that a demonstration's final answer is replaced by a wrong one"
+    )
+    corrupt_choices: tuple[str, ...] = knob(
+        ("red", "blue", "green", "gold"),
+        doc="the answers to corrupt with (a different one than the right answer; at least two when "
+        "``corrupt_prob`` > 0)",
+    )
+    seq_len: int = knob(256, ge=1, doc="packed row length")
+    log_every: int = knob(20, ge=1, doc="steps between log lines")
+    optimizer: dict = knob(
+        {},
+        overrides_of=OptimizerConfig,
+        doc="fields of :class:`rljax.training.optimizer.OptimizerConfig` that the warm start's optimizer "
+        "takes instead of the run's ``optimizer`` (not the schedule: ``learning_rate`` above, constant)",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "batch_size", "seq_len", "log_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_steps" else 1):
-                raise ValueError(
-                    f"WarmStartConfig.{name} must be a non-negative int (>= 1 except num_steps), got {v!r}"
-                )
-        if not 0.0 <= self.corrupt_prob <= 1.0:
-            raise ValueError(f"WarmStartConfig.corrupt_prob must be in [0, 1], got {self.corrupt_prob!r}")
+        for key in self.optimizer:
+            if key in WARM_START_SET:
+                raise ValueError(f"WarmStartConfig.optimizer.{key}: {WARM_START_SET[key]}")
         object.__setattr__(self, "corrupt_choices", tuple(str(c) for c in self.corrupt_choices))
         if self.num_steps and self.corrupt_prob > 0 and len(self.corrupt_choices) < 2:
             raise ValueError(
-                "WarmStartConfig.corrupt_prob > 0 needs corrupt_choices with at least two answers "
+                "WarmStartConfig.corrupt_choices: corrupt_prob > 0 needs at least two answers "
                 f"(e.g. the env's colors); got {list(self.corrupt_choices)}"
             )
 

@@ -101,10 +101,10 @@ def test_rljax_adapter_loads_in_peft_and_merges(helpers, tmp_path, name):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(rank=0), "rank must be an int >= 1"),
-        (dict(alpha=-1.0), "alpha must be a finite number > 0"),
-        (dict(targets=("nope",)), "targets must be a non-empty subset"),
-        (dict(dropout=0.1), "dropout > 0 is not supported"),
+        (dict(rank=0), "rank: expected an int >= 1"),
+        (dict(alpha=-1.0), "alpha: expected a number > 0"),
+        (dict(targets=("nope",)), "targets: expected a non-empty subset"),
+        (dict(dropout=0.1), "dropout: > 0 is not supported"),
     ],
 )
 def test_bad_lora_configs(kwargs, match):

@@ -43,6 +43,9 @@ RECORDED = sorted({"default", *BEFORE["recipes"]} & set(recipe_names()))
 TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.init")
 #: Keys added after the record, with the defaults every recipe resolves them to.
 ADDED_KEYS = {"trainer.loss_only_logits": True, "trainer.eval_at_start": False}
+#: Keys whose values are spelled differently since the record, on purpose: the embedded sampler's
+#: prefix sharing takes the trainer's "auto" / "off" (the same idea on the sampler's side).
+RESPELLED = {"engine.prefix_sharing": {True: "auto", False: "off"}}
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +138,8 @@ def _expected_now(before):
                 continue
             flat.setdefault(f"{prefix}.{key}", value)
         flat.update(given)
+    for key, spellings in RESPELLED.items():
+        flat[key] = spellings[flat[key]]
     return {**flat, **ADDED_KEYS}
 
 
@@ -236,7 +241,9 @@ def test_the_recorded_configs_hold_what_the_recipe_files_state(name):
 
 
 def _sections(cls=RunConfig, path="config"):
-    """(path, class) of every dataclass section reachable from RunConfig (``envs`` by one name)."""
+    """(path, class) of every dataclass section reachable from RunConfig (``envs`` and
+    ``frozen_models`` by one name each)."""
+    from rljax.inference.frozen import FrozenModelConfig
     from rljax.run.config import EnvSection
 
     yield path, cls
@@ -246,10 +253,13 @@ def _sections(cls=RunConfig, path="config"):
         spec = knobs.knob_of(f)
         if spec is not None and spec.fields_of is not None:  # model.init: ModelConfig's fields
             yield f"{path}.{f.name}", spec.fields_of
+        elif spec is not None and spec.overrides_of is not None:  # e.g. warmstart.optimizer
+            yield f"{path}.{f.name}", spec.overrides_of
         elif dataclasses.is_dataclass(inner[0]):
             yield from _sections(inner[0], f"{path}.{f.name}")
     if cls is RunConfig:
         yield "config.envs.lookup", EnvSection
+        yield "config.frozen_models.teacher", FrozenModelConfig
 
 
 def _bad_values(field, hint):
@@ -285,13 +295,16 @@ CONSTRAINTS = _constraint_cases()
 
 def _raw(key, value):
     """A raw config setting ``key`` (``config.a.b``) to ``value``; a key of ``model.init`` is set in
-    the default recipe's ``init`` (a fresh model needs its shape whole)."""
+    the default recipe's ``init`` (a fresh model needs its shape whole), one of a frozen model next
+    to its (required) ``base_url``."""
     raw = {}
     node, *parts = raw, *key.split(".")[1:]
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     if parts[:-1] == ["model", "init"]:
         node.update(DEFAULT_INIT)
+    if parts[0] == "frozen_models" and len(parts) == 3:
+        node["base_url"] = "http://127.0.0.1:8001"
     node[parts[-1]] = value
     return raw
 
@@ -304,7 +317,11 @@ def test_the_sections_declare_their_constraints():
                 "engine.trainer_memory_fraction", "trainer.prefix_sharing", "trainer.old_logprobs",
                 "objective.kl_loss_coef", "objective.kl_estimator",
                 "model.init.model_type", "model.init.partial_rotary_factor",
-                "model.init.linear_num_value_heads"):  # fmt: skip
+                "model.init.linear_num_value_heads", "rollout.top_p", "rollout.on_error",
+                "optimizer.learning_rate", "optimizer.b2", "warmstart.corrupt_prob",
+                "warmstart.optimizer.weight_decay", "critic.gamma", "critic.optimizer.eps",
+                "lora.rank", "mesh.fsdp", "report.wandb.mode",
+                "frozen_models.teacher.timeout_s"):  # fmt: skip
         assert f"config.{key}" in keys, key
 
 
@@ -371,6 +388,13 @@ def test_optional_values_and_allowed_none_are_accepted():
         ("engine.supervisor", "health_intervall_s", "health_interval_s"),
         ("objective.off_policy", "tis_ratio", "tis_ratio_type"),
         ("model.init", "hidden_sise", "hidden_size"),
+        ("rollout", "group_sise", "group_size"),
+        ("optimizer", "lr", "learning_rate"),
+        ("warmstart.optimizer", "lr", "learning_rate"),
+        ("critic.optimizer", "weight_decy", "weight_decay"),
+        ("mesh", "fsdb", "fsdp"),
+        ("report.wandb", "projet", "project"),
+        ("frozen_models.teacher", "timout_s", "timeout_s"),
     ],
 )
 def test_unknown_keys_of_the_typed_sections_are_refused_with_did_you_mean(section, typo, close):
@@ -420,3 +444,82 @@ def test_numpy_scalars_are_numbers_and_an_int_knob_refuses_a_float():
     assert (cfg.num_layers, cfg.rms_norm_eps) == (2, np.float32(1e-5))
     with pytest.raises(ValueError, match=r"^ModelConfig.num_layers: expected an int >= 1, got 2.0$"):
         ModelConfig(**shape, num_layers=2.0)
+
+
+# -- the component sections: overrides of another section's fields, frozen models, old spellings --
+
+
+@pytest.mark.parametrize("key", ["learning_rate", "schedule", "warmup_steps", "total_steps"])
+def test_the_warm_start_refuses_overrides_of_what_it_sets_itself(key):
+    # the warm start passes its own learning rate and a constant schedule next to these overrides: an
+    # override of one of them was accepted here and then failed inside the warm start (a repeated
+    # keyword argument of the optimizer's config)
+    value = {"learning_rate": 1e-3, "schedule": "constant", "warmup_steps": 1, "total_steps": 10}[key]
+    with pytest.raises(ValueError) as e:
+        parse_run_config({"warmstart": {"optimizer": {key: value}}})
+    assert str(e.value).startswith(f"config.warmstart.optimizer.{key}: "), str(e.value)
+    if key == "learning_rate":
+        assert str(e.value).endswith("use warmstart.learning_rate")
+    # the critic's optimizer takes every field (its learning_rate too); each value is checked
+    cfg = parse_run_config({"critic": {"optimizer": {key: value}, "learning_rate": None}})
+    assert cfg.critic.optimizer == {key: value}
+
+
+def test_overrides_of_the_optimizer_are_typed_and_combined_with_the_run_optimizer():
+    cfg = parse_run_config({"warmstart": {"optimizer": {"weight_decay": 0, "max_grad_norm": None}}})
+    assert cfg.warmstart.optimizer == {"weight_decay": 0.0, "max_grad_norm": None}
+    assert isinstance(cfg.warmstart.optimizer["weight_decay"], float)
+    # a rule between fields of the combination: cosine over the run's total_steps=None
+    with pytest.raises(ValueError, match=r"^config.critic.optimizer: OptimizerConfig.total_steps: schedule"):
+        parse_run_config({"critic": {"optimizer": {"schedule": "cosine"}}})
+
+
+@pytest.mark.parametrize(
+    "entry, says",
+    [
+        ({"model": "m"}, "config.frozen_models.teacher.base_url: required"),
+        ({"base_url": "ftp://h:1"}, "config.frozen_models.teacher.base_url: frozen model base_url"),
+        ({"base_url": 8001}, "config.frozen_models.teacher.base_url: expected a string or a list or tuple"),
+        ({"base_url": "http://h:1", "max_retries": -1},
+         "config.frozen_models.teacher.max_retries: expected an int >= 0, got -1"),
+        ({"base_url": "http://h:1", "name": "other"}, "config.frozen_models.teacher.name: set by the run"),
+        ("http://h:1", "config.frozen_models.teacher: expected a mapping of FrozenModelConfig fields"),
+    ],
+)  # fmt: skip
+def test_a_frozen_model_mistake_names_its_key(entry, says):
+    with pytest.raises(ValueError) as e:
+        parse_run_config({"frozen_models": {"teacher": entry}})
+    assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+
+
+def test_frozen_models_are_kept_as_given_and_take_the_client_defaults():
+    from rljax.inference.frozen import FrozenModelConfig, frozen_models_from_config
+    from rljax.inference.vllm.client import ClientConfig
+
+    entry = {"base_url": "http://h:1/v1", "name": "teacher", "max_concurrency": 4}
+    cfg = parse_run_config({"frozen_models": {"teacher": entry}})
+    assert cfg.frozen_models == {"teacher": entry}
+    built = frozen_models_from_config(cfg.frozen_models)["teacher"]
+    assert built.base_url == ("http://h:1",) and built.max_concurrency == 4
+    client = ClientConfig()
+    for name in ("timeout_s", "connect_timeout_s", "max_retries", "backoff_s", "backoff_max_s", "cooldown_s"):
+        assert (
+            getattr(built, name)
+            == getattr(client, name)
+            == getattr(FrozenModelConfig("t", "http://h:1"), name)
+        )
+
+
+def test_engine_prefix_sharing_takes_the_trainers_values_and_its_old_bools():
+    from rljax.run.config import default_config
+
+    assert parse_run_config({}).engine.prefix_sharing == "auto"
+    assert parse_run_config({"engine": {"prefix_sharing": False}}).engine.prefix_sharing == "off"
+    assert parse_run_config({"engine": {"prefix_sharing": True}}).engine.prefix_sharing == "auto"
+    c = default_config()  # a config file of the earlier layout assigns a bool
+    c.engine.prefix_sharing = False
+    assert parse_run_config(c).engine.prefix_sharing == "off"
+    with pytest.raises(ValueError, match=r"^config.engine.prefix_sharing: expected one of \['auto', 'off'\]"):
+        parse_run_config({"engine": {"prefix_sharing": "on"}})
+    with pytest.raises(ValueError, match=r"^config.engine.prefix_sharing: expected a string, got 1$"):
+        parse_run_config({"engine": {"prefix_sharing": 1}})  # only the bools are old spellings

@@ -79,15 +79,15 @@ def test_schedule_matches_float64_reference(lr, schedule, warmup, extra, ratio, 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(learning_rate=0.0), "learning_rate must be > 0"),
-        (dict(schedule="linear"), "schedule must be one of"),
+        (dict(learning_rate=0.0), "OptimizerConfig.learning_rate: expected a number > 0, got 0.0"),
+        (dict(schedule="linear"), "schedule: expected one of"),
         (dict(schedule="cosine"), "needs total_steps"),
         (dict(schedule="cosine", warmup_steps=10, total_steps=10), "needs total_steps"),
-        (dict(warmup_steps=-1), "warmup_steps must be"),
-        (dict(min_lr_ratio=1.5), "min_lr_ratio"),
-        (dict(b2=1.0), "b1 and b2"),
-        (dict(max_grad_norm=0.0), "max_grad_norm must be > 0 or None"),
-        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(warmup_steps=-1), "warmup_steps: expected an int >= 0, got -1"),
+        (dict(min_lr_ratio=1.5), r"min_lr_ratio: expected a number in \[0, 1\]"),
+        (dict(b2=1.0), r"b2: expected a number in \[0, 1\)"),
+        (dict(max_grad_norm=0.0), "max_grad_norm: expected a number > 0 or None"),
+        (dict(weight_decay=-1.0), "weight_decay: expected a number >= 0"),
     ],
 )
 def test_config_errors(kwargs, match):

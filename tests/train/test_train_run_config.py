@@ -60,12 +60,15 @@ def test_every_recipe_parses(name):
         ({"envs": {}}, r"config.envs: empty"),
         ({"rollout": {"group_sizes": 2}}, r"config.rollout.group_sizes: unknown key"),
         ({"optimizer": {"lr": 1.0}}, r"config.optimizer.lr: unknown key"),
-        ({"warmstart": {"optimizer": {"lr": 1.0}}}, r"config.warmstart.optimizer.lr"),
+        (
+            {"warmstart": {"optimizer": {"lr": 1.0}}},
+            r"config.warmstart.optimizer.lr: unknown key; did you mean .learning_rate.",
+        ),
         ({"mesh": {"pipeline": 2}}, r"config.mesh.pipeline: unknown key"),
         ({"model": {"router_replay": "r2"}}, r"config.model.router_replay: expected one of"),
-        ({"lora": {"rank": 0}}, r"config.lora: LoRAConfig.rank"),
+        ({"lora": {"rank": 0}}, r"config.lora.rank: expected an int >= 1, got 0"),
         ({"lora": {"rnak": 4}}, r"config.lora.rnak: unknown key"),
-        ({"critic": {"value_clip": 0.0}}, r"config.critic: value_clip"),
+        ({"critic": {"value_clip": 0.0}}, r"config.critic.value_clip: expected a number > 0 or None"),
         (
             {"objective": {"moe_aux_loss_coef": -1.0}},
             r"config.objective.moe_aux_loss_coef: expected a number",
@@ -116,7 +119,7 @@ def test_every_recipe_parses(name):
         ({"trainer": {"micro_batch_tokens": 100}}, r"config.trainer.micro_batch_tokens: 100 is smaller"),
         ({"objective": {"reduction": "mean"}}, r"config.objective.reduction"),
         ({"trainer": {"prompts_per_step": 6, "mini_batch_prompts": 4}}, r"config.trainer.mini_batch_prompts"),
-        ({"frozen_models": {"t": {"url": "x"}}}, r"config.frozen_models"),
+        ({"frozen_models": {"t": {"url": "x"}}}, r"config.frozen_models.t.url: unknown key"),
         ({"env_algorithms": {"web": "rloo"}}, r"config.env_algorithms: names envs \['web'\]"),
         (
             {"trainer": {"mode": "later"}},
