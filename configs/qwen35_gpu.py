@@ -35,58 +35,23 @@ Why these choices:
 
 from ml_collections import config_dict
 
-from rljax.recipes import default
+from rljax.recipes import gpu_base
 
 
 def get_config() -> config_dict.ConfigDict:
-    """The default recipe set up for a Qwen3.5 checkpoint on GPUs (edit the paths and the mesh)."""
-    c = default.get_config()
-    c.model.update(
-        hf_path="/path/to/Qwen3.5-27B",
-        param_dtype="float32",
-        compute_dtype="bfloat16",
-        remat="full",
-        attention="auto",  # the full-attention layers: cuDNN's ragged fused attention on GPU
-    )
+    """The GPU base recipe set up for a Qwen3.5 checkpoint (edit the paths and the mesh)."""
+    c = gpu_base.get_config()
+    c.model.hf_path = "/path/to/Qwen3.5-27B"  # attention "auto": cuDNN for its full-attention layers
     c.tokenizer.name = "/path/to/Qwen3.5-27B"
     c.renderer.name = "generic"
-    c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
     c.mesh.update(data=1, fsdp=8, tensor=1, context=1)  # context must stay 1 (see above)
-    c.engine.update(
-        kind="vllm",
-        dtype="bfloat16",
-        urls=(),  # servers on their own GPUs; empty = launch locally
-        num_servers=1,
-        python="",
-        server=dict(
-            max_model_len=8192,
-            gpu_memory_utilization=0.85,
-            tensor_parallel_size=2,
-            max_num_seqs=256,
-            startup_timeout_s=1800.0,
-            chunked_prefill=True,  # needed by vLLM's prefix caching of hybrid (recurrent-state) models
-        ),
-        client=dict(max_concurrency=256, timeout_s=900.0),
-        sync=dict(probe_length=64, on_mismatch="retry"),
+    c.engine.server.update(
+        max_model_len=8192,
+        tensor_parallel_size=2,
+        startup_timeout_s=1800.0,
+        chunked_prefill=True,  # needed by vLLM's prefix caching of hybrid (recurrent-state) models
     )
-    c.rollout.update(group_size=16, max_turns=4, max_tokens=2048, max_context_len=8192, temperature=1.0)
-    c.warmstart.num_steps = 0
-    c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
-    clip_higher = dict(eps_low=0.2, eps_high=0.28)  # DAPO
-    c.algorithm = dict(name="grpo", policy_loss="ppo_clip", policy_loss_kwargs=clip_higher)
-    c.objective.off_policy.update(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
-    c.trainer.update(
-        old_logprobs="recompute",  # what "auto" chooses for ppo_clip + TIS, written out
-        num_steps=500,
-        mode="async",
-        max_off_policy_steps=1,
-        prompts_per_step=64,
-        mini_batch_prompts=16,
-        seq_len=16384,
-        micro_batch_tokens=16384,
-        truncate=False,
-        eval_every=25,
-        checkpoint_every=25,
-        keep_checkpoints=3,
-    )
+    c.engine.client.timeout_s = 900.0
+    c.rollout.update(max_tokens=2048, max_context_len=8192)
+    c.trainer.seq_len = 16384
     return c

@@ -30,59 +30,21 @@ says which old logprobs it uses; ``off_policy/is_ratio_mean`` / ``_max`` show th
 
 from ml_collections import config_dict
 
-from rljax.recipes import default
+from rljax.recipes import gpu_base
 
 
 def get_config() -> config_dict.ConfigDict:
-    """The default recipe set up for a Qwen3 checkpoint on GPUs (edit the paths and the mesh)."""
-    c = default.get_config()
+    """The GPU base recipe set up for a Qwen3 checkpoint (edit the paths and the mesh)."""
+    c = gpu_base.get_config()
     c.model.hf_path = "/path/to/Qwen3-0.6B"  # HF checkpoint directory (config.json + safetensors)
-    # attention "auto": cuDNN's ragged fused attention on GPU with bf16 compute ("xla" / "cudnn" to compare)
-    c.model.update(param_dtype="float32", compute_dtype="bfloat16", remat="full", attention="auto")
     c.tokenizer.name = "/path/to/Qwen3-0.6B"  # its tokenizer (tokenizer.json, chat template)
     c.renderer.name = "qwen3"
     c.renderer.kwargs = dict(retention="tool_cycle")
-    c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
     # product = number of trainer devices; context > 1 splits each row's tokens (long agent trajectories,
     # e.g. fsdp=2, context=4 for 32k-64k rows; trainer.seq_len must be a multiple of 2 * context)
     # with context > 1, model.context_attention="ring" passes K/V chunks device to device instead of
     # all-gathering them (XLA blocks instead of cuDNN; for meshes whose interconnect is the bottleneck)
     c.mesh.update(data=1, fsdp=8, tensor=1, context=1)
-    c.engine.update(
-        kind="vllm",
-        dtype="bfloat16",  # weights served (cast from the float32 master on every sync)
-        urls=(),  # e.g. ("http://10.0.0.2:8000", "http://10.0.0.3:8000"); empty = launch locally
-        num_servers=1,
-        server_devices=(),  # their own GPUs, e.g. ("4", "5", "6", "7"): num_servers=4, mesh fsdp=4 (launch/)
-        python="",
-        server=dict(
-            max_model_len=4096,
-            gpu_memory_utilization=0.85,  # of each server GPU (servers on GPUs the trainer does not use)
-            tensor_parallel_size=1,  # GPUs per server
-            max_num_seqs=256,
-            startup_timeout_s=1200.0,
-        ),
-        client=dict(max_concurrency=256, timeout_s=600.0),
-        sync=dict(probe_length=64, on_mismatch="retry"),  # atol: the bf16 default
-    )
-    c.rollout.update(group_size=16, max_turns=4, max_tokens=1024, max_context_len=4096, temperature=1.0)
-    c.warmstart.num_steps = 0  # a pretrained instruct model already knows the tool-call format
-    c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
-    clip_higher = dict(eps_low=0.2, eps_high=0.28)  # DAPO
-    c.algorithm = dict(name="grpo", policy_loss="ppo_clip", policy_loss_kwargs=clip_higher)
-    c.objective.off_policy.update(tis_ratio_type="token", token_tis_ratio_clip_high=2.0)
-    c.trainer.update(
-        old_logprobs="recompute",  # what "auto" chooses for ppo_clip + TIS, written out
-        num_steps=500,
-        mode="async",
-        max_off_policy_steps=1,
-        prompts_per_step=64,
-        mini_batch_prompts=16,
-        seq_len=8192,
-        micro_batch_tokens=16384,  # per data-parallel shard: 2 rows of 8192 at a time
-        truncate=False,
-        eval_every=25,
-        checkpoint_every=25,
-        keep_checkpoints=3,
-    )
+    # launched servers on their own GPUs, e.g. ("4", "5", "6", "7"): num_servers=4, mesh fsdp=4 (launch/)
+    c.engine.server_devices = ()
     return c

@@ -31,19 +31,15 @@ Why these choices:
 
 from ml_collections import config_dict
 
-from rljax.recipes import default
+from rljax.recipes import gpu_base
 
 
 def get_config() -> config_dict.ConfigDict:
-    """The default recipe set up for Qwen3-30B-A3B with GSPO and router replay (edit paths and mesh)."""
-    c = default.get_config()
+    """The GPU base recipe set up for Qwen3-30B-A3B with GSPO and router replay (edit paths and mesh)."""
+    c = gpu_base.get_config()
     c.model.update(
         hf_path="/path/to/Qwen3-30B-A3B",
-        param_dtype="float32",
-        compute_dtype="bfloat16",
-        remat="full",
         router_replay="r3",
-        attention="auto",  # cuDNN's ragged fused attention on GPU (bf16 compute)
         # with mesh.context > 1: "all_gather" (cuDNN blocks on the gathered keys) or "ring" (K/V passed
         # device to device, XLA blocks; for meshes whose interconnect is the bottleneck)
         context_attention="all_gather",
@@ -51,7 +47,6 @@ def get_config() -> config_dict.ConfigDict:
     c.tokenizer.name = "/path/to/Qwen3-30B-A3B"
     c.renderer.name = "qwen3"
     c.renderer.kwargs = dict(retention="tool_cycle")
-    c.envs.lookup.update(kwargs=dict(compact=False), num_train_tasks=20000, num_eval_tasks=256)
     c.algorithm = dict(name="grpo", policy_loss="gspo", policy_loss_kwargs=dict(eps_low=3e-4, eps_high=4e-4))
     c.trainer.old_logprobs = "recompute"  # what "auto" chooses for gspo + TIS, written out
     c.objective.update(
@@ -63,37 +58,13 @@ def get_config() -> config_dict.ConfigDict:
     # product = number of trainer devices; for 40k-token agent rows (SkyRL: CP 4 beside EP 8) add
     # context=4 (each row's tokens split over it, load-balanced; seq_len a multiple of 8)
     c.mesh.update(data=1, fsdp=2, tensor=1, expert=4, context=1)
-    c.engine.update(
-        kind="vllm",
-        dtype="bfloat16",
-        urls=(),  # servers on their own GPUs; empty = launch locally
-        num_servers=1,
-        python="",
-        server=dict(
-            max_model_len=8192,
-            gpu_memory_utilization=0.85,
-            tensor_parallel_size=4,
-            max_num_seqs=256,
-            startup_timeout_s=1800.0,
-            extra_args=("--enable-return-routed-experts", "--enable-expert-parallel"),
-        ),
-        client=dict(max_concurrency=256, timeout_s=900.0),
-        sync=dict(probe_length=64, on_mismatch="retry"),
+    c.engine.server.update(
+        max_model_len=8192,
+        tensor_parallel_size=4,
+        startup_timeout_s=1800.0,
+        extra_args=("--enable-return-routed-experts", "--enable-expert-parallel"),
     )
-    c.rollout.update(group_size=16, max_turns=4, max_tokens=2048, max_context_len=8192, temperature=1.0)
-    c.warmstart.num_steps = 0
-    c.optimizer.update(learning_rate=1e-6, schedule="constant", warmup_steps=10, weight_decay=0.01)
-    c.trainer.update(
-        num_steps=500,
-        mode="async",
-        max_off_policy_steps=1,
-        prompts_per_step=64,
-        mini_batch_prompts=16,
-        seq_len=16384,
-        micro_batch_tokens=16384,
-        truncate=False,
-        eval_every=25,
-        checkpoint_every=25,
-        keep_checkpoints=3,
-    )
+    c.engine.client.timeout_s = 900.0
+    c.rollout.update(max_tokens=2048, max_context_len=8192)
+    c.trainer.seq_len = 16384
     return c

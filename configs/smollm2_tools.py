@@ -36,7 +36,9 @@ def get_config() -> config_dict.ConfigDict:
     c.envs = config_dict.ConfigDict(
         {"calculator": dict(env="calculator", agent="", num_train_tasks=1024, num_eval_tasks=48)}
     )
-    c.warmstart.update(num_steps=30, corrupt_prob=0.5, corrupt_choices=WRONG_PRODUCTS)
+    # a demonstration is ~270 tokens: rows of 576 hold two (rows of 512 held one, half of it padding)
+    c.warmstart.update(num_steps=16, seq_len=576, corrupt_prob=0.5, corrupt_choices=WRONG_PRODUCTS)
     c.rollout.update(max_turns=3, max_tokens=48, max_context_len=512)
-    c.trainer.update(num_steps=40, eval_every=5)
+    # eval_at_start: the warm-started model's held-out score is step 0 of the curve (the baseline)
+    c.trainer.update(num_steps=20, eval_every=5, eval_at_start=True)
     return c
