@@ -212,7 +212,7 @@ def test_sft_nll_of_teacher_samples_falls(teacher, tmp_path):
 
 
 def test_opsd_gap_to_the_demonstration_conditioned_self_falls(tmp_path):
-    c = _config(algorithm="opsd", steps=10)
+    c = _config(algorithm="opsd", steps=4)
     t = Trainer(c, tmp_path)
     # a student with peaked (context-sensitive) distributions, so the demonstration matters to it
     t.state = TrainState.create(_peaked(_student(t), seed=77), t.state.config)

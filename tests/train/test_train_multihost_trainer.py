@@ -2,7 +2,7 @@
 gloo collectives on 127.0.0.1) against the same command in one process with 8 devices.
 
 * equal runs: the same tasks, samples and rewards every step (rollouts split by process, gathered),
-  losses and parameters after 4 steps equal within float tolerance (only the order of cross-process
+  losses and parameters after 3 steps equal within float tolerance (only the order of cross-process
   reductions differs); process 0 alone writes the metrics, every process its own log file;
 * ``kill -9`` of process 0 right after checkpoint 1 commits (``RLJAX_FAULT``, so at exactly that
   point, not whenever a poll sees the checkpoint): process 1 exits non-zero within the heartbeat
@@ -38,7 +38,7 @@ from rljax.training import checkpoint
 pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # rljax train x 2
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-NUM_STEPS = 4
+NUM_STEPS = 3  # an eval at step 2; the killed run resumes from checkpoint 1 for two more steps
 RUN_TIMEOUT_S = 420
 HEARTBEAT_S = 10
 # opsd: ref_kl toward the live policy scored with the task's demonstration in the prompt, so every
