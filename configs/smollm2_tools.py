@@ -12,7 +12,18 @@ The base model never calls the tool (1 of 96 replies measured even tried; it wri
 a product), so a short warm start teaches the format on demonstrations from ``env.solution``
 (call, result, answer), whose final answer is replaced by a wrong number half the time; the
 warm-started model (checkpoint ``step_0``) is the baseline, and GRPO must make it copy the tool's
-result instead of a memorized number. Train, evaluate the baseline, or train through the gateway::
+result instead of a memorized number. The run evaluates the warm-started model first
+(``trainer.eval_at_start``: the row of step 0).
+
+Measured (2 CPU cores, AMD EPYC, 2026-12-05; ``eval/pass@1`` on the 48 held-out products, 4 samples
+each at temperature 0.7; ``benchmarks/smollm2_agents.py``)::
+
+    seed  step 0  step 5  step 10  RL time to step 10  whole run    peak RSS
+    0     0.802   -       0.990    23.2 min            45 min 18 s  11.0 GiB  (shared, load ~4; stopped at 10)
+    1     0.365   0.979   0.979    14.2 min            32 min 9 s   11.3 GiB  (quiet after the warm start)
+
+The train reward is 0.99-1.0 from step 4-5 on: the recipe's 20 steps leave room, not a need.
+Train, evaluate the baseline, or train through the gateway::
 
     rljax train --config=smollm2_tools --workdir=/tmp/smollm2_tools
     rljax eval --config=smollm2_tools --checkpoint=/tmp/smollm2_tools/checkpoints/step_0   # the baseline

@@ -156,7 +156,7 @@ def test_expert_targets_config_and_errors(tmp_path):
     cfg = lora.LoRAConfig(targets=("experts", "q_proj", "mlp.experts.down_proj"))
     assert cfg.targets == ("experts.gate_up_proj", "experts.down_proj", "q_proj")
     assert cfg.module_targets == ("q_proj",) and cfg.expert_targets == lora.EXPERT_TARGETS
-    with pytest.raises(ValueError, match="targets must be a non-empty subset"):
+    with pytest.raises(ValueError, match="targets: expected a non-empty subset"):
         lora.LoRAConfig(targets=("experts.up_proj",))
     with pytest.raises(ValueError, match="name MoE expert stacks: the model has none"):
         lora.apply_lora(models.tiny_model(), lora.LoRAConfig(targets=("experts",)), rngs=nnx.Rngs(0))
