@@ -199,7 +199,7 @@ def _interrupted_line(workdir: pathlib.Path) -> str:
     """What ``rljax train`` prints when interrupted: the checkpoint a ``--resume`` continues from."""
     from rljax.training.checkpoint import latest_step
 
-    step = latest_step(workdir / "checkpoints") if (workdir / "checkpoints").is_dir() else None
+    step = latest_step(workdir / "checkpoints")  # None without one (a missing directory included)
     if step is None:
         return f"interrupted: no checkpoint was written in {workdir}"
     return (
