@@ -105,7 +105,9 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def read_rows(workdir: pathlib.Path) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl``."""
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line]
+    from rljax.report.metrics import JSONL_NAME, read_jsonl
+
+    return read_jsonl(workdir / JSONL_NAME)
 
 
 def step0_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
