@@ -83,6 +83,7 @@ from rljax.report.records import PreparationTrace
 from rljax.rollout import RolloutResult
 from rljax.run.builders import build_model, build_tokenizer
 from rljax.run.config import config_record
+from rljax.run.interrupt import InterruptLatch
 from rljax.run.report import RunSinks, eval_metrics, rollout_step_metrics
 from rljax.run.run import Run, mini_batch_groups
 from rljax.run.streaming import trained_tokens
@@ -147,6 +148,7 @@ class Trainer:
         self.trace: PreparationTrace | None = None
         self.history: list[dict[str, Any]] = []
         self.watchdog: Watchdog | None = None  # while run() runs (trainer.stall_timeout_s > 0)
+        self.interrupts = InterruptLatch()  # Ctrl-C stops the run even when a gc callback swallowed it
         self.save_errors = 0  # checkpoints that failed to save (trainer.on_save_error="continue")
 
     # -- the run's parts are read as ``trainer.parts.<name>`` (scheduler, engines, env_tasks, ...) ----
@@ -266,27 +268,30 @@ class Trainer:
         if self.cfg.trainer.stall_timeout_s > 0:
             self.watchdog = trainer_watchdog(self, self.cfg.trainer.stall_timeout_s).start()
         try:
-            resumed = self._restore() if self.resume else None
-            self.sinks = RunSinks(
-                self.workdir,
-                resume_step=resumed,
-                table_keys=self.cfg.trainer.table_keys,
-                enabled=is_main_process(),
-                report=self.cfg.report,
-                config=config_record(self.cfg),
-                resume=self.resume,
-            )
-            try:
-                return self._run(resumed)
-            finally:
-                self.sinks.close()
+            with self.interrupts:
+                resumed = self._restore() if self.resume else None
+                self.sinks = RunSinks(
+                    self.workdir,
+                    resume_step=resumed,
+                    table_keys=self.cfg.trainer.table_keys,
+                    enabled=is_main_process(),
+                    report=self.cfg.report,
+                    config=config_record(self.cfg),
+                    resume=self.resume,
+                )
+                try:
+                    return self._run(resumed)
+                finally:
+                    self.sinks.close()
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
             self.parts.close()
 
     def _beat(self, phase: str) -> None:
-        """Tells the watchdog the run made progress (``phase`` names it in a stall report)."""
+        """Tells the watchdog the run made progress (``phase`` names it in a stall report); a Ctrl-C
+        that arrived since and was swallowed (see :mod:`rljax.run.interrupt`) stops the run here."""
+        self.interrupts.check()
         if self.watchdog is not None:
             self.watchdog.beat(phase)
 
