@@ -24,10 +24,11 @@ problems; step 0 is ``rljax eval`` of ``checkpoints/step_0``, the base model)::
     0     0.33    0.67    0.795   0.83     0.825    24 min 3 s  13.4 GiB   (machine shared, load 5-11)
     1     0.32    0.645   0.72    0.79     0.85     11 min 13 s 13.8 GiB   (machine quiet)
 
-so held-out pass@1 rises by 0.33 within 4 steps (4-13 minutes) and by about 0.5 by step 16. The
-training step (about 3,800 packed tokens, three quarters of them the 44-token prompts) is most of
-the time; its memory is mostly the activations of the tokens the decoder computes (the chunked LM
-head recomputes the vocabulary's logits in the backward pass; docs/results.md).
+so held-out pass@1 rises by 0.33 within 4 steps (4-13 minutes) and by about 0.5 by step 16. Those
+runs predate loss-only logits, prefix trees and micro-batches: today (AMD EPYC, 2026-12-05, seed 1)
+the train step computes 2,048 tokens instead of about 3,800 (a group's 44-token prompt once),
+trains them 256 at a time (``micro_batch_tokens``: as fast as all at once, 2.9 GiB less), and the
+run peaks at 3.99 GiB of RSS with the same curve (0.645 / 0.705 / 0.79 / 0.865; docs/results.md).
 
     rljax train --config=smollm2_cpu --workdir=/tmp/smollm2
     rljax eval --config=smollm2_cpu --checkpoint=/tmp/smollm2/checkpoints/step_0   # the base model
@@ -45,7 +46,10 @@ smollm2_path = smollm2_base.smollm2_path
 def get_config() -> config_dict.ConfigDict:
     """GRPO on arithmetic with SmolLM2-135M-Instruct and the embedded sampler."""
     c = smollm2_base.get_config()  # its task is this recipe's; these are the values measured below
+    # measured on this recipe's own step (benchmarks/train_tokens_bench.py, docs/results.md): rows of
+    # 128 trained two at a time (micro_batch_tokens 256) are as fast as the whole step at once and
+    # hold 2.9 GiB less; on a CPU remat saves little (XLA:CPU keeps the activations live) and costs time
     c.model.remat = "none"
     c.rollout.update(max_turns=1, max_tokens=24, max_context_len=128)
-    c.trainer.update(num_steps=16, seq_len=128, micro_batch_tokens=0, eval_every=4, checkpoint_every=8)
+    c.trainer.update(num_steps=16, seq_len=128, micro_batch_tokens=256, eval_every=4, checkpoint_every=8)
     return c

@@ -9,7 +9,13 @@ unpacked forward of a tiny Llama, and up to ~3e-6 at |logp| < 2. ``LOGPROB_TOL``
 real error such as a shifted position, a wrong mask or a missed temperature (>= 1e-2 in these
 tests). Use it for comparisons of two float32 computations of log-probabilities; keep tighter
 bounds where a test compares bit-identical programs.
+
+And what two runs that train alike never share: the metrics that measure the machine.
 """
 
 #: ``np.testing.assert_allclose(actual, desired, **LOGPROB_TOL)`` for float32 log-probabilities.
 LOGPROB_TOL = dict(atol=1e-5, rtol=1e-5)
+
+#: Prefixes of metric keys that measure the machine, not the run (seconds, rates, the process's
+#: resident memory): tests that compare two runs' rows leave these keys out.
+MEASURED_METRIC_PREFIXES = ("time", "throughput", "memory/host_")

@@ -1015,6 +1015,29 @@ class EmbeddedSampler:
         self._weights = (*self._served(graphdef, state), new_version)
         return new_version
 
+    def release_weights(self) -> None:
+        """Lets go of the served weights (the decode-layout copy: about a model's size of memory)
+        until the next :meth:`set_weights` / :meth:`update_weights`. A sync run calls this while it
+        trains: no request samples a version after its rollout. Batches already running keep the
+        weights they started with; requests arriving meanwhile fail with an error that says so.
+
+        >>> from rljax.models.tiny import tiny_model
+        >>> model = tiny_model(vocab_size=32, num_layers=1)
+        >>> sampler = EmbeddedSampler(model)
+        >>> sampler.release_weights()
+        >>> sampler.weight_version, sampler.holds_weights
+        (0, False)
+        >>> asyncio.run(sampler.update_weights(model, version=1)), sampler.holds_weights
+        (1, True)
+        """
+        graphdef, _, version = self._weights
+        self._weights = (graphdef, None, version)
+
+    @property
+    def holds_weights(self) -> bool:
+        """False between :meth:`release_weights` and the next weight load."""
+        return self._weights[1] is not None
+
     async def update_weights(self, model: Any, *, version: int | None = None) -> int:
         """:class:`Engine` method: :meth:`set_weights`; with ``in_flight_updates`` it then waits until
         every running batch decodes with the new weights (at its next segment boundary) or is done."""
@@ -1107,6 +1130,11 @@ class EmbeddedSampler:
 
     def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         graphdef, state, version = self._weights
+        if state is None:
+            raise RuntimeError(
+                f"the sampler released the weights of version {version} (release_weights) and has not "
+                "loaded a version since; update_weights loads one"
+            )
         n = len(prompts)
         rows = bucket_size(n, minimum=self.min_batch_bucket)
         tokens, segments, shared, row_segments = self._prompt_arrays(prompts, rows)

@@ -181,11 +181,14 @@ class EngineSet:
         self._frozen: dict[tuple[str, int], tuple[Worker, FrozenModel]] = {}
 
     # -- the policy engine -------------------------------------------------------------------------
-    def start_policy(self, model: Any, *, lora_rank: int | None = None) -> Any:
+    def start_policy(self, model: Any, *, lora_rank: int | None = None, version: int | None = None) -> Any:
         """Creates the policy engine on ``model``'s weights (unless one was given); returns it.
 
         ``lora_rank``: locally launched vLLM servers also take runtime LoRA adapters up to this rank
-        (:func:`lora_server_args`; the Tinker API loads its clients' adapters into them)."""
+        (:func:`lora_server_args`; the Tinker API loads its clients' adapters into them).
+        ``version``: the weight version ``model`` is; the embedded sampler then serves it as that
+        version from the start (the first :meth:`serve` of it does nothing: no second decode copy).
+        vLLM servers get their first sync regardless (it verifies them)."""
         if self.policy is not None:
             return self.policy
         if not _written(model):
@@ -205,7 +208,9 @@ class EngineSet:
                 seed=self.seed,
                 prefix_sharing=e.prefix_sharing == "auto",
                 in_flight_updates=e.in_flight_updates != "off",
+                weight_version=version or 0,
             )
+            self._served_version = version
         else:
             self.policy = self._start_vllm(model, lora_rank)
         return self.policy
@@ -288,6 +293,22 @@ class EngineSet:
         from rljax.models.lora import lora_state
 
         return self.config.lora_sync == "adapter" and bool(jax.tree.leaves(lora_state(model)))
+
+    def release_policy_weights(self) -> bool:
+        """Lets the policy engine go of the weights it serves, where it can (the embedded sampler;
+        a vLLM server keeps its own): the next :meth:`serve` loads a version again. Returns whether
+        it did. For sync runs between a rollout and the next version (see the trainer)."""
+        release = getattr(self.policy, "release_weights", None)
+        if release is None:
+            return False
+        release()
+        self._served_version = None
+        return True
+
+    @property
+    def served_version(self) -> int | None:
+        """The weight version the policy engine serves (None before the first :meth:`serve`)."""
+        return self._served_version
 
     async def serve(self, version: int, model: Any) -> None:
         """Makes the policy engine sample with ``model`` as weight ``version`` (no-op if it does).

@@ -727,7 +727,7 @@ class Run:
     def start_engines(self, version: int) -> None:
         """Starts the policy engine on the weights of ``version`` (recorded with :meth:`sync_weights`)."""
         self._refresh_frozen_local()
-        self.engines.start_policy(self.served_model(self.scheduler.served[version]))
+        self.engines.start_policy(self.served_model(self.scheduler.served[version]), version=version)
 
     def sync_weights(self, version: int, *, wait: bool = False) -> None:
         """Records the current policy as weight ``version``: rollouts of that version sample it (the
@@ -736,6 +736,16 @@ class Run:
         self.scheduler.add_version(version, self.snapshot())
         if wait:
             self.rollout_worker.submit(lambda: self.scheduler.serve(version)).result()
+
+    def release_served_weights(self) -> bool:
+        """Lets the policy engine go of the version it serves, where it can (the embedded sampler);
+        the scheduler's next serve loads one again. Returns whether it did. A sync run calls this
+        between a rollout and its train step: that version is never sampled again."""
+
+        async def job() -> bool:
+            return self.engines.release_policy_weights()
+
+        return self.rollout_worker.submit(job).result()
 
     def sample(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         """Completions of token-id ``prompts`` from the policy engine (what it serves now)."""

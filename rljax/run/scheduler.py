@@ -169,12 +169,31 @@ class RolloutScheduler:
             return result
         return merge_rollout_results(allgather_objects(result))
 
+    @property
+    def holds_served_only_once(self) -> bool:
+        """One process without lag: a version is sampled by one rollout (and its eval) only, so once
+        the engine serves it neither the scheduler nor, after that rollout, the engine need keep it."""
+        return self.lag == 0 and self.process_count == 1
+
     async def serve(self, version: int) -> None:
-        """Makes the policy engine serve weight ``version`` (every process's engine, in step)."""
+        """Makes the policy engine serve weight ``version`` (every process's engine, in step).
+
+        A one-process run without lag (``lag == 0``) lets go of the version's parameters once the
+        engine serves them: no other rollout, and no checkpoint, needs them, and the engine holds
+        its own copy (the embedded sampler's decode layout, a vLLM server's weights), so keeping
+        them would hold the policy twice more than needed (a model's size of host memory)."""
+        if version not in self.served:  # let go of after it was served: the engine still serves it
+            if self.engines.served_version != version:
+                raise RuntimeError(f"weight version {version} is no longer held and the engine serves "
+                                   f"{self.engines.served_version}")  # fmt: skip
+            return
         await self.engines.serve(version, self.to_model(self.served[version]))
         if self.process_count > 1:  # every process's engine holds the version before any samples it
             await asyncio.to_thread(barrier, f"rljax_serve_v{version}_{self._serves}")
         self._serves += 1
+        if self.holds_served_only_once:
+            del self.behavior[version]
+            _release(self.served.pop(version), main=True)
 
     # -- rollouts --------------------------------------------------------------------------------------
     async def run_rollout(self, tasks: Sequence[Task], engine: Any, config: Any) -> RolloutResult:

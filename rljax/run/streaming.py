@@ -482,6 +482,11 @@ class StreamingScheduler(RolloutScheduler):
         self._counts_reported = (0, 0, 0)  # stale / no-variance drops and skipped draws reported before
 
     # -- versions ---------------------------------------------------------------------------------------
+    @property
+    def holds_served_only_once(self) -> bool:
+        """Never: the stream samples a version for as long as it is the newest."""
+        return False
+
     def needed_versions(self, step: int) -> list[int]:
         """None: a resumed stream restarts every group on the checkpoint's weights."""
         return []

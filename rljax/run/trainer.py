@@ -91,6 +91,7 @@ from rljax.run.tasks import TaskIterator
 from rljax.run.watchdog import Watchdog, trainer_watchdog
 from rljax.training import checkpoint as ckpt
 from rljax.training.distributed import is_main_process
+from rljax.training.memory import host_memory_bytes, release_freed_host_memory
 from rljax.training.step import TrainState
 
 __all__ = ["TaskIterator", "Trainer", "build_model", "build_tokenizer", "check_rollout_logprobs", "train"]
@@ -353,6 +354,9 @@ class Trainer:
             self._beat(f"step {n + 1}: waiting for its rollout")
             result, version_metrics = sched.result(n)
             self._beat(f"step {n + 1}: rollout received")
+            if sched.holds_served_only_once:  # nothing samples version n again: its copy goes while training
+                parts.release_served_weights()
+            release_freed_host_memory()  # what sampling freed goes back before the step's buffers come
             rollout_wait = time.perf_counter() - step_start
             sched.fill(n + 1 + sched.lag)  # async: rollouts n+1..n+lag start now, sampling theta_{<= n}
             train_start = time.perf_counter()
@@ -437,6 +441,7 @@ class Trainer:
         self._print_old_logprobs()
         parts.sync_weights(start)
         parts.start_engines(start)
+        release_freed_host_memory()  # what loading, the warm start and checkpoint 0 freed
         self._beat(f"engines started on version {start}")
         if resumed is None and t.eval_at_start and parts.env_tasks.eval:
             self._eval_start(run_start)
@@ -483,6 +488,8 @@ class Trainer:
             metrics["checkpoint/save_errors"] = float(self.save_errors)
         metrics["time/step_s"] = time.perf_counter() - step_start
         metrics["time/elapsed_s"] = time.perf_counter() - run_start
+        release_freed_host_memory()  # before the reading: what the step freed is not counted as held
+        metrics.update({f"memory/{k}": v for k, v in host_memory_bytes().items()})
         metrics["throughput/samples_per_s"] = metrics["rollout/num_trajectories"] / metrics["time/step_s"]
         if t.mode == "fully_async":
             metrics["async/train_tokens_per_s"] = trained_tokens(result.batch) / metrics["time/step_s"]
@@ -509,6 +516,7 @@ class Trainer:
             self.save_errors += 1
             logger.error("%s; training goes on (trainer.on_save_error='continue')", e)
             print(f"checkpoint step_{step} NOT saved: {e}", flush=True)
+        release_freed_host_memory()  # orbax's host copies of the state
         self._beat(f"checkpoint step_{step}")
         return time.perf_counter() - start
 

@@ -856,12 +856,30 @@ def _decode_config(obj: dict[str, Any]) -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
+class _UncompressedArrays(ocp.StandardCheckpointHandler):
+    """orbax's handler of array trees, writing the arrays without zstd compression.
+
+    Float weights and optimizer moments barely compress (a few percent), but compressing them holds
+    a second, compressed copy of every array in memory while it is written: +1.4 GiB of peak RSS
+    and three times the time for a 1.5 GiB state (measured on the CPU backend). Checkpoints
+    written compressed (by earlier versions) restore unchanged: each array's codec is recorded
+    with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        impl = getattr(self, "_impl", None)
+        if not isinstance(impl, ocp.PyTreeCheckpointHandler):  # an orbax that is laid out otherwise
+            raise RuntimeError("orbax's StandardCheckpointHandler no longer wraps a PyTreeCheckpointHandler")
+        self._impl = ocp.PyTreeCheckpointHandler(use_compression=False)
+
+
 def _checkpointer() -> ocp.Checkpointer:
     """A synchronous orbax checkpointer that knows the handler of every item (quiet partial reads)."""
     registry = ocp.DefaultCheckpointHandlerRegistry()
     for name in ("params", "opt_state"):
-        registry.add(name, ocp.args.StandardSave)
-        registry.add(name, ocp.args.StandardRestore)
+        handler = _UncompressedArrays()
+        registry.add(name, ocp.args.StandardSave, handler)
+        registry.add(name, ocp.args.StandardRestore, handler)
     for name in _JSON_ITEMS:
         registry.add(name, ocp.args.JsonSave)
         registry.add(name, ocp.args.JsonRestore)

@@ -29,6 +29,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from tolerances import MEASURED_METRIC_PREFIXES
 from xla_flags import subprocess_env
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -79,8 +80,8 @@ def rows(workdir: pathlib.Path) -> list[dict]:
 
 
 def deterministic(row: dict) -> dict:
-    """A metrics row without wall-clock measurements."""
-    return {k: v for k, v in row.items() if not k.startswith(("time", "throughput"))}
+    """A metrics row without the wall-clock and resident-memory measurements."""
+    return {k: v for k, v in row.items() if not k.startswith(MEASURED_METRIC_PREFIXES)}
 
 
 def rollouts(workdir: pathlib.Path) -> dict[int, list[dict]]:

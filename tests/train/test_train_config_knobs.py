@@ -87,8 +87,9 @@ _SMOLLM2_BASE_WARMSTART = {
 }
 _GONE = object()  # a key a recipe no longer sets
 CHANGED_SINCE_RECORD = {
-    "smollm2_cpu": _SMOLLM2_BASE_WARMSTART,
-    "smollm2_vllm": _SMOLLM2_BASE_WARMSTART,
+    # measured: rows of 128 two at a time are as fast as the whole step and hold 2.9 GiB less
+    "smollm2_cpu": {**_SMOLLM2_BASE_WARMSTART, "trainer.micro_batch_tokens": 256},
+    "smollm2_vllm": {**_SMOLLM2_BASE_WARMSTART, "trainer.micro_batch_tokens": 256},  # smollm2_cpu's
     # qwen35_gpu takes qwen3_gpu's off-policy setup (its TIS under dppo was refused at parse time)
     "qwen35_gpu": {
         "algorithm": _GONE,

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 import pytest
 from tensorboard_events import scalars as tb_scalars
+from tolerances import MEASURED_METRIC_PREFIXES
 from xla_flags import xla_flags
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -181,8 +182,8 @@ def rollouts(workdir: pathlib.Path) -> dict[int, list[dict]]:
 
 
 def tensorboard(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """What TensorBoard shows of the run's scalars, wall-clock tags left out."""
-    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(("time", "throughput"))}
+    """What TensorBoard shows of the run's scalars, the machine's measurements left out."""
+    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(MEASURED_METRIC_PREFIXES)}
 
 
 def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):

@@ -118,6 +118,9 @@ def test_advantage_metrics_have_one_name_for_every_algorithm(tmp_path):
     row = history[-1]
     assert "advantage/mean" in row and "advantage/abs_mean" in row
     assert not [k for k in row if k.startswith("advantage/") and k.count("/") > 1]
+    # every row carries the process's resident memory (the peak since start-up, at least today's
+    # within the kernel's counter lag: tests/train/test_train_host_memory.py)
+    assert row["memory/host_peak_rss_bytes"] >= row["memory/host_rss_bytes"] - 4 * 2**20 > 100 * 2**20
 
 
 def test_advantage_sums_weigh_rl_tokens():

@@ -254,6 +254,56 @@ def test_needed_behaviour_versions(tmp_path):
     assert [sched.needed_versions(s) for s in (0, 1, 5)] == [[], [0], [3, 4]]
 
 
+def test_without_lag_a_served_version_is_let_go_of_and_serving_it_again_is_a_no_op(tmp_path):
+    """Sync mode: once the engine serves version v, no rollout or checkpoint needs the trainer's
+    copy of v, so the scheduler drops it (a model's size of host memory); with lag it is kept."""
+    parts = Trainer(_config("smoke"), tmp_path).parts
+    sched = parts.scheduler
+
+    def serve(version: int) -> None:
+        parts.rollout_worker.submit(lambda: sched.serve(version)).result()
+
+    try:
+        parts.sync_weights(0)
+        parts.start_engines(0)
+        assert set(sched.served) == {0}
+        serve(0)
+        assert sched.served == {} and sched.behavior == {} and parts.engines.served_version == 0
+        serve(0)  # the eval and the step's rollout both serve the version: the second does nothing
+        parts.sync_weights(1)
+        serve(1)
+        assert sched.served == {} and parts.engines.served_version == 1
+        with pytest.raises(RuntimeError, match="version 0 is no longer held and the engine serves 1"):
+            serve(0)
+        sched.lag = 1  # async: rollouts of later steps may still sample a served version
+        parts.sync_weights(2)
+        serve(2)
+        assert set(sched.served) == {2} and set(sched.behavior) == {2}
+    finally:
+        parts.close()
+
+
+def test_a_sync_run_trains_while_the_sampler_holds_no_weights(tmp_path):
+    """Sync mode: version n is never sampled after rollout n, so the embedded sampler lets go of it
+    during the train step (its decode copy: a model's size of memory) and the next serve loads
+    version n + 1; an eval or rollout afterwards samples normally."""
+    c = _config("smoke")
+    c.trainer.update(num_steps=3, eval_every=2, checkpoint_every=0)
+    t = Trainer(c, tmp_path)
+    parts, held = t.parts, []
+    train = parts.train
+
+    def recording_train(*args, **kwargs):
+        held.append(parts.engines.policy.holds_weights)
+        return train(*args, **kwargs)
+
+    parts.train = recording_train
+    rows = t.run()
+    assert held and not any(held)
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [2, 3]  # evals after release: served
+    assert parts.engines.served_version == 3 and parts.engines.policy.holds_weights
+
+
 def test_vllm_and_gpu_configs_load():
     v = _config("vllm_local")
     assert v.engine.kind == "vllm" and v.model.init.head_dim == 64

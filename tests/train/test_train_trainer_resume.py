@@ -18,6 +18,7 @@ import sys
 import pytest
 from recipes import load_recipe
 from tensorboard_events import scalars as tb_scalars
+from tolerances import MEASURED_METRIC_PREFIXES
 from xla_flags import subprocess_env
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -43,8 +44,8 @@ def _records(workdir: pathlib.Path) -> dict[int, dict]:
 
 
 def _deterministic(rec: dict) -> dict:
-    """Everything but wall-clock measurements."""
-    return {k: v for k, v in rec.items() if not k.startswith(("time", "throughput"))}
+    """Everything but the wall-clock and resident-memory measurements."""
+    return {k: v for k, v in rec.items() if not k.startswith(MEASURED_METRIC_PREFIXES)}
 
 
 def _assert_same(a: dict, b: dict, *, skip_eval: bool = False) -> None:
@@ -165,8 +166,8 @@ def _rollouts(workdir: pathlib.Path) -> dict[int, list[dict]]:
 
 
 def _tensorboard(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """What TensorBoard shows of the run's scalars, wall-clock tags left out."""
-    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(("time", "throughput"))}
+    """What TensorBoard shows of the run's scalars, the machine's measurements left out."""
+    return {k: v for k, v in tb_scalars(workdir / "tb").items() if not k.startswith(MEASURED_METRIC_PREFIXES)}
 
 
 @pytest.fixture(scope="module")
