@@ -75,21 +75,31 @@ def pad_rows(batch: PackedBatch, num_rows: int) -> PackedBatch:
 
 
 def split_by_token_budget(
-    batch: PackedBatch, *, micro_batch_tokens: int, data_parallel: int = 1
+    batch: PackedBatch, *, micro_batch_tokens: int, data_parallel: int = 1, min_micro_batches: int = 1
 ) -> PackedBatch:
     """``[R, L]`` -> ``[k, r, L]`` micro-batches of at most ``micro_batch_tokens`` tokens per
     data-parallel shard (see the module docstring); consecutive rows per micro-batch, empty rows
     padding the last.
 
     ``data_parallel`` must divide ``R`` (the packer's ``data_parallel``), so sharding rows of each
-    micro-batch over the data-parallel devices stays exact.
+    micro-batch over the data-parallel devices stays exact. ``min_micro_batches``: at least this many
+    (``k = max(ceil(R / r), min_micro_batches)``), the extra ones all empty rows: a trainer keeps
+    ``k``, and so its compiled step, when a mini-batch packs into fewer rows than an earlier one
+    (:func:`rljax.training.step.train_mini_batch` skips empty micro-batches).
+
+    >>> from rljax.data.pack import pack
+    >>> from rljax.types import Step
+    >>> batch = pack([Step([1, 2], [3, 4], ("q", 0))], seq_len=4).batch
+    >>> micro = split_by_token_budget(batch, micro_batch_tokens=4, min_micro_batches=3)
+    >>> micro.tokens.shape, micro.segment_ids[:, 0, 0].tolist()
+    ((3, 1, 4), [1, 0, 0])
     """
     rows, seq_len = (int(n) for n in np.shape(batch.tokens)[:2])
     if rows % data_parallel:
         raise ValueError(f"{rows} rows are not a multiple of data_parallel={data_parallel}")
     r = micro_batch_rows(seq_len=seq_len, micro_batch_tokens=micro_batch_tokens, data_parallel=data_parallel)
     r = min(r, rows)
-    k = -(-rows // r)
+    k = max(-(-rows // r), min_micro_batches)
     padded = pad_rows(batch, k * r)
     return PackedBatch(
         **{

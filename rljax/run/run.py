@@ -252,6 +252,7 @@ class Run:
         self.np_rng = np.random.default_rng(derive_seed(cfg.seed, 0xB47C))  # mini-batch shuffles
         self._pending: tuple[Any, dict[str, Any]] | None = None  # forward_backward's summed grads
         self._step_memory: dict[Any, dict[str, float]] = {}
+        self._most_micro_batches: dict[int, int] = {}  # per row length: the most micro-batches of a step
         self.engines: EngineSet | None = None
         self.scheduler: RolloutScheduler | None = None
         if rollouts:
@@ -634,13 +635,17 @@ class Run:
         (``train_mini_batch``)."""
         budget = self.cfg.trainer.micro_batch_tokens
         rows, seq_len = np.shape(batch.tokens)
-        stacked = (
-            bool(budget)
-            and micro_batch_rows(seq_len=seq_len, micro_batch_tokens=budget, data_parallel=self.data_parallel)
-            < rows
-        )
+        dp = self.data_parallel
+        r = micro_batch_rows(seq_len=seq_len, micro_batch_tokens=budget, data_parallel=dp) if budget else 0
+        # as many micro-batches as the most this row length had so far: a mini-batch that packs into
+        # fewer rows reuses the compiled step (the empty micro-batches are skipped) instead of compiling
+        most = self._most_micro_batches.get(seq_len, 0)
+        stacked = bool(budget) and (r < rows or most > 0)
         if stacked:
-            batch = split_by_token_budget(batch, micro_batch_tokens=budget, data_parallel=self.data_parallel)
+            batch = split_by_token_budget(
+                batch, micro_batch_tokens=budget, data_parallel=dp, min_micro_batches=most
+            )
+            self._most_micro_batches[seq_len] = int(np.shape(batch.tokens)[0])
         # the loss-token buffer's size, from the host rows (every process holds them all)
         self.state = with_logit_capacity(self.state, batch)
         if self.mesh is not None:

@@ -634,7 +634,9 @@ def train_mini_batch(
     of the micro-batches are summed in float32 (``lax.scan``, one micro-batch of activations alive at
     a time), then applied once. ``counts`` are the :func:`mini_batch_counts` of the whole mini-batch;
     the result equals :data:`train_step` on the unsplit batch. Metrics are summed over micro-batches
-    (the objective's metrics are additive). ``state`` is donated.
+    (the objective's metrics are additive). ``state`` is donated. Micro-batches of empty rows only
+    are skipped (``lax.cond``): a caller may append them to keep ``k``, and so the compiled program,
+    the same when a mini-batch packs into fewer rows (:class:`rljax.run.run.Run` does).
 
     >>> from rljax.data.pack import pack
     >>> from rljax.models import Decoder, ModelConfig
@@ -660,7 +662,18 @@ def train_mini_batch(
         total = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, grads)
         return _constrain(state, total, like="params"), metrics
 
-    total, stacked = jax.lax.scan(accumulate, zeros, micro_batches)
+    metric_shapes = jax.eval_shape(accumulate, zeros, jax.tree.map(lambda x: x[0], micro_batches))[1]
+
+    def skip(total: nnx.State, micro: PackedBatch) -> tuple[nnx.State, dict[str, jax.Array]]:
+        # neutral for the reductions below: 0 for sums, -inf for maxima
+        neutral = {k: -jnp.inf if k in MAX_METRICS else 0.0 for k in metric_shapes}
+        return total, {k: jnp.full(m.shape, neutral[k], m.dtype) for k, m in metric_shapes.items()}
+
+    def step(total: nnx.State, micro: PackedBatch) -> tuple[nnx.State, dict[str, jax.Array]]:
+        # a micro-batch of empty rows only (padding: see rljax.data.micro_batch) adds nothing: skipped
+        return jax.lax.cond(jnp.any(micro.segment_ids != 0), accumulate, skip, total, micro)
+
+    total, stacked = jax.lax.scan(step, zeros, micro_batches)
     grads = jax.tree.map(lambda t, p: t.astype(p.dtype), total, state.params)
     # objective metrics are additive over micro-batches, except the maxima (MAX_METRICS)
     metrics = {k: (jnp.max if k in MAX_METRICS else jnp.sum)(m, axis=0) for k, m in stacked.items()}

@@ -97,3 +97,20 @@ def test_micro_batching_bounds_activation_memory():
     # the figure is the executable's: same shapes, same bytes (deterministic)
     again = compiled_memory(train_mini_batch, dataclasses.replace(state), micro, counts)
     assert again["step_temp_bytes"] == per_2_rows
+
+
+def test_appended_empty_micro_batches_change_nothing(batches, whole_run):
+    """``min_micro_batches`` appends micro-batches of empty rows (a trainer keeps its compiled step
+    when a mini-batch packs into fewer rows); the step skips them: the same as the whole batch."""
+    want_params, want_metrics = whole_run
+    state = TrainState.create(tf.make_model(0), CONFIG)
+    for batch, want in zip(batches, want_metrics, strict=True):
+        micro = split_by_token_budget(batch, micro_batch_tokens=4 * L, min_micro_batches=5)
+        assert micro.tokens.shape[:2] == (5, 4) and not micro.segment_ids[2:].any()
+        state, m = train_mini_batch(state, micro, mini_batch_counts(micro, OBJ))
+        for key in ("loss", "loss/rl", "loss/ce", "grad_norm", "tokens/rl", "entropy"):
+            np.testing.assert_allclose(float(m[key]), want[key], rtol=1e-5, atol=1e-7)
+        for key in set(m) & set(want):  # a maximum over micro-batches ignores the skipped ones too
+            assert np.isfinite(float(m[key])) == np.isfinite(want[key]), key
+    for got, ref in zip(tf.params_numpy(state), want_params, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

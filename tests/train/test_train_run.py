@@ -164,3 +164,27 @@ def test_damaged_checkpoint_is_never_trained_from_or_served(tmp_path):
         evaluate_checkpoint(c, tmp_path / "checkpoints" / "step_3")
     with pytest.raises(CheckpointCorruptedError, match=r"step_3 is damaged.*checksum mismatch"):
         export_checkpoint(tmp_path / "checkpoints" / "step_3", tmp_path / "export")
+
+
+def test_a_mini_batch_of_fewer_rows_reuses_the_compiled_micro_batched_step(tmp_path):
+    """With ``trainer.micro_batch_tokens``, a mini-batch that packs into fewer rows than an earlier one
+    (shorter responses late in a run) keeps the micro-batch count: no new compilation."""
+    from rljax.training.step import train_mini_batch, train_step
+
+    run = Run(_config(micro_batch_tokens=32, seq_len=32), tmp_path)  # one row per micro-batch
+    try:
+        steps, _ = _batch(run, seed=2)
+        advantages = [np.linspace(-1, 1, len(s.response_ids), dtype=np.float32) for s in steps]
+        wide = pack(steps, seq_len=32, advantages=advantages).batch
+        narrow = jax.tree.map(lambda x: x[:1], wide)  # its first row only: whole samples
+        assert np.shape(wide.tokens)[0] > 1
+        def compiled() -> int:
+            return train_step.jitted._cache_size() + train_mini_batch.jitted._cache_size()
+
+        run.train(wide, algorithm="grpo")
+        before = compiled()
+        m = run.train(narrow, algorithm="grpo")
+        assert compiled() == before
+        assert m["tokens/rl"] == float(np.sum(np.asarray(narrow.loss_mask) != 0))
+    finally:
+        run.close()
