@@ -178,6 +178,7 @@ def test_a_mini_batch_of_fewer_rows_reuses_the_compiled_micro_batched_step(tmp_p
         wide = pack(steps, seq_len=32, advantages=advantages).batch
         narrow = jax.tree.map(lambda x: x[:1], wide)  # its first row only: whole samples
         assert np.shape(wide.tokens)[0] > 1
+
         def compiled() -> int:
             return train_step.jitted._cache_size() + train_mini_batch.jitted._cache_size()
 
