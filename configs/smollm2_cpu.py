@@ -28,7 +28,8 @@ so held-out pass@1 rises by 0.33 within 4 steps (4-13 minutes) and by about 0.5 
 runs predate loss-only logits, prefix trees and micro-batches: today (AMD EPYC, 2026-12-05, seed 1)
 the train step computes 2,048 tokens instead of about 3,800 (a group's 44-token prompt once),
 trains them 256 at a time (``micro_batch_tokens``: as fast as all at once, 2.9 GiB less), and the
-run peaks at 3.99 GiB of RSS with the same curve (0.645 / 0.705 / 0.79 / 0.865; docs/results.md).
+run peaks at 3.99 GiB of RSS with the same curve (0.645 / 0.705 / 0.79 / 0.865; docs/results.md);
+on an Intel Xeon (AVX-512) 5 min 16 s and 4.00 GiB (0.645 / 0.72 / 0.79 / 0.85).
 
     rljax train --config=smollm2_cpu --workdir=/tmp/smollm2
     rljax eval --config=smollm2_cpu --checkpoint=/tmp/smollm2/checkpoints/step_0   # the base model
