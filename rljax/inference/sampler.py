@@ -1128,13 +1128,19 @@ class EmbeddedSampler:
             return int(self._rng.integers(0, 2**32))
         return int(sampling.seed) % 2**32
 
-    def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    def _held_weights(self) -> tuple[Any, Any, int]:
+        """``(graphdef, state, version)`` of the weights a batch samples; an error after
+        :meth:`release_weights` until a version is loaded again."""
         graphdef, state, version = self._weights
         if state is None:
             raise RuntimeError(
                 f"the sampler released the weights of version {version} (release_weights) and has not "
                 "loaded a version since; update_weights loads one"
             )
+        return graphdef, state, version
+
+    def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        graphdef, state, version = self._held_weights()
         n = len(prompts)
         rows = bucket_size(n, minimum=self.min_batch_bucket)
         tokens, segments, shared, row_segments = self._prompt_arrays(prompts, rows)

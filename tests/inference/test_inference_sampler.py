@@ -574,3 +574,16 @@ def test_engine_errors_reach_every_caller(sampler, monkeypatch):
 
     results = asyncio.run(two())
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+def test_released_weights_refuse_requests_until_a_version_is_loaded(model):
+    """Between ``release_weights`` and the next load a request fails with an error naming both; after
+    ``update_weights`` the sampler samples that version again."""
+    released = EmbeddedSampler(model)
+    params = [SamplingParams(temperature=0.0, max_tokens=3)]
+    before = generate_batch(released, [[1, 2, 3]], params)
+    released.release_weights()
+    with pytest.raises(RuntimeError, match="released the weights of version 0.*update_weights loads one"):
+        generate_batch(released, [[1, 2, 3]], params)
+    assert asyncio.run(released.update_weights(model, version=1)) == 1
+    assert generate_batch(released, [[1, 2, 3]], params)[0].ids == before[0].ids  # greedy, same weights
