@@ -54,9 +54,10 @@ XLA on this machine), ``off`` (``"out_in"``: XLA, what ``RLJAX_PANEL_MATMUL=0`` 
 (``"panels"``: the kernel in the widest instruction set, as ``RLJAX_PANEL_MATMUL=1``), ``avx2`` /
 ``avx512`` (the kernel in that instruction set) and ``noshare`` (``auto`` with
 ``prefix_sharing=False``: with ``--group-size`` it shows what prefilling a group's prompt once
-saves), interleaved pass by pass in one process; it prints which layout auto chose, the kernel's
-timed choice and the seconds of every pass. With ``--layouts`` the defaults are the ``--tunix``
-workload (29M Qwen3, 32 prompts x (64 + 128) tokens).
+saves), ``keys_t`` / ``keys_s`` (``auto`` with the KV cache's keys transposed / slot-major,
+``RLJAX_TRANSPOSED_KEYS=1`` / ``0``), interleaved pass by pass in one process; it prints which
+layouts auto chose, the kernel's and the key layout's timed choices and the seconds of every pass.
+With ``--layouts`` the defaults are the ``--tunix`` workload (29M Qwen3, 32 prompts x (64 + 128) tokens).
 
 Usage::
 
@@ -101,6 +102,7 @@ from rljax.models import (
     save_pretrained,
     sequence_logprobs,
 )
+from rljax.models import key_layout as key_layout_lib
 from rljax.models import panel_matmul as panel_matmul_lib
 from rljax.models.panel_matmul import available as panel_matmul_available
 from rljax.models.panel_matmul import pack_panels, panel_matmul
@@ -510,29 +512,32 @@ def compare_tunix(
 
 #: ``--layouts`` names -> ``(EmbeddedSampler(kernel_layout=...), RLJAX_PANEL_MATMUL at its construction
 #: or None, prefix_sharing)``.
+#: ``--layouts`` arms: (kernel_layout, RLJAX_PANEL_MATMUL, prefix_sharing, RLJAX_TRANSPOSED_KEYS).
 LAYOUT_ARMS = {
-    "auto": ("auto", None, True),
-    "off": ("out_in", None, True),
-    "on": ("panels", "1", True),
-    "avx2": ("panels", "avx2", True),
-    "avx512": ("panels", "avx512", True),
-    "noshare": ("auto", None, False),
+    "auto": ("auto", None, True, None),
+    "off": ("out_in", None, True, None),
+    "on": ("panels", "1", True, None),
+    "avx2": ("panels", "avx2", True, None),
+    "avx512": ("panels", "avx512", True, None),
+    "noshare": ("auto", None, False, None),
+    "keys_t": ("auto", None, True, "1"),
+    "keys_s": ("auto", None, True, "0"),
 }
 
 
 @contextlib.contextmanager
-def _panel_switch(value: str | None) -> Any:
-    """``RLJAX_PANEL_MATMUL=value`` for the block (None: as it is)."""
-    old = os.environ.get("RLJAX_PANEL_MATMUL")
+def _env_switch(name: str, value: str | None) -> Any:
+    """``$name=value`` for the block (None: as it is)."""
+    old = os.environ.get(name)
     if value is not None:
-        os.environ["RLJAX_PANEL_MATMUL"] = value
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("RLJAX_PANEL_MATMUL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["RLJAX_PANEL_MATMUL"] = old
+            os.environ[name] = old
 
 
 def compare_layouts(
@@ -544,7 +549,7 @@ def compare_layouts(
     load = _sibling("tunix_peer").load_average
     samplers: dict[str, EmbeddedSampler] = {}
     for name in args.layouts:
-        layout, switch, sharing = LAYOUT_ARMS[name]
+        layout, switch, sharing, keys = LAYOUT_ARMS[name]
         if layout == "panels" and switch not in panel_matmul_lib.supported_isas() + ("1",):
             print(
                 f"  {name}: not measured (the kernel runs {panel_matmul_lib.supported_isas()} here)",
@@ -554,7 +559,7 @@ def compare_layouts(
         if layout == "panels" and not panel_matmul_available():
             print(f"  {name}: not measured ({panel_matmul_lib.unavailable_reason()})", flush=True)
             continue
-        with _panel_switch(switch):
+        with _env_switch("RLJAX_PANEL_MATMUL", switch), _env_switch("RLJAX_TRANSPOSED_KEYS", keys):
             samplers[name] = EmbeddedSampler(
                 model, max_batch_size=args.num_prompts, batch_wait_ms=5.0, min_prompt_bucket=16,
                 kernel_layout=layout, prefix_sharing=sharing,
@@ -562,10 +567,14 @@ def compare_layouts(
     if "auto" in samplers:
         auto = samplers["auto"]
         print(
-            f"  auto chose kernel_layout={auto.kernel_layout!r} (kernel_isa={auto.kernel_isa!r})", flush=True
+            f"  auto chose kernel_layout={auto.kernel_layout!r} (kernel_isa={auto.kernel_isa!r}, "
+            f"transposed_keys={auto.transposed_keys})",
+            flush=True,
         )
     if panel_matmul_available() and os.environ.get("RLJAX_PANEL_MATMUL", "auto") in ("", "auto"):
         print(f"  {panel_matmul_lib.timed_choice().describe()}", flush=True)
+    if os.environ.get("RLJAX_TRANSPOSED_KEYS", "auto") in ("", "auto"):
+        print(f"  {key_layout_lib.timed_choice().describe()}", flush=True)
 
     def one_pass(name: str) -> float:
         start = time.perf_counter()
@@ -592,7 +601,9 @@ def compare_layouts(
         if name != base:
             ratio = float(np.median(np.divide(seconds[base], seconds[name])))
             versus = f"; {base} / {name}: {ratio:.2f}x (median per pass pair)"
-        arm = " ".join(x for x in (samplers[name].kernel_layout, samplers[name].kernel_isa) if x)
+        sampler = samplers[name]
+        keys = "transposed keys" if sampler.transposed_keys else "slot-major keys"
+        arm = " ".join(x for x in (sampler.kernel_layout, sampler.kernel_isa, keys) if x)
         print(f"  {name} ({arm}): {passes} s per pass, median {median:.2f} s "
               f"({tokens / median:,.0f} tokens/s){versus}", flush=True)  # fmt: skip
     return seconds

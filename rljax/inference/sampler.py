@@ -54,6 +54,7 @@ from flax import nnx
 from rljax.inference.engine import Completion, SamplingParams
 from rljax.models.decode import SharedPrefix, decode_step, prefill
 from rljax.models.decode_layout import decode_layout
+from rljax.models.key_layout import use_transposed_keys
 from rljax.models.kv_cache import EMPTY_SLOT, grow_cache
 from rljax.models.panel_matmul import available as panel_matmul_available
 from rljax.models.panel_matmul import kernel_isa, use_panels
@@ -768,13 +769,15 @@ _JITTED_RECOMPUTE = jax.jit(_recompute_program, static_argnums=(0, 5, 6), donate
 KERNEL_LAYOUTS = ("auto", "in_out", "out_in", "panels")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _decode_state(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
-    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout, isa))
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _decode_state(
+    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None, transposed_keys: bool = False
+) -> Any:
+    return nnx.state(decode_layout(nnx.merge(graphdef, state), layout, isa, transposed_keys=transposed_keys))
 
 
 def to_decode_layout(
-    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None
+    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None, transposed_keys: bool = False
 ) -> tuple[Any, Any]:
     """``(graphdef, state)`` of the sampler's decode-time copy of the model, a
     :class:`rljax.models.decode_layout.DecodeModel` with its Linear kernels stored for decoding
@@ -783,14 +786,21 @@ def to_decode_layout(
 
     Stored, not transposed inside the generation program: XLA:CPU folds an in-program transpose
     back into the matmul and the gain is lost (``benchmarks/generation_bench.py`` prints the
-    weight-matmul floor with each stored layout).
+    weight-matmul floor with each stored layout). ``transposed_keys``: the copy's KV caches store
+    the keys transposed (:attr:`rljax.models.decode_layout.DecodeModel.transposed_keys`).
     """
-    return decode_graphdef(graphdef, state, layout, isa), _decode_state(graphdef, state, layout, isa)
+    return (
+        decode_graphdef(graphdef, state, layout, isa, transposed_keys),
+        _decode_state(graphdef, state, layout, isa, transposed_keys),
+    )
 
 
-def decode_graphdef(graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None) -> Any:
+def decode_graphdef(
+    graphdef: Any, state: Any, layout: str = "out_in", isa: str | None = None, transposed_keys: bool = False
+) -> Any:
     """The graphdef of :func:`to_decode_layout`'s model (traced abstractly: no arrays are made)."""
-    return nnx.graphdef(nnx.eval_shape(lambda s: decode_layout(nnx.merge(graphdef, s), layout, isa), state))
+    relaid = lambda s: decode_layout(nnx.merge(graphdef, s), layout, isa, transposed_keys=transposed_keys)  # noqa: E731
+    return nnx.graphdef(nnx.eval_shape(relaid, state))
 
 
 def auto_kernel_layout(model: Any) -> str:
@@ -832,7 +842,10 @@ class EmbeddedSampler:
         ``"auto"`` (default, :func:`auto_kernel_layout`): ``"panels"`` where that kernel is
         available and measured faster than XLA on this machine (timed once, cached), else
         ``"out_in"`` on CPU, and ``"in_out"`` elsewhere (the copy would hold the weights twice in
-        accelerator memory). 29M Qwen3, 32 x (64 + 128) tokens: see docs/results.md.
+        accelerator memory). 29M Qwen3, 32 x (64 + 128) tokens: see docs/results.md. With a copy
+        (``"out_in"`` / ``"panels"``), its KV caches store the keys transposed where that was
+        measured faster on this machine (:attr:`transposed_keys`,
+        :func:`rljax.models.key_layout.use_transposed_keys`).
       decode_segments: most segments of a call's decode loop (:func:`generate_tokens`): each
         segment's steps attend only to the cache slots filled by its end, so more segments mean
         less attention work per step and a longer compile (one more decode step per segment).
@@ -909,6 +922,9 @@ class EmbeddedSampler:
         self.kernel_layout = kernel_layout
         #: the panel kernel's instruction set (``"avx2"`` / ``"avx512"``) with ``"panels"``, else None.
         self.kernel_isa = kernel_isa() if kernel_layout == "panels" else None
+        #: whether the decode-time copy's KV caches store the keys transposed (``"out_in"`` /
+        #: ``"panels"`` only: :func:`rljax.models.key_layout.use_transposed_keys`).
+        self.transposed_keys = kernel_layout != "in_out" and use_transposed_keys()
         sizes = dict(
             max_batch_size=max_batch_size,
             min_batch_bucket=min_batch_bucket,
@@ -968,10 +984,10 @@ class EmbeddedSampler:
         if self.kernel_layout != "in_out":
             layout = self.kernel_layout
             served = self._decode_graphdefs.get(graphdef)
-            isa = self.kernel_isa
+            how = (layout, self.kernel_isa, self.transposed_keys)
             if served is None:  # traced once per model graphdef, not on every weight sync
-                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, layout, isa)
-            return served, _decode_state(graphdef, state, layout, isa)
+                served = self._decode_graphdefs[graphdef] = decode_graphdef(graphdef, state, *how)
+            return served, _decode_state(graphdef, state, *how)
         return graphdef, _snapshot(state)
 
     @property

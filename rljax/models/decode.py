@@ -89,6 +89,7 @@ def prefill(
     cache_dtype: jnp.dtype | None = None,
     with_routing: bool = False,
     shared_prefix: SharedPrefix | None = None,
+    transposed_keys: bool | None = None,
 ) -> DecodeOutput:
     """Runs the prompts through the model into a fresh cache (jitted; shape checks run eagerly).
 
@@ -106,6 +107,9 @@ def prefill(
         on top; the cache has the prefix in slots ``[0, Pp)`` and ``tokens`` in ``[Pp, Pp + T)``,
         exactly as if ``concat(prefix, tokens)`` had been prefilled row by row (``positions`` must
         be None: they count each row's valid tokens). The routing then covers all ``Pp + T`` slots.
+      transposed_keys: the cache stores keys ``[B*K, D, S]`` (:class:`rljax.models.KVCache`);
+        default the model's ``transposed_keys`` attribute (the sampler's decode-time copy,
+        :class:`rljax.models.decode_layout.DecodeModel`, carries its choice), else False.
 
     Returns:
       ``DecodeOutput(logits, cache, routing)``: float32 ``[B, V]`` next-token logits after each
@@ -134,14 +138,19 @@ def prefill(
         raise ValueError(f"prompt length {length} exceeds the cache max_length {max_length}")
     if segment_ids is None:
         segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+    if transposed_keys is None:
+        transposed_keys = bool(getattr(model, "transposed_keys", False))
+    static = dict(max_length=max_length, cache_dtype=cache_dtype, with_routing=with_routing,
+                  transposed_keys=bool(transposed_keys))  # fmt: skip
     if shared_prefix is not None:
-        return _prefill_shared(model, tokens, segment_ids, shared_prefix, max_length=max_length,
-                               cache_dtype=cache_dtype, with_routing=with_routing)  # fmt: skip
-    return _prefill(model, tokens, segment_ids, positions, max_length=max_length, cache_dtype=cache_dtype,
-                    with_routing=with_routing)  # fmt: skip
+        return _prefill_shared(model, tokens, segment_ids, shared_prefix, **static)
+    return _prefill(model, tokens, segment_ids, positions, **static)
 
 
-@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype", "with_routing"))
+_STATIC = ("max_length", "cache_dtype", "with_routing", "transposed_keys")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill(
     model: Decoder,
     tokens: jax.Array,
@@ -151,16 +160,17 @@ def _prefill(
     max_length: int,
     cache_dtype: jnp.dtype | None,
     with_routing: bool,
+    transposed_keys: bool = False,
 ) -> DecodeOutput:
     cache = init_cache(model.config, batch_size=tokens.shape[0], max_length=max_length,
-                       dtype=cache_dtype or model.dtype)  # fmt: skip
+                       dtype=cache_dtype or model.dtype, transposed_keys=transposed_keys)  # fmt: skip
     out = model.decode(tokens, cache, positions=positions, segment_ids=segment_ids, with_routing=with_routing)
     last = last_valid_index(segment_ids)
     last_hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
     return DecodeOutput(model.logits(last_hidden), out.cache, out.routing)
 
 
-@functools.partial(jax.jit, static_argnames=("max_length", "cache_dtype", "with_routing"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill_shared(
     model: Decoder,
     tokens: jax.Array,
@@ -170,11 +180,13 @@ def _prefill_shared(
     max_length: int,
     cache_dtype: jnp.dtype | None,
     with_routing: bool,
+    transposed_keys: bool = False,
 ) -> DecodeOutput:
     """:func:`prefill` with a :class:`SharedPrefix`: the prefixes once, copied to their rows, then the
     rows' own tokens on top (a row without any keeps its prefix's logits)."""
     prefix = _prefill(model, shared.tokens, shared.segment_ids, None, max_length=max_length,
-                      cache_dtype=cache_dtype, with_routing=with_routing)  # fmt: skip
+                      cache_dtype=cache_dtype, with_routing=with_routing,
+                      transposed_keys=transposed_keys)  # fmt: skip
     rows = shared.rows.astype(jnp.int32)
     logits = jnp.take(prefix.logits, rows, axis=0)
     cache = take_rows(prefix.cache, rows)

@@ -108,14 +108,21 @@ class DecodeModel(nnx.Module):
         ``nnx.Param``), multiplied by the kernel (instruction set ``isa``) in :meth:`logits`; None
         keeps the decoder's own output matmul.
       isa: the kernel's instruction set for ``unembedding_panels``.
+      transposed_keys: the KV caches :func:`rljax.models.prefill` makes for this model store the keys
+        transposed (:class:`rljax.models.KVCache`).
     """
 
     def __init__(
-        self, decoder: Decoder, unembedding_panels: nnx.Param | None = None, isa: str = "avx2"
+        self,
+        decoder: Decoder,
+        unembedding_panels: nnx.Param | None = None,
+        isa: str = "avx2",
+        transposed_keys: bool = False,
     ) -> None:
         self.decoder = decoder
         self.unembedding_panels = unembedding_panels
         self.isa = isa
+        self.transposed_keys = bool(transposed_keys)
 
     @property
     def config(self) -> Any:
@@ -141,7 +148,9 @@ class DecodeModel(nnx.Module):
         return self.logits(self.decoder.hidden_states(tokens, **kwargs).hidden)
 
 
-def decode_layout(model: Decoder, layout: str = "out_in", isa: str | None = None) -> DecodeModel:
+def decode_layout(
+    model: Decoder, layout: str = "out_in", isa: str | None = None, *, transposed_keys: bool = False
+) -> DecodeModel:
     """``model`` with its :class:`Linear` kernels stored for the sampler's decode loop (see the module
     docstring for the layouts), as a :class:`DecodeModel`; same outputs up to float rounding.
 
@@ -149,7 +158,8 @@ def decode_layout(model: Decoder, layout: str = "out_in", isa: str | None = None
     program that makes the copy: the relaid kernels are then new arrays made once per weight update
     (``rljax.inference.sampler.to_decode_layout``). ``"panels"`` where the kernel is not available
     (:func:`rljax.models.panel_matmul.available`) stores every kernel ``"out_in"``; ``isa`` is the
-    kernel's instruction set (default :func:`rljax.models.panel_matmul.kernel_isa`).
+    kernel's instruction set (default :func:`rljax.models.panel_matmul.kernel_isa`);
+    ``transposed_keys``: the KV-cache key layout of the copy (:attr:`DecodeModel.transposed_keys`).
     """
     if layout not in DECODE_LAYOUTS:
         raise ValueError(f"decode_layout layout must be one of {DECODE_LAYOUTS}, got {layout!r}")
@@ -173,7 +183,7 @@ def decode_layout(model: Decoder, layout: str = "out_in", isa: str | None = None
         weight = model.unembedding()
         if _packable(weight, model.dtype):
             unembedding = nnx.Param(pack_panels(weight))
-    return DecodeModel(model, unembedding, isa or "avx2")
+    return DecodeModel(model, unembedding, isa or "avx2", transposed_keys)
 
 
 def _replace(root: nnx.Module, path: tuple, node: nnx.Module) -> None:

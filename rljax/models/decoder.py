@@ -158,6 +158,7 @@ class Attention(nnx.Module):
         context: jax.sharding.AbstractMesh | None = None,
         context_collective: str = "all_gather",
         subtree_end: jax.Array | None = None,
+        transposed_keys: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         b, t, _ = x.shape
         q, k, v, gate = self.project(x, rope)
@@ -201,7 +202,10 @@ class Attention(nnx.Module):
             # One in-place write per array, then attention straight from the updated cache buffers.
             k_cache, v_cache = layer_cache
             k_cache = jax.lax.dynamic_update_slice_in_dim(
-                k_cache, to_cache_layout(k).astype(k_cache.dtype), cache_index, axis=1
+                k_cache,
+                to_cache_layout(k, transposed=transposed_keys).astype(k_cache.dtype),
+                cache_index,
+                axis=2 if transposed_keys else 1,
             )
             v_cache = jax.lax.dynamic_update_slice_in_dim(
                 v_cache, to_cache_layout(v).astype(v_cache.dtype), cache_index, axis=1
@@ -214,9 +218,10 @@ class Attention(nnx.Module):
                 q_segment_ids=segment_ids,
                 kv_segment_ids=cache_segment_ids,
                 q_slots=cache_index + jnp.arange(t, dtype=jnp.int32),
-                kv_slots=jnp.arange(k_cache.shape[1], dtype=jnp.int32),
+                kv_slots=jnp.arange(v_cache.shape[1], dtype=jnp.int32),
                 chunk_size=chunk_size,
                 precision=self.precision,
+                transposed_keys=transposed_keys,
             )
         return self.output(out.reshape(b, t, self.num_heads * self.head_dim), gate), new_cache
 
@@ -665,6 +670,7 @@ class Decoder(nnx.Module):
             else:
                 j = len(keys)
                 layer_cache = (cache.keys[j], cache.values[j])
+                extra = dict(transposed_keys=cache.transposed_keys)
             x, new_layer_cache, router = block(
                 x,
                 routed_experts=routed,

@@ -12,7 +12,9 @@ RoPE positions. Prefill followed by decode steps therefore gives exactly the log
 forward (test_models_kv_cache.py checks it against :func:`rljax.models.sequence_logprobs`).
 
 Layout (for speed): each layer's keys and values are ``[B*K, S, D]`` arrays, entry ``b*K + k`` holding
-kv head ``k`` of row ``b`` (:func:`rljax.models.attention.to_cache_layout`). That is exactly the
+kv head ``k`` of row ``b`` (:func:`rljax.models.attention.to_cache_layout`); with ``transposed_keys``
+the keys are ``[B*K, D, S]`` (faster decode attention on some CPUs: the embedded sampler measures
+which, :func:`rljax.models.decode_choice.use_transposed_keys`). That is exactly the
 operand of the decode attention matmuls (:func:`rljax.models.attention.cache_attention`), so a
 decode step writes each layer's new keys/values with ONE ``dynamic_update_slice`` and reads the
 cache without any transpose or copy; inside a ``lax.while_loop`` (or a jit with the cache donated)
@@ -55,7 +57,8 @@ class KVCache:
       keys, values: tuples (one entry per full-attention layer) of
         ``[batch * num_kv_heads, max_length, head_dim]`` arrays in the cache layout
         (:func:`rljax.models.attention.to_cache_layout`; use :meth:`layer_keys` /
-        :meth:`layer_values` for ``[B, S, K, D]`` views).
+        :meth:`layer_values` for ``[B, S, K, D]`` views); the keys are
+        ``[batch * num_kv_heads, head_dim, max_length]`` with ``transposed_keys``.
       segment_ids: ``int32 [B, S]`` segment of each slot; ``EMPTY_SLOT`` (-1) where unwritten.
       lengths: ``int32 [B]`` valid (non-padding) tokens written per row = next default position.
       index: ``int32 []`` next slot to write (the same for every row).
@@ -64,6 +67,7 @@ class KVCache:
         empty for models without such layers.
       linear_segment: ``int32 [B]`` segment of the last valid token the linear layers have seen
         (``EMPTY_SLOT`` before any); None for models without them.
+      transposed_keys: the keys' layout (static: part of the pytree's structure, not a leaf).
     """
 
     keys: tuple[jax.Array, ...]
@@ -74,6 +78,7 @@ class KVCache:
     conv_windows: tuple[jax.Array, ...] = ()
     recurrent_states: tuple[jax.Array, ...] = ()
     linear_segment: jax.Array | None = None
+    transposed_keys: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def max_length(self) -> int:
@@ -87,7 +92,9 @@ class KVCache:
 
     def layer_keys(self, layer: int) -> jax.Array:
         """Keys of one layer as ``[B, S, K, D]`` (a transposed copy; for inspection and tests)."""
-        return from_cache_layout(self.keys[layer], batch_size=self.batch_size)
+        return from_cache_layout(
+            self.keys[layer], batch_size=self.batch_size, transposed=self.transposed_keys
+        )
 
     def layer_values(self, layer: int) -> jax.Array:
         """Values of one layer as ``[B, S, K, D]`` (a transposed copy; for inspection and tests)."""
@@ -115,8 +122,10 @@ def init_cache(
     batch_size: int,
     max_length: int,
     dtype: jnp.dtype = jnp.float32,
+    transposed_keys: bool = False,
 ) -> KVCache:
-    """An empty cache for ``batch_size`` rows of ``max_length`` slots (keys/values in ``dtype``).
+    """An empty cache for ``batch_size`` rows of ``max_length`` slots (keys/values in ``dtype``; the
+    keys stored ``[B*K, D, S]`` with ``transposed_keys``).
 
     >>> from rljax.models.config import ModelConfig
     >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
@@ -124,10 +133,14 @@ def init_cache(
     >>> cache = init_cache(cfg, batch_size=3, max_length=5)
     >>> (len(cache.keys), cache.keys[0].shape, cache.layer_keys(0).shape, int(cache.index))
     (2, (3, 5, 4), (3, 5, 1, 4), 0)
+    >>> cache = init_cache(cfg, batch_size=3, max_length=5, transposed_keys=True)
+    >>> cache.keys[0].shape, cache.values[0].shape, cache.layer_keys(0).shape
+    ((3, 4, 5), (3, 5, 4), (3, 5, 1, 4))
     """
     if batch_size <= 0 or max_length <= 0:
         raise ValueError(f"batch_size and max_length must be positive, got {batch_size}, {max_length}")
     shape = (batch_size * config.num_kv_heads, max_length, config.head_dim)
+    key_shape = (shape[0], shape[2], shape[1]) if transposed_keys else shape
     num_linear = len(config.linear_layers)
     num_attention = config.num_layers - num_linear
     linear: dict = {}
@@ -145,11 +158,12 @@ def init_cache(
             linear_segment=jnp.full((batch_size,), EMPTY_SLOT, jnp.int32),
         )
     return KVCache(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_attention)),
+        keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(num_attention)),
         values=tuple(jnp.zeros(shape, dtype) for _ in range(num_attention)),
         segment_ids=jnp.full((batch_size, max_length), EMPTY_SLOT, jnp.int32),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
+        transposed_keys=bool(transposed_keys),
         **linear,
     )
 
@@ -175,8 +189,9 @@ def grow_cache(cache: KVCache, max_length: int) -> KVCache:
     if extra == 0:
         return cache
     pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0)))  # noqa: E731
+    pad_keys = (lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)))) if cache.transposed_keys else pad
     return cache.replace(
-        keys=tuple(map(pad, cache.keys)),
+        keys=tuple(map(pad_keys, cache.keys)),
         values=tuple(map(pad, cache.values)),
         segment_ids=jnp.pad(cache.segment_ids, ((0, 0), (0, extra)), constant_values=EMPTY_SLOT),
     )
@@ -217,6 +232,6 @@ def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
         value = getattr(cache, field.name)
         if field.name in ("keys", "values"):
             fields[field.name] = tuple(map(gather_kv, value))
-        elif field.name != "index":
+        elif field.name != "index" and field.metadata.get("pytree_node", True):  # not the static layout
             fields[field.name] = jax.tree.map(gather_rows, value)
     return cache.replace(**fields)

@@ -497,6 +497,38 @@ def test_auto_layout_follows_the_timed_choice_and_the_switch(model, monkeypatch)
     assert served.unembedding_panels is None
 
 
+def test_transposed_keys_sample_the_same_tokens_with_shared_prefixes_and_segments(model, monkeypatch):
+    """``RLJAX_TRANSPOSED_KEYS=1`` / ``0``: the decode-time copy's caches store keys transposed or not
+    (a static part of the served model), through shared-prefix prefill, grown decode segments and
+    a weight update; tokens are equal and logprobs within float32 noise. The model's own layout
+    (``"in_out"``) keeps the plain cache."""
+    monkeypatch.setenv("RLJAX_TRANSPOSED_KEYS", "1")
+    moved = EmbeddedSampler(model, kernel_layout="out_in", decode_segments=3, **BUCKETS)
+    assert (
+        moved.transposed_keys
+        and not EmbeddedSampler(model, kernel_layout="in_out", **BUCKETS).transposed_keys
+    )
+    monkeypatch.setenv("RLJAX_TRANSPOSED_KEYS", "0")
+    plain = EmbeddedSampler(model, kernel_layout="out_in", decode_segments=3, **BUCKETS)
+    assert not plain.transposed_keys
+    assert (
+        nnx.merge(*moved._weights[:2]).transposed_keys and not nnx.merge(*plain._weights[:2]).transposed_keys
+    )
+    shared = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]  # a group's prompt (shared-prefix prefill) and others
+    prompts = [shared, shared, shared + [13], [9, 3]]
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=i) for i in range(len(prompts))]
+    for sampler_round in range(2):
+        a, b = generate_batch(moved, prompts, params), generate_batch(plain, prompts, params)
+        for x, y in zip(a, b, strict=True):
+            assert x.ids == y.ids and len(x.ids) == 40
+            np.testing.assert_allclose(x.logprobs, y.logprobs, **LOGPROB_TOL)
+        if sampler_round == 0:
+            other = nnx.state(tiny_model(1))
+            moved.set_weights(other)
+            plain.set_weights(other)
+    assert moved.num_prefilled_tokens < moved.num_prompt_tokens  # the group's prompt was prefilled once
+
+
 def test_decode_segments_sample_what_one_loop_samples(model, monkeypatch):
     """The segmented decode loop (a cache grown segment by segment) against one loop over the whole
     cache and against the full forward: same tokens for the same seeds, stop ids and budgets ending

@@ -126,11 +126,15 @@ class CacheAttentionTest(chex.TestCase):
 def test_cache_layout_round_trip_and_order(b, t, k, d):
     x = np.arange(b * t * k * d).reshape(b, t, k, d)
     flat = np.asarray(to_cache_layout(jnp.asarray(x)))
-    assert flat.shape == (b * k, t, d)
+    moved = np.asarray(to_cache_layout(jnp.asarray(x), transposed=True))
+    assert flat.shape == (b * k, t, d) and moved.shape == (b * k, d, t)
     for bi in range(b):
         for ki in range(k):
             np.testing.assert_array_equal(flat[bi * k + ki], x[bi, :, ki])
+            np.testing.assert_array_equal(moved[bi * k + ki], x[bi, :, ki].T)
     np.testing.assert_array_equal(np.asarray(from_cache_layout(jnp.asarray(flat), batch_size=b)), x)
+    back = from_cache_layout(jnp.asarray(moved), batch_size=b, transposed=True)
+    np.testing.assert_array_equal(np.asarray(back), x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +148,8 @@ def gqa_model(helpers):
     return helpers.random_decoder(cfg, seed=3)
 
 
-def test_left_padded_prefill_and_decode_match_full_forward_with_three_kv_heads(gqa_model):
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_left_padded_prefill_and_decode_match_full_forward_with_three_kv_heads(gqa_model, transposed_keys):
     rng = np.random.default_rng(4)
     lengths, steps, width = [6, 2, 4], 5, 6
     prompts = [rng.integers(0, 61, n) for n in lengths]
@@ -160,9 +165,13 @@ def test_left_padded_prefill_and_decode_match_full_forward_with_three_kv_heads(g
         models.sequence_logprobs(gqa_model, jnp.asarray(full), segment_ids=jnp.asarray(full_seg))
     )
     logits, cache, _ = models.prefill(
-        gqa_model, jnp.asarray(tokens), segment_ids=jnp.asarray(seg), max_length=12
+        gqa_model,
+        jnp.asarray(tokens),
+        segment_ids=jnp.asarray(seg),
+        max_length=12,
+        transposed_keys=transposed_keys,
     )
-    assert cache.keys[0].shape == (3 * 3, 12, 16)
+    assert cache.keys[0].shape == ((3 * 3, 16, 12) if transposed_keys else (3 * 3, 12, 16))
     got = []
     for j in range(steps):
         got.append(np.asarray(jax.nn.log_softmax(logits))[np.arange(3), cont[:, j]])
@@ -203,7 +212,8 @@ def tiny_qwen3():
     return models.tiny_model(head_dim=16)
 
 
-def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3, transposed_keys):
     rows, slots = 4, 40
     graphdef, state = nnx.split(tiny_qwen3)
 
@@ -216,7 +226,9 @@ def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):
 
         return jax.lax.fori_loop(0, 8, body, (jnp.zeros((rows,), jnp.int32), cache))
 
-    cache = models.prefill(tiny_qwen3, jnp.ones((rows, 16), jnp.int32), max_length=slots).cache
+    cache = models.prefill(
+        tiny_qwen3, jnp.ones((rows, 16), jnp.int32), max_length=slots, transposed_keys=transposed_keys
+    ).cache
     hlo = jax.jit(loop, donate_argnums=1).lower(state, cache).compile().as_text()
     # Per step and cache array exactly one instruction produces cache-sized data: its in-place write
     # (a dynamic-update-slice fusion). The [B, S, K, D] layout added a transposed copy of every
@@ -226,8 +238,11 @@ def test_compiled_decode_loop_updates_the_cache_in_place(tiny_qwen3):
     assert all("dynamic-update-slice" in line and " copy(" not in line for line in produced), produced
 
 
-def test_decode_step_donates_and_aliases_the_cache(tiny_qwen3):
-    cache = models.prefill(tiny_qwen3, jnp.ones((2, 8), jnp.int32), max_length=24).cache
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_decode_step_donates_and_aliases_the_cache(tiny_qwen3, transposed_keys):
+    cache = models.prefill(
+        tiny_qwen3, jnp.ones((2, 8), jnp.int32), max_length=24, transposed_keys=transposed_keys
+    ).cache
     tokens = jnp.zeros((2,), jnp.int32)
     hlo = models.decode._decode_step.lower(tiny_qwen3, tokens, cache).compile().as_text()
     num_params = len(jax.tree.leaves(nnx.state(tiny_qwen3)))

@@ -78,28 +78,34 @@ def _padded_prompts(prompts, *, left: bool):
     return jnp.asarray(tokens), jnp.asarray(seg)
 
 
+@pytest.mark.parametrize("transposed_keys", [False, True])
 @pytest.mark.parametrize("left", [False, True])
-def test_prefill_then_decode_steps_match_full_forward(model, sequences, reference, left):
+def test_prefill_then_decode_steps_match_full_forward(model, sequences, reference, left, transposed_keys):
     prompts, cont = sequences
     tokens, seg = _padded_prompts(prompts, left=left)
-    logits, cache, _ = _prefill(model, tokens, segment_ids=seg, max_length=PAD + NUM_NEW)
+    logits, cache, _ = _prefill(model, tokens, segment_ids=seg, max_length=PAD + NUM_NEW,
+                                transposed_keys=transposed_keys)  # fmt: skip
+    assert cache.transposed_keys is transposed_keys
     np.testing.assert_array_equal(np.asarray(cache.lengths), PROMPT_LENS)
     got = []
     for j in range(NUM_NEW):
         logp = jax.nn.log_softmax(logits, axis=-1)
         got.append(np.asarray(logp)[np.arange(len(prompts)), cont[:, j]])
         logits, cache, _ = _step(model, jnp.asarray(cont[:, j]), cache)
-    assert int(cache.index) == PAD + NUM_NEW
+    assert int(cache.index) == PAD + NUM_NEW and cache.transposed_keys is transposed_keys
     np.testing.assert_allclose(np.stack(got, axis=1), reference, **LOGPROB_TOL)
 
 
+@pytest.mark.parametrize("transposed_keys", [False, True])
 @pytest.mark.parametrize("left", [False, True])
-def test_a_cache_grown_step_by_step_matches_full_forward(model, sequences, reference, left):
+def test_a_cache_grown_step_by_step_matches_full_forward(model, sequences, reference, left, transposed_keys):
     """Prefill into exactly the prompt's slots, then grow the cache by one slot before every step
     (the sampler's segments at their extreme): the logprobs of one full forward."""
     prompts, cont = sequences
     tokens, seg = _padded_prompts(prompts, left=left)
-    logits, cache, _ = _prefill(model, tokens, segment_ids=seg, max_length=PAD)
+    logits, cache, _ = _prefill(
+        model, tokens, segment_ids=seg, max_length=PAD, transposed_keys=transposed_keys
+    )
     got = []
     for j in range(NUM_NEW):
         got.append(np.asarray(jax.nn.log_softmax(logits, axis=-1))[np.arange(len(prompts)), cont[:, j]])
@@ -116,10 +122,12 @@ def test_a_cache_grown_step_by_step_matches_full_forward(model, sequences, refer
         models.grow_cache(cache, cache.max_length - 1)
 
 
-def test_multi_token_decode_chunks_match_full_forward(model, sequences, reference):
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_multi_token_decode_chunks_match_full_forward(model, sequences, reference, transposed_keys):
     prompts, cont = sequences
     tokens, seg = _padded_prompts(prompts, left=False)
-    cache = models.init_cache(model.config, batch_size=len(prompts), max_length=PAD + NUM_NEW + 2)
+    cache = models.init_cache(model.config, batch_size=len(prompts), max_length=PAD + NUM_NEW + 2,
+                              transposed_keys=transposed_keys)  # fmt: skip
     decode = jax.jit(lambda m, t, c, s: m.decode(t, c, segment_ids=s))
     to_logits = jax.jit(lambda m, h: m.logits(h))
     hidden, _, cache = decode(model, tokens, cache, seg)
@@ -155,3 +163,26 @@ def test_init_cache_layout(model):
     assert cache.keys[0].shape == (2 * 1, 7, 8) and cache.keys[0].dtype == jnp.bfloat16
     assert cache.layer_keys(0).shape == cache.layer_values(1).shape == (2, 7, 1, 8)
     assert np.all(np.asarray(cache.segment_ids) == models.kv_cache.EMPTY_SLOT) and cache.max_length == 7
+    # Transposed keys: [B * K, D, S]; the values and every view keep their shapes.
+    cache = models.init_cache(model.config, batch_size=2, max_length=7, transposed_keys=True)
+    assert cache.keys[0].shape == (2, 8, 7) and cache.values[0].shape == (2, 7, 8)
+    assert cache.layer_keys(0).shape == cache.layer_values(1).shape == (2, 7, 1, 8)
+
+
+def test_transposed_keys_hold_the_same_keys_and_survive_take_rows_and_grow(model, sequences):
+    """One prefill into each key layout: the layer_keys views are equal; take_rows and grow_cache
+    keep the layout (a static field, not a leaf) and the same keys."""
+    prompts, _ = sequences
+    tokens, seg = _padded_prompts(prompts, left=True)
+    plain = _prefill(model, tokens, segment_ids=seg, max_length=PAD + 2).cache
+    moved = _prefill(model, tokens, segment_ids=seg, max_length=PAD + 2, transposed_keys=True).cache
+    assert jax.tree_util.tree_structure(plain) != jax.tree_util.tree_structure(moved)
+    for layer in range(model.config.num_layers):
+        np.testing.assert_allclose(moved.layer_keys(layer), plain.layer_keys(layer), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(moved.layer_values(layer), plain.layer_values(layer), rtol=1e-6, atol=1e-6)
+    rows = jnp.array([2, 0, 2])
+    taken, grown = models.take_rows(moved, rows), models.grow_cache(moved, PAD + 5)
+    assert taken.transposed_keys and grown.transposed_keys
+    np.testing.assert_array_equal(taken.layer_keys(1), np.asarray(moved.layer_keys(1))[np.asarray(rows)])
+    np.testing.assert_array_equal(np.asarray(grown.layer_keys(1))[:, : PAD + 2], moved.layer_keys(1))
+    assert grown.keys[1].shape == (len(prompts), 8, PAD + 5)
