@@ -18,6 +18,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rljax.models import panel_matmul
+
 # A finite "minus infinity": a fully masked row (e.g. left padding in a cache) gives a uniform
 # softmax instead of NaN, and never wins against an unmasked score.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -606,4 +608,18 @@ def cache_attention(
         out = out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
         return out.astype(q_i.dtype)
 
+    if transposed_keys and q.shape[1] == 1 and _decode_kernel_applies(q, k_cache, v_cache):
+        # one decode step on a CPU: the decode-attention kernel (both cores, the cache streamed once)
+        mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)[:, 0]  # [B, S]
+        qc = q.reshape(b, kv_heads, groups, d).reshape(bk, groups, d)
+        out = panel_matmul.decode_attention(qc, k_cache, v_cache, mask, scale=scale)
+        return out.reshape(b, 1, n, d)
     return _in_query_blocks(attend, q, q_segment_ids, q_slots, chunk_size)
+
+
+def _decode_kernel_applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> bool:
+    """Whether :func:`rljax.models.panel_matmul.decode_attention` runs this decode step: float32, a
+    head dim that is a multiple of 8, and the kernel available (the CPU backend, AVX2; not with
+    ``RLJAX_PANEL_MATMUL=0``)."""
+    f32 = all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache))
+    return f32 and q.shape[-1] % 8 == 0 and panel_matmul.available()

@@ -1,16 +1,19 @@
 """Which KV-cache key layout the embedded sampler decodes with on this machine: a timed choice.
 
-A decode step's attention reads every cached key once per layer. The cache stores keys either like
-the values, ``[B*K, S, D]``, or transposed, ``[B*K, D, S]`` (:class:`rljax.models.KVCache`
-``transposed_keys``; :func:`rljax.models.attention.cache_attention`). Which one XLA:CPU runs faster
-depends on the machine: on a 2-core Intel Xeon with AVX-512 the scores against transposed keys ran
-~2.5x faster (the attention of the ~29M model's decode step at 64 to 256 slots: 5.1 -> 1.9 ms and
-21.3 -> 13.6 ms), which made the whole decode step 1.1-1.4x faster. Other CPUs were not measured, and
-on an accelerator the matmul libraries take either layout at the same speed, so the sampler's
-default (:func:`use_transposed_keys`) takes the transposed layout only on the CPU and only where a
-timed comparison of both on decode shapes found it faster by :data:`MARGIN`, measured at first use
-(~1 s) and cached per machine (:func:`timed_choice`). ``RLJAX_TRANSPOSED_KEYS=1`` / ``0`` forces it
-on / off; both layouts give the same tokens and logprobs up to float32 rounding.
+A decode step's attention reads every cached key and value once per layer. The cache stores keys
+either like the values, ``[B*K, S, D]``, or transposed, ``[B*K, D, S]`` (:class:`rljax.models.KVCache`
+``transposed_keys``; :func:`rljax.models.attention.cache_attention`). With transposed keys a decode
+step on the CPU runs the decode-attention kernel (:func:`rljax.models.panel_matmul.decode_attention`:
+both cores, keys and values streamed once, ~16-20 GB/s on a 2-core Intel Xeon where XLA:CPU's
+batched matmuls ran single-threaded at ~10 GB/s), or XLA's ``q @ keys`` where the kernel is not
+available (whose scores were also faster than with the plain layout there). The generation pass
+of the ~29M model (32 prompts x (64 + 128) tokens) ran 1.15x faster on that Xeon. Other CPUs were
+not measured, and on an accelerator the matmul libraries take either layout at the same speed, so
+the sampler's default (:func:`use_transposed_keys`) takes the transposed layout only on the CPU and
+only where a timed comparison of both on decode shapes found it faster by :data:`MARGIN`, measured
+at first use (a few seconds) and cached per machine (:func:`timed_choice`).
+``RLJAX_TRANSPOSED_KEYS=1`` / ``0`` forces it on / off; both layouts give the same tokens and
+logprobs up to float32 rounding.
 """
 
 from __future__ import annotations

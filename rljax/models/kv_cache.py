@@ -14,7 +14,7 @@ forward (test_models_kv_cache.py checks it against :func:`rljax.models.sequence_
 Layout (for speed): each layer's keys and values are ``[B*K, S, D]`` arrays, entry ``b*K + k`` holding
 kv head ``k`` of row ``b`` (:func:`rljax.models.attention.to_cache_layout`); with ``transposed_keys``
 the keys are ``[B*K, D, S]`` (faster decode attention on some CPUs: the embedded sampler measures
-which, :func:`rljax.models.decode_choice.use_transposed_keys`). That is exactly the
+which, :func:`rljax.models.key_layout.use_transposed_keys`). That is exactly the
 operand of the decode attention matmuls (:func:`rljax.models.attention.cache_attention`), so a
 decode step writes each layer's new keys/values with ONE ``dynamic_update_slice`` and reads the
 cache without any transpose or copy; inside a ``lax.while_loop`` (or a jit with the cache donated)

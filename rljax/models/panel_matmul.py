@@ -18,6 +18,11 @@ fastest kernel is :func:`kernel_isa`); ``RLJAX_PANEL_MATMUL=1`` / ``0`` forces t
 widest instruction set) / off, ``=avx2`` / ``=avx512`` forces it on with that one (see
 docs/results.md).
 
+The same library holds the decode steps' attention over a KV cache with transposed keys
+(:func:`decode_attention`; the embedded sampler's caches store keys so where that was measured
+faster, :mod:`rljax.models.key_layout`): XLA:CPU runs it on one thread, the kernel on every thread
+of XLA's intra-op pool.
+
 The source (``csrc/panel_matmul.cc``) is compiled on first use with the system's C++ compiler
 (``$CXX``, else ``c++``/``g++``) against jaxlib's FFI headers into a per-user cache
 (``$RLJAX_KERNEL_CACHE`` or ``~/.cache/rljax/kernels``, else a temporary directory), keyed by the
@@ -84,6 +89,8 @@ PANEL = 16
 #: The kernel's instruction sets, narrowest first; :func:`supported_isas` says which this CPU runs.
 ISAS = ("avx2", "avx512")
 _TARGETS = {"avx2": "rljax_panel_matmul", "avx512": "rljax_panel_matmul_avx512"}
+#: The decode-attention kernel's FFI target (:func:`decode_attention`), in the same library.
+DECODE_ATTENTION_TARGET = "rljax_decode_attention"
 #: :func:`unavailable_reason` on a CPU that runs none of :data:`ISAS` (the kernel built, the CPU
 #: cannot run it).
 NO_KERNEL_ISA = "this CPU lacks AVX2/FMA"
@@ -129,6 +136,47 @@ def panel_matmul(x: chex.Array, panels: chex.Array, isa: str = "avx2") -> jax.Ar
         raise ValueError(f"panel_matmul isa must be one of this CPU's {supported_isas()}, got {isa!r}")
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
     return jax.ffi.ffi_call(_TARGETS[isa], out)(x, panels)
+
+
+def decode_attention(
+    q: chex.Array, keys: chex.Array, values: chex.Array, valid: chex.Array, *, scale: float
+) -> jax.Array:
+    """One decode step's attention from a KV cache whose keys are stored transposed (the FFI kernel
+    ``rljax_decode_attention``, AVX2; shares XLA's intra-op thread pool): for cache entry
+    ``c = b * K + k`` and query ``g``,
+    ``out[c, g] = softmax_j(scale * q[c, g] . keys[c, :, j], masked where not valid[b, j]) @ values[c]``
+    (:func:`rljax.models.attention.cache_attention` with ``transposed_keys`` and one query token).
+
+    Args:
+      q: float32 ``[C, G, D]`` (``C = B * K`` entries, ``G`` query heads per kv head, ``D`` a
+        multiple of 8); keys: ``[C, D, S]``; values: ``[C, S, D]``; valid: ``[B, S]`` (nonzero where
+        the slot is attended); scale: the scores' factor.
+
+    Returns:
+      float32 ``[C, G, D]``. Call only where :func:`available` is True; no gradient (decode only).
+    """
+    chex.assert_rank([q, keys, values, valid], [3, 3, 3, 2])
+    chex.assert_type([q, keys, values], jnp.float32)
+    c, g, d = q.shape
+    s = values.shape[1]
+    if (
+        keys.shape != (c, d, s)
+        or values.shape != (c, s, d)
+        or valid.shape[1] != s
+        or c % valid.shape[0]
+        or d % 8
+    ):
+        raise ValueError(
+            f"decode_attention: q {q.shape}, keys {keys.shape}, values {values.shape}, valid {valid.shape} "
+            "do not match [C, G, D], [C, D, S], [C, S, D], [B, S] (C a multiple of B, D of 8)"
+        )
+    if not available():
+        raise RuntimeError(
+            "decode_attention: the kernel is not available here (see rljax.models.panel_matmul)"
+        )
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call(DECODE_ATTENTION_TARGET, out)
+    return call(q, keys, values, valid.astype(jnp.int32), scale=np.float32(scale))
 
 
 def available() -> bool:
@@ -432,6 +480,8 @@ def _register() -> bool:
         _unregistered_because = NO_KERNEL_ISA
         return False
     jax.ffi.register_ffi_target(_TARGETS["avx2"], jax.ffi.pycapsule(lib.RljaxPanelMatmul), platform="cpu")
+    capsule = jax.ffi.pycapsule(lib.RljaxDecodeAttention)
+    jax.ffi.register_ffi_target(DECODE_ATTENTION_TARGET, capsule, platform="cpu")
     _avx512_supported = bool(lib.rljax_panel_matmul_avx512_supported())
     if _avx512_supported:
         capsule = jax.ffi.pycapsule(lib.RljaxPanelMatmulAvx512)
