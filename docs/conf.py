@@ -59,7 +59,11 @@ nb_execution_show_tb = True
 nb_merge_streams = True
 
 # -- API reference ----------------------------------------------------------------------------------
-autosummary_generate = False  # the pages are written by rljax_reference, one per module
+autosummary_generate = False  # the pages are written by rljax_reference, one per package of rljax
+# A page's table of contents lists its modules' sections, not every documented object: the objects
+# of a whole package would crowd it, and the navigation (resolved for every page) would be many
+# times slower to build.
+toc_object_entries = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"

@@ -1,11 +1,13 @@
 """The generated parts of rljax's documentation: the API reference and the config reference.
 
-The API reference has one page per public module of rljax (a module is public unless a part of its
-dotted name starts with ``_``), written into ``reference/api/`` when the build starts (the folder is
-not committed: every build regenerates it from the code). A module's public names are its
-``__all__`` where it defines one, else the classes and functions it defines at top level. Each
-name is documented in full once, on the page of the module that defines it; a package that
-re-exports it lists it in its summary table with a link there.
+The API reference documents every public module of rljax (a module is public unless a part of its
+dotted name starts with ``_``) on one page per module or package directly in rljax, plus rljax's
+own page: ``rljax.core``'s page holds one section per module of ``rljax.core``. The pages are
+written into ``reference/api/`` when the build starts (the folder is not committed: every build
+regenerates it from the code). A module's public names are its ``__all__`` where it defines one,
+else the classes and functions it defines at top level. Each name is documented in full once, in
+the section of the module that defines it; a package that re-exports it lists it in its summary
+table with a link there.
 
 The config reference replaces the marker ``<!-- rljax:config-reference -->`` in
 ``reference/config.md`` by one table per section of :class:`rljax.run.config.RunConfig`: every key's
@@ -182,17 +184,17 @@ _DIRECTIVE = {
 }
 
 
-def _title(text: str) -> str:
-    return f"{text}\n{'=' * len(text)}\n"
+_UNDERLINES = "=-~^\"'"  # section levels of a page: its own module, then one per level below it
 
 
-def module_page(module: str, entries: list[Entry], children: list[str]) -> str:
-    """The reStructuredText page of one module: its docstring, a summary table, each name in full."""
-    lines = [_title(module), f".. automodule:: {module}", "   :no-members:", ""]
-    if children:
-        lines += ["", ".. toctree::", "   :maxdepth: 1", ""]
-        lines += [f"   {child}" for child in children]
-        lines.append("")
+def _title(text: str, level: int = 0) -> str:
+    return f"{text}\n{_UNDERLINES[level] * len(text)}\n"
+
+
+def module_section(module: str, entries: list[Entry], level: int = 0) -> str:
+    """The reStructuredText section of one module (a section title of ``level``): its docstring, a
+    summary table, each name it is the home of in full."""
+    lines = [_title(module, level), f".. automodule:: {module}", "   :no-members:", ""]
     if any(e.public for e in entries):
         lines += ["", ".. rubric:: Public names", "", ".. list-table::", "   :widths: 30 70", ""]
         for e in (e for e in entries if e.public):
@@ -212,6 +214,27 @@ def module_page(module: str, entries: list[Entry], children: list[str]) -> str:
             lines += ["", *(f"   {line}" for line in data_docs(module, e.name).splitlines())]
         lines.append("")
     return "\n".join(lines)
+
+
+def page_of(module: str) -> str:
+    """The page that documents ``module``: rljax's own, or that of the module or package of rljax
+    that holds it (``rljax.core.losses`` -> ``rljax.core``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def api_page(page: str, modules: list[str], entries: dict[str, list[Entry]]) -> str:
+    """The reStructuredText page ``page``: the section of its module, then, in name order, one nested
+    section per module below it (``rljax``'s page holds a toctree of the other pages instead)."""
+    below = [m for m in modules if m != page and page_of(m) == page] if page != PACKAGE else []
+    text = module_section(page, entries[page])
+    if page == PACKAGE:
+        children = [m for m in modules if m != PACKAGE and page_of(m) == m]
+        text += "\n".join(["", ".. toctree::", "   :maxdepth: 1", "", *(f"   {c}" for c in children), ""])
+    elif below:
+        text += "\n".join(["", ".. rubric:: Modules", "", *(f"* :py:mod:`{m}`" for m in below), ""])
+    for module in below:
+        text += "\n" + module_section(module, entries[module], module.count(".") - page.count("."))
+    return text
 
 
 _ROLE = re.compile(r":(?:py:)?(\w+):`~?\.?(?:[^`<]*<)?([^`>]+)>?`")
@@ -236,22 +259,18 @@ def summary(module: str, name: str) -> str:
     return text
 
 
-def _children(module: str, modules: list[str]) -> list[str]:
-    depth = module.count(".") + 1
-    return [m for m in modules if m.startswith(module + ".") and m.count(".") == depth]
-
-
 def write_api_pages(srcdir: pathlib.Path) -> list[str]:
-    """Writes ``reference/api/<module>.rst`` for every public module; returns the module names."""
+    """Writes ``reference/api/<page>.rst`` for rljax and for each module or package directly in it
+    (see :func:`page_of`); returns the names of every public module."""
     modules = public_modules()
     entries = reference_entries(modules)
     out = srcdir / API_DIR
     out.mkdir(parents=True, exist_ok=True)
     wanted = set()
-    for module in modules:
-        page = out / f"{module}.rst"
+    for name in sorted({page_of(m) for m in modules}):
+        page = out / f"{name}.rst"
         wanted.add(page)
-        text = module_page(module, entries[module], _children(module, modules))
+        text = api_page(name, modules, entries)
         if not page.exists() or page.read_text() != text:  # unchanged pages keep Sphinx's cache valid
             page.write_text(text)
     for stale in set(out.glob("*.rst")) - wanted:

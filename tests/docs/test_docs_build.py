@@ -5,8 +5,10 @@ notebooks are executed, and its pages open in headless Chromium without console 
 The site is built once for this file, by Sphinx in a subprocess (as ``./run docs`` builds it), into
 a temporary directory. The expectations below are computed here, independently of the generator
 in ``docs/_ext``: the public modules are the files under ``rljax/`` (a module is public unless a
-part of its name starts with ``_``), a module's public names are its ``__all__``, else the
-classes and functions it defines; the config keys are the dataclass fields of ``RunConfig``.
+part of its name starts with ``_``), each documented on the reference page of the package (or
+module) directly in rljax that holds it (``rljax.core.losses`` on ``rljax.core``'s page), a module's
+public names are its ``__all__``, else the classes and functions it defines; the config keys are
+the dataclass fields of ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -169,8 +171,14 @@ def _public_names(module: object) -> list[str]:
     ]
 
 
+def _reference_page(module: str) -> str:
+    """The name of the reference page that documents ``module``: rljax's own page, or the page of the
+    package (or module) directly in rljax that holds it (``rljax.core.losses`` -> ``rljax.core``)."""
+    return ".".join(module.split(".")[:2])
+
+
 def _definition(page: pathlib.Path, module: str, name: str) -> tuple[_Page, str] | None:
-    """Where public ``module.name`` is defined in the site: on its module's page, or at the target of
+    """Where public ``module.name`` is defined in the site: on its reference page, or at the target of
     a link on that page whose anchor names it (a re-export documented where it is defined)."""
     here = _page(page)
     if f"{module}.{name}" in here.ids:
@@ -193,7 +201,7 @@ def test_every_public_module_and_name_is_in_the_reference_with_its_docstring(bui
     missing, undocumented, names = [], [], 0
     for module in modules:
         mod = importlib.import_module(module)
-        page = built / "reference" / "api" / f"{module}.html"
+        page = built / "reference" / "api" / f"{_reference_page(module)}.html"
         if not page.is_file():
             missing.append(f"{module} (no page)")
             continue
@@ -291,7 +299,7 @@ def served(built):
     "page",
     [
         "index.html",
-        "reference/api/rljax.core.losses.html",
+        "reference/api/rljax.core.html",
         "reference/config.html",
         "guides/algorithms.html",
         "notebooks/advantages.html",
