@@ -210,6 +210,6 @@ def _measure(rounds: int = _ROUNDS) -> tuple[list[float], list[float]]:
             cache = full_cache(transposed)
             start = time.perf_counter()
             jax.block_until_ready(_decode_steps(graphdef, state, cache))
-            if i:  # round 0 compiles
+            if i:  # the first pass compiles
                 seconds[transposed].append(time.perf_counter() - start)
     return seconds[True], seconds[False]
