@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from rljax.models.decoder import Decoder
 from rljax.models.kv_cache import KVCache, init_cache
 
 # the machine identity and cache folder of the panel kernel's timed choice (one cache for both)
-from rljax.models.panel_matmul import _cache_dir, _cpu_identity, speedup
+from rljax.models.panel_matmul import _cache_dir, _cpu_identity, speedup, store_choice
 
 __all__ = ["MARGIN", "KeyLayoutChoice", "timed_choice", "use_transposed_keys"]
 
@@ -149,20 +148,11 @@ def _read(path: Path, key: str) -> KeyLayoutChoice | None:
 
 
 def _write(path: Path, key: str, choice: KeyLayoutChoice) -> None:
-    """Stores ``choice`` (written aside, then renamed: concurrent first uses are safe)."""
+    """Stores ``choice`` and its speedup (``store_choice``: written aside, then renamed)."""
     data = {"key": key, "cpu": _cpu_identity()[0], **dataclasses.asdict(choice)}
     data.pop("path"), data.pop("cached")
     data["speedup"] = speedup(choice.transposed_s, choice.slot_major_s)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:  # the decision still holds for this process
-        _log.info("could not store the key layout choice in %s: %s", path, e)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    store_choice(path, data, "key layout")
 
 
 def _attention_model() -> Decoder:

@@ -410,14 +410,20 @@ def _write_choice(path: Path, key: str, choice: Choice, by_isa: Mapping[str, Seq
         "cpu": _cpu_identity()[0],
         "jaxlib": jaxlib.__version__,
     }
+    store_choice(path, data, "panel_matmul")
+
+
+def store_choice(path: Path, data: dict, what: str) -> None:
+    """Writes a timed choice's ``data`` (JSON) to ``path``: aside, then renamed, so concurrent first
+    uses are safe; a failure is logged (the decision still holds for this process)."""
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
-    except OSError as e:  # the decision still holds for this process
-        _log.info("could not store the panel_matmul choice in %s: %s", path, e)
+    except OSError as e:
+        _log.info("could not store the %s choice in %s: %s", what, path, e)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
