@@ -141,8 +141,8 @@ def pytest_collection_modifyitems(config, items):
 
 def _longest_files_first(items, recorded):
     """The test files in order of their recorded total duration, longest first, each file's tests
-    in their own order. ``./run test`` hands whole files to two workers in collection order
-    (``--dist loadfile``); started last, a long file kept one worker busy while the other idled."""
+    in their own order. ``./run test`` hands whole files to its workers in collection order
+    (``--dist loadfile``); started last, a long file kept one worker busy while the others idled."""
     by_file: dict[str, list] = defaultdict(list)
     for item in items:
         by_file[item.nodeid.split("::", 1)[0]].append(item)

@@ -568,20 +568,9 @@ def cache_attention(
     """
     chex.assert_rank([q, k_cache, v_cache, q_segment_ids, kv_segment_ids, q_slots, kv_slots],
                      [4, 3, 3, 2, 2, 1, 1])  # fmt: skip
+    kv_heads, groups = _cache_head_counts(q, k_cache, v_cache, transposed_keys)
     bk, s, _ = v_cache.shape
-    key_shape = (bk, v_cache.shape[2], s) if transposed_keys else v_cache.shape
-    if k_cache.shape != key_shape:
-        raise ValueError(
-            f"k_cache must be {key_shape} (transposed_keys={transposed_keys}), got {k_cache.shape}"
-        )
     b, _, n, d = q.shape
-    if bk % b or n % (bk // b):
-        raise ValueError(
-            f"cache leading axis {bk} must be batch ({b}) x kv heads, with query heads ({n}) a multiple "
-            "of the kv heads; build the cache with rljax.models.init_cache for this model and batch"
-        )
-    kv_heads = bk // b
-    groups = n // kv_heads
     scale = d**-0.5
     f32 = jnp.float32
 
@@ -615,6 +604,26 @@ def cache_attention(
         out = panel_matmul.decode_attention(qc, k_cache, v_cache, mask, scale=scale)
         return out.reshape(b, 1, n, d)
     return _in_query_blocks(attend, q, q_segment_ids, q_slots, chunk_size)
+
+
+def _cache_head_counts(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, transposed_keys: bool
+) -> tuple[int, int]:
+    """``(kv heads, query heads per kv head)`` of a KV cache for queries ``q``; a ``ValueError`` when
+    the cache's shapes do not fit them."""
+    bk, s, d = v_cache.shape
+    key_shape = (bk, d, s) if transposed_keys else v_cache.shape
+    if k_cache.shape != key_shape:
+        raise ValueError(
+            f"k_cache must be {key_shape} (transposed_keys={transposed_keys}), got {k_cache.shape}"
+        )
+    b, n = q.shape[0], q.shape[2]
+    if bk % b or n % (bk // b):
+        raise ValueError(
+            f"cache leading axis {bk} must be batch ({b}) x kv heads, with query heads ({n}) a multiple "
+            "of the kv heads; build the cache with rljax.models.init_cache for this model and batch"
+        )
+    return bk // b, n // (bk // b)
 
 
 def _decode_kernel_applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> bool:

@@ -4,10 +4,11 @@ A GGUF file holds the architecture as metadata (``general.architecture`` and ``<
 the tokenizer (``tokenizer.ggml.*``, ``tokenizer.chat_template``; see
 :mod:`rljax.models.gguf_tokenizer`) and the tensors, each in its own storage type: float32,
 float16, bfloat16 or a block quantization (Q8_0, Q4_0, Q4_1, K-quants, ...). rljax reads it with
-the ``gguf`` package's reader, dequantizes every tensor to float32 with ``gguf.quants`` (rljax
-trains float32 master weights, so a quantized file is a starting point, not a storage format it
-keeps), renames the tensors to their Hugging Face names (:data:`GGUF_NAME_MAP`) and builds the
-model with :func:`rljax.models.hf_io.from_hf_state_dict`: one loading path for both formats.
+its own reader (:mod:`rljax.models.gguf_file`), dequantizes every tensor to float32 with
+``gguf.quants`` (rljax trains float32 master weights, so a quantized file is a starting point,
+not a storage format it keeps), renames the tensors to their Hugging Face names
+(:data:`GGUF_NAME_MAP`) and builds the model with :func:`rljax.models.hf_io.from_hf_state_dict`:
+one loading path for both formats.
 
 Two conventions of llama.cpp's converter are undone on the way in:
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from rljax.models.config import ModelConfig
 from rljax.models.decoder import DEFAULT_ATTENTION_CHUNK_SIZE, Decoder
+from rljax.models.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_file
 from rljax.models.hf_io import from_hf_state_dict
 
 __all__ = [
@@ -94,59 +96,35 @@ def is_gguf_path(path: str | os.PathLike) -> bool:
     return os.fspath(path).lower().endswith(".gguf")
 
 
-def open_gguf(path: str | os.PathLike) -> Any:
-    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped: tensors are read when they are used)."""
-    try:
-        import gguf
-    except ImportError as e:  # a core dependency; only a broken install lacks it
-        raise ImportError("reading a .gguf file needs the 'gguf' package: pip install 'gguf>=0.10'") from e
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """A GGUF file's metadata and tensor table (:func:`rljax.models.gguf_file.read_gguf_file`;
+    tensors are memory-mapped and read when they are used)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
-    return gguf.GGUFReader(path)
+    return read_gguf_file(path)
 
 
-def _scalar(part: np.ndarray, value_type: Any) -> Any:
-    import gguf
-
-    if value_type == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    value = part.tolist()[0]
-    if value_type == gguf.GGUFValueType.BOOL:
-        return bool(value)
-    if value_type == gguf.GGUFValueType.FLOAT32:
-        return float(str(np.float32(value)))  # the shortest decimal: 1e-05, not 9.999999747378752e-06
-    return value
-
-
-def _field_value(field: Any) -> Any:
-    """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
-    import gguf
-
-    if not field.types:
-        return None
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        item_type = field.types[-1]
-        if item_type == gguf.GGUFValueType.ARRAY:
-            raise ValueError(f"GGUF field {field.name!r} is a nested array, which rljax does not read")
-        return [_scalar(field.parts[i], item_type) for i in field.data]
-    return _scalar(field.parts[field.data[0]], field.types[0])
-
-
-def read_gguf_metadata(reader: Any, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every metadata field of a ``GGUFReader`` as ``{key: value}``, except the keys in ``skip``
+def read_gguf_metadata(reader: GGUFFile, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every metadata entry of a GGUF file as ``{key: value}``, except the keys in ``skip``
     (e.g. the tokenizer's 150k-entry lists when only the architecture is wanted)."""
-    fields = reader.fields.items()
-    return {k: _field_value(f) for k, f in fields if k not in skip and not k.startswith("GGUF.")}
+    out = {}
+    for key, value in reader.metadata.items():
+        if key in skip:
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            raise ValueError(f"GGUF field {key!r} is a nested array, which rljax does not read")
+        out[key] = value
+    return out
 
 
 _TOKENIZER_LISTS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                     "tokenizer.ggml.scores")  # fmt: skip
 
 
-def _tensor_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     """``{name: numpy shape}`` of the file's tensors (GGUF's dimensions reversed)."""
-    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    return {t.name: tuple(reversed(t.shape)) for t in reader.tensors}
 
 
 def gguf_hf_config(
@@ -257,13 +235,13 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def dequantize_tensor(tensor: Any) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensorInfo) -> np.ndarray:
     """A reader tensor's values as float32 in numpy (HF) dimension order, whatever its storage type
     (every type ``gguf.quants.dequantize`` handles: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
     the K-quants, ...)."""
     from gguf import quants
 
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     try:
         values = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
@@ -289,7 +267,7 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     ``hf_config``: the file's :func:`gguf_hf_config` (its head counts drive the un-permutation).
     """
 
-    def __init__(self, reader: Any, hf_config: Mapping[str, Any]) -> None:
+    def __init__(self, reader: GGUFFile, hf_config: Mapping[str, Any]) -> None:
         names = _hf_names(int(hf_config["num_hidden_layers"]))
         unknown = sorted(t.name for t in reader.tensors if t.name not in names)
         if unknown:
