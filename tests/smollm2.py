@@ -7,8 +7,12 @@ tests skip, saying so, unless ``RLJAX_REQUIRE_SMOLLM2=1``, which makes a missing
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pathlib
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -53,3 +57,20 @@ def require_smollm2() -> pathlib.Path:
             pytest.fail(reason + " (RLJAX_REQUIRE_SMOLLM2=1 requires it)")
         pytest.skip(reason)
     return path
+
+
+@contextlib.contextmanager
+def one_real_model_at_a_time() -> Iterator[None]:
+    """Holds a machine-wide lock while a test trains or serves the real SmolLM2.
+
+    Such a test peaks at several GiB (a 135M model's weights, Adam state, activations, a vLLM
+    server); ``./run test``'s workers start the longest files first, so without the lock the
+    SmolLM2 files could all peak at once on a 24 GiB machine. The other workers go on meanwhile.
+    """
+    path = os.path.join(tempfile.gettempdir(), "rljax-tests-real-model.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

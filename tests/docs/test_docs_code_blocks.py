@@ -12,10 +12,12 @@ points at the line of the page.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 
 import pytest
+from smollm2 import one_real_model_at_a_time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_RUN = "# not run"
@@ -112,9 +114,13 @@ def test_page_python_blocks_run(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_page_{page.stem}"}
-    for line, code in runnable_blocks(page.read_text()):
-        # pad with newlines so tracebacks show the page's own line numbers
-        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)  # noqa: S102
+    # a page that trains the real SmolLM2 takes the lock its other tests take (tests/smollm2.py)
+    blocks = runnable_blocks(page.read_text())
+    real_model = any("smollm2_base" in code for _, code in blocks)
+    with one_real_model_at_a_time() if real_model else contextlib.nullcontext():
+        for line, code in blocks:
+            # pad with newlines so tracebacks show the page's own line numbers
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)  # noqa: S102
 
 
 _LINK = re.compile(r"\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")

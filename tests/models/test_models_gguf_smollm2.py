@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from flax import nnx
-from smollm2 import CONVERSATIONS, require_smollm2
+from smollm2 import CONVERSATIONS, one_real_model_at_a_time, require_smollm2
 
 from rljax import models
 from rljax.chat import GenericRenderer, make_renderer
@@ -52,6 +52,12 @@ ATOL = 1e-4
 EMBED_SCALE = 1.25  # what the run's checkpoint changes: the (tied) embedding
 EXPORTED = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json"}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_real_model_at_a_time():
+    with one_real_model_at_a_time():
+        yield
 
 
 @pytest.fixture(scope="module")
