@@ -19,6 +19,14 @@ The samples come from the recipe itself: ``--capture`` runs its first ``--captur
 each step's trainer handed to the packer: the prepared samples and their per-step streams. Every
 variant then packs and trains on exactly these samples.
 
+``--synthetic=SHAPE`` trains on GRPO groups of random tokens instead, with a fresh model of a named
+shape (random weights; ``qwen3-0.6b``: Qwen/Qwen3-0.6B's config.json shapes, bfloat16 compute, full
+remat; ``tiny``: a 2-layer model for a quick check): ``--prompts`` groups of ``--group`` samples,
+each a shared ``--prompt-tokens`` prompt and its own ``--completion-tokens`` completion (all with a
+loss), rows of ``--seq-len`` tokens (default: room for one group's prefix tree), one row per
+micro-batch. The file it writes (``--samples``) carries the shape's config overrides with the samples.
+On a GPU the table adds the device's peak memory (``memory_stats()['peak_bytes_in_use']``).
+
 Each variant runs in a process of its own (``--child``), so its peak resident memory is its own;
 the variants take turns (A B A B ...) ``--repeats`` times, so a machine whose speed drifts affects
 them alike. A child builds the run's model and train state (:class:`rljax.run.run.Run`, no engines),
@@ -37,6 +45,10 @@ Usage::
     python benchmarks/train_tokens_bench.py --recipe=smollm2_cpu --capture=/tmp/smollm2_samples.pkl
     python benchmarks/train_tokens_bench.py --recipe=smollm2_cpu --samples=/tmp/smollm2_samples.pkl
     python benchmarks/train_tokens_bench.py --recipe=default --capture=/tmp/lookup.pkl --capture-steps=1
+    python benchmarks/train_tokens_bench.py --synthetic=qwen3-0.6b --samples=/tmp/q4k.pkl \
+        --prompt-tokens=1024 --completion-tokens=384 --group=8 --prompts=4     # rows of 4,096
+    python benchmarks/train_tokens_bench.py --synthetic=qwen3-0.6b --samples=/tmp/q16k.pkl \
+        --prompt-tokens=4096 --completion-tokens=1536 --group=8 --prompts=2    # rows of 16,384
 """
 
 from __future__ import annotations
@@ -161,6 +173,101 @@ def pack_mini_batches(run: Any, captured: dict[str, Any]) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Synthetic: GRPO groups of random tokens for a fresh model of a named shape
+# ------------------------------------------------------------------------------------------------
+
+#: Named model shapes (``model.init`` fields) and the settings they train with.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model.init": dict(
+            model_type="qwen3",
+            vocab_size=4096,
+            hidden_size=128,
+            intermediate_size=384,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            qk_norm=True,
+            tie_word_embeddings=True,
+        ),  # fmt: skip
+    },
+    # Qwen/Qwen3-0.6B's config.json (random weights)
+    "qwen3-0.6b": {
+        "model.init": dict(
+            model_type="qwen3",
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            qk_norm=True,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            max_position_embeddings=40960,
+        ),  # fmt: skip
+        "model.compute_dtype": "bfloat16",
+        "model.remat": "full",
+    },
+}
+
+
+def group_tree_tokens(prompt_tokens: int, completion_tokens: int, group: int) -> int:
+    """Tokens of one group laid out as a prefix tree: the prompt once, every completion."""
+    return prompt_tokens + group * completion_tokens
+
+
+def synthesize(
+    shape: str, path: str, *, prompt_tokens: int, completion_tokens: int, group: int, prompts: int,
+    seq_len: int = 0, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Writes ``prompts`` GRPO groups of random tokens to ``path`` (the format ``--capture`` writes,
+    plus ``overrides``: the shape's config, rows of ``seq_len`` (0: one group's prefix tree rounded
+    up to a multiple of 1,024) and one row per micro-batch); returns what it wrote."""
+    from rljax.types import Step
+
+    rng = np.random.default_rng(seed)
+    init = SHAPES[shape]["model.init"]
+    vocab = init["vocab_size"]
+    seq_len = seq_len or -(-group_tree_tokens(prompt_tokens, completion_tokens, group) // 1024) * 1024
+    if prompt_tokens + completion_tokens > seq_len:
+        raise ValueError(f"a sample of {prompt_tokens + completion_tokens} tokens exceeds rows of {seq_len}")
+    uniform = np.float32(-np.log(vocab))  # a random model's logprob of any token: ratios near 1
+    samples, advantages = [], []
+    for p in range(prompts):
+        prompt = rng.integers(1, vocab, prompt_tokens).tolist()
+        rewards = rng.integers(0, 2, group).astype(np.float32)
+        scaled = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for r in range(group):
+            samples.append(Step(
+                prompt, rng.integers(1, vocab, completion_tokens).tolist(), (f"p{p}", r),
+                response_logprobs=np.full(completion_tokens, uniform).tolist(),
+                reward=float(rewards[r]), is_last_step=True,
+            ))  # fmt: skip
+            advantages.append(np.full(completion_tokens, scaled[r], np.float32))
+    overrides = {
+        **{f"model.init.{k}": v for k, v in init.items()},
+        **{k: v for k, v in SHAPES[shape].items() if k != "model.init"},
+        "model.hf_path": "",
+        "trainer.seq_len": seq_len,
+        "trainer.micro_batch_tokens": seq_len,
+        "trainer.row_buckets": None,
+    }
+    captured = {
+        "recipe": "default",
+        "overrides": overrides,
+        "steps": [{"samples": samples, "streams": {"advantages": advantages}, "mini_batch_prompts": prompts}],
+    }
+    with open(path, "wb") as f:
+        pickle.dump(captured, f)
+    print(f"synthesized {prompts} group(s) of {group} x ({prompt_tokens} + {completion_tokens}) tokens, "
+          f"{shape} shapes, rows of {seq_len} -> {path}", flush=True)  # fmt: skip
+    return captured
+
+
+# ------------------------------------------------------------------------------------------------
 # A child: one variant's train steps
 # ------------------------------------------------------------------------------------------------
 
@@ -193,7 +300,7 @@ def child(recipe: str, samples_path: str, overrides: dict[str, Any], steps: int)
 
     with open(samples_path, "rb") as f:
         captured = pickle.load(f)
-    config = recipe_config(recipe, {**overrides, "warmstart.num_steps": 0})
+    config = recipe_config(recipe, {**captured.get("overrides", {}), **overrides, "warmstart.num_steps": 0})
     with tempfile.TemporaryDirectory(prefix="train_tokens_child_") as workdir:
         run = Run(config, pathlib.Path(workdir), rollouts=False)
         algorithm = run.algorithms.default.name
@@ -222,6 +329,7 @@ def child(recipe: str, samples_path: str, overrides: dict[str, Any], steps: int)
         "first_s": first_s,
         "step_bytes": max(r.get("memory/step_bytes", float("nan")) for r in rows),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
+        "device_peak_bytes": float((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)),
         "loss": float(rows[0]["loss"]),
         "devices": jax.device_count(),
     }
@@ -257,9 +365,10 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
         f"\nmini-batches per round {first['batches']}, shapes {first['shapes']}; per mini-batch: "
         f"{first['real_tokens']:.0f} real tokens, {first['loss_tokens']:.0f} with a loss\n"
     )
+    on_device = any(r["device_peak_bytes"] > 0 for rows in results.values() for r in rows)
     header = "| variant | decoder tokens | LM-head rows | step s | step CPU s | first round s | XLA step GiB "
-    print(header + "| peak RSS GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(header + "| peak RSS GiB |" + (" device peak GiB |" if on_device else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if on_device else ""))
     base = next(iter(results.values()))
     for name, rows in results.items():
         column = functools.partial(column_of, rows)
@@ -276,7 +385,7 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
             column("first_s", fmt="{:.0f}"),
             column("step_bytes", 2**30),
             column("peak_rss_bytes", 2**30),
-        ]
+        ] + ([column("device_peak_bytes", 2**30)] if on_device else [])
         print("| " + " | ".join(cells) + " |")
 
 
@@ -292,6 +401,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="comma list of variant names to run (default: all)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the variants, in turn")
     p.add_argument("--steps", type=int, default=2, help="timed rounds over the mini-batches per child")
+    p.add_argument("--synthetic", default=None, choices=sorted(SHAPES),
+                   help="random GRPO groups, a fresh model of this shape; written to --samples")  # fmt: skip
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="--synthetic: shared prompt tokens")
+    p.add_argument("--completion-tokens", type=int, default=384, help="--synthetic: tokens per completion")
+    p.add_argument("--group", type=int, default=8, help="--synthetic: samples per prompt")
+    p.add_argument("--prompts", type=int, default=4, help="--synthetic: prompt groups (one mini-batch)")
+    p.add_argument("--seq-len", type=int, default=0, help="--synthetic: row length (0: one group's tree)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -305,8 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         capture(args.recipe, args.capture, args.capture_steps)
         args.samples = args.samples or args.capture
     if not args.samples:
-        print("give --samples (a file written by --capture) or --capture", file=sys.stderr)
+        print("give --samples (a file written by --capture or --synthetic) or --capture", file=sys.stderr)
         return 2
+    if args.synthetic:
+        synthesize(args.synthetic, args.samples, prompt_tokens=args.prompt_tokens,
+                   completion_tokens=args.completion_tokens, group=args.group, prompts=args.prompts,
+                   seq_len=args.seq_len)  # fmt: skip
+    with open(args.samples, "rb") as f:
+        args.recipe = pickle.load(f).get("recipe", args.recipe)
     variants = dict(VARIANTS)
     for spec in args.variant:
         name, _, pairs = spec.partition("=")
