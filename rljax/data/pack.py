@@ -645,17 +645,14 @@ def _place_prefix_tree(
     return _TreePlacement(layout, segments, parents, ends, int(used), int(sizes.sum()))
 
 
-def _pack_steps(
-    steps: Sequence[Step],
-    source: np.ndarray,
-    *,
-    seq_len: int,
-    streams: Mapping[str, PerStep],
-    row_buckets: Sequence[int] | None,
-    data_parallel: int,
-    truncate: bool,
-    prefix_sharing: bool = False,
-) -> PackResult:
+def _kept_lengths(
+    steps: Sequence[Step], source: np.ndarray, *, seq_len: int, truncate: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(prompt_lens, resp_lens, keep_lens, over)``: each sample's prompt and response length, the
+    response tokens it keeps in rows of ``seq_len`` (all of them unless ``truncate`` cuts an
+    over-long one) and the indices of the over-long samples. Raises ``ValueError`` naming the sample
+    for an empty prompt, a ``loss_mask`` or ``response_logprobs`` of the wrong length, and an
+    over-long sample (any, without ``truncate``; one whose prompt alone fills a row, with it)."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 (a prompt token and a response token), got {seq_len}")
     n = len(steps)
@@ -700,34 +697,15 @@ def _pack_steps(
                 "truncation keeps the prompt whole and no response token would remain; raise seq_len"
             )
         keep_lens = np.minimum(resp_lens, seq_len - prompt_lens)
-    lengths = prompt_lens + keep_lens
+    return prompt_lens, resp_lens, keep_lens, over
 
-    tree = None
-    if prefix_sharing:
-        tree = _place_prefix_tree(
-            steps, source, prompt_lens, lengths, seq_len=seq_len, row_buckets=row_buckets,
-            data_parallel=data_parallel,
-        )  # fmt: skip
-        layout, segs, used = tree.layout, tree.segments, tree.used_rows
-    else:
-        rows, starts, segs, used = first_fit_decreasing(lengths, seq_len)
-        layout = PackLayout(
-            rows=rows,
-            starts=starts,
-            prompt_lens=prompt_lens,
-            response_lens=keep_lens,
-            source_index=np.asarray(source, dtype=np.int64),
-            seq_len=seq_len,
-            num_rows=bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel),
-        )
-    num_rows = layout.num_rows
-    dest, rel, is_response = layout.flat_index()
-    resp_dest = dest[is_response]
-    # Each column is written once, by the sample that owns it (every token of plain rows).
-    own = slice(None) if tree is None else layout.owned()
-    own_dest = dest[own]
 
-    # Host sequences -> flat arrays: one C-level pass per stream (no per-token Python code).
+def _flat_host_streams(
+    steps: Sequence[Step], prompt_lens: np.ndarray, resp_lens: np.ndarray, keep_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The samples' kept tokens (prompt and response, sample after sample) and their responses' loss
+    mask, sampler logprobs (0 where a step has none) and weight versions as flat arrays, one C-level
+    pass per stream (no per-token Python code); and the number of steps without logprobs."""
     token_parts: list[Any] = []
     mask_parts: list[Any] = []
     logprob_parts: list[Any] = []
@@ -748,12 +726,79 @@ def _pack_steps(
             logprob_parts.append(itertools.repeat(0.0, keep))
         else:
             logprob_parts.append(s.response_logprobs[:keep] if cut else s.response_logprobs)
-    total = int(lengths.sum())
+    total = int(prompt_lens.sum() + keep_lens.sum())
     n_resp = int(keep_lens.sum())
     flat_tokens = np.fromiter(itertools.chain.from_iterable(token_parts), dtype=np.int32, count=total)
     loss_mask = np.fromiter(itertools.chain.from_iterable(mask_parts), dtype=np.float32, count=n_resp)
     inference_lp = np.fromiter(itertools.chain.from_iterable(logprob_parts), dtype=np.float32, count=n_resp)
     versions = np.fromiter(itertools.chain.from_iterable(version_parts), dtype=np.int32, count=n_resp)
+    return flat_tokens, loss_mask, inference_lp, versions, without_logprobs
+
+
+def _place_samples(
+    steps: Sequence[Step],
+    source: np.ndarray,
+    prompt_lens: np.ndarray,
+    keep_lens: np.ndarray,
+    *,
+    seq_len: int,
+    row_buckets: Sequence[int] | None,
+    data_parallel: int,
+    prefix_sharing: bool,
+) -> tuple[PackLayout, _TreePlacement | None, np.ndarray, int]:
+    """Where each sample goes: ``(layout, tree, segments, used_rows)``, as prefix trees (``tree``
+    holds their parents and subtree ends) or plain rows filled first-fit decreasing (``tree`` None),
+    the rows bucketed."""
+    lengths = prompt_lens + keep_lens
+    if prefix_sharing:
+        tree = _place_prefix_tree(
+            steps, source, prompt_lens, lengths, seq_len=seq_len, row_buckets=row_buckets,
+            data_parallel=data_parallel,
+        )  # fmt: skip
+        return tree.layout, tree, tree.segments, tree.used_rows
+    rows, starts, segs, used = first_fit_decreasing(lengths, seq_len)
+    layout = PackLayout(
+        rows=rows,
+        starts=starts,
+        prompt_lens=prompt_lens,
+        response_lens=keep_lens,
+        source_index=np.asarray(source, dtype=np.int64),
+        seq_len=seq_len,
+        num_rows=bucket_rows(int(used), row_buckets=row_buckets, data_parallel=data_parallel),
+    )
+    return layout, None, segs, used
+
+
+def _pack_steps(
+    steps: Sequence[Step],
+    source: np.ndarray,
+    *,
+    seq_len: int,
+    streams: Mapping[str, PerStep],
+    row_buckets: Sequence[int] | None,
+    data_parallel: int,
+    truncate: bool,
+    prefix_sharing: bool = False,
+) -> PackResult:
+    n = len(steps)
+    prompt_lens, resp_lens, keep_lens, over = _kept_lengths(steps, source, seq_len=seq_len, truncate=truncate)
+    lengths = prompt_lens + keep_lens
+
+    layout, tree, segs, used = _place_samples(
+        steps, source, prompt_lens, keep_lens, seq_len=seq_len, row_buckets=row_buckets,
+        data_parallel=data_parallel, prefix_sharing=prefix_sharing,
+    )  # fmt: skip
+    num_rows = layout.num_rows
+    dest, rel, is_response = layout.flat_index()
+    resp_dest = dest[is_response]
+    # Each column is written once, by the sample that owns it (every token of plain rows).
+    own = slice(None) if tree is None else layout.owned()
+    own_dest = dest[own]
+
+    flat_tokens, loss_mask, inference_lp, versions, without_logprobs = _flat_host_streams(
+        steps, prompt_lens, resp_lens, keep_lens
+    )
+    total = int(lengths.sum())
 
     group_keys: dict[str, int] = {}
     group = np.fromiter(

@@ -236,25 +236,12 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
     logprobs: list[np.ndarray] = []
     logprob_owner: list[int] = []
     token_rewards: list[np.ndarray] = []
-    scalar_rewards: list[float] = []
     reward_kind: tuple[bool, int] | None = None  # (per_token, first step index)
 
     for i, s in enumerate(steps):
         if not isinstance(s, Step):
             raise ValueError(f"step {i}: expected an rljax.types.Step, got {type(s).__name__}")
-        tid = s.trajectory_id
-        if not isinstance(tid, TrajectoryID):
-            raise ValueError(f"step {i}: trajectory_id must be a TrajectoryID, got {tid!r}")
-        if not isinstance(tid.instance_id, str) or not _is_int(tid.repetition_id):
-            raise ValueError(
-                f"{_where(i, tid)}: trajectory_id needs instance_id: str and repetition_id: int, "
-                f"got {tid!r}; build it with TrajectoryID.coerce"
-            )
-        if not tid.instance_id or tid.repetition_id < 0:
-            raise ValueError(
-                f"{_where(i, tid)}: trajectory_id needs a non-empty instance_id and a repetition_id >= 0, "
-                f"got {tid!r}"
-            )
+        tid = _checked_trajectory_id(i, s)
         w = _where(i, tid)
         tids.append(tid)
 
@@ -287,27 +274,9 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             logprobs.append(lp)
             logprob_owner.append(i)
 
-        # reward ------------------------------------------------------------------------
-        per_token = isinstance(s.reward, (list, tuple)) or (
-            isinstance(s.reward, np.ndarray) and s.reward.ndim > 0
-        )
+        per_token, reward = _checked_reward(s, w, n)
         if per_token:
-            rw = _to_array(s.reward, "reward", w, "iuf")
-            if rw.shape[0] != n:
-                raise ValueError(
-                    f"{w}: reward is per-token with {rw.shape[0]} entries but response_ids has {n}"
-                )
-            token_rewards.append(rw)
-        else:
-            rv = s.reward.item() if isinstance(s.reward, np.ndarray) else s.reward
-            if not _is_real(rv):
-                raise ValueError(
-                    f"{w}: reward must be a real number or a list with one per response token, "
-                    f"got {s.reward!r} of type {type(s.reward).__name__}"
-                )
-            if not math.isfinite(rv):
-                raise ValueError(f"{w}: reward is {rv}; rewards must be finite ({_NONFINITE})")
-            scalar_rewards.append(float(rv))
+            token_rewards.append(reward)
         if reward_kind is None:
             reward_kind = (per_token, i)
         elif reward_kind[0] != per_token:
@@ -319,29 +288,98 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
                 "rewards must be all scalars or all per-token"
             )
 
-        # per-step scalars ------------------------------------------------------------------
-        if not isinstance(s.is_last_step, (bool, np.bool_)):
-            raise ValueError(f"{w}: is_last_step must be a bool, got {s.is_last_step!r}")
-        if not isinstance(s.stop_reason, str):
-            raise ValueError(f"{w}: stop_reason must be a str (e.g. 'stop', 'length'), got {s.stop_reason!r}")
-        if not isinstance(s.env, str) or not s.env:
-            raise ValueError(f"{w}: env must be a non-empty str, got {s.env!r}")
-        if not isinstance(s.algorithm, str) or not s.algorithm:
-            raise ValueError(f"{w}: algorithm must be a non-empty str, got {s.algorithm!r}")
-        t = s.temperature
-        if not _is_real(t) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"{w}: temperature must be a finite number > 0, got {t!r}")
-        if not _is_int(s.policy_version) or s.policy_version < 0:
-            raise ValueError(f"{w}: policy_version must be an int >= 0, got {s.policy_version!r}")
-        if s.response_versions is not None:
-            _check_response_versions(s, w)
-        if s.response_support_floors is not None:
-            _check_support_floors(s, w)
+        _check_step_scalars(s, w)
 
     owners = list(range(len(tids)))
     _check_token_values(_Flat(prompts, owners, np.int64), "prompt_ids", tids, vocab_size)
     _check_token_values(_Flat(responses, owners, np.int64), "response_ids", tids, vocab_size)
 
+    mask_flat = _check_companion_values(masks, logprobs, logprob_owner, token_rewards, tids)
+
+    _check_trajectories(steps, tids)
+
+    if tids and not np.any(mask_flat.values):
+        warnings.warn(
+            f"every loss_mask entry of the batch ({len(tids)} steps) is 0: this batch trains nothing "
+            "(metric all_masked=True)",
+            AllMaskedWarning,
+            stacklevel=2,
+        )
+
+
+def _checked_trajectory_id(i: int, s: Step) -> TrajectoryID:
+    """Step ``i``'s trajectory id, checked: a TrajectoryID of a non-empty str and an int >= 0."""
+    tid = s.trajectory_id
+    if not isinstance(tid, TrajectoryID):
+        raise ValueError(f"step {i}: trajectory_id must be a TrajectoryID, got {tid!r}")
+    if not isinstance(tid.instance_id, str) or not _is_int(tid.repetition_id):
+        raise ValueError(
+            f"{_where(i, tid)}: trajectory_id needs instance_id: str and repetition_id: int, "
+            f"got {tid!r}; build it with TrajectoryID.coerce"
+        )
+    if not tid.instance_id or tid.repetition_id < 0:
+        raise ValueError(
+            f"{_where(i, tid)}: trajectory_id needs a non-empty instance_id and a repetition_id >= 0, "
+            f"got {tid!r}"
+        )
+    return tid
+
+
+def _checked_reward(s: Step, w: str, n: int) -> tuple[bool, np.ndarray | float]:
+    """``(per_token, reward)``: the step's reward, checked: one finite real, or one real per response
+    token (their finiteness is checked on the whole batch at once)."""
+    per_token = isinstance(s.reward, (list, tuple)) or (
+        isinstance(s.reward, np.ndarray) and s.reward.ndim > 0
+    )
+    if per_token:
+        rw = _to_array(s.reward, "reward", w, "iuf")
+        if rw.shape[0] != n:
+            raise ValueError(f"{w}: reward is per-token with {rw.shape[0]} entries but response_ids has {n}")
+        return True, rw
+    else:
+        rv = s.reward.item() if isinstance(s.reward, np.ndarray) else s.reward
+        if not _is_real(rv):
+            raise ValueError(
+                f"{w}: reward must be a real number or a list with one per response token, "
+                f"got {s.reward!r} of type {type(s.reward).__name__}"
+            )
+        if not math.isfinite(rv):
+            raise ValueError(f"{w}: reward is {rv}; rewards must be finite ({_NONFINITE})")
+        return False, float(rv)
+
+
+def _check_step_scalars(s: Step, w: str) -> None:
+    """The per-step fields: ``is_last_step``, ``stop_reason``, ``env``, ``algorithm``, ``temperature``,
+    ``policy_version`` and the optional per-token versions and support floors."""
+    if not isinstance(s.is_last_step, (bool, np.bool_)):
+        raise ValueError(f"{w}: is_last_step must be a bool, got {s.is_last_step!r}")
+    if not isinstance(s.stop_reason, str):
+        raise ValueError(f"{w}: stop_reason must be a str (e.g. 'stop', 'length'), got {s.stop_reason!r}")
+    if not isinstance(s.env, str) or not s.env:
+        raise ValueError(f"{w}: env must be a non-empty str, got {s.env!r}")
+    if not isinstance(s.algorithm, str) or not s.algorithm:
+        raise ValueError(f"{w}: algorithm must be a non-empty str, got {s.algorithm!r}")
+    t = s.temperature
+    if not _is_real(t) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"{w}: temperature must be a finite number > 0, got {t!r}")
+    if not _is_int(s.policy_version) or s.policy_version < 0:
+        raise ValueError(f"{w}: policy_version must be an int >= 0, got {s.policy_version!r}")
+    if s.response_versions is not None:
+        _check_response_versions(s, w)
+    if s.response_support_floors is not None:
+        _check_support_floors(s, w)
+
+
+def _check_companion_values(
+    masks: list[np.ndarray],
+    logprobs: list[np.ndarray],
+    logprob_owner: list[int],
+    token_rewards: list[np.ndarray],
+    tids: list[Any],
+) -> _Flat:
+    """The batch's loss masks are 0/1, its logprobs finite and <= 0, its per-token rewards finite
+    (one vectorized pass each; the first violation raises); returns the flat loss mask."""
+    owners = list(range(len(tids)))
     mask_flat = _Flat(masks, owners, np.int64)
     hit = mask_flat.first((mask_flat.values != 0) & (mask_flat.values != 1))
     if hit is not None:
@@ -369,16 +407,7 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             raise ValueError(
                 f"{_where(i, tids[i])}: reward[{pos}] = {v}; rewards must be finite ({_NONFINITE})"
             )
-
-    _check_trajectories(steps, tids)
-
-    if tids and not np.any(mask_flat.values):
-        warnings.warn(
-            f"every loss_mask entry of the batch ({len(tids)} steps) is 0: this batch trains nothing "
-            "(metric all_masked=True)",
-            AllMaskedWarning,
-            stacklevel=2,
-        )
+    return mask_flat
 
 
 def _check_response_versions(s: Step, where: str) -> None:

@@ -137,15 +137,49 @@ def context_attention(
     tree mask is causal, so the blocks either collective skips hold no visible key under it either.
     """
     shards = mesh.shape[CONTEXT_AXIS]
-    length = q.shape[1]
-    m = length // (2 * shards)
+    if collective not in CONTEXT_COLLECTIVES:
+        raise ValueError(
+            f"context attention collective must be one of {CONTEXT_COLLECTIVES}, got {collective!r}"
+        )
+    if collective == "ring" and implementation is not None:
+        raise ValueError(
+            f"the ring runs XLA blocks (it merges partial softmaxes, which {implementation!r} does not "
+            "return); use the all_gather collective with fused kernels"
+        )
+    spec4 = PartitionSpec(None, CONTEXT_AXIS, None, None)
+    spec2 = PartitionSpec(None, CONTEXT_AXIS)
+    args = (q, k, v, segment_ids.astype(jnp.int32))
+    if subtree_end is not None:
+        args += (jnp.asarray(subtree_end).astype(jnp.int32),)
+    if collective == "all_gather":
+        local = functools.partial(_gathered_attention, shards=shards, chunk_size=chunk_size,
+                                  precision=precision, implementation=implementation)  # fmt: skip
+    else:
+        local = functools.partial(_ring_attention, shards=shards, chunk_size=chunk_size, precision=precision)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec4, spec4, spec4) + (spec2,) * (len(args) - 3),
+        out_specs=spec4,
+        axis_names={CONTEXT_AXIS},
+    )(*args)
+
+
+def _gathered_attention(
+    q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array, end_l: jax.Array | None = None, *,
+    shards: int, chunk_size: int | None, precision: jax.lax.PrecisionLike, implementation: str | None,
+) -> jax.Array:  # fmt: skip
+    """One device's attention with the ``all_gather`` collective (inside ``shard_map``): it gathers
+    the row's keys, values, segment ids (and subtree ends) in natural order; its early chunk reads
+    the first half of them, its late chunk all of them."""
+    m = q_l.shape[1] // 2
+    length = 2 * shards * m
+    tree = end_l is not None
 
     def kernel(q_i: jax.Array, k_i: jax.Array, v_i: jax.Array, mask: jax.Array) -> jax.Array:
         if implementation is None:
             return grouped_attention(q_i, k_i, v_i, mask, precision=precision)
         return jax.nn.dot_product_attention(q_i, k_i, v_i, mask=mask[:, None], implementation=implementation)
-
-    tree = subtree_end is not None
 
     def attend(q_chunk: jax.Array, seg_chunk: jax.Array, first: jax.Array, keys: int, k_nat, v_nat, seg_nat,
                end_nat) -> jax.Array:  # fmt: skip
@@ -159,84 +193,68 @@ def context_attention(
 
         return _in_query_blocks(block, q_chunk, seg_chunk, q_slots, chunk_size)
 
-    def local(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array,
-              end_l: jax.Array | None = None) -> jax.Array:  # fmt: skip
-        i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
-        gather = jax.tree.map(
-            lambda a: unbalance(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), shards),
-            (k_l, v_l, seg_l, end_l),
-        )
-        early = attend(q_l[:, :m], seg_l[:, :m], i * m, length // 2, *gather)
-        late = attend(q_l[:, m:], seg_l[:, m:], (2 * shards - 1 - i) * m, length, *gather)
-        return jnp.concatenate([early, late], axis=1)
+    i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
+    gather = jax.tree.map(
+        lambda a: unbalance(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), shards),
+        (k_l, v_l, seg_l, end_l),
+    )
+    early = attend(q_l[:, :m], seg_l[:, :m], i * m, length // 2, *gather)
+    late = attend(q_l[:, m:], seg_l[:, m:], (2 * shards - 1 - i) * m, length, *gather)
+    return jnp.concatenate([early, late], axis=1)
 
-    def local_ring(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array,
-                   end_l: jax.Array | None = None) -> jax.Array:  # fmt: skip
-        i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
-        chunk = jnp.arange(m, dtype=jnp.int32)
 
-        def slots(device: jax.Array) -> tuple[jax.Array, jax.Array]:  # global slots of its two chunks
-            return device * m + chunk, (2 * shards - 1 - device) * m + chunk
+def _ring_attention(
+    q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, seg_l: jax.Array, end_l: jax.Array | None = None, *,
+    shards: int, chunk_size: int | None, precision: jax.lax.PrecisionLike,
+) -> jax.Array:  # fmt: skip
+    """One device's attention with the ``ring`` collective (inside ``shard_map``): key/value chunks
+    pass around the devices (``ppermute``), each visible part's partial softmax merged in
+    (:func:`merge_attention`)."""
+    m = q_l.shape[1] // 2
+    tree = end_l is not None
+    i = jax.lax.axis_index(CONTEXT_AXIS).astype(jnp.int32)
+    chunk = jnp.arange(m, dtype=jnp.int32)
 
-        def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return a[:, :m], a[:, m:]
+    def slots(device: jax.Array) -> tuple[jax.Array, jax.Array]:  # global slots of its two chunks
+        return device * m + chunk, (2 * shards - 1 - device) * m + chunk
 
-        # (out, lse) of a query chunk
-        def attend_part(q_c, seg_c, slots_c, k_c, v_c, kv_seg, kv_end, kv_slots):  # fmt: skip
-            def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-                mask = attention_mask(seg_b, kv_seg, slots_b, kv_slots, kv_end)
-                return grouped_attention_lse(q_b, k_c, v_c, mask, precision=precision)
+    def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return a[:, :m], a[:, m:]
 
-            return _in_query_blocks(block, q_c, seg_c, slots_c, chunk_size)
+    # (out, lse) of a query chunk
+    def attend_part(q_c, seg_c, slots_c, k_c, v_c, kv_seg, kv_end, kv_slots):  # fmt: skip
+        def block(q_b: jax.Array, seg_b: jax.Array, slots_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+            mask = attention_mask(seg_b, kv_seg, slots_b, kv_slots, kv_end)
+            return grouped_attention_lse(q_b, k_c, v_c, mask, precision=precision)
 
-        (q_e, q_z), (s_e, s_z), (t_e, t_z) = halves(q_l), halves(seg_l), slots(i)
-        e_e = end_l[:, :m] if tree else None
-        # this device's own keys: the early chunk sees its early chunk, the late one both chunks
-        acc_e = attend_part(q_e, s_e, t_e, k_l[:, :m], v_l[:, :m], s_e, e_e, t_e)
-        acc_z = attend_part(q_z, s_z, t_z, k_l, v_l, seg_l, end_l, jnp.concatenate([t_e, t_z]))
-        kv = (k_l, v_l, seg_l, end_l)  # end_l: None without a tree (an empty pytree)
-        ring = [(d, (d + 1) % shards) for d in range(shards)]
-        for step in range(1, shards):
-            kv = jax.lax.ppermute(kv, CONTEXT_AXIS, ring)  # now the keys of device j = i - step
-            j = (i - step) % shards
-            (k_je, k_jz), (v_je, v_jz), (s_je, s_jz) = (halves(a) for a in kv[:3])
-            e_je, e_jz = halves(kv[3]) if tree else (None, None)
-            t_je, t_jz = slots(j)
-            # j's early chunk precedes this device's late chunk: always visible
-            acc_z = merge_attention(acc_z, attend_part(q_z, s_z, t_z, k_je, v_je, s_je, e_je, t_je))
-            # j < i: early queries see j's early chunk (j's late chunk lies after both of ours);
-            # j > i: late queries see j's late chunk (its early one lies after our early chunk)
-            pick = functools.partial(_select, j < i)
-            part = attend_part(
-                pick(q_e, q_z), pick(s_e, s_z), pick(t_e, t_z),
-                pick(k_je, k_jz), pick(v_je, v_jz), pick(s_je, s_jz), pick(e_je, e_jz) if tree else None,
-                pick(t_je, t_jz),
-            )  # fmt: skip
-            acc_e = jax.tree.map(pick, merge_attention(acc_e, part), acc_e)
-            acc_z = jax.tree.map(pick, acc_z, merge_attention(acc_z, part))
-        return jnp.concatenate([acc_e[0], acc_z[0]], axis=1).astype(q_l.dtype)
+        return _in_query_blocks(block, q_c, seg_c, slots_c, chunk_size)
 
-    if collective not in CONTEXT_COLLECTIVES:
-        raise ValueError(
-            f"context attention collective must be one of {CONTEXT_COLLECTIVES}, got {collective!r}"
-        )
-    if collective == "ring" and implementation is not None:
-        raise ValueError(
-            f"the ring runs XLA blocks (it merges partial softmaxes, which {implementation!r} does not "
-            "return); use the all_gather collective with fused kernels"
-        )
-    spec4 = PartitionSpec(None, CONTEXT_AXIS, None, None)
-    spec2 = PartitionSpec(None, CONTEXT_AXIS)
-    args = (q, k, v, segment_ids.astype(jnp.int32))
-    if tree:
-        args += (jnp.asarray(subtree_end).astype(jnp.int32),)
-    return jax.shard_map(
-        local if collective == "all_gather" else local_ring,
-        mesh=mesh,
-        in_specs=(spec4, spec4, spec4) + (spec2,) * (len(args) - 3),
-        out_specs=spec4,
-        axis_names={CONTEXT_AXIS},
-    )(*args)
+    (q_e, q_z), (s_e, s_z), (t_e, t_z) = halves(q_l), halves(seg_l), slots(i)
+    e_e = end_l[:, :m] if tree else None
+    # this device's own keys: the early chunk sees its early chunk, the late one both chunks
+    acc_e = attend_part(q_e, s_e, t_e, k_l[:, :m], v_l[:, :m], s_e, e_e, t_e)
+    acc_z = attend_part(q_z, s_z, t_z, k_l, v_l, seg_l, end_l, jnp.concatenate([t_e, t_z]))
+    kv = (k_l, v_l, seg_l, end_l)  # end_l: None without a tree (an empty pytree)
+    ring = [(d, (d + 1) % shards) for d in range(shards)]
+    for step in range(1, shards):
+        kv = jax.lax.ppermute(kv, CONTEXT_AXIS, ring)  # now the keys of device j = i - step
+        j = (i - step) % shards
+        (k_je, k_jz), (v_je, v_jz), (s_je, s_jz) = (halves(a) for a in kv[:3])
+        e_je, e_jz = halves(kv[3]) if tree else (None, None)
+        t_je, t_jz = slots(j)
+        # j's early chunk precedes this device's late chunk: always visible
+        acc_z = merge_attention(acc_z, attend_part(q_z, s_z, t_z, k_je, v_je, s_je, e_je, t_je))
+        # j < i: early queries see j's early chunk (j's late chunk lies after both of ours);
+        # j > i: late queries see j's late chunk (its early one lies after our early chunk)
+        pick = functools.partial(_select, j < i)
+        part = attend_part(
+            pick(q_e, q_z), pick(s_e, s_z), pick(t_e, t_z),
+            pick(k_je, k_jz), pick(v_je, v_jz), pick(s_je, s_jz), pick(e_je, e_jz) if tree else None,
+            pick(t_je, t_jz),
+        )  # fmt: skip
+        acc_e = jax.tree.map(pick, merge_attention(acc_e, part), acc_e)
+        acc_z = jax.tree.map(pick, acc_z, merge_attention(acc_z, part))
+    return jnp.concatenate([acc_e[0], acc_z[0]], axis=1).astype(q_l.dtype)
 
 
 def _select(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:

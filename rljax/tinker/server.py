@@ -277,21 +277,35 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replay
 
 
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object (a ``UserError`` when it is not one)."""
+    return _json_object(await request.body())
+
+
+def _future(rid: str, **extra: Any) -> dict[str, Any]:
+    """A Tinker future: the request id to retrieve, with ``extra`` fields."""
+    return {"request_id": rid, **extra}
+
+
 def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _FrontDoor:
     """The ASGI app serving ``service``: FastAPI, behind :class:`_FrontDoor` (the key, the ``limits``,
     default :data:`DEFAULT_LIMITS`, and a step's routes)."""
     app = FastAPI(title="rljax Tinker-compatible API")
-    keys = set(service.options.api_keys)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
-    async def body(request: Request) -> dict[str, Any]:
-        return _json_object(await request.body())
+    _add_session_routes(app, service)
+    _add_model_routes(app, service)
+    _add_sampling_routes(app, service)
+    routes = {f"/api/v1/{name}": fn for name, fn in _step_routes(service).items()}
+    keys = set(service.options.api_keys)
+    return _FrontDoor(app, routes, keys, DEFAULT_LIMITS if limits is None else limits)
 
-    def future(rid: str, **extra: Any) -> dict[str, Any]:
-        return {"request_id": rid, **extra}
+
+def _add_session_routes(app: FastAPI, service: TinkerService) -> None:
+    """The client's configuration, telemetry, the server's capabilities and sessions."""
 
     @app.post("/api/v1/client/config")
     async def client_config() -> dict[str, Any]:
@@ -324,7 +338,7 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        (sid,) = _need(await body(request), "session_id")
+        (sid,) = _need(await _body(request), "session_id")
         try:
             service.heartbeat(sid)
         except UserError as e:
@@ -336,50 +350,35 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
         service.finish_session(session_id)
         return Response(status_code=200, content=b"null", media_type="application/json")
 
+
+def _add_model_routes(app: FastAPI, service: TinkerService) -> None:
+    """Training clients: creating one, its info, saving and loading weights, listing checkpoints."""
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         sid, base = _need(data, "session_id", "base_model")
         lora, optimizer = _opt(data, "lora_config", dict), _opt(data, "optimizer_config", dict)
         for name in ("rank", "seed"):
             _opt(lora or {}, name, int)
         _opt(optimizer or {}, "type", str)
         rid = service.create_model(sid, base, lora, optimizer, _opt(data, "model_seq_id", int))
-        return future(rid)
+        return _future(rid)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        (mid,) = _need(await body(request), "model_id")
+        (mid,) = _need(await _body(request), "model_id")
         return service.get_info(mid)
-
-    async def forward_backward(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, str, bytes]:
-        try:
-            req = decode_forward_backward(raw)
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
-        rid = service.submit_forward_backward(req)
-        return 200, "application/json", _json(future(rid, model_id=req.model_id))
-
-    async def optim_step(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, str, bytes]:
-        data = _json_object(raw)
-        (mid,) = _need(data, "model_id")
-        adam = data.get("adam_params") or data.get("optim_params") or data.get("optimizer_params")
-        if not isinstance(adam, dict):
-            raise HTTPException(400, "optim_step needs adam_params")
-        _check_numbers(adam, ADAM_DEFAULTS, "adam_params")
-        if adam.get("type", "adam") not in ("adam", "adamw"):
-            raise HTTPException(400, f"optimizer {adam.get('type')!r} is not supported (adam only)")
-        return 200, "application/json", _json(future(service.optim_step(mid, adam), model_id=mid))
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         (mid,) = _need(data, "model_id")
-        return future(service.save_state(mid, _opt(data, "path", str)), model_id=mid)
+        return _future(service.save_state(mid, _opt(data, "path", str)), model_id=mid)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         (mid,) = _need(data, "model_id")
         rid = service.save_state(
             mid,
@@ -387,11 +386,11 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
             for_sampler=True,
             sampling_session_seq_id=_opt(data, "sampling_session_seq_id", int),
         )
-        return future(rid, model_id=mid)
+        return _future(rid, model_id=mid)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         (path,) = _need(data, "path")
         rid = service.load_state(
             path,
@@ -400,7 +399,7 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
             session_id=_opt(data, "session_id", str),
             model_seq_id=_opt(data, "model_seq_id", int),
         )
-        return future(rid)
+        return _future(rid)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str) -> dict[str, Any]:
@@ -408,9 +407,13 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
             raise HTTPException(400, f"invalid model id {model_id!r}")
         return service.list_checkpoints(model_id)
 
+
+def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
+    """Sampling clients: creating one, its info, submitting a sample."""
+
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         (sid,) = _need(data, "session_id")
         ssid = await asyncio.to_thread(
             service.create_sampling_session, sid, _opt(data, "model_path", str), _opt(data, "base_model", str)
@@ -426,10 +429,34 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await _body(request)
         _check_sample(data)
         rid, ids = service.submit_sample(data)
-        return future(rid, sample_sequence_ids=ids)
+        return _future(rid, sample_sequence_ids=ids)
+
+
+def _step_routes(service: TinkerService) -> dict[str, _Handler]:
+    """The routes of a training step (forward-backward, the optimizer step, retrieving futures), by
+    name: :class:`_FrontDoor` serves them on the raw body, without FastAPI's per-request work."""
+
+    async def forward_backward(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, str, bytes]:
+        try:
+            req = decode_forward_backward(raw)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        rid = service.submit_forward_backward(req)
+        return 200, "application/json", _json(_future(rid, model_id=req.model_id))
+
+    async def optim_step(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, str, bytes]:
+        data = _json_object(raw)
+        (mid,) = _need(data, "model_id")
+        adam = data.get("adam_params") or data.get("optim_params") or data.get("optimizer_params")
+        if not isinstance(adam, dict):
+            raise HTTPException(400, "optim_step needs adam_params")
+        _check_numbers(adam, ADAM_DEFAULTS, "adam_params")
+        if adam.get("type", "adam") not in ("adam", "adamw"):
+            raise HTTPException(400, f"optimizer {adam.get('type')!r} is not supported (adam only)")
+        return 200, "application/json", _json(_future(service.optim_step(mid, adam), model_id=mid))
 
     async def retrieve_future(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, str, bytes]:
         (rid,) = _need(_json_object(raw), "request_id")
@@ -444,6 +471,8 @@ def make_app(service: TinkerService, *, limits: HttpLimits | None = None) -> _Fr
             return 200, _PROTO, result
         return 200, "application/json", _json(result)
 
-    hot = {"forward_backward": forward_backward, "optim_step": optim_step, "retrieve_future": retrieve_future}
-    routes = {f"/api/v1/{name}": fn for name, fn in hot.items()}
-    return _FrontDoor(app, routes, keys, DEFAULT_LIMITS if limits is None else limits)
+    return {
+        "forward_backward": forward_backward,
+        "optim_step": optim_step,
+        "retrieve_future": retrieve_future,
+    }
