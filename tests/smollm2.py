@@ -12,6 +12,7 @@ import fcntl
 import os
 import pathlib
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -59,18 +60,31 @@ def require_smollm2() -> pathlib.Path:
     return path
 
 
+#: How many tests may hold the real model at once: two peaks fit a 24 GiB machine beside the other
+#: workers' tests (the largest, one step of the agent recipes, peaks at ~8.5 GiB).
+REAL_MODEL_SLOTS = 2
+
+
 @contextlib.contextmanager
-def one_real_model_at_a_time() -> Iterator[None]:
-    """Holds a machine-wide lock while a test trains or serves the real SmolLM2.
+def real_model_slot() -> Iterator[None]:
+    """Holds one of :data:`REAL_MODEL_SLOTS` machine-wide locks while a test trains or serves the real
+    SmolLM2, waiting for one to free up.
 
     Such a test peaks at several GiB (a 135M model's weights, Adam state, activations, a vLLM
-    server); ``./run test``'s workers start the longest files first, so without the lock the
-    SmolLM2 files could all peak at once on a 24 GiB machine. The other workers go on meanwhile.
+    server); ``./run test``'s workers start the longest files first, so without the slots the
+    SmolLM2 files would all peak at once. The other workers go on meanwhile.
     """
-    path = os.path.join(tempfile.gettempdir(), "rljax-tests-real-model.lock")
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    base = os.path.join(tempfile.gettempdir(), "rljax-tests-real-model")
+    while True:
+        for slot in range(REAL_MODEL_SLOTS):
+            with open(f"{base}.{slot}.lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                try:
+                    yield
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                return
+        time.sleep(0.5)

@@ -17,7 +17,7 @@ import pathlib
 import re
 
 import pytest
-from smollm2 import one_real_model_at_a_time
+from smollm2 import real_model_slot
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_RUN = "# not run"
@@ -117,7 +117,7 @@ def test_page_python_blocks_run(
     # a page that trains the real SmolLM2 takes the lock its other tests take (tests/smollm2.py)
     blocks = runnable_blocks(page.read_text())
     real_model = any("smollm2_base" in code for _, code in blocks)
-    with one_real_model_at_a_time() if real_model else contextlib.nullcontext():
+    with real_model_slot() if real_model else contextlib.nullcontext():
         for line, code in blocks:
             # pad with newlines so tracebacks show the page's own line numbers
             exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)  # noqa: S102

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from flax import nnx
-from smollm2 import CONVERSATIONS, one_real_model_at_a_time, require_smollm2
+from smollm2 import CONVERSATIONS, real_model_slot, require_smollm2
 
 from rljax import models
 from rljax.chat import GenericRenderer, make_renderer
@@ -55,8 +55,8 @@ EXPORTED = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_con
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_real_model_at_a_time():
-    with one_real_model_at_a_time():
+def _real_model_slot():
+    with real_model_slot():
         yield
 
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from recipes import load_recipe
-from smollm2 import one_real_model_at_a_time, require_smollm2
+from smollm2 import real_model_slot, require_smollm2
 
 from rljax.chat import make_renderer
 from rljax.models import gguf_tokenizer
@@ -49,7 +49,7 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
     c.engine.update(max_batch_size=16, min_batch_bucket=16)
     c.trainer.update(num_steps=1, prompts_per_step=8, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
     gateway_capture.RESPONSES.clear()
-    with one_real_model_at_a_time():
+    with real_model_slot():
         t = Trainer(c, tmp_path)
         before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.state.params))]
         (row,) = t.run()
