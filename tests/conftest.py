@@ -12,12 +12,16 @@ tiers of the suite (markers registered in setup.cfg, see docs/getting_started.md
 Quick development tier: ``python -m pytest tests -q -m "not integration and not slow"``.
 Re-record the durations after adding or changing heavy tests (the whole suite, or any part of it;
 entries of tests that did not run are kept):
-``python -m pytest tests -q --record-durations=tests/durations.json``.
+``python -m pytest tests -q --record-durations=tests/durations.json``. Where the suite's CPU goes:
+``./run test --record-cpu=/tmp/cpu.jsonl`` appends, per test file, the CPU seconds of its tests (the
+worker and the processes it reaped: servers, launched runs) and their wall seconds.
 """
 
 import json
 import os
+import resource
 import sys
+import time
 from collections import defaultdict
 
 HERE = os.path.dirname(__file__)
@@ -105,6 +109,12 @@ def _function_key(nodeid: str) -> str:
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--record-cpu",
+        metavar="PATH",
+        help="append one JSON line per test file to PATH: the CPU seconds its tests took (this process "
+        "and the processes it reaped), their wall seconds, and the worker",
+    )
+    parser.addoption(
         "--record-durations",
         metavar="PATH",
         help="write each test function's duration (summed over its parameters) into PATH (JSON), "
@@ -152,6 +162,26 @@ def _longest_files_first(items, recorded):
 
 
 _measured: defaultdict[str, float] = defaultdict(float)
+#: --record-cpu: per test file, [CPU seconds, wall seconds] of its tests (setup to teardown)
+_file_cost: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("--record-cpu"):
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    cost = _file_cost[item.nodeid.split("::", 1)[0]]
+    cost[0] += _cpu_seconds() - cpu
+    cost[1] += time.perf_counter() - wall
 
 
 def pytest_runtest_logreport(report):
@@ -159,6 +189,15 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    cpu_path = session.config.getoption("--record-cpu")
+    if cpu_path and _file_cost:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        lines = "".join(
+            json.dumps({"file": f, "cpu_s": round(c, 2), "wall_s": round(w, 2), "worker": worker}) + "\n"
+            for f, (c, w) in _file_cost.items()
+        )
+        with open(cpu_path, "a") as out:  # one write per worker process
+            out.write(lines)
     path = session.config.getoption("--record-durations")
     if not path or not _measured:
         return
