@@ -63,5 +63,5 @@ def test_a_variant_trains_on_synthetic_groups(bench, tmp_path, capsys):
     assert "per mini-batch: 112 real tokens, 64 with a loss" in out
     (row,) = [line for line in out.splitlines() if line.startswith("| loss-only + prefix tree |")]
     assert row.split(" | ")[1] == "1024"
-    (loss,) = [line.rsplit("loss ", 1)[1] for line in out.splitlines() if "round 0:" in line]
+    (loss,) = [line.rsplit(", loss ", 1)[1] for line in out.splitlines() if ", loss " in line]
     assert np.isfinite(float(loss))
