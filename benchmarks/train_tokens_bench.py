@@ -176,7 +176,8 @@ def pack_mini_batches(run: Any, captured: dict[str, Any]) -> list[Any]:
 # Synthetic: GRPO groups of random tokens for a fresh model of a named shape
 # ------------------------------------------------------------------------------------------------
 
-#: Named model shapes (``model.init`` fields) and the settings they train with.
+#: Named model shapes (their ``model.init`` fields, or :func:`model_init`'s) and the settings they
+#: train with.
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "model.init": dict(
@@ -192,26 +193,31 @@ SHAPES: dict[str, dict[str, Any]] = {
             tie_word_embeddings=True,
         ),  # fmt: skip
     },
-    # Qwen/Qwen3-0.6B's config.json (random weights)
+    # Qwen/Qwen3-0.6B's config.json (random weights): train_step_bench's ModelConfig of that name
     "qwen3-0.6b": {
-        "model.init": dict(
-            model_type="qwen3",
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_layers=28,
-            num_heads=16,
-            num_kv_heads=8,
-            head_dim=128,
-            qk_norm=True,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            max_position_embeddings=40960,
-        ),  # fmt: skip
         "model.compute_dtype": "bfloat16",
         "model.remat": "full",
     },
 }
+
+
+def model_init(shape: str) -> dict[str, Any]:
+    """``model.init`` of a named shape: its own, else every field of ``benchmarks/train_step_bench.py``'s
+    ModelConfig of that name (the benchmarks are scripts, not a package: loaded from its file)."""
+    if "model.init" in SHAPES[shape]:
+        return SHAPES[shape]["model.init"]
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_step_bench.py")
+    spec = importlib.util.spec_from_file_location("_bench_train_step_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    from rljax.run.config import RUN_SET_FIELDS
+
+    config = module.CONFIGS[shape]
+    not_keys = RUN_SET_FIELDS[type(config)]  # e.g. extra_json: read from a checkpoint, not a config key
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in not_keys}
 
 
 def group_tree_tokens(prompt_tokens: int, completion_tokens: int, group: int) -> int:
@@ -229,7 +235,7 @@ def synthesize(
     from rljax.types import Step
 
     rng = np.random.default_rng(seed)
-    init = SHAPES[shape]["model.init"]
+    init = model_init(shape)
     vocab = init["vocab_size"]
     seq_len = seq_len or -(-group_tree_tokens(prompt_tokens, completion_tokens, group) // 1024) * 1024
     if prompt_tokens + completion_tokens > seq_len:
