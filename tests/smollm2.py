@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from xla_flags import optimized_compilation
 
 from rljax.models import gguf_fetch
 
@@ -72,7 +73,9 @@ def real_model_slot() -> Iterator[None]:
 
     Such a test peaks at several GiB (a 135M model's weights, Adam state, activations, a vLLM
     server); ``./run test``'s workers start the longest files first, so without the slots the
-    SmolLM2 files would all peak at once. The other workers go on meanwhile.
+    SmolLM2 files would all peak at once. The other workers go on meanwhile. Inside, programs compile
+    with XLA's default optimization (:func:`xla_flags.optimized_compilation`): the real model's
+    runtime outweighs its compile time.
     """
     base = os.path.join(tempfile.gettempdir(), "rljax-tests-real-model")
     while True:
@@ -83,7 +86,8 @@ def real_model_slot() -> Iterator[None]:
                 except BlockingIOError:
                     continue
                 try:
-                    yield
+                    with optimized_compilation():
+                        yield
                 finally:
                     fcntl.flock(lock, fcntl.LOCK_UN)
                 return

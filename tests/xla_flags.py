@@ -18,15 +18,49 @@ the same and only their machine code differs:
   ``tests/models/test_models_moe.py`` 143-169 -> 117 s; the quick tier 3.3 -> 2.5 min.
 
 The tiny models then run somewhat slower, but every test compiles far faster. Benchmarks and user runs
-keep XLA's defaults.
+keep XLA's defaults, and so do the tests that train or serve the real SmolLM2-135M
+(:func:`optimized_compilation`, taken with ``tests/smollm2.py``'s real-model slot): there the slower
+code costs more than the cheaper compilation saves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 
 #: cheaper CPU compilation of the same optimized programs (see the module docstring).
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+#: XLA's own defaults for the two debug options FAST_COMPILE changes.
+XLA_DEFAULT_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+@contextlib.contextmanager
+def optimized_compilation() -> Iterator[None]:
+    """Inside, this process compiles with XLA's default optimization, whatever ``XLA_FLAGS`` says.
+
+    XLA reads ``XLA_FLAGS`` once per process, so the per-compilation overrides go in the way
+    ``jax.jit(..., compiler_options=...)`` passes them (as ``env_options_overrides`` of jax's compile
+    options; a test-only patch of that one function, undone on exit). Options a call sets itself win.
+    The persistent compilation cache keys on the options, so such programs are cached apart.
+    """
+    from jax._src import compiler
+
+    plain = compiler.get_compile_options
+
+    @functools.wraps(plain)
+    def with_defaults(*args, env_options_overrides=None, **kwargs):
+        overrides = {**XLA_DEFAULT_OPTIONS, **(env_options_overrides or {})}
+        return plain(*args, env_options_overrides=overrides, **kwargs)
+
+    compiler.get_compile_options = with_defaults
+    try:
+        yield
+    finally:
+        compiler.get_compile_options = plain
 
 
 def xla_flags(devices: int = 1) -> str:

@@ -57,7 +57,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> dict:
         sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
         "-d", str(out / "doctrees"), str(ROOT / "docs"), str(out / "html"),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # XLA's default flags, as `./run docs` builds: the notebooks train for minutes, where the suite's
+    # fast-compiling flags (tests/xla_flags.py) cost more in slower code than they save in compiling
+    # (tiny_agent.ipynb alone: 181 s / 294 CPU-s with them, 121 s / 189 CPU-s without, measured)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
     start = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     return {
