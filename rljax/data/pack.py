@@ -800,12 +800,7 @@ def _pack_steps(
     )
     total = int(lengths.sum())
 
-    group_keys: dict[str, int] = {}
-    group = np.fromiter(
-        (group_keys.setdefault(s.trajectory_id.instance_id, len(group_keys)) for s in steps),
-        np.int64,
-        count=n,
-    )
+    group, group_keys = _group_index(steps)
     temps = np.fromiter((s.temperature for s in steps), dtype=np.float32, count=n)
 
     size = num_rows * seq_len
@@ -842,25 +837,43 @@ def _pack_steps(
         parents=None if tree is None else tree.parents.reshape(num_rows, seq_len),
         subtree_end=None if tree is None else tree.subtree_end.reshape(num_rows, seq_len),
     )
-    laid = total if tree is None else tree.tokens
     metrics = {
         "num_samples": n,
         "num_groups": len(group_keys),
-        "num_rows": num_rows,
-        "used_rows": int(used),
-        "padding_rows": num_rows - int(used),
-        "seq_len": seq_len,
-        "sample_tokens": total,
-        "real_tokens": laid,
-        "shared_prefix_tokens": total - laid,
-        "capacity_tokens": size,
-        "packing_efficiency": laid / size,
+        **_layout_metrics(num_rows, int(used), seq_len, total, total if tree is None else tree.tokens),
         "trainable_tokens": int(loss_mask.sum()),
         "truncated_samples": int(over.size) if truncate else 0,
         "truncated_tokens": int((resp_lens - keep_lens).sum()),
         "samples_without_logprobs": without_logprobs,
     }
     return PackResult(batch=batch, layout=layout, metrics=metrics, group_keys=tuple(group_keys))
+
+
+def _group_index(steps: Sequence[Step]) -> tuple[np.ndarray, dict[str, int]]:
+    """Each step's prompt group (``trajectory_id.instance_id``) numbered in order of first appearance
+    (int64 ``[len(steps)]``), and that numbering."""
+    keys: dict[str, int] = {}
+    index = np.fromiter(
+        (keys.setdefault(s.trajectory_id.instance_id, len(keys)) for s in steps), np.int64, count=len(steps)
+    )
+    return index, keys
+
+
+def _layout_metrics(num_rows: int, used: int, seq_len: int, total: int, laid: int) -> dict[str, Any]:
+    """How full the rows are: ``total`` tokens of the samples, ``laid`` of them in the rows (fewer
+    when prefix trees share prefixes) in ``num_rows`` rows of ``seq_len``, ``used`` holding any."""
+    size = num_rows * seq_len
+    return {
+        "num_rows": num_rows,
+        "used_rows": used,
+        "padding_rows": num_rows - used,
+        "seq_len": seq_len,
+        "sample_tokens": total,
+        "real_tokens": laid,
+        "shared_prefix_tokens": total - laid,
+        "capacity_tokens": size,
+        "packing_efficiency": laid / size,
+    }
 
 
 def _support_floors(
@@ -1056,6 +1069,36 @@ def _balanced_assignment(group_tokens: np.ndarray, num_batches: int, per_batch: 
     return [sorted(o) for o in out]
 
 
+def _assign_groups(
+    steps: Sequence[Step],
+    group: np.ndarray,
+    num_groups: int,
+    mini_batch_prompts: int,
+    *,
+    balance_tokens: bool,
+    shuffle_seed: int | None,
+) -> list[list[int]]:
+    """The prompt groups of each mini-batch (see :func:`make_mini_batches`): in order of first
+    appearance or shuffled, or balanced by tokens."""
+    num_batches = num_groups // mini_batch_prompts
+    if balance_tokens:
+        tokens = np.fromiter(
+            (len(s.prompt_ids) + len(s.response_ids) for s in steps), np.int64, count=len(steps)
+        )
+        assignment = _balanced_assignment(
+            np.bincount(group, weights=tokens, minlength=num_groups).astype(np.int64),
+            num_batches,
+            mini_batch_prompts,
+        )
+        if shuffle_seed is not None:
+            assignment = [assignment[b] for b in np.random.default_rng(shuffle_seed).permutation(num_batches)]
+        return assignment
+    order = np.arange(num_groups)
+    if shuffle_seed is not None:
+        order = np.random.default_rng(shuffle_seed).permutation(num_groups)
+    return [order[b * mini_batch_prompts : (b + 1) * mini_batch_prompts].tolist() for b in range(num_batches)]
+
+
 def make_mini_batches(
     batch: StepBatch | Sequence[Step],
     *,
@@ -1092,10 +1135,7 @@ def make_mini_batches(
     n = len(steps)
     if mini_batch_prompts < 1:
         raise ValueError(f"mini_batch_prompts must be >= 1, got {mini_batch_prompts}")
-    group_of: dict[str, int] = {}
-    group = np.fromiter(
-        (group_of.setdefault(s.trajectory_id.instance_id, len(group_of)) for s in steps), np.int64, count=n
-    )
+    group, group_of = _group_index(steps)
     num_groups = len(group_of)
     if num_groups % mini_batch_prompts:
         raise ValueError(
@@ -1106,22 +1146,9 @@ def make_mini_batches(
     streams = check_streams(streams)
     for name, value in streams.items():
         _select(name, value, np.arange(0), n)  # length check up front
-    if balance_tokens:
-        tokens = np.fromiter((len(s.prompt_ids) + len(s.response_ids) for s in steps), np.int64, count=n)
-        assignment = _balanced_assignment(
-            np.bincount(group, weights=tokens, minlength=num_groups).astype(np.int64),
-            num_batches,
-            mini_batch_prompts,
-        )
-        if shuffle_seed is not None:
-            assignment = [assignment[b] for b in np.random.default_rng(shuffle_seed).permutation(num_batches)]
-    else:
-        order = np.arange(num_groups)
-        if shuffle_seed is not None:
-            order = np.random.default_rng(shuffle_seed).permutation(num_groups)
-        assignment = [
-            order[b * mini_batch_prompts : (b + 1) * mini_batch_prompts].tolist() for b in range(num_batches)
-        ]
+    assignment = _assign_groups(
+        steps, group, num_groups, mini_batch_prompts, balance_tokens=balance_tokens, shuffle_seed=shuffle_seed
+    )
 
     def generate() -> Iterator[PackResult]:
         in_batch = np.empty(num_groups, dtype=np.int64)

@@ -245,20 +245,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
         w = _where(i, tid)
         tids.append(tid)
 
-        # token ids -------------------------------------------------------------------
-        p = _to_array(s.prompt_ids, "prompt_ids", w, "iu")
-        if p.shape[0] == 0:
-            raise ValueError(
-                f"{w}: prompt_ids is empty; every turn needs the prompt tokens the engine received"
-            )
-        _check_id_types(s.prompt_ids, "prompt_ids", w)
-        if s.prompt_roles is not None:
-            _check_prompt_roles(s.prompt_roles, p.shape[0], w)
-        r = _to_array(s.response_ids, "response_ids", w, "iu")
-        _check_id_types(s.response_ids, "response_ids", w)
+        p, r, routing_shape = _checked_token_ids(s, w, routing_shape)
         n = r.shape[0]
-        if s.routed_experts is not None:
-            routing_shape = _check_routed_experts(s.routed_experts, p.shape[0] + n, w, routing_shape)
         prompts.append(p)
         responses.append(r)
 
@@ -305,6 +293,25 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: int | None = None) -> N
             AllMaskedWarning,
             stacklevel=2,
         )
+
+
+def _checked_token_ids(
+    s: Step, w: str, routing_shape: tuple[int, int] | None
+) -> tuple[np.ndarray, np.ndarray, tuple[int, int] | None]:
+    """A step's prompt and response ids as arrays, their structure checked (a non-empty prompt,
+    integer ids, ``prompt_roles`` and ``routed_experts`` matching them); and the routing shape the
+    batch's steps must share (the first step with routing sets it)."""
+    p = _to_array(s.prompt_ids, "prompt_ids", w, "iu")
+    if p.shape[0] == 0:
+        raise ValueError(f"{w}: prompt_ids is empty; every turn needs the prompt tokens the engine received")
+    _check_id_types(s.prompt_ids, "prompt_ids", w)
+    if s.prompt_roles is not None:
+        _check_prompt_roles(s.prompt_roles, p.shape[0], w)
+    r = _to_array(s.response_ids, "response_ids", w, "iu")
+    _check_id_types(s.response_ids, "response_ids", w)
+    if s.routed_experts is not None:
+        routing_shape = _check_routed_experts(s.routed_experts, p.shape[0] + r.shape[0], w, routing_shape)
+    return p, r, routing_shape
 
 
 def _checked_trajectory_id(i: int, s: Step) -> TrajectoryID:
