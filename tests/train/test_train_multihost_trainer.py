@@ -41,7 +41,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # rljax train x 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_STEPS = 3  # an eval at step 2; the killed run resumes from checkpoint 1 for two more steps
 RUN_TIMEOUT_S = 420
-HEARTBEAT_S = 10
+# Seconds without heartbeats after which JAX's coordination service counts a process as dead. The
+# kill -9 test waits for the survivor to notice, so it takes a short one; the other runs keep a
+# margin for a loaded machine (two launches of vLLM beside two trainers once missed 10 s).
+HEARTBEAT_S = 60
+KILL_HEARTBEAT_S = 10
 # opsd: ref_kl toward the live policy scored with the task's demonstration in the prompt, so every
 # step has real gradients (the smoke task's rewards are mostly 0, which leaves grpo with none);
 # mesh fsdp=2 x data=4.
@@ -83,6 +87,7 @@ def start(
     port: int | None = None,
     args=ARGS,
     env_of: dict[int, dict[str, str]] | None = None,
+    heartbeat_s: int = HEARTBEAT_S,
 ) -> list:
     """Starts the run's processes (logs in ``workdir.parent/<name>.p<i>.log``); ``env_of[i]`` adds
     variables to process ``i``'s environment."""
@@ -93,7 +98,7 @@ def start(
         if processes > 1:
             cmd += [
                 "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
-                "--process_id", str(i), "--cpu_collectives=gloo", f"--heartbeat_timeout_s={HEARTBEAT_S}",
+                "--process_id", str(i), "--cpu_collectives=gloo", f"--heartbeat_timeout_s={heartbeat_s}",
             ]  # fmt: skip
         log = open(workdir.parent / f"{workdir.name}.p{i}.log", "w")  # noqa: SIM115 - closed by the OS
         env = env_with(4 if processes > 1 else 8) | (env_of or {}).get(i, {})
@@ -191,7 +196,8 @@ def test_kill_9_fails_the_survivor_and_resume_continues_exactly(runs, tmp_path):
     run = tmp_path / "killed"
     # process 0 (it writes the metrics and the marker) dies right after checkpoint 1 commits, while
     # process 1 waits for it in the barrier that ends the save
-    procs = start(run, env_of={0: {checkpoint.FAULT_ENV: "kill_after_checkpoint_commit:1"}})
+    kill = {checkpoint.FAULT_ENV: "kill_after_checkpoint_commit:1"}
+    procs = start(run, env_of={0: kill}, heartbeat_s=KILL_HEARTBEAT_S)
     try:
         code0 = procs[0].wait(timeout=RUN_TIMEOUT_S)
         killed_at = time.monotonic()
