@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from rljax.training.checkpoint import resolve_checkpoint
+from rljax.training.checkpoint import read_config, resolve_checkpoint
 
 __all__ = ["export_checkpoint", "export_gguf", "write_model_dir"]
 
@@ -100,19 +100,20 @@ def export_checkpoint(
     from rljax.models.hf_io import save_tokenizer_files
     from rljax.models.lora import merge_lora, save_adapter
     from rljax.run.config import parse_config_record
-    from rljax.run.run import Run, checkpoint_config
+    from rljax.run.run import Run
     from rljax.training.sharding import MeshConfig
 
     out = _output_dir(out, overwrite)
     directory, step = resolve_checkpoint(checkpoint, step)
-    cfg = parse_config_record(checkpoint_config(directory, step))
+    record = read_config(directory, step=step)
+    if not record:
+        raise ValueError(f"{directory}/step_{step} records no run config; it was not written by the trainer")
+    cfg = parse_config_record(record)
     if adapter_only and not cfg.lora:
         raise ValueError("--adapter_only: this run trained the full model (config.lora is empty)")
     # the model parts only, on one device (whatever mesh the run trained on)
     run = Run(dataclasses.replace(cfg, mesh=MeshConfig()), directory, rollouts=False)
-    run.load_policy(
-        directory, step, verify=False
-    )  # checkpoint_config verified it; the policy (a LoRA run: adapters, and a warm-started base)
+    run.load_policy(directory, step)  # the policy (a LoRA run: adapters, and a warm-started base)
     model, tokenizer = run.current_model(), run.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:

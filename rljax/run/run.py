@@ -473,19 +473,20 @@ class Run:
     def load_policy(self, directory: str | pathlib.Path, step: int, *, verify: bool = True) -> None:
         """Puts the policy weights of checkpoint ``step`` of ``directory`` into this run (the state's
         parameters; a LoRA run's saved base too): what eval and export serve. Shapes and dtypes must
-        match this run's model (use the training config). Optimizer state and the other items are
-        read as host arrays and dropped. A damaged checkpoint raises
-        :class:`rljax.training.checkpoint.CheckpointCorruptedError` (``verify=False``: the caller has
-        just verified it)."""
+        match this run's model (use the training config). Only the parameter files are verified and
+        read (:func:`rljax.training.checkpoint.restore_params`), not the optimizer state; the other
+        stored parameters (a warm start's reference, behaviour versions) are read as host arrays and
+        dropped. Damaged parameter files raise
+        :class:`rljax.training.checkpoint.CheckpointCorruptedError` (``verify=False``: the caller
+        has just verified them)."""
         directory = pathlib.Path(directory)
         stored = stored_abstract(directory, step, "params") or {}
-        params = {**stored, POLICY: self.state.params}
+        target = {**stored, POLICY: self.state.params}
         if LORA_BASE in stored:
-            params[LORA_BASE] = self.state.frozen
-        opt_state = stored_abstract(directory, step, "opt_state")
-        r = ckpt.restore(directory, params=params, opt_state=opt_state, step=step, verify=verify)
-        frozen = r.params[LORA_BASE] if LORA_BASE in stored else self.state.frozen
-        self.state = dataclasses.replace(self.state, params=r.params[POLICY], frozen=frozen)
+            target[LORA_BASE] = self.state.frozen
+        params = ckpt.restore_params(directory, params=target, step=step, verify=verify)
+        frozen = params[LORA_BASE] if LORA_BASE in stored else self.state.frozen
+        self.state = dataclasses.replace(self.state, params=params[POLICY], frozen=frozen)
 
     # -- training --------------------------------------------------------------------------------------
     def train(self, batch: Any, *, algorithm: str) -> dict[str, float]:
@@ -814,20 +815,6 @@ def stored_abstract(directory: pathlib.Path, step: int, item: str) -> Any:
     meta = ocp.StandardCheckpointHandler().metadata(path)
     tree = meta.tree if hasattr(meta, "tree") else meta
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
-
-
-def checkpoint_config(directory: pathlib.Path, step: int) -> dict[str, Any]:
-    """The run config checkpoint ``step`` of ``directory`` was trained with (arrays are not read,
-    but the whole checkpoint is verified: a damaged one raises ``CheckpointCorruptedError``)."""
-    restored = ckpt.restore(
-        directory,
-        params=stored_abstract(directory, step, "params"),
-        opt_state=stored_abstract(directory, step, "opt_state"),
-        step=step,
-    )
-    if not restored.config:
-        raise ValueError(f"{directory}/step_{step} records no run config; it was not written by the trainer")
-    return restored.config
 
 
 _jit_loss_and_grads = jax.jit(loss_and_grads)

@@ -127,6 +127,7 @@ __all__ = [
     "read_extra",
     "resolve_checkpoint",
     "restore",
+    "restore_params",
     "save",
     "step_dir",
     "verify",
@@ -1168,38 +1169,19 @@ def restore(
     path = _committed_path(root, step)
     step = int(path.name.removeprefix("step_"))
     verified = _verify_path(path) if verify else False
-    checkpointer = _checkpointer()
     targets = {"params": params, "opt_state": opt_state}
     args = {}
     empty = {}
-    item_metadata = None
     for name, target in targets.items():
-        if not (path / name).is_dir():  # saved without arrays: the target (if any) must have none either
-            if target is not None and jax.tree.leaves(target):
-                raise ValueError(
-                    f"{path} holds no {name} arrays (it was saved from an empty tree), but the {name} "
-                    f"target has {len(jax.tree.leaves(target))} leaves"
-                )
+        arg = _array_restore_arg(path, name, target, verified)
+        if arg is None:
             empty[name] = target
-            continue
-        if target is None:
-            args[name] = ocp.args.StandardRestore()
-            continue
-        abstract = _abstract(target)
-        if item_metadata is None:
-            with _reading(path, verified):
-                item_metadata = checkpointer.metadata(path).item_metadata
-        stored = item_metadata[name]
-        _check_dtypes(abstract, stored.tree if hasattr(stored, "tree") else stored, name, path)
-        args[name] = ocp.args.StandardRestore(abstract)
+        else:
+            args[name] = arg
     args.update({name: ocp.args.JsonRestore() for name in _JSON_ITEMS})
     with _reading(path, verified):
-        out = {**empty, **checkpointer.restore(path, args=ocp.args.Composite(**args))}
-    meta = out["meta"]
-    if meta.get("format") != FORMAT or meta.get("step") != step:
-        raise ValueError(
-            f"{path}: unexpected checkpoint metadata {meta}; expected format {FORMAT!r}, step {step}"
-        )
+        out = {**empty, **_checkpointer().restore(path, args=ocp.args.Composite(**args))}
+    _check_meta(path, out["meta"], step)
     return Restored(
         step=step,
         params=out["params"] if params is None else _match_commitment(out["params"], params),
@@ -1208,6 +1190,64 @@ def restore(
         rng=_decode_rng(out["rng"]["value"]),
         config=_decode_config(out["config"]),
     )
+
+
+def restore_params(
+    directory: PathLike, *, params: Any = None, step: int | None = None, verify: bool = True
+) -> Any:
+    """The parameters of step ``step`` (default: :func:`latest_step`) of ``directory``, and nothing else.
+
+    What serving a checkpoint needs (``rljax eval``, ``rljax export``): only the ``params`` files
+    and the step's metadata are verified (``verify``) and read, not the optimizer state (twice the
+    parameters' bytes with Adam). ``params`` is the target as in :func:`restore` (``None``: the
+    stored tree as host arrays); the exceptions are :func:`restore`'s, for these files.
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save(d, 2, params={"w": jnp.arange(3.0)}, opt_state={"mu": jnp.ones(3)})
+    >>> restore_params(d, params={"w": jnp.zeros(3)})["w"].tolist()
+    [0.0, 1.0, 2.0]
+    """
+    root = pathlib.Path(directory).absolute()
+    path = _committed_path(root, step)
+    step = int(path.name.removeprefix("step_"))
+    verified = _verify_path(path, items=("params", "meta")) if verify else False
+    arg = _array_restore_arg(path, "params", params, verified)
+    if arg is None:
+        return params
+    with _reading(path, verified):
+        out = _checkpointer().restore(path, args=ocp.args.Composite(params=arg, meta=ocp.args.JsonRestore()))
+    _check_meta(path, out["meta"], step)
+    return out["params"] if params is None else _match_commitment(out["params"], params)
+
+
+def _array_restore_arg(path: pathlib.Path, name: str, target: Any, verified: bool) -> Any:
+    """orbax's restore argument for array item ``name`` of the step at ``path`` into ``target``
+    (``None``: as stored), after checking the target's dtypes against the stored ones; ``None``
+    when the step holds no such item (it was saved from a tree without arrays, so the target must
+    have none either)."""
+    if not (path / name).is_dir():
+        if target is not None and jax.tree.leaves(target):
+            raise ValueError(
+                f"{path} holds no {name} arrays (it was saved from an empty tree), but the {name} "
+                f"target has {len(jax.tree.leaves(target))} leaves"
+            )
+        return None
+    if target is None:
+        return ocp.args.StandardRestore()
+    abstract = _abstract(target)
+    with _reading(path, verified):  # this item's metadata only
+        stored = ocp.StandardCheckpointHandler().metadata(path / name)
+    _check_dtypes(abstract, stored.tree if hasattr(stored, "tree") else stored, name, path)
+    return ocp.args.StandardRestore(abstract)
+
+
+def _check_meta(path: pathlib.Path, meta: dict[str, Any], step: int) -> None:
+    if meta.get("format") != FORMAT or meta.get("step") != step:
+        raise ValueError(
+            f"{path}: unexpected checkpoint metadata {meta}; expected format {FORMAT!r}, step {step}"
+        )
 
 
 def read_extra(directory: PathLike, *, step: int | None = None) -> dict[str, Any]:

@@ -237,6 +237,27 @@ def test_read_extra_verifies_only_the_extra_item(tmp_path):
         ck.read_extra(tmp_path)
 
 
+def test_restore_params_reads_and_verifies_only_the_parameters(tmp_path):
+    path = _save(tmp_path, 1)
+    _assert_bits_equal(ck.restore_params(tmp_path, params=_params(0)), _params(1))
+    opt_data = _array_data_file(path, "opt_state")
+    _flip(opt_data)
+    with pytest.raises(ck.CheckpointCorruptedError):
+        ck.restore(tmp_path, params=_params(0), opt_state=_OPT)
+    # the damaged optimizer state is neither verified nor read: eval and export still serve the policy
+    _assert_bits_equal(ck.restore_params(tmp_path, params=_params(0)), _params(1))
+    _assert_bits_equal(ck.restore_params(tmp_path), _params(1))  # no target: the stored tree
+    params_data = _array_data_file(path)
+    _flip(params_data)
+    with pytest.raises(ck.CheckpointCorruptedError) as info:
+        ck.restore_params(tmp_path, params=_params(0))
+    assert [rel for rel, _ in info.value.problems] == [_rel(params_data, path)]
+    with pytest.raises(ValueError, match="target dtypes differ"):
+        ck.restore_params(
+            tmp_path, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params(0)), verify=False
+        )
+
+
 def test_overwriting_a_damaged_step_writes_a_new_manifest(tmp_path):
     path = _save(tmp_path, 1)
     _flip(_array_data_file(path))
