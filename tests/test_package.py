@@ -40,6 +40,17 @@ def core_venv(tmp_path_factory) -> pathlib.Path:
     (wheel,) = dist.glob("rljax-*.whl")
     assert wheel.name.startswith(f"rljax-{rljax.__version__}-")
     venv = tmp / "venv"
+    # uv (a test extra) makes the venv and installs the wheel with its dependencies as pip would,
+    # resolved from the same index, in a fraction of pip's time (measured here: 4 s against 37 s
+    # for venv + pip install with warm caches); pip is the fallback where uv is not installed
+    uv = _uv()
+    if uv is not None:
+        r = _run([uv, "venv", "-q", "--python", sys.executable, str(venv)], tmp, 300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        python = str(venv / "bin" / "python")
+        r = _run([uv, "pip", "install", "-q", "--python", python, str(wheel)], tmp, 1200)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return venv
     r = _run([sys.executable, "-m", "venv", str(venv)], tmp, 300)
     assert r.returncode == 0, r.stderr[-3000:]
     # --no-compile: no .pyc written for every file of every dependency up front (half of the install's
@@ -48,6 +59,17 @@ def core_venv(tmp_path_factory) -> pathlib.Path:
     r = _run([*pip, str(wheel)], tmp, 1200)
     assert r.returncode == 0, r.stderr[-3000:]
     return venv
+
+
+def _uv() -> str | None:
+    """The uv binary of the test extra; None (pip then) unless installed; a failure under CI=true."""
+    try:
+        import uv
+    except ImportError:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("uv (the test extra) is missing under CI (./run test installs it)")
+        return None
+    return uv.find_uv_bin()
 
 
 def _env() -> dict:
