@@ -3,12 +3,16 @@ streaming, credentials, errors, stop sequences, token counting."""
 
 from __future__ import annotations
 
-import anthropic
+from typing import TYPE_CHECKING
+
 import pytest
 from gateway_helpers import CHATML, IM_END, TOOL_CALL, Scripted, ids_of, open_session, tool_then_answer
 
 from rljax.gateway import Gateway
 from rljax.gateway.anthropic_api import to_chat_body
+
+if TYPE_CHECKING:
+    import anthropic
 
 SYSTEM = "Use the tool."
 QUESTION = {"role": "user", "content": "What color is the zob?"}
@@ -24,6 +28,8 @@ OPENAI_QUESTION = [{"role": "system", "content": SYSTEM}, QUESTION]
 
 
 def client(gw: Gateway, key: str, *, bearer: bool = False) -> anthropic.AsyncAnthropic:
+    import anthropic  # here, not at collection: every xdist worker collects every module (~1.6 s import)
+
     base = gw.base_url.removesuffix("/v1")
     if bearer:  # Authorization: Bearer
         return anthropic.AsyncAnthropic(base_url=base, auth_token=key, api_key=None, max_retries=0)
@@ -97,6 +103,8 @@ def test_streamed_message_equals_the_non_streamed_one(loop, gateway):
 
 
 def test_credentials_and_bad_requests_get_anthropic_errors(loop, gateway):
+    import anthropic
+
     engine = Scripted(lambda p: "ok")
     s = open_session(gateway, engine)
 

@@ -27,7 +27,12 @@ from rljax import models  # noqa: E402
 from rljax.models import lora  # noqa: E402
 from rljax.models.tiny import random_decoder, tiny_config  # noqa: E402
 
-pytest.importorskip("peft")
+
+@pytest.fixture(autouse=True, scope="module")
+def _peft() -> None:
+    # imported by the tests, not at collection: every xdist worker collects every module (~4 s import)
+    pytest.importorskip("peft")
+
 
 BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
