@@ -302,10 +302,10 @@ def run_warm_start(
     """
     history: list[dict[str, float]] = []
     start = time.perf_counter()
-    for k, (steps, correct) in enumerate(demonstration_batches(tasks, make_env, renderer, config, seed=seed)):
-        batch = merge_steps(StepBatch(steps))
-        packed = pack(batch, seq_len=config.seq_len, ce_weights=1.0, rl_weights=0.0).batch
-        state, metrics = train_step(state, packed, counts_fn(packed, state.config.objective))
+
+    def finish(k: int, metrics: Mapping[str, Any], correct: int) -> None:
+        """Reads step ``k``'s metrics (waiting for its update) and reports them."""
+        nonlocal start
         tokens = float(metrics["tokens/ce"]) if "tokens/ce" in metrics else 1.0
         row = {
             "warmstart/step": float(k + 1),
@@ -321,4 +321,17 @@ def run_warm_start(
         if log is not None and ((k + 1) % config.log_every == 0 or k + 1 == config.num_steps):
             log(row)
         start = time.perf_counter()
+
+    # One step in flight: step k's update is dispatched (JAX runs it asynchronously), then step k-1's
+    # metrics are read, and step k+1's demonstrations are rendered and packed while step k computes.
+    pending: tuple[int, Mapping[str, Any], int] | None = None
+    for k, (steps, correct) in enumerate(demonstration_batches(tasks, make_env, renderer, config, seed=seed)):
+        batch = merge_steps(StepBatch(steps))
+        packed = pack(batch, seq_len=config.seq_len, ce_weights=1.0, rl_weights=0.0).batch
+        state, metrics = train_step(state, packed, counts_fn(packed, state.config.objective))
+        if pending is not None:
+            finish(*pending)
+        pending = (k, metrics, correct)
+    if pending is not None:
+        finish(*pending)
     return state, history
