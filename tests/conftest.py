@@ -155,6 +155,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = _longest_files_first(items, recorded)
 
 
+def pytest_collection_finish(session):
+    """Moves everything collection made (every test module, the libraries they import) out of the
+    garbage collector's view (``gc.freeze``): those objects live for the whole session, yet each full
+    collection scanned them all again, and the tests trigger hundreds (``_release_compiled_programs``
+    and Python's own: ~84 ms each, 5% of an in-process run's CPU, measured on ``tests/core``,
+    ``tests/data``, ``tests/chat``). Objects the tests make are collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def _longest_files_first(items, recorded):
     """The test files in order of their recorded total duration, longest first, each file's tests
     in their own order. ``./run test`` hands whole files to its workers in collection order
