@@ -938,19 +938,7 @@ def save(
     """
     step = _check_step(step)
     _faults(os.environ.get(FAULT_ENV, ""))  # a malformed value fails before anything is written
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
-    if data_state is not None and not isinstance(data_state, Mapping):
-        raise ValueError(f"data_state must be a dict (JSON), got {type(data_state).__name__}")
-    if extra is not None and not isinstance(extra, Mapping):
-        raise ValueError(f"extra must be a dict (JSON), got {type(extra).__name__}")
-    items = {
-        "data_state": _json_checked(dict(data_state or {}), "data_state"),
-        "rng": {"value": _encode_rng(rng)},
-        "config": _encode_config(config),
-        "extra": _json_checked(dict(extra or {}), "extra"),
-        "meta": {"format": FORMAT, "step": step, "manifest": MANIFEST},
-    }
+    items = _json_items(step, keep=keep, data_state=data_state, rng=rng, config=config, extra=extra)
     # orbax refuses trees without arrays (e.g. the state of optax.sgd): such items are not written.
     pairs = (("params", params), ("opt_state", opt_state))
     arrays = {name: tree for name, tree in pairs if jax.tree.leaves(tree)}
@@ -965,6 +953,60 @@ def save(
             f"{target} already exists and is the latest checkpoint; pass overwrite=True to replace it "
             "or save under a new step"
         )
+    _write_and_mark(root, step, arrays, items, force=force, primary=primary)
+    if primary:
+        _fault_point("kill_after_checkpoint_commit", step)
+        _garbage_collect(root, step, keep)
+    else:
+        _fault_point("kill_before_checkpoint_commit", step)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"rljax_checkpoint_marked_{step}")
+    if not primary:
+        _fault_point("kill_after_checkpoint_commit", step)
+    return target
+
+
+def _json_items(
+    step: int,
+    *,
+    keep: int | None,
+    data_state: Mapping[str, Any] | None,
+    rng: Any,
+    config: Any,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Checks :func:`save`'s host-side arguments; returns its JSON items (``data_state``, ``rng``,
+    ``config``, ``extra`` and the step's ``meta``)."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
+    if data_state is not None and not isinstance(data_state, Mapping):
+        raise ValueError(f"data_state must be a dict (JSON), got {type(data_state).__name__}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ValueError(f"extra must be a dict (JSON), got {type(extra).__name__}")
+    return {
+        "data_state": _json_checked(dict(data_state or {}), "data_state"),
+        "rng": {"value": _encode_rng(rng)},
+        "config": _encode_config(config),
+        "extra": _json_checked(dict(extra or {}), "extra"),
+        "meta": {"format": FORMAT, "step": step, "manifest": MANIFEST},
+    }
+
+
+def _write_and_mark(
+    root: pathlib.Path,
+    step: int,
+    arrays: Mapping[str, Any],
+    items: Mapping[str, Any],
+    *,
+    force: bool,
+    primary: bool,
+) -> None:
+    """orbax writes ``root/step_<step>`` (every process its shards); then the primary process checks
+    orbax committed it, seals it (manifest) and marks it ``latest``. A write that fails with an
+    ``OSError`` leaves nothing behind (:func:`_save_failed`)."""
+    target = root / f"step_{step}"
     try:
         _checkpointer().save(
             target,
@@ -982,18 +1024,6 @@ def save(
             _write_marker(root, step)
     except OSError as e:
         raise _save_failed(root, step, e) from e
-    if primary:
-        _fault_point("kill_after_checkpoint_commit", step)
-        _garbage_collect(root, step, keep)
-    else:
-        _fault_point("kill_before_checkpoint_commit", step)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"rljax_checkpoint_marked_{step}")
-    if not primary:
-        _fault_point("kill_after_checkpoint_commit", step)
-    return target
 
 
 def _save_failed(root: pathlib.Path, step: int, error: OSError) -> CheckpointSaveError:
