@@ -32,21 +32,16 @@ print("tinker-cookbook", md.version("tinker-cookbook"), "tinker", md.version("ti
 PYEOF
 }
 
-STAMP="$VENV/.rljax-installed"
+. .ci/venv_stamp.sh
 WANT="$COOKBOOK_SPEC $TINKER_SPEC torch==2.13.0"
-if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && grep -qxF -- "$WANT" "$STAMP"; then
-  echo "install_tinker_cookbook: reusing $VENV ($WANT)"
-elif [ -x "$VENV/bin/python" ] && versions=$(check 2>/dev/null); then
-  echo "install_tinker_cookbook: reusing $VENV (${versions##*$'\n'})"
-  echo "$WANT" > "$STAMP"
-else
+if ! reuse_venv install_tinker_cookbook "$VENV" "$WANT"; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==2.13.0"
   "$VENV/bin/pip" install -q "$COOKBOOK_SPEC" "$TINKER_SPEC"
   check
-  echo "$WANT" > "$STAMP"
+  stamp_venv "$VENV" "$WANT"
 fi
 echo "install_tinker_cookbook: venv $VENV ready in $(( $(date +%s) - start )) s"
 echo "install_tinker_cookbook: export RLJAX_TINKER_COOKBOOK_PYTHON=$(cd "$VENV" && pwd)/bin/python"

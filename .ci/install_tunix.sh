@@ -47,21 +47,16 @@ print(" ".join(f"{p}=={md.version(p)}" for p in ("google-tunix", "jax", "jaxlib"
 PYEOF
 }
 
-STAMP="$VENV/.rljax-installed"
+. .ci/venv_stamp.sh
 WANT="$TUNIX_SPEC $PINS"
-if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && grep -qxF -- "$WANT" "$STAMP"; then
-  echo "install_tunix: reusing $VENV ($WANT)"
-elif [ -x "$VENV/bin/python" ] && versions=$(check 2>/dev/null) && [ "${versions##*$'\n'}" = "$WANT" ]; then
-  echo "install_tunix: reusing $VENV (${versions##*$'\n'})"
-  echo "$WANT" > "$STAMP"
-else
+if ! reuse_venv install_tunix "$VENV" "$WANT" exact; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   # shellcheck disable=SC2086  # PINS is a list of requirement specs
   "$VENV/bin/pip" install -q "$TUNIX_SPEC" $PINS
   check
-  echo "$WANT" > "$STAMP"
+  stamp_venv "$VENV" "$WANT"
 fi
 echo "install_tunix: venv $VENV ready in $(( $(date +%s) - start )) s"
 echo "install_tunix: export RLJAX_TUNIX_PYTHON=$(cd "$VENV" && pwd)/bin/python"

@@ -25,13 +25,8 @@ PYEOF
 }
 
 # A venv stamped with the spec passed the check once: kept at once (the check imports vLLM, ~7 s)
-STAMP="$VENV/.rljax-installed"
-if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && grep -qxF -- "$VLLM_SPEC" "$STAMP"; then
-  echo "install_vllm: reusing $VENV ($VLLM_SPEC)"
-elif [ -x "$VENV/bin/python" ] && versions=$(check 2>/dev/null); then
-  echo "install_vllm: reusing $VENV (${versions##*$'\n'})"
-  echo "$VLLM_SPEC" > "$STAMP"
-else
+. .ci/venv_stamp.sh
+if ! reuse_venv install_vllm "$VENV" "$VLLM_SPEC"; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
@@ -40,7 +35,7 @@ else
   # ("operator torchvision::nms does not exist"); vLLM's text models need none of these.
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   check
-  echo "$VLLM_SPEC" > "$STAMP"
+  stamp_venv "$VENV" "$VLLM_SPEC"
 fi
 echo "install_vllm: venv $VENV ready in $(( $(date +%s) - start )) s"
 echo "install_vllm: export RLJAX_VLLM_PYTHON=$(cd "$VENV" && pwd)/bin/python"
