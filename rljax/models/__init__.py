@@ -14,7 +14,14 @@ drivers (design §5).
 from rljax.models.attention import segment_positions
 from rljax.models.config import ModelConfig, rope_inverse_frequencies
 from rljax.models.decode import DecodeOutput, SharedPrefix, decode_step, prefill
-from rljax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput, cast_model, num_params
+from rljax.models.decoder import (
+    REMAT_POLICIES,
+    Decoder,
+    DecoderOutput,
+    abstract_decoder,
+    cast_model,
+    num_params,
+)
 from rljax.models.gguf_io import from_gguf, is_gguf_path, load_gguf_config
 from rljax.models.gguf_tokenizer import gguf_tokenizer
 from rljax.models.hf_io import (
@@ -73,6 +80,7 @@ __all__ = [
     "DecoderOutput",
     "ForwardOutput",
     "REMAT_POLICIES",
+    "abstract_decoder",
     "cast_model",
     "ModelConfig",
     "Routing",

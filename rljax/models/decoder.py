@@ -26,7 +26,7 @@ Parameter names follow the HF checkpoint layout (``layers.{i}.self_attn.q_proj.k
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import chex
 import jax
@@ -781,6 +781,33 @@ def _packing_defaults(
     positions = jnp.asarray(positions)
     chex.assert_equal_shape([tokens, segment_ids, positions])
     return segment_ids, positions
+
+
+class _SameKeyRngs:
+    """Stands in for ``nnx.Rngs`` where only the parameters' shapes matter: every draw is one key.
+
+    Traced by ``nnx.eval_shape``, an ``nnx.Rngs`` counts its draws in a traced variable, and flax checks
+    each count update by asking the tracer for its ``sharding``, which JAX answers with an error
+    message that walks every operation traced so far: time quadratic in the number of parameters
+    (SmolLM2-135M's 30 layers: 1.9 s; 60 small layers: 2.7 s, against 0.8 s with this).
+    """
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
+def abstract_decoder(config: ModelConfig, **decoder_kwargs: Any) -> Decoder:
+    """The :class:`Decoder` of ``config`` with ``jax.ShapeDtypeStruct`` parameters (nothing allocated):
+    the graph, shapes and dtypes of ``nnx.eval_shape`` over ``Decoder(config, rngs=nnx.Rngs(0),
+    **decoder_kwargs)``, built in time linear in the number of parameters (see ``_SameKeyRngs``).
+
+    >>> cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+    ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2)
+    >>> abstract_decoder(cfg, param_dtype=jnp.bfloat16).embed_tokens.get_value()
+    ShapeDtypeStruct(shape=(8, 4), dtype=bfloat16)
+    """
+    rngs = cast(nnx.Rngs, _SameKeyRngs())
+    return nnx.eval_shape(lambda: Decoder(config, rngs=rngs, **decoder_kwargs))
 
 
 def _remat_policy_name(remat: bool | str) -> str:

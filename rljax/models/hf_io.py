@@ -30,7 +30,7 @@ import safetensors.numpy
 from flax import nnx
 
 from rljax.models.config import ModelConfig
-from rljax.models.decoder import DEFAULT_ATTENTION_CHUNK_SIZE, Decoder
+from rljax.models.decoder import DEFAULT_ATTENTION_CHUNK_SIZE, Decoder, abstract_decoder
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -162,7 +162,7 @@ def hf_name_map(model: Decoder) -> dict[str, tuple[str, bool]]:
 
     >>> cfg = ModelConfig(model_type="qwen2", vocab_size=8, hidden_size=4, intermediate_size=8,
     ...                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, qkv_bias=True)
-    >>> m = hf_name_map(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    >>> m = hf_name_map(abstract_decoder(cfg))
     >>> m["model.layers.0.self_attn.k_proj.weight"], "lm_head.weight" in m
     (('layers.0.self_attn.k_proj.kernel', True), True)
     """
@@ -235,19 +235,16 @@ def from_hf_state_dict(
     True
     """
     param_dtype = dtype if param_dtype is None else param_dtype
-    abstract = nnx.eval_shape(
-        lambda: Decoder(
-            config,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            remat=remat,
-            precision=precision,
-            attention_chunk_size=attention_chunk_size,
-            moe_impl=moe_impl,
-            attention=attention,
-            context_attention=context_attention,
-            rngs=nnx.Rngs(0),
-        )
+    abstract = abstract_decoder(
+        config,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=remat,
+        precision=precision,
+        attention_chunk_size=attention_chunk_size,
+        moe_impl=moe_impl,
+        attention=attention,
+        context_attention=context_attention,
     )
     names = hf_name_map(abstract)
     tensors = _text_model_tensors(tensors)

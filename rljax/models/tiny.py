@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from rljax.models.config import ModelConfig
-from rljax.models.decoder import Decoder
+from rljax.models.decoder import Decoder, abstract_decoder
 from rljax.models.layers import RMSNorm
 
 __all__ = ["TINY_DEFAULTS", "random_decoder", "tiny_config", "tiny_model"]
@@ -105,7 +105,7 @@ def random_decoder(config: ModelConfig, *, seed: int = 0, **decoder_kwargs: Any)
     by numpy's PCG64 from ``seed``: the same values on every machine). Drawn on the host: a jitted
     draw of every parameter took 4-13 s to COMPILE on 2 CPU cores, per call.
     """
-    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), **decoder_kwargs))
+    abstract = abstract_decoder(config, **decoder_kwargs)
     zero_centered = {  # norms whose scale is 1 + w (the hybrid families'): w is drawn as 0.2 z
         ".".join(str(p) for p in path) + ".weight"
         for path, module in nnx.iter_graph(abstract)
