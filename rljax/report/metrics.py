@@ -7,8 +7,8 @@
 * :class:`JsonlSink`: ``metrics.jsonl``, one JSON object per step (``{"step": N, "time": unix_s,
   **metrics}``), flushed line by line, appended to on resume; non-finite values are written as
   ``null`` so that every line is strict (RFC 8259) JSON;
-* :class:`TensorBoardSink`: TensorBoard events under ``tb/`` (``tensorboardX``'s protobufs and
-  summary builders, pure Python, no TensorFlow), written synchronously by this process;
+* :class:`TensorBoardSink`: TensorBoard events under ``tb/`` (records encoded by
+  :mod:`rljax.report.event_file`, no TensorFlow or tensorboardX), written synchronously by this process;
 
 Both have ``sync()``: everything written so far is on disk (``fsync``) when it returns; the trainer
 calls it before a checkpoint commits, so a ``kill -9`` can never leave a checkpoint ahead of them.
@@ -32,7 +32,6 @@ import numbers
 import os
 import pathlib
 import socket
-import struct
 import sys
 import time
 import uuid
@@ -43,6 +42,7 @@ from typing import IO, Any
 import numpy as np
 
 from rljax.progress import Progress, is_ci
+from rljax.report.event_file import event, histogram_summary, scalar_summary, text_summary, tfrecord
 
 __all__ = [
     "DEFAULT_PLOT_KEYS",
@@ -330,12 +330,6 @@ class TensorBoardSink:
     """
 
     def __init__(self, logdir: str | os.PathLike, *, purge_step: int | None = None) -> None:
-        try:
-            from tensorboardX.proto.event_pb2 import Event, SessionLog
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "TensorBoard logging needs tensorboardX (pip install tensorboardX); or pass tensorboard=False"
-            ) from e
         self.logdir = pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         # pid + random suffix: two writers started in the same second never share (truncate) a file;
@@ -346,47 +340,31 @@ class TensorBoardSink:
         )
         self.path = self.logdir / name
         self._file = open(self.path, "xb")  # noqa: SIM115 - closed by close()
-        self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._file.write(tfrecord(event(wall_time=time.time(), file_version="brain.Event:2")))
         if purge_step is not None:
-            start = SessionLog(status=SessionLog.START)
-            self._append(Event(wall_time=time.time(), step=_check_step(purge_step), session_log=start))
+            start = event(wall_time=time.time(), step=_check_step(purge_step), session_start=True)
+            self._file.write(tfrecord(start))
         self._file.flush()
 
-    def _append(self, event: Any) -> None:
-        from tensorboardX.record_writer import masked_crc32c
-
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        self._file.write(header + struct.pack("<I", masked_crc32c(header)))
-        self._file.write(data + struct.pack("<I", masked_crc32c(data)))
-
-    def _summary(self, step: int, summary: Any) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-
-        self._append(Event(wall_time=time.time(), step=_check_step(step), summary=summary))
+    def _summary(self, step: int, summary: bytes) -> None:
+        self._file.write(tfrecord(event(wall_time=time.time(), step=_check_step(step), summary=summary)))
 
     def write(self, step: int, metrics: Mapping[str, Number]) -> None:
         """One scalar event per metric at ``step``, flushed. The tag is the metric's name as it is
         (``tensorboardX.summary.scalar`` would turn ``eval/pass@1`` and ``eval/pass^1`` both into
         ``eval/pass_1``: one series with two points per step)."""
-        from tensorboardX.proto.summary_pb2 import Summary
-
         for key, value in _scalars(metrics).items():
-            self._summary(step, Summary(value=[Summary.Value(tag=key, simple_value=float(value))]))
+            self._summary(step, scalar_summary(key, float(value)))
         self._file.flush()
 
     def histogram(self, step: int, tag: str, values: np.ndarray) -> None:
-        """A histogram event of ``values`` (1-D numbers) under ``tag`` at ``step``, flushed."""
-        from tensorboardX.summary import histogram
-
-        self._summary(step, histogram(tag, np.asarray(values, np.float64), _histogram_edges()))
+        """A histogram event of ``values`` (1-D finite numbers) under ``tag`` at ``step``, flushed."""
+        self._summary(step, histogram_summary(tag, np.asarray(values, np.float64), _histogram_edges()))
         self._file.flush()
 
     def text(self, step: int, tag: str, markdown: str) -> None:
-        """A text (Markdown) event under ``tag`` at ``step``, flushed."""
-        from tensorboardX.summary import text
-
-        self._summary(step, text(tag, markdown))
+        """A text (Markdown) event under ``<tag>/text_summary`` at ``step``, flushed."""
+        self._summary(step, text_summary(tag, markdown))
         self._file.flush()
 
     def sync(self) -> None:
