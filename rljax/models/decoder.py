@@ -199,31 +199,48 @@ class Attention(nnx.Module):
                 subtree_end=subtree_end,
             )
         else:
-            # One in-place write per array, then attention straight from the updated cache buffers.
-            k_cache, v_cache = layer_cache
-            k_cache = jax.lax.dynamic_update_slice_in_dim(
-                k_cache,
-                to_cache_layout(k, transposed=transposed_keys).astype(k_cache.dtype),
-                cache_index,
-                axis=2 if transposed_keys else 1,
-            )
-            v_cache = jax.lax.dynamic_update_slice_in_dim(
-                v_cache, to_cache_layout(v).astype(v_cache.dtype), cache_index, axis=1
-            )
-            new_cache = (k_cache, v_cache)
-            out = cache_attention(
-                q,
-                k_cache.astype(q.dtype),
-                v_cache.astype(q.dtype),
-                q_segment_ids=segment_ids,
-                kv_segment_ids=cache_segment_ids,
-                q_slots=cache_index + jnp.arange(t, dtype=jnp.int32),
-                kv_slots=jnp.arange(v_cache.shape[1], dtype=jnp.int32),
-                chunk_size=chunk_size,
-                precision=self.precision,
-                transposed_keys=transposed_keys,
+            out, new_cache = self._attend_through_cache(
+                q, k, v, layer_cache, segment_ids, cache_segment_ids, cache_index, chunk_size, transposed_keys
             )
         return self.output(out.reshape(b, t, self.num_heads * self.head_dim), gate), new_cache
+
+    def _attend_through_cache(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        layer_cache: tuple[jax.Array, jax.Array],
+        segment_ids: jax.Array,
+        cache_segment_ids: jax.Array | None,
+        cache_index: jax.Array | None,
+        chunk_size: int | None,
+        transposed_keys: bool,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Writes the new keys / values into the layer's cache at ``cache_index`` (one in-place write
+        per array) and attends straight from the updated buffers: ``(out, (k_cache, v_cache))``."""
+        k_cache, v_cache = layer_cache
+        k_cache = jax.lax.dynamic_update_slice_in_dim(
+            k_cache,
+            to_cache_layout(k, transposed=transposed_keys).astype(k_cache.dtype),
+            cache_index,
+            axis=2 if transposed_keys else 1,
+        )
+        v_cache = jax.lax.dynamic_update_slice_in_dim(
+            v_cache, to_cache_layout(v).astype(v_cache.dtype), cache_index, axis=1
+        )
+        out = cache_attention(
+            q,
+            k_cache.astype(q.dtype),
+            v_cache.astype(q.dtype),
+            q_segment_ids=segment_ids,
+            kv_segment_ids=cache_segment_ids,
+            q_slots=cache_index + jnp.arange(q.shape[1], dtype=jnp.int32),
+            kv_slots=jnp.arange(v_cache.shape[1], dtype=jnp.int32),
+            chunk_size=chunk_size,
+            precision=self.precision,
+            transposed_keys=transposed_keys,
+        )
+        return out, (k_cache, v_cache)
 
     def project(
         self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
@@ -554,14 +571,7 @@ class Decoder(nnx.Module):
             chex.assert_equal_shape([tokens, subtree_end])
         routed_experts = self._check_routed(tokens, routed_experts)
         backend = resolve_attention(getattr(self, "attention", "auto"), dtype=self.dtype)
-        mesh = context_mesh()
-        if mesh is not None and self.config.linear_layers:
-            raise ValueError(
-                f"context parallelism (mesh.context = {mesh.shape['context']}) is not supported for "
-                f"{self.config.model_type}: its Gated DeltaNet layers carry a recurrent state along the row "
-                "that context shards would have to hand on in order; use mesh.context = 1 (rows up to the "
-                "sequence length a device holds) for this model"
-            )
+        mesh = self._context_mesh()
         length = tokens.shape[1]
         if mesh is not None:  # context parallelism: pad to 2C chunks, load-balanced order (module doc)
             shards = mesh.shape["context"]
@@ -607,6 +617,19 @@ class Decoder(nnx.Module):
             shards = mesh.shape["context"]
             hidden, routing = jax.tree.map(lambda a: unbalance(a, shards)[:, :length], (hidden, routing))
         return DecoderOutput(hidden, routing)
+
+    def _context_mesh(self) -> jax.sharding.AbstractMesh | None:
+        """The context-parallel mesh this forward runs under (None without one); refused for models
+        with Gated DeltaNet layers."""
+        mesh = context_mesh()
+        if mesh is not None and self.config.linear_layers:
+            raise ValueError(
+                f"context parallelism (mesh.context = {mesh.shape['context']}) is not supported for "
+                f"{self.config.model_type}: its Gated DeltaNet layers carry a recurrent state along the row "
+                "that context shards would have to hand on in order; use mesh.context = 1 (rows up to the "
+                "sequence length a device holds) for this model"
+            )
+        return mesh
 
     def _check_routed(self, tokens: chex.Array, routed_experts: chex.Array | None) -> jax.Array | None:
         if routed_experts is None:

@@ -109,7 +109,8 @@ def _double(field: int, value: float) -> bytes:
     return b"" if packed == bytes(8) else _key(field, _FIXED64) + packed
 
 
-def _packed_doubles(field: int, values: Sequence[float]) -> bytes:
+def _packed_doubles(field: int, values: np.ndarray) -> bytes:
+    """A packed ``repeated double`` (left out when empty); ``values`` are written as float64."""
     return _message(field, np.asarray(values, "<f8").tobytes()) if len(values) else b""
 
 
@@ -170,8 +171,8 @@ def histogram_summary(tag: str, values: np.ndarray, edges: Sequence[float]) -> b
             _double(3, float(values.size)),
             _double(4, float(values.sum())),
             _double(5, float(values @ values)),
-            _packed_doubles(6, limits.tolist()),
-            _packed_doubles(7, counts.astype(np.float64).tolist()),
+            _packed_doubles(6, limits),
+            _packed_doubles(7, counts),
         ]
     )
     return _message(1, _message(1, tag.encode()) + _message(5, histo))
