@@ -204,7 +204,7 @@ def test_a_stalled_run_is_ended_by_the_watchdog_with_a_report(tmp_path):
     )
     assert code == EXIT_STALLED, out[-3000:]
     idle = float(re.search(r"rljax watchdog: no progress for ([0-9.]+)s", out).group(1))
-    assert idle > 20
+    assert idle >= 20  # printed to 0.1 s: a value just over the timeout reads as 20.0
     assert "last progress: 'step 1: waiting for its rollout'" in out
     assert (
         "policy: EmbeddedSampler, weight_version 0" in out and "lookup: env fault_envs:HangingLookup" in out

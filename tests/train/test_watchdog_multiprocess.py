@@ -69,6 +69,7 @@ def test_the_survivor_of_a_dead_peer_ends_within_the_stall_timeout(tmp_path):
     assert procs[0].returncode == EXIT_STALLED, out0[-3000:]
     waited_from = float(re.search(r"waiting for the peer at ([0-9.]+)", out0).group(1))
     idle = float(re.search(r"rljax watchdog: no progress for ([0-9.]+)s", out0).group(1))
-    assert "not reached" not in out0 and idle > STALL_S
+    # the report prints the idle time to 0.1 s: a value just over STALL_S reads as STALL_S
+    assert "not reached" not in out0 and idle >= STALL_S
     assert "in barrier" in out0  # the report shows where the survivor waited
     print(f"\nsurvivor ended {ended - waited_from:.1f}s after it began waiting for the dead peer")
