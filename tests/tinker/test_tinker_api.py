@@ -45,7 +45,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+    sdk = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+    yield sdk
+    sdk.close("success").result()  # ends its session's heartbeats before the server stops
 
 
 def _seq(rng: np.random.Generator, n: int) -> np.ndarray:
