@@ -321,6 +321,30 @@ def test_server_lost_during_a_sync_is_dropped_from_it(tmp_path):
     assert kinds[0] == "down"
 
 
+@pytest.mark.slow
+def test_a_server_killed_mid_sync_is_dropped_from_it_though_its_first_check_only_finds_it_closed(tmp_path):
+    # Server 0 dies (its connections dropped, its port closed) while it holds the sync's /pause. The
+    # check right after sees a closed port: one failed check of the two that take a server out. The
+    # sync waits for the verdict and is redone on server 1 instead of failing the run.
+    config = SupervisorConfig(health_interval_s=1.0, health_timeout_s=1.0, health_failures=2, backoff_s=0.1)
+    with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
+
+        async def main():
+            client = VLLMClient([a.url, b.url], backoff_s=0.01)
+            supervisor = ServerSupervisor(client, [None, None], config)
+            async with client:
+                a.admin_delay_s = 30.0
+                sync = asyncio.create_task(client.update_weights_from(written(tmp_path / "v1"), version=1))
+                await wait_for(lambda: a.count("/pause?mode=wait") == 1, what="pause sent to server 0")
+                a.stop()
+                version = await asyncio.wait_for(sync, timeout=25.0)
+                return version, [e.kind for e in supervisor.events if e.server == 0]
+
+        version, kinds = asyncio.run(main())
+    assert version == 1 and kinds[:1] == ["down"]
+    assert rpc_dirs(b) == [os.fspath(tmp_path / "v1")] and rpc_dirs(a) == []
+
+
 def generated_labels(fake) -> list[str]:
     """The version label each generation of ``fake`` was sampled under (the fake's own record)."""
     return [label for path, _, _, label in fake.served if path == fk.GENERATE_PATH]

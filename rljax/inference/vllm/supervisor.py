@@ -305,6 +305,18 @@ class ServerSupervisor:
         if fatal or self._fails[i] >= self.config.health_failures:
             self.take_out(i, reason)
 
+    async def _settle(self, i: int) -> None:
+        """Checks server ``i`` until its verdict is in: a check passes, or it is out of service
+        (``health_failures`` failed checks in a row, or its process exited), one check every
+        ``health_interval_s``. A request just failed on it, so one failed check is not an answer: a
+        server killed mid-request closes its sockets before its process is seen to exit, and the
+        first check then only finds the port closed."""
+        while True:
+            await self._check(i)
+            if self.closing or self.client.servers[i].down or self._fails[i] == 0:
+                return
+            await asyncio.sleep(self.config.health_interval_s)
+
     def take_out(self, i: int, reason: str) -> None:
         """Takes server ``i`` out of service and starts bringing it back."""
         if self.client.servers[i].down and i in self._recovering:
@@ -470,7 +482,8 @@ class ServerSupervisor:
         self, first: Callable[[LiveServers], Awaitable[Any]], again: Callable[[LiveServers], Awaitable[Any]]
     ) -> Any:
         """Runs ``first`` on the servers in service; while it fails and a server of its view went
-        out of service (checked at once), runs ``again`` on the servers left."""
+        out of service (checked at once, until each check's verdict is in), runs ``again`` on the
+        servers left."""
         run = first
         while True:
             view = LiveServers(self.client, self.client.live)
@@ -478,7 +491,7 @@ class ServerSupervisor:
                 return await run(view)
             except Exception:
                 still = [i for i in view.indices if not self.client.servers[i].down]
-                await asyncio.gather(*(self._check(i) for i in still))
+                await asyncio.gather(*(self._settle(i) for i in still))
                 if not any(self.client.servers[i].down for i in view.indices):
                     raise
                 run = again
