@@ -297,25 +297,36 @@ def test_engine_set_supervises_its_vllm_client_from_the_initial_weights(tmp_path
     assert supervisor.closing  # no restart may race the shutdown
 
 
+def sync_while_server_0_fails(a, b, directory, config: SupervisorConfig, fail) -> tuple[int, str, list[str]]:
+    """Syncs ``directory`` to fakes ``a`` and ``b``; ``fail(a)`` runs once server 0 holds the sync's
+    /pause (held 30 s). Returns the synced version, the client's current directory and server 0's
+    supervisor events."""
+
+    async def main():
+        client = VLLMClient([a.url, b.url], backoff_s=0.01)
+        supervisor = ServerSupervisor(client, [None, None], config)
+        async with client:
+            a.admin_delay_s = 30.0
+            sync = asyncio.create_task(client.update_weights_from(written(directory), version=1))
+            await wait_for(lambda: a.count("/pause?mode=wait") == 1, what="pause sent to server 0")
+            fail(a)
+            version = await asyncio.wait_for(sync, timeout=25.0)  # long before server 0's 30 s
+            return version, client.current.directory, [e.kind for e in supervisor.events if e.server == 0]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        a.admin_delay_s = 0.0
+
+
 @pytest.mark.slow
 def test_server_lost_during_a_sync_is_dropped_from_it(tmp_path):
     # Server 0 hangs in /pause (30 s) and stops answering /health: the supervisor takes it out,
     # which aborts the sync's posts to it, and the sync is redone on server 1 alone.
     with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
-
-        async def main():
-            client = VLLMClient([a.url, b.url], backoff_s=0.01)
-            supervisor = ServerSupervisor(client, [None, None], FAST)
-            async with client:
-                a.admin_delay_s = 30.0
-                sync = asyncio.create_task(client.update_weights_from(written(tmp_path / "v1"), version=1))
-                await wait_for(lambda: a.count("/pause?mode=wait") == 1, what="pause sent to server 0")
-                a.mode = "unhealthy"
-                version = await asyncio.wait_for(sync, timeout=25.0)  # long before server 0's 30 s
-                return version, client.current.directory, [e.kind for e in supervisor.events if e.server == 0]
-
-        version, current, kinds = asyncio.run(main())
-        a.admin_delay_s = 0.0
+        version, current, kinds = sync_while_server_0_fails(
+            a, b, tmp_path / "v1", FAST, lambda fake: setattr(fake, "mode", "unhealthy")
+        )
     assert version == 1 and current == os.fspath(tmp_path / "v1")
     assert rpc_dirs(b) == [os.fspath(tmp_path / "v1")] and rpc_dirs(a) == []
     assert kinds[0] == "down"
@@ -328,19 +339,7 @@ def test_a_server_killed_mid_sync_is_dropped_from_it_though_its_first_check_only
     # sync waits for the verdict and is redone on server 1 instead of failing the run.
     config = SupervisorConfig(health_interval_s=1.0, health_timeout_s=1.0, health_failures=2, backoff_s=0.1)
     with fk.FakeVLLM() as a, fk.FakeVLLM() as b:
-
-        async def main():
-            client = VLLMClient([a.url, b.url], backoff_s=0.01)
-            supervisor = ServerSupervisor(client, [None, None], config)
-            async with client:
-                a.admin_delay_s = 30.0
-                sync = asyncio.create_task(client.update_weights_from(written(tmp_path / "v1"), version=1))
-                await wait_for(lambda: a.count("/pause?mode=wait") == 1, what="pause sent to server 0")
-                a.stop()
-                version = await asyncio.wait_for(sync, timeout=25.0)
-                return version, [e.kind for e in supervisor.events if e.server == 0]
-
-        version, kinds = asyncio.run(main())
+        version, _, kinds = sync_while_server_0_fails(a, b, tmp_path / "v1", config, fk.FakeVLLM.stop)
     assert version == 1 and kinds[:1] == ["down"]
     assert rpc_dirs(b) == [os.fspath(tmp_path / "v1")] and rpc_dirs(a) == []
 
