@@ -3,7 +3,7 @@ with the ChatML family's tool convention), in one run to pay for one model load 
 ``smollm2_tools``' config with four envs, its ``calculator`` task in the env loop, the same task as
 the OpenAI-SDK agent through the gateway (``calculator_agent``, its responses recorded by the
 client), ``smollm2_game``'s ``guess_number`` env and ``smollm2_cpu``'s ``arithmetic`` env; one GRPO
-step of two prompts per env.
+step of one prompt per env (a group of two samples each).
 
 What it checks that the tiny-model tests cannot: the sampler's logprobs agree with the trainer's
 forward on the real model's sampled tokens of tool and game turns (``rl/mismatch_kl``), every call
@@ -43,11 +43,11 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
     )
     c.envs.calculator.task_kwargs = dict(a_range=(100, 499))
     for env in c.envs.values():
-        env.update(num_train_tasks=2, num_eval_tasks=0)
+        env.update(num_train_tasks=1, num_eval_tasks=0)
     c.rollout.group_size = 2
     c.warmstart.num_steps = 0  # demonstrations rendered with tools: tests/chat (real tokenizer), tests/envs
     c.engine.update(max_batch_size=16, min_batch_bucket=16)
-    c.trainer.update(num_steps=1, prompts_per_step=8, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
+    c.trainer.update(num_steps=1, prompts_per_step=4, eval_every=0, checkpoint_every=0, save_rollouts_every=1)
     gateway_capture.RESPONSES.clear()
     with real_model_slot():
         t = Trainer(c, tmp_path)
@@ -55,7 +55,7 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
         (row,) = t.run()
         after = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.state.params))]
 
-    assert row["rollout/num_trajectories"] == 16 and row["rollout/num_errored"] == 0
+    assert row["rollout/num_trajectories"] == 8 and row["rollout/num_errored"] == 0
     assert 0.0 <= row["reward/mean"] <= 1.0 and np.isfinite(row["loss"])
     # float32 sampler vs float32 trainer on the same weights; 1e-4 is the bound for equivalent float32
     # programs with margin (logprob drift ~1e-5 per token)
@@ -64,9 +64,10 @@ def test_one_step_of_the_smollm2_recipes_env_loop_and_gateway(tmp_path):
         assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     # the gateway agent: each call recorded with exactly the ids its client got, and the reply it got
     records = [json.loads(line) for line in (tmp_path / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert {r["env"] for r in records} == set(c.envs)  # a prompt of every env
     agent_calls = [r for r in records if r["env"] == "calculator_agent"]
     got = gateway_capture.RESPONSES
-    assert len(agent_calls) == len(got) >= 4  # 2 tasks x 2 samples, one call at least each
+    assert len(agent_calls) == len(got) >= 2  # 1 task x 2 samples, one call at least each
     recorded = sorted((r["prompt_ids"], r["completion_ids"], _said(r["reply"])) for r in agent_calls)
     assert recorded == sorted((g["prompt_ids"], g["completion_ids"], _said(g["message"])) for g in got)
     renderer = make_renderer("smollm2", gguf_tokenizer(path))
