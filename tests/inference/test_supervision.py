@@ -11,8 +11,10 @@ end with one error naming every server when none is left.
 import asyncio
 import importlib.util
 import os
+import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import inference_fakes as fk
 import numpy as np
@@ -297,7 +299,13 @@ def test_engine_set_supervises_its_vllm_client_from_the_initial_weights(tmp_path
     assert supervisor.closing  # no restart may race the shutdown
 
 
-def sync_while_server_0_fails(a, b, directory, config: SupervisorConfig, fail) -> tuple[int, str, list[str]]:
+def sync_while_server_0_fails(
+    a: fk.FakeVLLM,
+    b: fk.FakeVLLM,
+    directory: pathlib.Path,
+    config: SupervisorConfig,
+    fail: Callable[[fk.FakeVLLM], object],
+) -> tuple[int, str, list[str]]:
     """Syncs ``directory`` to fakes ``a`` and ``b``; ``fail(a)`` runs once server 0 holds the sync's
     /pause (held 30 s). Returns the synced version, the client's current directory and server 0's
     supervisor events."""
