@@ -17,7 +17,6 @@ And the process's own resident memory (:func:`host_memory_bytes`), which on a CP
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import resource
 import sys
@@ -29,6 +28,7 @@ import jax
 __all__ = [
     "compiled_memory",
     "device_peak_bytes",
+    "host_allocator",
     "host_memory_bytes",
     "release_freed_host_memory",
     "step_memory_metrics",
@@ -113,33 +113,58 @@ def host_memory_bytes() -> dict[str, float]:
 
 
 @functools.cache
-def _glibc_malloc_trim() -> Any:
-    """glibc's ``malloc_trim`` (None where the C library is not glibc: musl, macOS)."""
+def host_allocator() -> str:
+    """The C allocator serving this process's ``malloc``: ``"tcmalloc"`` or ``"jemalloc"`` (loaded
+    with ``LD_PRELOAD``, found by their entry points in the process's global symbols), else
+    ``"glibc"`` on Linux and ``"other"`` elsewhere (musl, macOS).
+
+    >>> host_allocator() in ("tcmalloc", "jemalloc", "glibc", "other")
+    True
+    """
     if not sys.platform.startswith("linux"):
-        return None
+        return "other"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+        symbols = ctypes.CDLL(None)
+    except OSError:
+        return "other"
+    for name, entry in (("tcmalloc", "MallocExtension_ReleaseFreeMemory"), ("jemalloc", "mallctl")):
+        if hasattr(symbols, entry):
+            return name
+    return "glibc" if hasattr(symbols, "malloc_trim") else "other"
+
+
+@functools.cache
+def _release_call() -> Callable[[], object] | None:
+    """The allocator's call that returns freed memory to the system (None: it has none we know)."""
+    allocator = host_allocator()
+    symbols = ctypes.CDLL(None) if allocator in ("tcmalloc", "glibc") else None
+    if allocator == "tcmalloc":
+        release = symbols.MallocExtension_ReleaseFreeMemory
+        release.argtypes, release.restype = [], None
+        return release
+    if allocator == "glibc":
+        trim = symbols.malloc_trim
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return functools.partial(trim, 0)
+    return None
 
 
 def release_freed_host_memory() -> bool:
-    """Hands the memory this process has freed but glibc's allocator still holds back to the system
-    (``malloc_trim(0)``); returns False where there is no glibc.
+    """Hands the memory this process has freed but its C allocator still holds back to the system;
+    returns False where the allocator has no such call (jemalloc purges on its own schedule).
 
     Why: a CPU backend's train step allocates and frees gigabytes of temporaries, and the sampler,
-    the checkpoint writer and the host batches free large blocks from several threads; glibc keeps
-    much of that in its heaps (a run's resident memory then creeps up step by step with nothing
-    alive in it). Trimming once per RL step returns it; it takes milliseconds and moves no data.
+    the checkpoint writer and the host batches free large blocks from several threads; the allocator
+    keeps much of that (a run's resident memory then creeps up step by step with nothing alive in
+    it). Releasing once per RL step returns it; it takes milliseconds and moves no data. glibc:
+    ``malloc_trim(0)``; tcmalloc (``LD_PRELOAD=libtcmalloc_minimal.so.4``, which ``./run`` sets where
+    the library is installed): ``MallocExtension_ReleaseFreeMemory()``.
 
-    >>> release_freed_host_memory() == sys.platform.startswith("linux")  # glibc on Linux
+    >>> release_freed_host_memory() == (host_allocator() in ("glibc", "tcmalloc"))
     True
     """
-    trim = _glibc_malloc_trim()
-    if trim is None:
+    release = _release_call()
+    if release is None:
         return False
-    trim(0)
+    release()
     return True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -9,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from rljax.training.memory import host_memory_bytes, release_freed_host_memory
+from rljax.training.memory import host_allocator, host_memory_bytes, release_freed_host_memory
 
 MIB = 2**20
 #: The kernel's RSS counters are cached per thread and folded in lazily (up to 64 pages a thread), so
@@ -19,6 +22,7 @@ COUNTER_LAG = 4 * MIB
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the current RSS comes from procfs")
 def test_rss_follows_an_allocation_and_the_peak_keeps_it():
+    release_freed_host_memory()  # memory freed earlier but still resident would take the block unseen
     before = host_memory_bytes()
     block = np.ones(256 * MIB // 8)  # 256 MiB, every page written
     during = host_memory_bytes()
@@ -34,8 +38,9 @@ def test_rss_follows_an_allocation_and_the_peak_keeps_it():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and procfs")
 def test_freed_holes_in_the_heap_go_back_to_the_system():
-    """Blocks below glibc's mmap threshold come from its heap: freeing all but every 64th leaves
-    holes the allocator keeps (the resident memory does not fall) until ``malloc_trim``."""
+    """Small blocks come from the allocator's heap (below glibc's mmap threshold; tcmalloc's spans):
+    freeing all but every 64th leaves holes the allocator keeps (the resident memory does not fall)
+    until it is asked to release them (glibc's ``malloc_trim``, tcmalloc's ``ReleaseFreeMemory``)."""
     release_freed_host_memory()  # earlier tests' holes would take the blocks without growing
     start = host_memory_bytes()["host_rss_bytes"]
     blocks = [bytearray(4000) for _ in range(100_000)]  # ~390 MiB of 4 kB heap blocks
@@ -87,3 +92,35 @@ def test_a_checkpoint_is_written_without_a_second_copy_of_its_arrays(tmp_path):
     assert peak - before < 64 * MIB, f"+{(peak - before) / MIB:.0f} MiB while saving 256 MiB"
     restored = ckpt.restore(tmp_path, params=params, opt_state=())
     assert all(np.array_equal(restored.params[k], params[k]) for k in params)
+
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: the allocators ``./run`` may preload (tcmalloc: .ci/install_tcmalloc.sh) and whether each has a
+#: release call; glibc is what a process gets without LD_PRELOAD
+PRELOADS = {"glibc": (None, True), "tcmalloc": ("tcmalloc_minimal", True), "jemalloc": ("jemalloc", False)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and glibc")
+@pytest.mark.parametrize("allocator", list(PRELOADS))
+def test_the_preloaded_allocator_is_detected_and_its_release_used(allocator):
+    library, releases = PRELOADS[allocator]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if library is not None:
+        found = ctypes.util.find_library(library)
+        if found is None:
+            if CI and allocator == "tcmalloc":
+                pytest.fail("tcmalloc is missing under CI (./run test installs it)")
+            pytest.skip(f"{allocator} is not installed")
+        env["LD_PRELOAD"] = found
+    code = (
+        "from rljax.training.memory import host_allocator, release_freed_host_memory\n"
+        "print(host_allocator(), release_freed_host_memory())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [allocator, str(releases)]
+
+
+@pytest.mark.skipif(not CI, reason="./run test preloads tcmalloc; a plain pytest need not")
+def test_the_suite_runs_on_tcmalloc_under_ci():
+    assert host_allocator() == "tcmalloc", os.environ.get("LD_PRELOAD")
