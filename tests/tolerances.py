@@ -19,3 +19,17 @@ LOGPROB_TOL = dict(atol=1e-5, rtol=1e-5)
 #: Prefixes of metric keys that measure the machine, not the run (seconds, rates, the process's
 #: resident memory): tests that compare two runs' rows leave these keys out.
 MEASURED_METRIC_PREFIXES = ("time", "throughput", "memory/host_")
+
+#: Engine settings under which a run does not depend on timing, for tests that compare two runs bit
+#: for bit. The embedded sampler batches the requests that arrive within ``engine.batch_wait_ms`` of
+#: each other, so which requests share a batch follows the machine's load (eval beside the next
+#: step's rollouts, one trajectory's turn a moment later than another's); a batch of another shape
+#: computes a row's logprobs in another order (measured: ~1e-7 apart, which moves ``rl/mismatch_kl``
+#: at 4e-14 and, where the loss reads the sampler's logprobs as ``dppo`` does, the loss and the
+#: parameters in their last bits), though it samples the same tokens. One request per batch takes
+#: timing out.
+TIMING_INDEPENDENT_ENGINE = dict(max_batch_size=1, min_batch_bucket=1)
+#: :data:`TIMING_INDEPENDENT_ENGINE` as ``rljax train`` flags.
+TIMING_INDEPENDENT_ENGINE_FLAGS = tuple(
+    f"--config.engine.{k}={v}" for k, v in TIMING_INDEPENDENT_ENGINE.items()
+)

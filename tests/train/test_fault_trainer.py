@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from tolerances import MEASURED_METRIC_PREFIXES
+from tolerances import MEASURED_METRIC_PREFIXES, TIMING_INDEPENDENT_ENGINE_FLAGS
 from xla_flags import subprocess_env
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -48,6 +48,7 @@ BASE = (
     "--config.trainer.mode=sync",
     "--config.trainer.save_rollouts_every=1",
     "--config.trainer.keep_checkpoints=3",
+    *TIMING_INDEPENDENT_ENGINE_FLAGS,  # runs compared bit for bit (tests/tolerances.py)
 )
 FLAKY = (
     "--config.envs.lookup.env=fault_envs:FlakyLookup",

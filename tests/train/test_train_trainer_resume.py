@@ -18,7 +18,7 @@ import sys
 import pytest
 from recipes import load_recipe
 from tensorboard_events import scalars as tb_scalars
-from tolerances import MEASURED_METRIC_PREFIXES
+from tolerances import MEASURED_METRIC_PREFIXES, TIMING_INDEPENDENT_ENGINE, TIMING_INDEPENDENT_ENGINE_FLAGS
 from xla_flags import subprocess_env
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.integration
 def _smoke(**trainer):
     c = load_recipe("smoke")
     c.trainer.update(**trainer)
+    c.engine.update(**TIMING_INDEPENDENT_ENGINE)  # runs compared bit for bit (tests/tolerances.py)
     return c
 
 
@@ -146,6 +147,7 @@ def _launch(workdir: pathlib.Path, *extra: str, fault: str | None = None) -> sub
         "--config.trainer.num_steps=4",
         "--config.trainer.mode=async",
         "--config.trainer.save_rollouts_every=1",
+        *TIMING_INDEPENDENT_ENGINE_FLAGS,
         *extra,
     ]
     return subprocess.Popen(
