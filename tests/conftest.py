@@ -17,8 +17,11 @@ entries of tests that did not run are kept):
 worker and the processes it reaped: servers, launched runs) and their wall seconds.
 """
 
+import ast
+import functools
 import json
 import os
+import pathlib
 import resource
 import sys
 import time
@@ -175,6 +178,46 @@ def _longest_files_first(items, recorded):
     total = {f: sum(recorded.get(_function_key(i.nodeid), 0.0) for i in its) for f, its in by_file.items()}
     order = sorted(by_file, key=lambda f: -total[f])  # stable: ties keep collection order
     return [item for f in order for item in by_file[f]]
+
+
+#: The work unit that holds every test file which uses the session's real vLLM server.
+SESSION_SERVER_SCOPE = "tests/inference: the session's vLLM server"
+
+
+@functools.cache
+def takes_the_session_server(path: str) -> bool:
+    """Whether the test file ``path`` (relative to the repository) uses the ``vllm_server`` session
+    fixture of ``tests/inference/conftest.py``: a function of it (a test or a fixture) takes an
+    argument of that name. The fixture is visible under ``tests/inference`` only."""
+    if not path.startswith("tests/inference/") or not path.endswith(".py"):
+        return False
+    try:
+        tree = ast.parse(pathlib.Path(HERE).parent.joinpath(path).read_text())
+    except (OSError, SyntaxError):
+        return False
+    return any(
+        any(a.arg == "vllm_server" for a in node.args.args + node.args.kwonlyargs)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with one exception: the files that use the session's real vLLM server go to
+    one worker as one work unit, so the session starts one such server instead of one per worker
+    that happened to draw such a file (three of four in a whole run: ~20 CPU-s each to start, and
+    each held a worker ~40-70 s waiting for it to become healthy)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SessionServerFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SESSION_SERVER_SCOPE if takes_the_session_server(path) else path
+
+    return SessionServerFileScheduling(config, log)
 
 
 _measured: defaultdict[str, float] = defaultdict(float)
