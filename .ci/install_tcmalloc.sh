@@ -8,7 +8,9 @@
 # passwordless sudo; without either it only says so (./run then runs on glibc's malloc).
 set -euo pipefail
 PATH="$PATH:/sbin:/usr/sbin"
-if ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal\.so\.4 '; then
+# grep without -q reads to the end (-q would stop early and end ldconfig with SIGPIPE: under pipefail
+# the test would then fail although the library is there)
+if ldconfig -p 2>/dev/null | grep 'libtcmalloc_minimal\.so\.4 ' >/dev/null; then
   echo "install_tcmalloc: present"
   exit 0
 fi
