@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 from tensorboard_events import scalars as tb_scalars
-from tolerances import MEASURED_METRIC_PREFIXES
+from tolerances import MEASURED_METRIC_PREFIXES, TIMING_INDEPENDENT_ENGINE_FLAGS
 from xla_flags import xla_flags
 
 from rljax.report.records import ROLLOUTS_DIR, read_rollout_records
@@ -57,6 +57,7 @@ ARGS = (
     "--config.mesh.data=4",
     "--config.mesh.fsdp=2",
     "--config.trainer.save_rollouts_every=1",
+    *TIMING_INDEPENDENT_ENGINE_FLAGS,  # the resumed run is compared bit for bit (tests/tolerances.py)
 )
 # metrics that count or sum samples: equal exactly when both runs sampled the same tokens
 EXACT = ("reward/mean", "rollout/response_tokens", "rollout/num_steps", "pack/rows", "optimizer_steps")
