@@ -62,6 +62,13 @@ def test_command_line_and_environment(monkeypatch):
     env = server_env(cfg)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["EXTRA"] == "1"
     assert "XLA_FLAGS" not in env
+    # vLLM parses VLLM_CPU_KVCACHE_SPACE as an int: a fraction is refused here, in one line, not by the
+    # server's start-up (a pydantic error in its log); 2.0 (a config saved as a float) is 2
+    with pytest.raises(
+        ValueError, match=r"^ServerConfig.kv_cache_gib: expected a whole number of GiB, got 1.5$"
+    ):
+        ServerConfig(model="/m", kv_cache_gib=1.5)
+    assert server_env(ServerConfig(model="/m", kv_cache_gib=2.0))["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "VLLM_SERVER_DEV_MODE" not in server_env(ServerConfig(model="/m", dev_mode=False))
     # rljax's vLLM worker extension (the weight sync's rljax_reload_weights): flag + PYTHONPATH entry,
     # after a PYTHONPATH of config.env; a standalone file that imports neither rljax nor jax.

@@ -4,6 +4,7 @@
 """
 
 import asyncio
+import gc
 import os
 
 import httpx
@@ -109,6 +110,24 @@ def test_sync_sequence_verification_and_version(two_fakes, tmp_path):
         )
     assert report.max_abs_diff == (0.0, 0.0) and report.directory == str(tmp_path / "w")
     assert os.path.exists(tmp_path / "w" / LM_HEAD_FILE)
+
+
+def test_the_clients_own_sync_directory_is_reused_and_removed_with_the_client(two_fakes):
+    a, _ = two_fakes
+
+    async def two_syncs(client):
+        async with client:
+            for seed in (0, 1):
+                await client.update_weights(small_model(seed=seed), reference_logprobs=fake_reference)
+        return [body["kwargs"]["weights_path"] for _, p, body in a.calls if p == "/collective_rpc"]
+
+    clients = [VLLMClient([a.url], sync=SyncConfig(probe_length=8))]
+    paths = run(two_syncs(clients[0]))
+    assert len(paths) == 2 and paths[0] == paths[1]
+    assert os.path.isfile(os.path.join(paths[0], "model.safetensors"))
+    clients.clear()
+    gc.collect()
+    assert not os.path.exists(paths[0])  # not left in the temporary folder once the client is gone
 
 
 def test_mismatch_raises_and_blocks_sampling_until_a_good_sync(two_fakes):

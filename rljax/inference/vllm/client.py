@@ -58,8 +58,10 @@ import dataclasses
 import io
 import json
 import math
+import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -574,6 +576,21 @@ class VLLMClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+    def _sync_directory(self) -> str:
+        """Where syncs write the weights: ``sync.directory`` if set, else this client's own temporary
+        directory, made at the first sync and reused by every later one (each overwrites it).
+
+        The temporary directory is removed when the client is garbage collected or the process exits
+        (a 135M model's float32 weights are ~0.5 GiB; one was left in the temporary folder per run).
+        The servers have read the weights by then: a sync returns once they reloaded them.
+        """
+        if self.sync_config.directory:
+            return self.sync_config.directory
+        if self._sync_dir is None:
+            self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+            weakref.finalize(self, shutil.rmtree, self._sync_dir, ignore_errors=True)
+        return self._sync_dir
 
     async def __aenter__(self) -> VLLMClient:
         self._ensure_loop_state()
@@ -1100,14 +1117,13 @@ class VLLMClient:
         succeeds: nothing is sampled from weights that are not the trainer's.
         """
         self._ensure_loop_state()
-        if self.sync_config.directory is None and self._sync_dir is None:
-            self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
+        directory = self._sync_directory()
 
         async def sync(new_version: int) -> weight_sync.SyncReport:
             if self.supervisor is not None:  # the servers in service only; records the weights
                 return await self.supervisor.sync_model(
                     model,
-                    directory=self.sync_config.directory or self._sync_dir,
+                    directory=directory,
                     reference_logprobs=reference_logprobs,
                     version=new_version,
                 )
@@ -1115,7 +1131,7 @@ class VLLMClient:
                 self,
                 model,
                 config=self.sync_config,
-                directory=self.sync_config.directory or self._sync_dir,
+                directory=directory,
                 reference_logprobs=reference_logprobs,
             )
 
@@ -1204,14 +1220,12 @@ class VLLMClient:
         self._ensure_loop_state()
         async with self._sync_lock:
             new_version = self.weight_version + 1 if version is None else int(version)
-            if directory is None and self.sync_config.directory is None and self._sync_dir is None:
-                self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
             try:
                 await adapter_sync.sync_adapter(
                     self,
                     model,
                     version=new_version,
-                    directory=directory or self.sync_config.directory or self._sync_dir,
+                    directory=directory or self._sync_directory(),
                     base_name=base_name,
                     config=self.sync_config,
                     reference_logprobs=reference_logprobs,

@@ -122,7 +122,10 @@ class ServerConfig:
         False, doc="serve a model directory without a tokenizer (token ids in and out only)"
     )
     kv_cache_gib: float = knob(
-        1.0, gt=0, doc="``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache on CPU; CPU builds only)"
+        1.0,
+        ge=1,
+        doc="``VLLM_CPU_KVCACHE_SPACE``, GiB of KV cache on CPU (CPU builds only): a whole number, which "
+        "is what vLLM reads",
     )
     gpu_memory_utilization: float | None = knob(
         None,
@@ -171,6 +174,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        if not float(self.kv_cache_gib).is_integer():  # vLLM's int() of a fraction fails at its start-up
+            raise ValueError(
+                f"ServerConfig.kv_cache_gib: expected a whole number of GiB, got {self.kv_cache_gib}"
+            )
 
 
 def server_command(config: ServerConfig, *, python: str, port: int | None = None) -> list[str]:
@@ -213,7 +220,7 @@ def server_env(config: ServerConfig) -> dict[str, str]:
     # Our own JAX/XLA settings mean nothing to vLLM and must not leak into its torch process.
     for key in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "VIRTUAL_ENV"):
         env.pop(key, None)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update({str(k): str(v) for k, v in config.env.items()})

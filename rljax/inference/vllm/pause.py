@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -313,12 +312,6 @@ class InFlightVLLMClient(VLLMClient):
             return dataclasses.replace(completion, weight_version=built_version, weight_versions=())
         return completion
 
-    def _directory(self) -> str:
-        directory = self.sync_config.directory or self._sync_dir
-        if directory is None:
-            directory = self._sync_dir = tempfile.mkdtemp(prefix="rljax_weight_sync_")
-        return directory
-
     async def prepare_weights(
         self, model: Any, *, reference_logprobs: Callable[[np.ndarray], np.ndarray] | None = None
     ) -> weight_sync.WrittenWeights:
@@ -326,7 +319,7 @@ class InFlightVLLMClient(VLLMClient):
         with, while requests keep running; :meth:`update_weights_from` then switches to it (the
         slow part of an update without holding anything back)."""
         config = self.sync_config
-        directory = self._directory()
+        directory = self._sync_directory()
         start = time.perf_counter()
         await asyncio.to_thread(
             weight_sync.write_checkpoint, model, directory, explicit_lm_head=config.explicit_lm_head

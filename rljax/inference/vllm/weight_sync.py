@@ -427,9 +427,10 @@ async def sync_weights(
 ) -> SyncReport:
     """Writes ``model``, reloads it on every server, and verifies (see the module docstring).
 
-    ``directory`` (default ``config.directory``, else a new temporary directory) receives the
-    checkpoint. ``reference_logprobs(probe_ids) -> [L]`` gives the trainer's logprobs of the probe
-    (entry 0 ignored); None computes them with ``rljax.models.sequence_logprobs`` on ``model``.
+    ``directory`` (default ``config.directory``, else a new temporary directory, the caller's to
+    remove: the report's ``directory``) receives the checkpoint. ``reference_logprobs(probe_ids) ->
+    [L]`` gives the trainer's logprobs of the probe (entry 0 ignored); None computes them with
+    ``rljax.models.sequence_logprobs`` on ``model``.
     """
     directory = os.fspath(directory or config.directory or tempfile.mkdtemp(prefix="rljax_weight_sync_"))
     start = time.perf_counter()
