@@ -14,7 +14,8 @@ Re-record the durations after adding or changing heavy tests (the whole suite, o
 entries of tests that did not run are kept):
 ``python -m pytest tests -q --record-durations=tests/durations.json``. Where the suite's CPU goes:
 ``./run test --record-cpu=/tmp/cpu.jsonl`` appends, per test file, the CPU seconds of its tests (the
-worker and the processes it reaped: servers, launched runs) and their wall seconds.
+worker and the processes it reaped: servers, launched runs), their wall seconds and the seconds the
+worker spent in XLA compilations.
 """
 
 import ast
@@ -138,6 +139,8 @@ def pytest_configure(config):
     # files go out in the order the workers collected them (longest recorded duration first).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if config.getoption("--record-cpu"):
+        jax.monitoring.register_event_duration_secs_listener(_count_compile_seconds)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -221,8 +224,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 _measured: defaultdict[str, float] = defaultdict(float)
-#: --record-cpu: per test file, [CPU seconds, wall seconds] of its tests (setup to teardown)
-_file_cost: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+#: --record-cpu: per test file, [CPU seconds, wall seconds, XLA compile seconds] of its tests (setup
+#: to teardown; compile seconds: this process's backend compilations, not the launched processes')
+_file_cost: defaultdict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+_compile_seconds = [0.0]
+
+
+def _count_compile_seconds(event: str, duration_s: float, **_: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_seconds[0] += duration_s
 
 
 def _cpu_seconds() -> float:
@@ -236,11 +246,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not item.config.getoption("--record-cpu"):
         yield
         return
-    cpu, wall = _cpu_seconds(), time.perf_counter()
+    cpu, wall, compile_s = _cpu_seconds(), time.perf_counter(), _compile_seconds[0]
     yield
     cost = _file_cost[item.nodeid.split("::", 1)[0]]
     cost[0] += _cpu_seconds() - cpu
     cost[1] += time.perf_counter() - wall
+    cost[2] += _compile_seconds[0] - compile_s
 
 
 def pytest_runtest_logreport(report):
@@ -252,8 +263,17 @@ def pytest_sessionfinish(session, exitstatus):
     if cpu_path and _file_cost:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         lines = "".join(
-            json.dumps({"file": f, "cpu_s": round(c, 2), "wall_s": round(w, 2), "worker": worker}) + "\n"
-            for f, (c, w) in _file_cost.items()
+            json.dumps(
+                {
+                    "file": f,
+                    "cpu_s": round(c, 2),
+                    "wall_s": round(w, 2),
+                    "compile_s": round(x, 2),
+                    "worker": worker,
+                }
+            )
+            + "\n"
+            for f, (c, w, x) in _file_cost.items()
         )
         with open(cpu_path, "a") as out:  # one write per worker process
             out.write(lines)

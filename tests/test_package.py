@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 
+import ci
 import pytest
 
 import rljax
@@ -66,7 +67,7 @@ def _uv() -> str | None:
     try:
         import uv
     except ImportError:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        if ci.under_ci():
             pytest.fail("uv (the test extra) is missing under CI (./run test installs it)")
         return None
     return uv.find_uv_bin()

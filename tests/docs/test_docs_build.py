@@ -27,6 +27,7 @@ import threading
 import time
 import typing
 
+import ci
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -35,13 +36,10 @@ import browser  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.subprocess]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _missing(what: str) -> None:
-    if CI:
-        pytest.fail(f"{what} is missing under CI (./run test installs it)")
-    pytest.skip(f"{what} is not installed (./run test installs it)")
+    ci.missing(f"{what} is not installed (./run test installs it)")
 
 
 # -- the build -------------------------------------------------------------------------------------

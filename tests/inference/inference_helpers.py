@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import ci
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from rljax import models
@@ -60,7 +60,7 @@ def rljax_logprobs(model: models.Decoder, ids, *, temperature: float = 1.0) -> n
 
 
 def require_vllm_python(environ: dict[str, str] | None = None) -> str:
-    """vLLM's python, or ``pytest.fail`` when ``CI`` is true and there is none, else ``pytest.skip``."""
+    """vLLM's python; without one, :func:`ci.missing` (a failure under CI, else a skip)."""
     environ = os.environ if environ is None else environ
     try:
         python = find_vllm_python()
@@ -69,9 +69,7 @@ def require_vllm_python(environ: dict[str, str] | None = None) -> str:
     else:
         reason = "no vLLM venv: run .ci/install_vllm.sh (creates .vllm-venv) or set RLJAX_VLLM_PYTHON"
     if python is None:
-        if environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"CI=true but {reason}")
-        pytest.skip(reason)
+        ci.missing(reason, environ=environ)
     return python
 
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 
+import ci
 import httpx
 import pytest
 from xla_flags import subprocess_env
@@ -60,9 +61,7 @@ def cookbook_python() -> str:
         f"no tinker-cookbook venv at {python}: run .ci/install_tinker_cookbook.sh "
         "or set RLJAX_TINKER_COOKBOOK_PYTHON"
     )
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"CI=true but {reason}")
-    pytest.skip(reason)
+    ci.missing(reason)
 
 
 def free_port() -> int:

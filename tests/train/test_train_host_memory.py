@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+import ci
 import numpy as np
 import pytest
 
@@ -94,7 +95,7 @@ def test_a_checkpoint_is_written_without_a_second_copy_of_its_arrays(tmp_path):
     assert all(np.array_equal(restored.params[k], params[k]) for k in params)
 
 
-CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+CI = ci.under_ci()
 #: the allocators ``./run`` may preload (tcmalloc: .ci/install_tcmalloc.sh) and whether each has a
 #: release call; glibc is what a process gets without LD_PRELOAD
 PRELOADS = {"glibc": (None, True), "tcmalloc": ("tcmalloc_minimal", True), "jemalloc": ("jemalloc", False)}
@@ -108,8 +109,8 @@ def test_the_preloaded_allocator_is_detected_and_its_release_used(allocator):
     if library is not None:
         found = ctypes.util.find_library(library)
         if found is None:
-            if CI and allocator == "tcmalloc":
-                pytest.fail("tcmalloc is missing under CI (./run test installs it)")
+            if allocator == "tcmalloc":  # ./run test installs it (.ci/install_tcmalloc.sh)
+                ci.missing("tcmalloc is not installed (.ci/install_tcmalloc.sh installs it)")
             pytest.skip(f"{allocator} is not installed")
         env["LD_PRELOAD"] = found
     code = (
