@@ -1,7 +1,7 @@
 """XLA flags of the test suite, for the tests' own process (``conftest.py``) and the processes they launch.
 
 Most of the suite's time is XLA compiling small CPU programs (measured with ``jax.monitoring``'s
-compile events: 65-80% of an in-process test file), so the tests compile with two flags that make
+compile events: 65-80% of an in-process test file), so the tests compile with three flags that make
 compilation cheaper; XLA's HLO passes (fusion included) run as before, so the optimized programs are
 the same and only their machine code differs:
 
@@ -16,6 +16,13 @@ the same and only their machine code differs:
   17.2 -> 10.3 s): ``tests/train/test_tinker_api.py`` 166 -> 110 s (XLA backend compile 107 -> 48 s over
   the same 716 compilations), ``tests/train/test_train_moe.py`` 165 -> 131 s,
   ``tests/models/test_models_moe.py`` 143-169 -> 117 s; the quick tier 3.3 -> 2.5 min.
+* ``--xla_cpu_parallel_codegen_split_count=1``: XLA:CPU emits a program's machine code as one LLVM
+  module instead of splitting it into up to 32 parts compiled by a thread pool. The suite keeps both
+  cores busy with four workers, so those threads only add their own overhead (measured on one core,
+  AMD EPYC, 2026-12-07: a tiny Qwen3 / Qwen3-MoE train step 0.30 -> 0.16 s / 0.62 -> 0.42-0.47 s of
+  CPU; ``test_train_micro_batch.py`` + ``test_train_critic.py`` whole-process 40.0 -> 36.6 CPU-s,
+  median of 4 interleaved pairs, 0.85-0.97x; the real SmolLM2 tests at XLA's full optimization:
+  unchanged, 116 CPU-s either way).
 
 The tiny models then run somewhat slower, but every test compiles far faster. Benchmarks and user runs
 keep XLA's defaults, and so do the tests that train or serve the real SmolLM2-135M
@@ -31,10 +38,14 @@ import os
 from collections.abc import Iterator
 
 #: cheaper CPU compilation of the same optimized programs (see the module docstring).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
+)
 
 
-#: XLA's own defaults for the two debug options FAST_COMPILE changes.
+#: XLA's own defaults for the two debug options of FAST_COMPILE that change the machine code (the
+#: codegen split count only changes how it is compiled: measured neutral for the real model).
 XLA_DEFAULT_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 
 
