@@ -4,7 +4,6 @@ counts, a synchronous batch call of the embedded sampler)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import ci
@@ -60,8 +59,8 @@ def rljax_logprobs(model: models.Decoder, ids, *, temperature: float = 1.0) -> n
 
 
 def require_vllm_python(environ: dict[str, str] | None = None) -> str:
-    """vLLM's python; without one, :func:`ci.missing` (a failure under CI, else a skip)."""
-    environ = os.environ if environ is None else environ
+    """vLLM's python; without one, :func:`ci.missing` (a failure under CI, else a skip; ``environ``
+    defaults to this process's)."""
     try:
         python = find_vllm_python()
     except FileNotFoundError as e:
