@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import pathlib
 import re
@@ -146,6 +147,14 @@ class LoRAConfig:
         "``lm_head`` and expert targets (``experts`` = both expert stacks)",
     )
     dropout: float = knob(0.0, ge=0, doc="adapter dropout; only 0 is supported")
+    target_ranks: dict = knob(
+        {},
+        doc="ranks of single targets over ``rank``, e.g. ``{'experts.gate_up_proj': 16}`` (PEFT's "
+        "``rank_pattern``, by target name)",
+    )
+    target_alphas: dict = knob(
+        {}, doc="alphas of single targets over ``alpha`` (PEFT's ``alpha_pattern``, by target name)"
+    )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.alpha):
@@ -163,6 +172,35 @@ class LoRAConfig:
                 "LoRAConfig.dropout: > 0 is not supported: the trainer recomputes the policy's logprobs "
                 "(old, new, reference) and stochastic dropout would make them disagree; use 0.0"
             )
+        for name, integer in (("target_ranks", True), ("target_alphas", False)):
+            object.__setattr__(self, name, _per_target(self, name, integer))
+        scales = {self.scale_of(t) for t in self.expert_targets}
+        if len(scales) > 1:
+            raise ValueError(
+                "LoRAConfig.target_ranks / target_alphas: the expert targets share one scale alpha / r "
+                f"per stack, got { {t: self.scale_of(t) for t in self.expert_targets} }"
+            )
+
+    def __hash__(self) -> int:  # the model holds its config as a static attribute: jit hashes it
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in dataclasses.astuple(self)))  # fmt: skip
+
+    def rank_of(self, target: str) -> int:
+        """The rank of ``target``'s adapter (``target_ranks``, else ``rank``)."""
+        return int(self.target_ranks.get(target, self.rank))
+
+    def alpha_of(self, target: str) -> float:
+        """The alpha of ``target``'s adapter (``target_alphas``, else ``alpha``)."""
+        return float(self.target_alphas.get(target, self.alpha))
+
+    def scale_of(self, target: str) -> float:
+        """The output factor of ``target``'s adapter: its alpha over its rank."""
+        return self.alpha_of(target) / self.rank_of(target)
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any target (what a server must take)."""
+        return max(self.rank_of(t) for t in self.targets)
 
     @property
     def scale(self) -> float:
@@ -183,6 +221,24 @@ class LoRAConfig:
     def expert_targets(self) -> tuple[str, ...]:
         """The expert-stack targets in :data:`EXPERT_TARGETS` order (PEFT's nesting order)."""
         return tuple(t for t in EXPERT_TARGETS if t in self.targets)
+
+
+def _per_target(config: LoRAConfig, name: str, integer: bool) -> dict:
+    """``config.<name>`` with its keys normalized like ``targets`` (checked: targeted names, ranks
+    ints >= 1, alphas finite > 0)."""
+    out = {}
+    for key, value in dict(getattr(config, name) or {}).items():
+        for target in _normalize_targets(key):
+            where = f"LoRAConfig.{name}[{key!r}]"
+            if target not in config.targets:
+                raise ValueError(f"{where}: not one of the targets {config.targets}")
+            kind = numbers.Integral if integer else numbers.Real
+            number = isinstance(value, kind) and not isinstance(value, bool)
+            if not number or not (value >= 1 if integer else math.isfinite(value) and value > 0):
+                raise ValueError(f"{where}: expected {'an int >= 1' if integer else 'a finite number > 0'}, "
+                                 f"got {value!r}")  # fmt: skip
+            out[target] = int(value) if integer else float(value)
+    return out
 
 
 def _normalize_targets(targets: Sequence[str] | str) -> tuple[str, ...]:
@@ -237,14 +293,15 @@ def _kaiming_a(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.d
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def _attach_linear(lin: Linear, config: LoRAConfig, key: jax.Array, dtype: jnp.dtype) -> None:
+def _attach_linear(lin: Linear, target: str, config: LoRAConfig, key: jax.Array, dtype: jnp.dtype) -> None:
     fan_in, fan_out = lin.kernel.shape
+    rank = config.rank_of(target)
     # Sharded like the kernel's in / out dimension (rljax.models.sharding); the rank is replicated.
     axes = lin.kernel.get_metadata().get("logical_axes") or (None, None)
-    a = _kaiming_a(key, (fan_in, config.rank), fan_in, dtype)
+    a = _kaiming_a(key, (fan_in, rank), fan_in, dtype)
     lin.lora_a = LoRAParam(a, logical_axes=(axes[0], None))
-    lin.lora_b = LoRAParam(jnp.zeros((config.rank, fan_out), dtype), logical_axes=(None, axes[1]))
-    lin.lora_scale = config.scale
+    lin.lora_b = LoRAParam(jnp.zeros((rank, fan_out), dtype), logical_axes=(None, axes[1]))
+    lin.lora_scale = config.scale_of(target)
 
 
 def _attach_experts(experts: nnx.Module, target: str, config: LoRAConfig, key: jax.Array,
@@ -257,14 +314,15 @@ def _attach_experts(experts: nnx.Module, target: str, config: LoRAConfig, key: j
     first = getattr(experts, bs[0][1])
     num_experts, fan_in, _ = first.shape
     axes = first.get_metadata().get("logical_axes") or (None, None, None)
-    a = _kaiming_a(key, (num_experts, fan_in, config.rank), fan_in, dtype)
+    rank = config.rank_of(target)
+    a = _kaiming_a(key, (num_experts, fan_in, rank), fan_in, dtype)
     setattr(experts, a_name, LoRAParam(a, logical_axes=(axes[0], axes[1], None)))
     for b_name, w_name in bs:
         w = getattr(experts, w_name)
         w_axes = w.get_metadata().get("logical_axes") or (None, None, None)
-        b = jnp.zeros((num_experts, config.rank, w.shape[2]), dtype)
+        b = jnp.zeros((num_experts, rank, w.shape[2]), dtype)
         setattr(experts, b_name, LoRAParam(b, logical_axes=(w_axes[0], None, w_axes[2])))
-    experts.lora_scale = config.scale
+    experts.lora_scale = config.scale_of(target)  # one per stack: the config keeps the targets' equal
 
 
 class UnembedAdapter(nnx.Module):
@@ -273,10 +331,11 @@ class UnembedAdapter(nnx.Module):
     like the unembedding (``embed`` / ``vocab`` axes), the rank replicated."""
 
     def __init__(self, hidden: int, vocab: int, config: LoRAConfig, key: jax.Array, dtype: jnp.dtype) -> None:
-        a = _kaiming_a(key, (hidden, config.rank), hidden, dtype)
+        rank = config.rank_of(UNEMBED_TARGET)
+        a = _kaiming_a(key, (hidden, rank), hidden, dtype)
         self.lora_a = LoRAParam(a, logical_axes=("embed", None))
-        self.lora_b = LoRAParam(jnp.zeros((config.rank, vocab), dtype), logical_axes=(None, "vocab"))
-        self.lora_scale = config.scale
+        self.lora_b = LoRAParam(jnp.zeros((rank, vocab), dtype), logical_axes=(None, "vocab"))
+        self.lora_scale = config.scale_of(UNEMBED_TARGET)
 
 
 def _has_unembedding(model: nnx.Module) -> bool:
@@ -304,7 +363,7 @@ def apply_lora(
     for path, lin in found:
         if getattr(lin, "lora_a", None) is not None:
             raise ValueError(f"{'.'.join(map(str, path))} already has a LoRA adapter")
-        _attach_linear(lin, config, rngs.params(), dtype)
+        _attach_linear(lin, str(path[-1]), config, rngs.params(), dtype)
     for _, experts in stacks:
         for target in config.expert_targets:
             _attach_experts(experts, target, config, rngs.params(), dtype)
@@ -508,6 +567,7 @@ def save_adapter(
         "lora_dropout": config.dropout,
         "target_modules": sorted(config.module_targets + ((UNEMBED_TARGET,) if config.unembed else ())),
         "target_parameters": [f"mlp.{t}" for t in config.expert_targets] or None,
+        **_patterns(config),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -544,8 +604,61 @@ def _check_meta(meta: dict, d: pathlib.Path) -> None:
                     ("lora_bias", False)):  # fmt: skip
         if meta.get(key, ok) != ok:
             raise ValueError(f"{d}: adapter_config {key}={meta[key]!r} is not supported (needs {ok!r})")
-    if meta.get("rank_pattern") or meta.get("alpha_pattern") or meta.get("modules_to_save"):
-        raise ValueError(f"{d}: per-module ranks/alphas and modules_to_save are not supported")
+    if meta.get("modules_to_save"):
+        raise ValueError(f"{d}: modules_to_save is not supported")
+
+
+def _pattern_key(target: str) -> str:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` key of one target (PEFT and vLLM match a key as
+    ``(.*\\.)?(key)$`` against module names, and for expert stacks the parameter's name)."""
+    return f"mlp.{target}" if target in EXPERT_TARGETS else target
+
+
+def _patterns(config: LoRAConfig) -> dict[str, dict]:
+    """PEFT's ``rank_pattern`` and ``alpha_pattern`` of ``config``: none without per-target values;
+    else every target, the expert stacks first (PEFT takes the first key that matches, and a dense
+    ``down_proj`` key matches ``mlp.experts.down_proj`` too)."""
+    if not config.target_ranks and not config.target_alphas:
+        return {}
+    order = config.expert_targets + tuple(t for t in config.targets if t not in EXPERT_TARGETS)
+    return {
+        "rank_pattern": {_pattern_key(t): config.rank_of(t) for t in order},
+        "alpha_pattern": {_pattern_key(t): config.alpha_of(t) for t in order},
+    }
+
+
+def _sites(model: nnx.Module, targets: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(target, HF name)`` of every place ``targets`` adapt in ``model`` (``model.layers.0.self_attn
+    .q_proj``, ``model.layers.0.mlp.experts.gate_up_proj``, ``lm_head``): what PEFT's patterns match."""
+    out = [(str(p[-1]), "model." + ".".join(map(str, p))) for p, _ in _targeted(model, targets)]
+    experts = [t for t in EXPERT_TARGETS if t in targets]
+    for path, _ in _expert_stacks(model) if experts else []:
+        out += [(t, "model." + ".".join(map(str, path)) + "." + t.partition(".")[2]) for t in experts]
+    if UNEMBED_TARGET in targets:
+        out.append((UNEMBED_TARGET, UNEMBED_TARGET))
+    return out
+
+
+def _per_target_values(meta: dict, model: nnx.Module, targets: tuple[str, ...],
+                       d: pathlib.Path) -> dict[str, dict]:  # fmt: skip
+    """``target_ranks`` / ``target_alphas`` from PEFT's ``rank_pattern`` / ``alpha_pattern`` (the
+    first key that matches a name wins, as in PEFT); a target whose layers get different values is
+    refused: rljax gives every layer of a target one rank and alpha."""
+    out: dict[str, dict] = {"target_ranks": {}, "target_alphas": {}}
+    for field, key, default in (("rank_pattern", "target_ranks", meta["r"]),
+                                ("alpha_pattern", "target_alphas", meta["lora_alpha"])):  # fmt: skip
+        pattern = meta.get(field) or {}
+        values: dict[str, set] = {}
+        for target, name in _sites(model, targets) if pattern else []:
+            hit = next((v for k, v in pattern.items() if re.match(rf"(.*\.)?({k})$", name)), default)
+            values.setdefault(target, set()).add(hit)
+        for target, found in values.items():
+            if len(found) > 1:
+                raise ValueError(f"{d}: {field} gives the layers' {target} different values {sorted(found)}; "
+                                 "rljax adapts every layer of a target alike")  # fmt: skip
+            if found != {default}:
+                out[key][target] = found.pop()
+    return out
 
 
 def _assign(var: nnx.Variable, value: np.ndarray, name: str, d: pathlib.Path) -> None:
@@ -579,16 +692,23 @@ def _load_experts(path: tuple, experts: nnx.Module, targets: tuple[str, ...], te
 def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     """Attaches the PEFT adapter in ``directory`` to ``model`` (in place; written by peft or rljax).
 
-    Raises ``ValueError`` for adapter features rljax does not implement (DoRA, rsLoRA, per-module
-    ranks, bias training, modules_to_save, target_parameters other than the MoE expert stacks) and
-    for weights that do not match the model.
+    PEFT's ``rank_pattern`` / ``alpha_pattern`` become :class:`LoRAConfig`'s ``target_ranks`` /
+    ``target_alphas`` (e.g. the ``2r`` fused ``gate_up_proj`` peft >= 0.22 writes when ``gate_proj``
+    and ``up_proj`` name a transformers 5 MoE's experts). Raises ``ValueError`` for adapter features
+    rljax does not implement (DoRA, rsLoRA, ranks that differ between the layers of one target, bias
+    training, modules_to_save, target_parameters other than the MoE expert stacks) and for weights
+    that do not match the model.
     """
     d = pathlib.Path(directory)
     meta = json.loads((d / ADAPTER_CONFIG_FILE).read_text())
     _check_meta(meta, d)
     targets = _config_targets(meta, d)
-    config = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=targets,
-                        dropout=float(meta.get("lora_dropout", 0.0) or 0.0))  # fmt: skip
+    per_target = _per_target_values(meta, model, _normalize_targets(targets), d)
+    try:
+        config = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=targets,
+                            dropout=float(meta.get("lora_dropout", 0.0) or 0.0), **per_target)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"{d}: {e}") from None
     tensors = load_file(str(d / ADAPTER_WEIGHTS_FILE))
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                for k, v in tensors.items()}  # fmt: skip
@@ -615,7 +735,26 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
                 raise ValueError(f"{d}: adapter weights lack {name}")
             _assign(getattr(model.lm_head_lora, attr), np.asarray(tensors[name], np.float32).T, name, d)
             used.add(name)
+    used |= _saved_base_weights(model, tensors, d)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"{d}: adapter weights for modules the model does not have: {extra[:4]}")
     return model
+
+
+_PEFT_SAVED_UNEMBEDDING = "base_model.model.lm_head.base_layer.weight"
+
+
+def _saved_base_weights(model: nnx.Module, tensors: dict, d: pathlib.Path) -> set[str]:
+    """The base output projection peft saves beside an ``lm_head`` adapter (``save_embedding_layers``,
+    on by default then): accepted when it is the model's own (in the model's dtype), refused when not
+    (the adapter was trained on another base)."""
+    if _PEFT_SAVED_UNEMBEDDING not in tensors or not _has_unembedding(model):
+        return set()
+    theirs = np.asarray(tensors[_PEFT_SAVED_UNEMBEDDING])  # [vocab, hidden], as HF's lm_head.weight
+    ours = model.embed_tokens if model.lm_head is None else model.lm_head.kernel
+    ours = ours[...] if model.lm_head is None else ours[...].T
+    if theirs.shape != ours.shape or not np.array_equal(np.asarray(jnp.asarray(theirs, ours.dtype)), ours):
+        raise ValueError(f"{d}: {_PEFT_SAVED_UNEMBEDDING} (peft's save_embedding_layers) is not this "
+                         "model's output projection: the adapter was saved with another base")  # fmt: skip
+    return {_PEFT_SAVED_UNEMBEDDING}

@@ -229,7 +229,7 @@ class EngineSet:
                 save_pretrained(model, model_dir)  # a LoRA model's base (HF I/O never sees adapters)
             server = dataclasses.replace(e.server, dtype=self.dtype)  # engine.dtype, resolved
             if not _written(model) and self._adapter_sync(model):
-                server = lora_server_args(server, max(model.lora_config.rank, lora_rank or 0))
+                server = lora_server_args(server, max(model.lora_config.max_rank, lora_rank or 0))
             elif lora_rank:
                 server = lora_server_args(server, lora_rank)
             configs = launched_server_configs(e, model_dir, server)

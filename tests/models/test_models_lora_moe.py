@@ -37,7 +37,9 @@ def _peft() -> None:
 BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def _peft_moe(name: str, target_modules: list[str], target_parameters: list[str], *, seed: int = 0):
+def _peft_moe(
+    name: str, target_modules: list[str], target_parameters: list[str], *, seed: int = 0, **patterns
+):
     """A peft-wrapped transformers MoE with every adapter weight drawn at random (B = 0 would hide bugs)."""
     import peft
     import torch
@@ -48,6 +50,7 @@ def _peft_moe(name: str, target_modules: list[str], target_parameters: list[str]
         target_modules=target_modules,
         target_parameters=target_parameters,
         lora_dropout=0.0,
+        **patterns,
     )
     model = peft.get_peft_model(make_hf_moe(name, seed=seed), cfg).eval()
     gen = torch.Generator().manual_seed(seed + 11)
@@ -62,7 +65,9 @@ def _peft_moe(name: str, target_modules: list[str], target_parameters: list[str]
     "name, target_modules, target_parameters",
     [
         ("qwen3_moe", ["q_proj", "down_proj"], BOTH),  # dense down_proj: the mlp_only layer's MLP
-        ("qwen2_moe", ["v_proj", "gate_proj"], BOTH[::-1]),  # gate_proj: the shared expert's too
+        # the shared expert's gate / up; peft >= 0.22 also reads them as transformers 4's expert names
+        # and adapts the fused gate_up_proj with rank 2r, alpha 2 alpha (a rank_pattern in the file)
+        ("qwen2_moe", ["v_proj", "gate_proj", "up_proj"], BOTH[::-1]),
         ("qwen3_moe", [], ["mlp.experts.down_proj"]),  # one wrapper: no base_layer in the names
         ("qwen2_moe", ["o_proj"], ["gate_up_proj"]),  # a bare parameter name, as peft matches it
     ],
@@ -84,6 +89,60 @@ def test_peft_expert_adapter_loads_and_matches_peft(
     np.testing.assert_allclose(got, want, **LOGPROB_TOL)
     base_only = np.asarray(models.sequence_logprobs(models.from_pretrained(tmp_path / "base"), tokens))
     assert np.abs(base_only - want).max() > 1e-2  # the adapter matters: the comparison can fail
+
+
+def test_peft_rank_and_alpha_patterns_load_and_round_trip(helpers, tmp_path):
+    import peft
+
+    patterns = {  # the expert stack keeps one scale (12 / 6 = 6 / 3); q_proj and lm_head get their own
+        "rank_pattern": {"mlp.experts.gate_up_proj": 6, "q_proj": 5, "lm_head": 2},
+        "alpha_pattern": {"mlp.experts.gate_up_proj": 12.0, "q_proj": 2.0},
+    }
+    ref = _peft_moe("qwen3_moe", ["q_proj", "k_proj", "lm_head"], BOTH, **patterns)
+    ref.save_pretrained(tmp_path / "adapter")  # with the base lm_head (peft's save_embedding_layers)
+    make_hf_moe("qwen3_moe").save_pretrained(tmp_path / "base")
+    tokens = random_tokens(6, (2, 24))
+    want = helpers.hf_token_logprobs(ref, tokens)
+    model = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+    cfg = model.lora_config
+    assert (cfg.target_ranks, cfg.target_alphas) == (
+        {"experts.gate_up_proj": 6, "q_proj": 5, "lm_head": 2},
+        {"experts.gate_up_proj": 12.0, "q_proj": 2.0},
+    )
+    assert model.layers[0].mlp.experts.gate_up_lora_a.shape[2] == 6 and cfg.max_rank == 6
+    assert model.layers[0].self_attn.q_proj.lora_scale == 2.0 / 5 and model.lm_head_lora.lora_scale == 6.0 / 2
+    ours = np.asarray(models.sequence_logprobs(model, tokens))
+    np.testing.assert_allclose(ours, want, **LOGPROB_TOL)
+
+    lora.save_adapter(model, tmp_path / "again")  # and back: peft reads rljax's patterns the same way
+    theirs = peft.PeftModel.from_pretrained(make_hf_moe("qwen3_moe"), tmp_path / "again").eval()
+    np.testing.assert_allclose(helpers.hf_token_logprobs(theirs, tokens), want, **LOGPROB_TOL)
+    equal = lora.LoRAConfig(rank=3, alpha=6.0, targets=("q_proj", "k_proj", "lm_head", "experts"))
+    assert np.abs(want - np.asarray(models.sequence_logprobs(  # the patterns matter: the check can fail
+        _with_peft_weights(tmp_path, equal), tokens))).max() > 1e-2  # fmt: skip
+
+    other = tmp_path / "other_base"
+    make_hf_moe("qwen3_moe", seed=1).save_pretrained(other)  # the saved lm_head is not this one's
+    with pytest.raises(ValueError, match="is not this model's output projection"):
+        models.from_pretrained(other, adapter=tmp_path / "adapter")
+    meta = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG_FILE).read_text())
+    (tmp_path / "adapter" / lora.ADAPTER_CONFIG_FILE).write_text(
+        json.dumps(meta | {"rank_pattern": {"layers.0.self_attn.q_proj": 5}})
+    )
+    with pytest.raises(ValueError, match=r"rank_pattern gives the layers' q_proj different values \[3, 5\]"):
+        models.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+
+
+def _with_peft_weights(tmp_path, config: lora.LoRAConfig) -> nnx.Module:
+    """The base with ``config``'s adapter shapes holding what the peft file's weights fit (rank-3
+    slices): the same tensors read without the per-target ranks and alphas."""
+    model = lora.apply_lora(models.from_pretrained(tmp_path / "base"), config, rngs=nnx.Rngs(0))
+    theirs = lora.load_adapter(models.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    flat = dict(nnx.to_flat_state(lora.lora_state(theirs)))
+    for path, var in nnx.to_flat_state(lora.lora_state(model)):
+        src = np.asarray(flat[path][...])
+        var.set_value(src[tuple(slice(0, n) for n in var.shape)])
+    return model
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])

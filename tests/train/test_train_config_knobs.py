@@ -43,6 +43,8 @@ RECORDED = sorted({"default", *BEFORE["recipes"]} & set(recipe_names()))
 TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.init")
 #: Keys added after the record, with the defaults every recipe resolves them to.
 ADDED_KEYS = {"trainer.loss_only_logits": True, "trainer.eval_at_start": False}
+#: Keys added since the record to a section that only LoRA recipes have, with their defaults.
+ADDED_LORA_KEYS = {"lora.target_ranks": {}, "lora.target_alphas": {}}
 #: Keys whose values are spelled differently since the record, on purpose: the embedded sampler's
 #: prefix sharing takes the trainer's "auto" / "off" (the same idea on the sampler's side).
 RESPELLED = {"engine.prefix_sharing": {True: "auto", False: "off"}}
@@ -141,7 +143,8 @@ def _expected_now(before):
         flat.update(given)
     for key, spellings in RESPELLED.items():
         flat[key] = spellings[flat[key]]
-    return {**flat, **ADDED_KEYS}
+    lora = ADDED_LORA_KEYS if any(k.startswith("lora.") for k in flat) else {}
+    return {**flat, **ADDED_KEYS, **lora}
 
 
 @pytest.mark.parametrize("name", RECORDED)
