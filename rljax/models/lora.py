@@ -565,7 +565,7 @@ def save_adapter(
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": sorted(config.module_targets + ((UNEMBED_TARGET,) if config.unembed else ())),
+        "target_modules": _file_module_targets(model, config),
         "target_parameters": [f"mlp.{t}" for t in config.expert_targets] or None,
         **_patterns(config),
         "bias": "none",
@@ -580,13 +580,34 @@ def save_adapter(
     return out
 
 
+#: Dense targets that peft (>= 0.22) reads as transformers 4's names of the experts in a MoE model
+#: (``gate_proj`` + ``up_proj`` -> the fused ``experts.gate_up_proj``, ``down_proj`` -> the experts'
+#: too), so a file names them with their parent module, which peft matches as a suffix.
+_PEFT_MOE_RENAMED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _file_module_targets(model: nnx.Module, config: LoRAConfig) -> list[str]:
+    """``target_modules`` of a file: the dense targets (and ``lm_head``); in a model with expert
+    stacks the MLP ones as ``<parent>.<name>`` (``mlp.gate_proj``, ``shared_expert.up_proj``) for
+    peft's MoE conversion to leave them alone (it adapts the experts through them otherwise)."""
+    names = set(config.module_targets) | ({UNEMBED_TARGET} if config.unembed else set())
+    if _expert_stacks(model):
+        renamed = {t for t in names if t in _PEFT_MOE_RENAMED}
+        names = (names - renamed) | {f"{p[-2]}.{p[-1]}" for p, _ in _targeted(model, tuple(renamed))}
+    return sorted(names)
+
+
 def _config_targets(meta: dict, d: pathlib.Path) -> tuple[str, ...]:
-    """rljax targets of a PEFT ``adapter_config``: ``target_modules`` (names, or a regex) and the
-    expert ``target_parameters`` (``[mlp.]experts.gate_up_proj``, ``[...]down_proj``)."""
+    """rljax targets of a PEFT ``adapter_config``: ``target_modules`` (names, ``<parent>.<name>``
+    suffixes, or a regex) and the expert ``target_parameters`` (``[mlp.]experts.gate_up_proj``,
+    ``[...]down_proj``)."""
     targets = meta.get("target_modules") or []
     if isinstance(targets, str):  # a regex in PEFT: keep the module names it matches
         targets = [t for t in (*MODULE_TARGETS, UNEMBED_TARGET)
                    if re.fullmatch(targets, t) or re.search(targets, f".{t}")]  # fmt: skip
+    else:  # a suffix names the module it ends in (every one of them is loaded: all must be in the file)
+        targets = [t.rpartition(".")[2] if t.rpartition(".")[2] in MODULE_TARGETS and EXPERTS not in t
+                   else t for t in targets]  # fmt: skip
     experts = []
     for name in meta.get("target_parameters") or []:
         last = name.rpartition(".")[2]

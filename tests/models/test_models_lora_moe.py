@@ -151,15 +151,19 @@ def test_rljax_expert_adapter_loads_in_peft_and_merges(helpers, tmp_path, name):
 
     make_hf_moe(name, seed=2).save_pretrained(tmp_path / "base")
     model = models.from_pretrained(tmp_path / "base")
-    lora.apply_lora(
-        model, lora.LoRAConfig(rank=2, alpha=5.0, targets=("k_proj", "experts")), rngs=nnx.Rngs(4)
-    )
+    targets = ("k_proj", "gate_proj", "up_proj", "down_proj", "experts")  # the dense MLP's too
+    lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=5.0, targets=targets), rngs=nnx.Rngs(4))
     _randomize(model, scale=0.1)
     lora.save_adapter(model, tmp_path / "adapter")
     meta = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG_FILE).read_text())
-    assert meta["target_modules"] == ["k_proj"] and meta["target_parameters"] == BOTH
+    # the dense MLP by its parent: bare gate_proj / up_proj / down_proj are the experts' to peft >= 0.22
+    parent = {"qwen3_moe": "mlp", "qwen2_moe": "shared_expert"}[name]  # an mlp_only layer / the shared expert
+    mlp = [f"{parent}.{t}" for t in ("down_proj", "gate_proj", "up_proj")]
+    assert meta["target_modules"] == ["k_proj", *mlp] and meta["target_parameters"] == BOTH
     tokens = random_tokens(4, (2, 24))
     ours = np.asarray(models.sequence_logprobs(model, tokens))
+    reloaded = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")  # reads them back
+    np.testing.assert_allclose(np.asarray(models.sequence_logprobs(reloaded, tokens)), ours, **LOGPROB_TOL)
     theirs = peft.PeftModel.from_pretrained(make_hf_moe(name, seed=2), tmp_path / "adapter").eval()
     wrapped = [n for n, _ in theirs.named_modules() if n.endswith("mlp.experts")]
     assert wrapped and all(type(theirs.get_submodule(n)).__name__ == "ParamWrapper" for n in wrapped)
