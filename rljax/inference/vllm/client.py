@@ -448,6 +448,18 @@ class ClientConfig:
     stream: bool = knob(True, doc="stream generations (the stall deadline then runs per token)")
 
 
+def _checked_urls(urls: Sequence[str]) -> list[str]:
+    """Server base URLs without a trailing slash: a non-empty list of distinct ones."""
+    if isinstance(urls, str):
+        raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
+    urls = [u.rstrip("/") for u in urls]
+    if not urls:
+        raise ValueError("VLLMClient needs at least one server URL")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"VLLMClient got duplicate server URLs: {urls}")
+    return urls
+
+
 class VLLMClient:
     """An :class:`rljax.inference.engine.Engine` over one or more vLLM servers.
 
@@ -483,13 +495,7 @@ class VLLMClient:
             )
         config = dataclasses.replace(config or ClientConfig(), **overrides)
         self.config = config
-        if isinstance(urls, str):
-            raise ValueError("VLLMClient takes a list of server URLs, got one string; wrap it in a list")
-        urls = [u.rstrip("/") for u in urls]
-        if not urls:
-            raise ValueError("VLLMClient needs at least one server URL")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"VLLMClient got duplicate server URLs: {urls}")
+        urls = _checked_urls(urls)
         sync = sync or weight_sync.SyncConfig()
         if sync.pause_mode == "keep" and not getattr(self, "supports_in_flight_updates", False):
             raise ValueError(
@@ -513,12 +519,24 @@ class VLLMClient:
         self.last_adapter_sync: Any = None  # adapter_sync.AdapterSyncReport of the last adapter sync
         self._model_requests: collections.Counter[str] = collections.Counter()  # in flight, per model
         self._clock = clock
+        self.stall_timeout_s = None if config.stall_timeout_s is None else float(config.stall_timeout_s)
+        self.all_down_timeout_s = float(config.all_down_timeout_s)
+        self.stream = bool(config.stream)
+        self.supervisor: Any = None  # a supervisor.ServerSupervisor, see supervise()
+        self.current: Any = None  # supervisor.CurrentWeights: what a server back in service must serve
+        self._init_connection_state(config, len(urls), transport)
+
+    def _init_connection_state(
+        self, config: ClientConfig, num_servers: int, transport: httpx.AsyncBaseTransport | None
+    ) -> None:
+        """The HTTP pool's settings and the per-loop and per-server state of requests, syncs and
+        outages (the loop's objects are made on first use, in the loop that runs the requests)."""
         self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
         # An idle pooled connection is dropped by the client well before the server's keep-alive timer
         # (uvicorn / vLLM: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) can close it: with equal timers a request
         # sent on a connection the server is closing at that instant fails with ReadError, and admin
         # posts (weight sync, adapter load/unload) are not retried.
-        keep = config.max_concurrency + 2 * len(urls)  # every in-flight request + admin posts stay pooled
+        keep = config.max_concurrency + 2 * num_servers  # every in-flight request + admin posts stay pooled
         self._limits = httpx.Limits(
             max_connections=None, max_keepalive_connections=keep, keepalive_expiry=config.keepalive_s
         )
@@ -535,14 +553,9 @@ class VLLMClient:
         self._dispatched = 0
         self._none_dispatched: asyncio.Event | None = None
         self._draining = False
-        self._pauses = [0] * len(urls)
+        self._pauses = [0] * num_servers
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._picks = 0
-        self.stall_timeout_s = None if config.stall_timeout_s is None else float(config.stall_timeout_s)
-        self.all_down_timeout_s = float(config.all_down_timeout_s)
-        self.stream = bool(config.stream)
-        self.supervisor: Any = None  # a supervisor.ServerSupervisor, see supervise()
-        self.current: Any = None  # supervisor.CurrentWeights: what a server back in service must serve
         self._all_down: AllServersDownError | None = None  # sticky once raised
         self._all_down_since = time.monotonic()
         self._up: asyncio.Event | None = None  # set while some server is in service
