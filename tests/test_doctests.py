@@ -9,6 +9,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import pathlib
+import tempfile
 
 import pytest
 
@@ -44,8 +45,10 @@ MIN_EXAMPLES = {
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples(name):
+def test_docstring_examples(name, tmp_path, monkeypatch):
     module = importlib.import_module(name)
+    # the examples' tempfile.mkdtemp() folders go under pytest's own, which it prunes (not /tmp's top)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, result
     assert result.attempted >= MIN_EXAMPLES.get(name, 0), (name, result)
