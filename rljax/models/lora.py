@@ -4,7 +4,8 @@ A targeted :class:`~rljax.models.layers.Linear` ``y = x W (+ b)`` gains two trai
 
     y = x W (+ b) + (alpha / r) * (x A) B        A: [in, r], B: [r, out]
 
-with PEFT's initialisation: ``A`` Kaiming-uniform (``a = sqrt(5)``, i.e. ``U(-1/sqrt(in), 1/sqrt(in))``)
+(``alpha / sqrt(r)`` with ``rslora``, rank-stabilized LoRA, PEFT's ``use_rslora``), with PEFT's
+initialisation: ``A`` Kaiming-uniform (``a = sqrt(5)``, i.e. ``U(-1/sqrt(in), 1/sqrt(in))``)
 and ``B = 0``, so a fresh adapter leaves the model's outputs exactly unchanged. Adapter weights are
 :class:`LoRAParam` variables (not ``nnx.Param``), so ``nnx.state(model, LoRAParam)`` selects exactly
 the adapter and the base's HF I/O never sees it; the base can be held in another dtype (e.g.
@@ -155,6 +156,11 @@ class LoRAConfig:
     target_alphas: dict = knob(
         {}, doc="alphas of single targets over ``alpha`` (PEFT's ``alpha_pattern``, by target name)"
     )
+    rslora: bool = knob(
+        False,
+        doc="rank-stabilized LoRA (Kalajdzievski 2023): scale ``alpha / sqrt(r)`` instead of "
+        "``alpha / r`` (PEFT's ``use_rslora``)",
+    )
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.alpha):
@@ -194,8 +200,9 @@ class LoRAConfig:
         return float(self.target_alphas.get(target, self.alpha))
 
     def scale_of(self, target: str) -> float:
-        """The output factor of ``target``'s adapter: its alpha over its rank."""
-        return self.alpha_of(target) / self.rank_of(target)
+        """The output factor of ``target``'s adapter: its alpha over its rank (its square root with
+        ``rslora``)."""
+        return _scale(self.alpha_of(target), self.rank_of(target), self.rslora)
 
     @property
     def max_rank(self) -> int:
@@ -204,8 +211,8 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        """The factor of the adapter's output: ``alpha / rank``."""
-        return float(self.alpha) / self.rank
+        """The factor of the adapter's output: ``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``)."""
+        return _scale(self.alpha, self.rank, self.rslora)
 
     @property
     def module_targets(self) -> tuple[str, ...]:
@@ -221,6 +228,10 @@ class LoRAConfig:
     def expert_targets(self) -> tuple[str, ...]:
         """The expert-stack targets in :data:`EXPERT_TARGETS` order (PEFT's nesting order)."""
         return tuple(t for t in EXPERT_TARGETS if t in self.targets)
+
+
+def _scale(alpha: float, rank: int, rslora: bool) -> float:
+    return float(alpha) / (math.sqrt(rank) if rslora else rank)
 
 
 def _per_target(config: LoRAConfig, name: str, integer: bool) -> dict:
@@ -571,7 +582,7 @@ def save_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "use_rslora": False,
+        "use_rslora": config.rslora,
         "use_dora": False,
         "modules_to_save": None,
         "base_model_name_or_path": base_model_name_or_path,
@@ -621,7 +632,7 @@ def _config_targets(meta: dict, d: pathlib.Path) -> tuple[str, ...]:
 def _check_meta(meta: dict, d: pathlib.Path) -> None:
     if meta.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{d}: peft_type {meta.get('peft_type')!r} is not LORA")
-    for key, ok in (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("fan_in_fan_out", False),
+    for key, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False),
                     ("lora_bias", False)):  # fmt: skip
         if meta.get(key, ok) != ok:
             raise ValueError(f"{d}: adapter_config {key}={meta[key]!r} is not supported (needs {ok!r})")
@@ -716,7 +727,7 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     PEFT's ``rank_pattern`` / ``alpha_pattern`` become :class:`LoRAConfig`'s ``target_ranks`` /
     ``target_alphas`` (e.g. the ``2r`` fused ``gate_up_proj`` peft >= 0.22 writes when ``gate_proj``
     and ``up_proj`` name a transformers 5 MoE's experts). Raises ``ValueError`` for adapter features
-    rljax does not implement (DoRA, rsLoRA, ranks that differ between the layers of one target, bias
+    rljax does not implement (DoRA, ranks that differ between the layers of one target, bias
     training, modules_to_save, target_parameters other than the MoE expert stacks) and for weights
     that do not match the model.
     """
@@ -727,7 +738,8 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     per_target = _per_target_values(meta, model, _normalize_targets(targets), d)
     try:
         config = LoRAConfig(rank=int(meta["r"]), alpha=float(meta["lora_alpha"]), targets=targets,
-                            dropout=float(meta.get("lora_dropout", 0.0) or 0.0), **per_target)  # fmt: skip
+                            dropout=float(meta.get("lora_dropout", 0.0) or 0.0),
+                            rslora=bool(meta.get("use_rslora", False)), **per_target)  # fmt: skip
     except ValueError as e:
         raise ValueError(f"{d}: {e}") from None
     tensors = load_file(str(d / ADAPTER_WEIGHTS_FILE))

@@ -55,12 +55,10 @@ def small_base() -> models.Decoder:
                              num_kv_heads=1, head_dim=16, seed=0)  # fmt: skip
 
 
-def with_adapter(
-    base_factory, seed: int, *, rank: int = 4, scale: float = 0.3, **per_target
-) -> models.Decoder:
+def with_adapter(base_factory, seed: int, *, rank: int = 4, scale: float = 0.3, **options) -> models.Decoder:
     """``base_factory()`` with a LoRA adapter whose A and B are both random (B = 0 would be blind);
-    ``per_target``: ``target_ranks`` / ``target_alphas``."""
-    config = LoRAConfig(rank=rank, alpha=2.0 * rank, **per_target)
+    ``options``: more LoRAConfig fields (``target_ranks``, ``target_alphas``, ``rslora``)."""
+    config = LoRAConfig(rank=rank, alpha=2.0 * rank, **options)
     model = apply_lora(base_factory(), config, rngs=nnx.Rngs(seed))
     flat = nnx.to_flat_state(nnx.state(model, LoRAParam))
     keys = jax.random.split(jax.random.key(100 + seed), len(flat))
@@ -331,11 +329,15 @@ def lora_server(vllm_python, tmp_path_factory):
 
 @pytest.mark.integration
 def test_real_vllm_two_adapter_syncs_match_rljax(lora_server, tmp_path):
-    # the second with ranks and alphas of its own on some targets: PEFT's rank / alpha patterns in vLLM
-    per_target = ({}, {"target_ranks": {"v_proj": 2, "down_proj": 4}, "target_alphas": {"down_proj": 3.0}})
+    # the second rank-stabilized, with ranks and alphas of its own on some targets: PEFT's use_rslora
+    # and rank / alpha patterns, as vLLM reads them
+    options = (
+        {},
+        {"target_ranks": {"v_proj": 2, "down_proj": 4}, "target_alphas": {"down_proj": 3.0}, "rslora": True},
+    )
     adapters = [
         with_adapter(lambda: h.make_tiny_qwen3(0), seed, rank=RANK, scale=0.1, **kw)
-        for seed, kw in zip((1, 2), per_target, strict=True)
+        for seed, kw in zip((1, 2), options, strict=True)
     ]
     base = h.make_tiny_qwen3(0)
     rng = np.random.default_rng(0)

@@ -25,13 +25,13 @@ def _tokens(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 200, size=(2, 16))
 
 
-def _peft_model(helpers, name: str, *, rank: int = 4, alpha: float = 8.0, seed: int = 0):
+def _peft_model(helpers, name: str, *, rank: int = 4, alpha: float = 8.0, seed: int = 0, **extra):
     import peft
     import torch
 
     base = helpers.make_hf_model(name, tied=False, seed=seed)
     cfg = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(lora.DEFAULT_TARGETS), lora_dropout=0.0
+        r=rank, lora_alpha=alpha, target_modules=list(lora.DEFAULT_TARGETS), lora_dropout=0.0, **extra
     )
     model = peft.get_peft_model(base, cfg).eval()
     gen = torch.Generator().manual_seed(seed + 7)
@@ -65,6 +65,31 @@ def test_peft_adapter_loads_and_matches_peft(helpers, tmp_path, name):
     np.testing.assert_allclose(got, want, **LOGPROB_TOL)
     base_only = np.asarray(models.sequence_logprobs(models.from_pretrained(base_dir), tokens))
     assert np.abs(base_only - want).max() > 1e-2  # the adapter matters: the comparison can fail
+
+
+def test_rslora_adapter_round_trips_with_peft(helpers, tmp_path):
+    """Rank-stabilized LoRA (scale alpha / sqrt(r)), with a rank of its own on one target."""
+    import peft
+
+    ref = _peft_model(helpers, "qwen3", use_rslora=True, rank_pattern={"v_proj": 9})
+    ref.save_pretrained(tmp_path / "adapter")
+    helpers.make_hf_model("qwen3", tied=False, seed=0).save_pretrained(tmp_path / "base")
+    tokens = _tokens(3)
+    want = helpers.hf_token_logprobs(ref, tokens)
+    model = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+    assert model.lora_config.rslora and model.lora_config.target_ranks == {"v_proj": 9}
+    attn = model.layers[0].self_attn
+    assert (attn.q_proj.lora_scale, attn.v_proj.lora_scale) == (8.0 / 2.0, 8.0 / 3.0)  # alpha / sqrt(r)
+    np.testing.assert_allclose(np.asarray(models.sequence_logprobs(model, tokens)), want, **LOGPROB_TOL)
+    lora.save_adapter(model, tmp_path / "again")
+    theirs = peft.PeftModel.from_pretrained(
+        helpers.make_hf_model("qwen3", tied=False, seed=0), tmp_path / "again"
+    )
+    np.testing.assert_allclose(helpers.hf_token_logprobs(theirs.eval(), tokens), want, **LOGPROB_TOL)
+    meta = json.loads((tmp_path / "again" / lora.ADAPTER_CONFIG_FILE).read_text())
+    (tmp_path / "again" / lora.ADAPTER_CONFIG_FILE).write_text(json.dumps(meta | {"use_rslora": False}))
+    plain = models.from_pretrained(tmp_path / "base", adapter=tmp_path / "again")  # alpha / r instead
+    assert np.abs(np.asarray(models.sequence_logprobs(plain, tokens)) - want).max() > 1e-2  # it can fail
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3"])

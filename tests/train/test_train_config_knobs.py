@@ -44,7 +44,7 @@ TYPED_NOW = ("objective.off_policy", "engine.server", "engine.client", "model.in
 #: Keys added after the record, with the defaults every recipe resolves them to.
 ADDED_KEYS = {"trainer.loss_only_logits": True, "trainer.eval_at_start": False}
 #: Keys added since the record to a section that only LoRA recipes have, with their defaults.
-ADDED_LORA_KEYS = {"lora.target_ranks": {}, "lora.target_alphas": {}}
+ADDED_LORA_KEYS = {"lora.target_ranks": {}, "lora.target_alphas": {}, "lora.rslora": False}
 #: Keys whose values are spelled differently since the record, on purpose: the embedded sampler's
 #: prefix sharing takes the trainer's "auto" / "off" (the same idea on the sampler's side).
 RESPELLED = {"engine.prefix_sharing": {True: "auto", False: "off"}}
