@@ -84,7 +84,7 @@ class DecoderOutput(NamedTuple):
 
 class UnembeddingLoRA(NamedTuple):
     """A LoRA adapter of the output projection: ``a [hidden, r]``, ``b [r, vocab]`` (compute dtype)
-    and ``scale = alpha / r``; the logits gain ``scale * (h a) b``."""
+    and its ``scale`` (alpha / r, or alpha / sqrt(r) with rsLoRA); the logits gain ``scale * (h a) b``."""
 
     a: jax.Array
     b: jax.Array

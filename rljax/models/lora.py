@@ -785,8 +785,7 @@ def _saved_base_weights(model: nnx.Module, tensors: dict, d: pathlib.Path) -> se
     if _PEFT_SAVED_UNEMBEDDING not in tensors or not _has_unembedding(model):
         return set()
     theirs = np.asarray(tensors[_PEFT_SAVED_UNEMBEDDING])  # [vocab, hidden], as HF's lm_head.weight
-    ours = model.embed_tokens if model.lm_head is None else model.lm_head.kernel
-    ours = ours[...] if model.lm_head is None else ours[...].T
+    ours = model.embed_tokens[...] if model.lm_head is None else model.lm_head.kernel[...].T  # tied or not
     if theirs.shape != ours.shape or not np.array_equal(np.asarray(jnp.asarray(theirs, ours.dtype)), ours):
         raise ValueError(f"{d}: {_PEFT_SAVED_UNEMBEDDING} (peft's save_embedding_layers) is not this "
                          "model's output projection: the adapter was saved with another base")  # fmt: skip
